@@ -1,0 +1,25 @@
+"""Block Attention Residuals mixer, the eager fp32 oracle (spec §4.2). Torch-only.
+
+    prefix       [..., d]      the running partial block sum (the last, "current" source)
+    bank         [..., N, d]   completed block representations b_0 .. b_{N-1} (N >= 1)
+    norm_weight  [d]           RMSNorm weight of the keys
+    proj_weight  [d]           pseudo-query (Linear d -> 1 without bias, flattened)
+Returns [..., d] in prefix's dtype:
+    V = [bank..., prefix];  K = V / sqrt(mean(V^2) + eps);  s = K · (norm_weight ⊙ proj_weight)
+    out = Σ softmax(s) · V      (all in fp32; the raw sources are mixed, not the normalised keys)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def attn_res(prefix: Tensor, bank: Tensor, norm_weight: Tensor, proj_weight: Tensor, eps: float) -> Tensor:
+    if bank.shape[:-2] != prefix.shape[:-1] or bank.shape[-1] != prefix.shape[-1]:
+        raise ValueError(f"attn_res: bank {tuple(bank.shape)} does not match prefix {tuple(prefix.shape)}")
+    V = torch.cat([bank, prefix.unsqueeze(-2)], dim=-2).float()  # [..., N+1, d]
+    K = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + eps)
+    query = norm_weight.float() * proj_weight.float().reshape(-1)  # effective query [d]
+    p = torch.softmax(K @ query, dim=-1)  # [..., N+1]
+    return (p.unsqueeze(-1) * V).sum(-2).to(prefix.dtype)

@@ -1,0 +1,55 @@
+"""`k3::kda` — schema, fake impl and the backend dispatch. Torch-only; Triton is imported lazily.
+
+    k3::kda(q, k, v, g, beta, initial_state, scale, backend) -> (o, final_state)
+    q, k [B, T, H, K] (L2-normalised); v [B, T, H, V]; g [B, T, H, K] log-decay; beta [B, T, H];
+    initial_state [B, H, K, V] fp32.  o [B, T, H, V] (v's dtype), final_state [B, H, K, V] fp32.
+Same contract as `reference.kda_recurrent`. Prefill and decode are the same op: T is dynamic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..backend import Backend, require_backend
+from . import reference
+
+
+def kda_output_shapes(q_shape, v_shape):
+    """One shape rule for the fake impl and the TensorRT plugin: dims in, dims out (only + * //)."""
+    B, T, H, K = q_shape
+    V = v_shape[3]
+    return (B, T, H, V), (B, H, K, V)
+
+
+@torch.library.custom_op("k3::kda", mutates_args=())
+def _kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor, scale: float,
+         backend: str) -> tuple[Tensor, Tensor]:
+    if require_backend("k3::kda", backend, q, k, v, g, beta, initial_state) is Backend.TRITON:
+        from . import triton as kernels
+
+        return kernels.kda(q, k, v, g, beta, scale=scale, initial_state=initial_state)
+    if q.shape[1] == 1:
+        return reference.kda_recurrent(q, k, v, g, beta, scale=scale, initial_state=initial_state)
+    return reference.kda_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state)
+
+
+@_kda.register_fake
+def _(q, k, v, g, beta, initial_state, scale, backend):
+    o_shape, s_shape = kda_output_shapes(q.shape, v.shape)
+    return v.new_empty(o_shape), initial_state.new_empty(s_shape, dtype=torch.float32)
+
+
+@dataclass
+class KDAOutput:
+    output: Tensor  # [B, T, H, V]
+    final_state: Tensor  # [B, H, K, V] fp32
+
+
+def kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor, *,
+        scale: float | None = None, backend: Backend = Backend.REFERENCE) -> KDAOutput:
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    o, s = torch.ops.k3.kda(q, k, v, g, beta, initial_state, scale, Backend(backend).value)
+    return KDAOutput(o, s)

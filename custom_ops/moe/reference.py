@@ -1,0 +1,59 @@
+"""Routed (latent) MoE, the eager fp32 oracle (spec §5.1–5.2). Torch-only.
+
+Axes: N tokens, d model width, L expert width (latent 3584 in K3, = d without latent), E experts,
+I expert intermediate, k = top_k.
+
+    x            [N, d]      router input (full width)
+    z            [N, L]      expert input (W_down x for LatentMoE, x itself otherwise)
+    gate_weight  [E, d]      router; logits in fp32, scores s = sigmoid(logits)
+    gate_bias    [E]         e_score_correction_bias: selection only, never in the weights
+    w1, w3       [E, I, L]   gate / up projections;  w2 [E, L, I] down projection
+Returns u [N, L] in z's dtype: Σ_{j ∈ top_k(s + bias)} p_j · E_j(z), with
+p_j = s_j / (Σ_top s + 1e-20) · routed_scaling_factor (renormalize) or s_j · factor.
+The latent RMSNorm, the up projection and the shared experts are ordinary layers outside this op.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def glu(a: Tensor, b: Tensor, activation: str, beta: float, linear_beta: float) -> Tensor:
+    """Gated activation in fp32. 'situ': [β1 tanh(a/β1) σ(a)] ⊙ [β2 tanh(b/β2)];  'silu': a σ(a) ⊙ b."""
+    a, b = a.float(), b.float()
+    if activation == "situ":
+        return (beta * torch.tanh(a / beta) * torch.sigmoid(a)) * (linear_beta * torch.tanh(b / linear_beta))
+    if activation == "silu":
+        return torch.nn.functional.silu(a) * b
+    raise ValueError(f"activation={activation!r}: expected 'situ' or 'silu'")
+
+
+def route(x: Tensor, gate_weight: Tensor, gate_bias: Tensor, top_k: int, routed_scaling_factor: float,
+          renormalize: bool) -> tuple[Tensor, Tensor]:
+    """(topk_ids [N, k] int64, topk_weights [N, k] fp32)."""
+    s = torch.sigmoid(x.float() @ gate_weight.float().t())  # [N, E]
+    ids = torch.topk(s + gate_bias.float(), top_k, dim=-1).indices  # selection on biased scores
+    w = s.gather(-1, ids)  # weights from unbiased scores
+    if renormalize:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return ids, w * routed_scaling_factor
+
+
+def moe(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
+        top_k: int, routed_scaling_factor: float, renormalize: bool, activation: str, situ_beta: float,
+        situ_linear_beta: float) -> Tensor:
+    E, I, L = w1.shape
+    if z.shape[-1] != L or w3.shape != w1.shape or w2.shape != (E, L, I) or gate_weight.shape != (E, x.shape[-1]):
+        raise ValueError(f"moe: shapes x {tuple(x.shape)} z {tuple(z.shape)} gate {tuple(gate_weight.shape)} "
+                         f"w1 {tuple(w1.shape)} w3 {tuple(w3.shape)} w2 {tuple(w2.shape)} do not fit")
+    ids, w = route(x, gate_weight, gate_bias, top_k, routed_scaling_factor, renormalize)
+    zf = z.float()
+    out = torch.zeros(z.shape[0], L, dtype=torch.float32, device=z.device)
+    for e in range(E):
+        tok, slot = (ids == e).nonzero(as_tuple=True)  # tokens routed to expert e
+        if tok.numel() == 0:
+            continue
+        h = glu(zf[tok] @ w1[e].float().t(), zf[tok] @ w3[e].float().t(), activation, situ_beta, situ_linear_beta)
+        out.index_add_(0, tok, (h @ w2[e].float().t()) * w[tok, slot, None])
+    return out.to(z.dtype)

@@ -1,0 +1,296 @@
+"""K3Config: the single source of truth for every shape in k3x.
+
+Spec: ../shared/spec/k3-architecture.md §1 (config values), §11 (tensor shapes).
+
+Notable choices:
+- Frozen dataclasses nested per concern (KDA, MLA, MoE, AttnRes); derived sizes are properties.
+- The hybrid layout is explicit: `layer_types` ("kda"/"mla") and `mlp_types` ("dense"/"moe"), one
+  entry per decoder layer. `from_hf` reads them from the config's own lists, never from a pattern.
+- Presets by exact name in `PRESETS`; variants come from `dataclasses.replace`.
+- Validation in `__post_init__`; every error names the field and the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from ..custom_ops.backend import Backend
+
+LayerType = Literal["kda", "mla"]
+MlpType = Literal["dense", "moe"]
+
+
+class ConfigError(ValueError):
+    """A config field has a value k3x cannot build; the message names field and value."""
+
+
+def _check(ok: bool, field_name: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field_name}={value!r}: {why}")
+
+
+@dataclass(frozen=True)
+class KDAConfig:
+    num_heads: int
+    head_dim: int
+    conv_kernel: int = 4
+    gate_lower_bound: float | None = -5.0  # None = Kimi Linear gate (-exp(A_log) * softplus)
+    full_rank_output_gate: bool = True  # False = low-rank g_a_proj/g_b_proj (Kimi Linear)
+    gate_rank: int = 128  # width of f_a_proj (and g_a_proj when low rank)
+
+    def __post_init__(self) -> None:
+        _check(self.num_heads > 0, "kda.num_heads", self.num_heads, "must be > 0")
+        _check(0 < self.head_dim <= 256, "kda.head_dim", self.head_dim, "must be in 1..256")
+        _check(self.conv_kernel >= 2, "kda.conv_kernel", self.conv_kernel, "must be >= 2")
+        lb = self.gate_lower_bound
+        _check(lb is None or -5.0 <= lb < 0.0, "kda.gate_lower_bound", lb,
+               "must be None or in [-5, 0) (the chunked kernels rely on the bound)")
+
+    @property
+    def proj_dim(self) -> int:  # P = H * D
+        return self.num_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    num_heads: int
+    q_lora_rank: int | None  # None = direct q_proj (Kimi Linear)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    output_gate: bool = True
+    norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm (K3-HF default; spec §10.2)
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+            _check(getattr(self, name) > 0, f"mla.{name}", getattr(self, name), "must be > 0")
+        _check(self.qk_rope_head_dim >= 0, "mla.qk_rope_head_dim", self.qk_rope_head_dim, "must be >= 0")
+        _check(self.q_lora_rank is None or self.q_lora_rank > 0, "mla.q_lora_rank", self.q_lora_rank,
+               "must be None or > 0")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:  # cached per token: c_KV + shared k_extra
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per routed expert
+    num_shared_experts: int
+    latent_dim: int | None  # None = experts at full hidden width (plain MoE, Kimi Linear)
+    latent_norm: bool = True
+    routed_scaling_factor: float = 1.0
+    renormalize: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.num_experts > 0, "moe.num_experts", self.num_experts, "must be > 0")
+        _check(0 < self.top_k <= self.num_experts, "moe.top_k", self.top_k,
+               f"must be in 1..num_experts ({self.num_experts})")
+        _check(self.intermediate_size > 0, "moe.intermediate_size", self.intermediate_size, "must be > 0")
+        _check(self.num_shared_experts >= 0, "moe.num_shared_experts", self.num_shared_experts, "must be >= 0")
+        _check(self.latent_dim is None or self.latent_dim > 0, "moe.latent_dim", self.latent_dim,
+               "must be None or > 0")
+        _check(not (self.latent_norm and self.latent_dim is None), "moe.latent_norm", self.latent_norm,
+               "needs moe.latent_dim")
+
+    @property
+    def shared_intermediate_size(self) -> int:  # shared experts are stored as one merged MLP
+        return self.num_shared_experts * self.intermediate_size
+
+
+@dataclass(frozen=True)
+class AttnResConfig:
+    block_size: int  # counted in decoder layers (K3: 12)
+
+    def __post_init__(self) -> None:
+        _check(self.block_size > 0, "attn_res.block_size", self.block_size, "must be > 0")
+
+
+@dataclass(frozen=True)
+class K3Config:
+    name: str
+    hidden_size: int
+    vocab_size: int
+    layer_types: tuple[LayerType, ...]
+    mlp_types: tuple[MlpType, ...]
+    dense_intermediate_size: int
+    kda: KDAConfig
+    mla: MLAConfig
+    moe: MoEConfig
+    attn_res: AttnResConfig | None  # None = plain pre-norm residual (Kimi Linear)
+    rms_norm_eps: float = 1e-5
+    activation: Literal["situ", "silu"] = "situ"
+    situ_beta: float = 4.0
+    situ_linear_beta: float = 25.0
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 1048576
+    backend: Backend = Backend.REFERENCE
+    extra: tuple[tuple[str, Any], ...] = field(default=(), compare=False)  # informational only
+
+    def __post_init__(self) -> None:
+        _check(self.hidden_size > 0, "hidden_size", self.hidden_size, "must be > 0")
+        _check(self.vocab_size > 0, "vocab_size", self.vocab_size, "must be > 0")
+        _check(len(self.layer_types) > 0, "layer_types", self.layer_types, "must name at least one layer")
+        bad = [t for t in self.layer_types if t not in ("kda", "mla")]
+        _check(not bad, "layer_types", bad, "entries must be 'kda' or 'mla'")
+        bad = [t for t in self.mlp_types if t not in ("dense", "moe")]
+        _check(not bad, "mlp_types", bad, "entries must be 'dense' or 'moe'")
+        _check(len(self.mlp_types) == len(self.layer_types), "mlp_types", len(self.mlp_types),
+               f"needs one entry per layer ({len(self.layer_types)})")
+        _check(self.activation in ("situ", "silu"), "activation", self.activation, "must be 'situ' or 'silu'")
+        _check(self.rms_norm_eps > 0, "rms_norm_eps", self.rms_norm_eps, "must be > 0")
+        _check(isinstance(self.backend, Backend), "backend", self.backend, "must be a Backend")
+        if self.moe.latent_dim is not None:
+            _check(self.moe.latent_dim <= self.hidden_size, "moe.latent_dim", self.moe.latent_dim,
+                   f"must be <= hidden_size ({self.hidden_size})")
+
+    # --- derived layout -----------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def kda_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "kda")
+
+    @property
+    def mla_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "mla")
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.mlp_types) if t == "moe")
+
+    @property
+    def expert_dim(self) -> int:  # width the routed experts work at
+        return self.moe.latent_dim or self.hidden_size
+
+    def block_starts(self) -> tuple[int, ...]:
+        """Layers that write the running partial sum into the AttnRes bank (spec §4.2 step 2)."""
+        if self.attn_res is None:
+            return ()
+        return tuple(range(0, self.num_layers, self.attn_res.block_size))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["backend"] = self.backend.value
+        d["extra"] = dict(self.extra)
+        return d
+
+    def hash(self) -> str:
+        blob = json.dumps(self.to_dict(), sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> K3Config:
+        d = dict(d)
+        d["kda"] = KDAConfig(**d["kda"])
+        d["mla"] = MLAConfig(**d["mla"])
+        d["moe"] = MoEConfig(**d["moe"])
+        d["attn_res"] = AttnResConfig(**d["attn_res"]) if d.get("attn_res") else None
+        d["layer_types"] = tuple(d["layer_types"])
+        d["mlp_types"] = tuple(d["mlp_types"])
+        d["backend"] = Backend(d.get("backend", "reference"))
+        d["extra"] = tuple(sorted((d.get("extra") or {}).items()))
+        return cls(**d)
+
+    @classmethod
+    def from_hf(cls, path: str | Path) -> K3Config:
+        from .hf_config import config_from_hf
+
+        return config_from_hf(path)
+
+
+def schedule(num_layers: int, mla_every: int, final_mla: bool, first_dense: int) -> tuple[tuple, tuple]:
+    """The K3 / Kimi Linear schedule: MLA at 1-based multiples of `mla_every` (and the last layer)."""
+    layer_types = tuple(
+        "mla" if ((i + 1) % mla_every == 0 or (final_mla and i == num_layers - 1)) else "kda"
+        for i in range(num_layers)
+    )
+    mlp_types = tuple("dense" if i < first_dense else "moe" for i in range(num_layers))
+    return layer_types, mlp_types
+
+
+def _k3() -> K3Config:
+    lt, mt = schedule(93, 4, True, 1)
+    return K3Config(
+        name="k3", hidden_size=7168, vocab_size=163840, layer_types=lt, mlp_types=mt,
+        dense_intermediate_size=33792,
+        kda=KDAConfig(num_heads=96, head_dim=128, gate_lower_bound=-5.0, full_rank_output_gate=True),
+        mla=MLAConfig(num_heads=96, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                      qk_rope_head_dim=64, v_head_dim=128, output_gate=True),
+        moe=MoEConfig(num_experts=896, top_k=16, intermediate_size=3072, num_shared_experts=2,
+                      latent_dim=3584, latent_norm=True, routed_scaling_factor=1.0),
+        attn_res=AttnResConfig(block_size=12),
+    )
+
+
+def _kimi_linear_48b() -> K3Config:
+    lt, mt = schedule(27, 4, True, 1)
+    return K3Config(
+        name="kimi-linear-48b", hidden_size=2304, vocab_size=163840, layer_types=lt, mlp_types=mt,
+        dense_intermediate_size=9216,
+        kda=KDAConfig(num_heads=32, head_dim=128, gate_lower_bound=None, full_rank_output_gate=False),
+        mla=MLAConfig(num_heads=32, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+                      qk_rope_head_dim=64, v_head_dim=128, output_gate=False),
+        moe=MoEConfig(num_experts=256, top_k=8, intermediate_size=1024, num_shared_experts=1,
+                      latent_dim=None, latent_norm=False, routed_scaling_factor=2.446),
+        attn_res=None, activation="silu",
+    )
+
+
+def _k3_mini() -> K3Config:
+    # 6 layers: KDA(dense) KDA MLA KDA(block write at 4) MLA MLA -- every branch, incl. the final double MLA.
+    lt = ("kda", "kda", "mla", "kda", "mla", "mla")
+    mt = ("dense",) + ("moe",) * 5
+    return K3Config(
+        name="k3-mini", hidden_size=64, vocab_size=512, layer_types=lt, mlp_types=mt,
+        dense_intermediate_size=128,
+        kda=KDAConfig(num_heads=3, head_dim=16, gate_lower_bound=-5.0, full_rank_output_gate=True, gate_rank=16),
+        mla=MLAConfig(num_heads=3, q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16,
+                      qk_rope_head_dim=8, v_head_dim=16, output_gate=True),
+        moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=32, num_shared_experts=2,
+                      latent_dim=32, latent_norm=True, routed_scaling_factor=1.0),
+        attn_res=AttnResConfig(block_size=4),
+        max_position_embeddings=4096,
+    )
+
+
+def _k3_bench() -> K3Config:
+    lt, mt = schedule(12, 4, True, 1)
+    return K3Config(
+        name="k3-bench", hidden_size=1024, vocab_size=32768, layer_types=lt, mlp_types=mt,
+        dense_intermediate_size=4096,
+        kda=KDAConfig(num_heads=8, head_dim=128, gate_lower_bound=-5.0, full_rank_output_gate=True),
+        mla=MLAConfig(num_heads=8, q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64,
+                      qk_rope_head_dim=32, v_head_dim=64, output_gate=True),
+        moe=MoEConfig(num_experts=32, top_k=4, intermediate_size=512, num_shared_experts=2,
+                      latent_dim=512, latent_norm=True, routed_scaling_factor=1.0),
+        attn_res=AttnResConfig(block_size=4),
+        max_position_embeddings=65536,
+    )
+
+
+PRESETS: dict[str, K3Config] = {
+    c.name: c for c in (_k3(), _kimi_linear_48b(), _k3_mini(), _k3_bench())
+}
+
+
+def preset(name: str) -> K3Config:
+    """Exact lookup; the error lists the valid names."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"preset={name!r}: unknown; valid presets: {', '.join(sorted(PRESETS))}") from None
