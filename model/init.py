@@ -1,0 +1,60 @@
+"""Random initialisation for test checkpoints (`k3x init-checkpoint`): O(1) activations and logits.
+
+Linear/conv weights ~ N(0, 1/fan_in); norms 1; AttnRes pseudo-queries and the router bias small random
+(so every branch is exercised); A_log and dt_bias as fla initialises them for the gate in use.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .model import K3ForCausalLM
+
+
+@torch.no_grad()
+def init_weights(model: K3ForCausalLM, seed: int = 0) -> K3ForCausalLM:
+    gen = torch.Generator().manual_seed(seed)
+    cfg = model.cfg
+
+    def normal_(t: torch.Tensor, std: float) -> None:
+        t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32) * std)
+
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if name.endswith(("norm.weight", "layernorm.weight")):
+            p.fill_(1.0)
+        elif name.endswith("_res_proj.weight"):
+            normal_(p, 0.5 / math.sqrt(p.shape[-1]))
+        elif leaf == "A_log":
+            p.copy_(torch.zeros(p.shape) if cfg.kda.gate_lower_bound is not None
+                    else torch.empty(p.shape).uniform_(1, 16, generator=gen).log())
+        elif leaf == "dt_bias":
+            dt = torch.exp(torch.empty(p.shape).uniform_(math.log(1e-3), math.log(0.1), generator=gen)).clamp(min=1e-4)
+            p.copy_(dt + torch.log(-torch.expm1(-dt)))
+        elif "embed_tokens" in name:
+            normal_(p, 1.0)
+        elif p.dim() >= 2:
+            normal_(p, 1.0 / math.sqrt(p.shape[-1] if p.dim() == 2 or "experts" in name else p[0].numel()))
+        else:
+            normal_(p, 0.02)
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            normal_(b, 0.02)
+    return model
+
+
+def build_model(cfg, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                seed: int | None = 0) -> K3ForCausalLM:
+    """A model on `device`; `seed=None` leaves parameters uninitialised (weights come from a checkpoint)."""
+    with torch.device(device):
+        model = K3ForCausalLM(cfg)
+    if seed is not None and torch.device(device).type != "meta":
+        init_weights(model, seed)
+    fp32_names = ("A_log", "dt_bias", "e_score_correction_bias")
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if not name.endswith(fp32_names):
+            t.data = t.data.to(dtype)
+    return model.eval()

@@ -1,0 +1,60 @@
+"""Gated Multi-head Latent Attention with no positional encoding (spec §3; DeepSeek-V2/V3 MLA).
+
+- Query: q_a_proj -> RMSNorm -> q_b_proj (or a direct q_proj when q_lora_rank is None).
+- KV: kv_a_proj_with_mqa -> [c_KV (kv_lora_rank) | k_extra (rope dim)]; only c_KV is normalised.
+  The cache holds exactly this latent per token, `[B, S, kv_lora_rank + rope_dim]`, in the model dtype.
+- NoPE: the rope slices are used un-rotated; `k_extra` is shared by all heads. Scale qk_head_dim^-1/2.
+- Scores in the model dtype, softmax in fp32, causal with the past offset; output gate σ(g_proj x).
+Plain PyTorch: it lowers to standard ONNX ops.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .config import K3Config
+from .layers import RMSNorm, linear
+
+
+class GatedMLA(nn.Module):
+    def __init__(self, cfg: K3Config) -> None:
+        super().__init__()
+        m, d = cfg.mla, cfg.hidden_size
+        self.m = m
+        self.use_q_lora = m.q_lora_rank is not None
+        if self.use_q_lora:
+            self.q_a_proj = linear(d, m.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, m.norm_eps)
+            self.q_b_proj = linear(m.q_lora_rank, m.num_heads * m.qk_head_dim)
+        else:
+            self.q_proj = linear(d, m.num_heads * m.qk_head_dim)
+        self.kv_a_proj_with_mqa = linear(d, m.latent_dim)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, m.norm_eps)
+        self.kv_b_proj = linear(m.kv_lora_rank, m.num_heads * (m.qk_nope_head_dim + m.v_head_dim))
+        if m.output_gate:
+            self.g_proj = linear(d, m.num_heads * m.v_head_dim)
+        self.o_proj = linear(m.num_heads * m.v_head_dim, d)
+
+    def forward(self, x: Tensor, past_latent: Tensor) -> tuple[Tensor, Tensor]:
+        """x [B, T, d]; past_latent [B, P, kv_lora + rope] -> (y [B, T, d], present [B, P+T, kv_lora + rope])."""
+        m = self.m
+        B, T, _ = x.shape
+        H, R, N, Dv = m.num_heads, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.use_q_lora else self.q_proj(x)
+        q = q.view(B, T, H, N + R).transpose(1, 2)  # [B, H, T, N+R]
+        c, k_extra = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, R], dim=-1)
+        latent = torch.cat([self.kv_a_layernorm(c), k_extra], dim=-1)  # [B, T, kv_lora + R]
+        present = torch.cat([past_latent.to(latent.dtype), latent], dim=1)  # [B, S, kv_lora + R]
+        S = present.shape[1]
+        c_all, kx_all = present.split([m.kv_lora_rank, R], dim=-1)
+        k_nope, v = self.kv_b_proj(c_all).view(B, S, H, N + Dv).split([N, Dv], dim=-1)  # [B, S, H, *]
+        k = torch.cat([k_nope, kx_all.unsqueeze(2).expand(B, S, H, R)], dim=-1).transpose(1, 2)  # [B, H, S, N+R]
+        scores = (q @ k.transpose(-1, -2)).float() * (N + R) ** -0.5  # [B, H, T, S]
+        qpos = torch.arange(T, device=x.device)[:, None] + (S - T)  # absolute query positions
+        causal = torch.arange(S, device=x.device)[None, :] <= qpos  # [T, S]
+        probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+        o = (probs.to(v.dtype) @ v.transpose(1, 2)).transpose(1, 2).reshape(B, T, H * Dv)  # [B, T, H*Dv]
+        if m.output_gate:
+            o = o * torch.sigmoid(self.g_proj(x).float()).to(o.dtype)
+        return self.o_proj(o), present

@@ -1,0 +1,61 @@
+"""The K3 causal LM: embeddings, the hybrid decoder stack, AttnRes output mix, final norm, untied head.
+
+Parameter names equal the Hugging Face checkpoint's (`model.layers.{i}.self_attn.q_proj.weight`, ...,
+`lm_head.weight`), except the stacked experts (see model/moe.py). The forward pass is export-clean:
+state in, state out, as a flat list (model/state.py); KDA, AttnRes and MoE only through torch.ops.k3.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..custom_ops.attn_res import attn_res
+from .block import DecoderLayer
+from .config import K3Config
+from .layers import RMSNorm, linear
+from .state import state_specs
+
+
+class K3Model(nn.Module):
+    def __init__(self, cfg: K3Config) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, d)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        if cfg.attn_res is not None:
+            self.output_attn_res_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.output_attn_res_proj = linear(d, 1)
+        # how many flat state tensors each layer takes, in layer order
+        self.state_slices: list[slice] = []
+        start = 0
+        for i in range(cfg.num_layers):
+            n = sum(1 for s in state_specs(cfg) if s.layer == i)
+            self.state_slices.append(slice(start, start + n))
+            start += n
+
+    def forward(self, input_ids: Tensor, past: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+        prefix, bank = self.embed_tokens(input_ids), None  # [B, T, d]
+        present: list[Tensor] = []
+        for layer, sl in zip(self.layers, self.state_slices):
+            prefix, bank, new = layer(prefix, bank, past[sl])
+            present.extend(new)
+        if bank is not None:
+            prefix = attn_res(prefix, bank, self.output_attn_res_norm.weight, self.output_attn_res_proj.weight,
+                              eps=self.cfg.rms_norm_eps, backend=self.cfg.backend)
+        return self.norm(prefix), present
+
+
+class K3ForCausalLM(nn.Module):
+    def __init__(self, cfg: K3Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = K3Model(cfg)
+        self.lm_head = linear(cfg.hidden_size, cfg.vocab_size)
+
+    def forward(self, input_ids: Tensor, past: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+        """input_ids [B, T] int64; past: flat state (model/state.py) -> (logits [B, T, vocab] fp32, present)."""
+        h, present = self.model(input_ids, past)
+        return self.lm_head(h).float(), present

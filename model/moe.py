@@ -1,0 +1,67 @@
+"""Stable LatentMoE (spec §5.1; LatentMoE arXiv 2601.18089) and the plain MoE of Kimi Linear.
+
+Axes: N tokens, d model width, L expert width (latent, or d), E experts, I expert intermediate.
+- Router on the full-width x (fp32, sigmoid), top-k on scores + e_score_correction_bias, weights
+  from unbiased scores; the whole routed computation is one `torch.ops.k3.moe` node.
+- Experts held stacked: w1/w3 `[E, I, L]`, w2 `[E, L, I]`, so a graph's size does not grow with E.
+  (Checkpoint names `experts.{e}.w1.weight` are mapped to these in model/checkpoint.py.)
+- LatentMoE: z = W_down x; u = RMSNorm(Σ p_j E_j(z)); y = W_up u. Shared experts on x are added.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..custom_ops.moe import MoEOptions, moe
+from .config import K3Config
+from .layers import GatedMLP, RMSNorm, linear
+
+
+class Router(nn.Module):
+    def __init__(self, d: int, E: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(E, d))
+        self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32))
+
+
+class StackedExperts(nn.Module):
+    def __init__(self, E: int, L: int, I: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(E, I, L))  # gate
+        self.w3 = nn.Parameter(torch.empty(E, I, L))  # up
+        self.w2 = nn.Parameter(torch.empty(E, L, I))  # down
+
+
+class LatentMoE(nn.Module):
+    def __init__(self, cfg: K3Config) -> None:
+        super().__init__()
+        c, d = cfg.moe, cfg.hidden_size
+        L = cfg.expert_dim
+        self.cfg, self.latent, self.latent_norm = cfg, c.latent_dim is not None, c.latent_norm
+        self.options = MoEOptions(c.top_k, c.routed_scaling_factor, c.renormalize, cfg.activation,
+                                  cfg.situ_beta, cfg.situ_linear_beta)
+        self.gate = Router(d, c.num_experts)
+        if self.latent:
+            self.routed_expert_down_proj = linear(d, L)
+            self.routed_expert_up_proj = linear(L, d)
+        if self.latent_norm:
+            self.routed_expert_norm = RMSNorm(L, cfg.rms_norm_eps)
+        self.experts = StackedExperts(c.num_experts, L, c.intermediate_size)
+        self.has_shared = c.num_shared_experts > 0
+        if self.has_shared:
+            self.shared_experts = GatedMLP(cfg, d, c.shared_intermediate_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, d = x.shape
+        xf = x.reshape(B * T, d)  # [N, d]
+        z = self.routed_expert_down_proj(xf) if self.latent else xf  # [N, L]
+        e = self.experts
+        u = moe(xf, z, self.gate.weight, self.gate.e_score_correction_bias, e.w1, e.w3, e.w2,
+                options=self.options, backend=self.cfg.backend)  # [N, L]
+        if self.latent_norm:
+            u = self.routed_expert_norm(u)
+        y = self.routed_expert_up_proj(u) if self.latent else u
+        if self.has_shared:
+            y = y + self.shared_experts(xf)
+        return y.view(B, T, d)

@@ -1,0 +1,60 @@
+"""Explicit inference state: what each layer carries between calls, named as ONNX Runtime GenAI does.
+
+- KDA layer i:  `past.{i}.conv` [batch, 3P, W-1] fp32 (last W-1 pre-conv inputs of q|k|v),
+                `past.{i}.recurrent` [batch, H, K, V] fp32  ->  `present.{i}.conv` / `present.{i}.recurrent`
+- MLA layer i:  `past_key_values.{i}.latent` [batch, past_seq, kv_lora + rope] (model dtype)
+                ->  `present.{i}.latent` [batch, past_seq + seq, ...]
+A flat list in layer order (conv before recurrent) is what the model's forward takes and returns.
+AttnRes needs no cross-token state (spec §4.3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import K3Config
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    layer: int
+    kind: str  # "conv" | "recurrent" | "latent"
+    input_name: str
+    output_name: str
+    dims: tuple[str | int, ...]  # "batch" / "past_seq" are dynamic
+    fp32: bool  # else the model dtype
+
+    def shape(self, batch: int, past_seq: int) -> tuple[int, ...]:
+        return tuple(batch if x == "batch" else past_seq if x == "past_seq" else x for x in self.dims)
+
+
+def state_specs(cfg: K3Config) -> list[StateSpec]:
+    specs: list[StateSpec] = []
+    c, m = cfg.kda, cfg.mla
+    for i, kind in enumerate(cfg.layer_types):
+        if kind == "kda":
+            specs.append(StateSpec(i, "conv", f"past.{i}.conv", f"present.{i}.conv",
+                                   ("batch", 3 * c.proj_dim, c.conv_kernel - 1), True))
+            specs.append(StateSpec(i, "recurrent", f"past.{i}.recurrent", f"present.{i}.recurrent",
+                                   ("batch", c.num_heads, c.head_dim, c.head_dim), True))
+        else:
+            specs.append(StateSpec(i, "latent", f"past_key_values.{i}.latent", f"present.{i}.latent",
+                                   ("batch", "past_seq", m.latent_dim), False))
+    return specs
+
+
+def empty_state(cfg: K3Config, batch: int, dtype: torch.dtype = torch.float32,
+                device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """The state before the first token: zeros, and an empty (past_seq = 0) MLA latent cache."""
+    return [torch.zeros(s.shape(batch, 0), dtype=torch.float32 if s.fp32 else dtype, device=device)
+            for s in state_specs(cfg)]
+
+
+def state_bytes(cfg: K3Config, dtype_bytes: int = 2) -> dict[str, int]:
+    """KDA state bytes per sequence and MLA KV bytes per token (model dtype of `dtype_bytes`)."""
+    kda = sum(4 * s.shape(1, 0)[1] * s.shape(1, 0)[2] * (s.shape(1, 0)[3] if len(s.dims) == 4 else 1)
+              for s in state_specs(cfg) if s.kind in ("conv", "recurrent"))
+    mla = sum(dtype_bytes * s.dims[2] for s in state_specs(cfg) if s.kind == "latent")
+    return {"kda_state_bytes_per_sequence": kda, "mla_kv_bytes_per_token": mla}
