@@ -26,3 +26,124 @@ def fail(message: str) -> None:
     """Print an error that names the bad input and exit 1."""
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code=1)
+
+
+def parse_ids(text: str, what: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        fail(f"{what}={text!r}: expected comma-separated integers, e.g. 1,2,3")
+    if not ids:
+        fail(f"{what}: no token ids given")
+    return ids
+
+
+def load_model_or_fail(checkpoint: Path, dtype: str = "fp32"):
+    import torch
+
+    from .model.checkpoint import CheckpointError, load_checkpoint
+
+    try:
+        return load_checkpoint(checkpoint, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+    except (CheckpointError, FileNotFoundError) as e:
+        fail(str(e))
+
+
+def config_or_fail(preset_name: str | None, checkpoint: Path | None):
+    from .model.config import ConfigError, K3Config, preset
+
+    if (preset_name is None) == (checkpoint is None):
+        fail("give exactly one of --preset NAME or --checkpoint DIR")
+    try:
+        return preset(preset_name) if preset_name else K3Config.from_hf(checkpoint / "config.json")
+    except ConfigError as e:
+        fail(str(e))
+
+
+@app.command("init-checkpoint")
+def init_checkpoint(
+    preset: Annotated[str, typer.Option(help="Preset to instantiate (k3-mini, k3-bench, ...).")] = "k3-mini",
+    out: Annotated[Path, typer.Option(help="Folder to create (must not exist or be empty).")] = Path("k3-mini-ckpt"),
+    seed: Annotated[int, typer.Option(help="Random seed of the weights.")] = 0,
+    expert_format: Annotated[str, typer.Option(help="mxfp4 (as the real K3 checkpoint) or dense.")] = "mxfp4",
+) -> None:
+    """Write a random-weight checkpoint in the real Hugging Face format (config.json + safetensors)."""
+    from .model import build_model
+    from .model.checkpoint import save_checkpoint
+
+    cfg = config_or_fail(preset, None)
+    try:
+        save_checkpoint(build_model(cfg, seed=seed), out, expert_format=expert_format)
+    except (ValueError, FileExistsError) as e:
+        fail(str(e))
+    typer.echo(f"wrote {cfg.name} checkpoint (seed {seed}, experts {expert_format}) to {out}")
+
+
+@app.command()
+def inspect(
+    preset: Annotated[Optional[str], typer.Option(help="Preset name (k3, kimi-linear-48b, k3-mini, k3-bench).")] = None,
+    checkpoint: Annotated[Optional[Path], typer.Option(help="Checkpoint folder (reads its config.json).")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Layer plan, total/active parameters, cache sizes, bytes by storage format (meta device: no weights)."""
+    import json
+
+    from .model.summary import format_summary, summarize
+
+    s = summarize(config_or_fail(preset, checkpoint))
+    typer.echo(json.dumps(s) if json_out else format_summary(s))
+
+
+@app.command()
+def generate(
+    checkpoint: Annotated[Path, typer.Option(help="Checkpoint folder.")],
+    prompt_ids: Annotated[str, typer.Option(help="Comma-separated prompt token ids.")] = "1,2,3",
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate.")] = 16,
+) -> None:
+    """Greedy decoding with the eager PyTorch model (prefill, then decode steps carrying state)."""
+    import torch
+
+    from .model.generate import greedy_generate
+
+    model = load_model_or_fail(checkpoint)
+    ids = torch.tensor([parse_ids(prompt_ids, "--prompt-ids")])
+    g = greedy_generate(model, ids, max_new_tokens)
+    typer.echo("tokens: " + ",".join(str(t) for t in g.tokens[0].tolist()))
+    typer.echo(f"prefill {g.prefill_s * 1e3:.1f} ms; decode {g.decode_tokens_per_s:.1f} tokens/s (eager, cpu)")
+
+
+@app.command()
+def logits(
+    checkpoint: Annotated[Path, typer.Option(help="Checkpoint folder.")],
+    out: Annotated[Path, typer.Option(help="Where to write float32 logits [B, T, vocab] (.npy).")],
+    input_ids: Annotated[Optional[str], typer.Option(help="Comma-separated token ids (batch of one).")] = None,
+    batch_file: Annotated[Optional[Path], typer.Option(help=".npy int array [B, T] of token ids.")] = None,
+) -> None:
+    """Full-sequence logits, for parity checks by anyone."""
+    import numpy as np
+    import torch
+
+    from .model.generate import full_logits
+
+    if (input_ids is None) == (batch_file is None):
+        fail("give exactly one of --input-ids or --batch-file")
+    ids = np.array([parse_ids(input_ids, "--input-ids")]) if input_ids else np.load(batch_file)
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        fail(f"{batch_file}: expected an integer array [B, T], got {ids.dtype} {list(ids.shape)}")
+    model = load_model_or_fail(checkpoint)
+    try:
+        result = full_logits(model, torch.from_numpy(ids.astype(np.int64)))
+    except ValueError as e:
+        fail(str(e))
+    save_npy_atomic(out, result.numpy())
+    typer.echo(f"wrote logits {list(result.shape)} float32 to {out}")
+
+
+def save_npy_atomic(path: Path, array) -> None:
+    import os
+
+    import numpy as np
+
+    tmp = path.with_name(f".{path.name}.tmp.npy")
+    np.save(tmp, array)
+    os.replace(tmp, path)

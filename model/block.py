@@ -30,16 +30,19 @@ class DecoderLayer(nn.Module):
         self.self_attn = KimiDeltaAttention(cfg) if self.kind == "kda" else GatedMLA(cfg)
         self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
-        if cfg.mlp_types[index] == "moe":
+        self.is_moe = cfg.mlp_types[index] == "moe"
+        if self.is_moe:
             self.block_sparse_moe = LatentMoE(cfg)
-            self.ffn = self.block_sparse_moe
         else:
             self.mlp = GatedMLP(cfg, d, cfg.dense_intermediate_size)
-            self.ffn = self.mlp
         self.block_start = index in cfg.block_starts()
         if cfg.attn_res is not None:
             self.self_attention_res_norm, self.self_attention_res_proj = RMSNorm(d, cfg.rms_norm_eps), linear(d, 1)
             self.mlp_res_norm, self.mlp_res_proj = RMSNorm(d, cfg.rms_norm_eps), linear(d, 1)
+
+    @property
+    def ffn(self) -> nn.Module:
+        return self.block_sparse_moe if self.is_moe else self.mlp
 
     def _mix(self, h: Tensor, state: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
         if self.kind == "kda":

@@ -41,7 +41,6 @@ class KDAConfig:
     conv_kernel: int = 4
     gate_lower_bound: float | None = -5.0  # None = Kimi Linear gate (-exp(A_log) * softplus)
     full_rank_output_gate: bool = True  # False = low-rank g_a_proj/g_b_proj (Kimi Linear)
-    gate_rank: int = 128  # width of f_a_proj (and g_a_proj when low rank)
 
     def __post_init__(self) -> None:
         _check(self.num_heads > 0, "kda.num_heads", self.num_heads, "must be > 0")
@@ -258,7 +257,7 @@ def _k3_mini() -> K3Config:
     return K3Config(
         name="k3-mini", hidden_size=64, vocab_size=512, layer_types=lt, mlp_types=mt,
         dense_intermediate_size=128,
-        kda=KDAConfig(num_heads=3, head_dim=16, gate_lower_bound=-5.0, full_rank_output_gate=True, gate_rank=16),
+        kda=KDAConfig(num_heads=3, head_dim=16, gate_lower_bound=-5.0, full_rank_output_gate=True),
         mla=MLAConfig(num_heads=3, q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16,
                       qk_rope_head_dim=8, v_head_dim=16, output_gate=True),
         moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=32, num_shared_experts=2,
@@ -276,7 +275,7 @@ def _k3_bench() -> K3Config:
         kda=KDAConfig(num_heads=8, head_dim=128, gate_lower_bound=-5.0, full_rank_output_gate=True),
         mla=MLAConfig(num_heads=8, q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64,
                       qk_rope_head_dim=32, v_head_dim=64, output_gate=True),
-        moe=MoEConfig(num_experts=32, top_k=4, intermediate_size=512, num_shared_experts=2,
+        moe=MoEConfig(num_experts=16, top_k=4, intermediate_size=256, num_shared_experts=2,
                       latent_dim=512, latent_norm=True, routed_scaling_factor=1.0),
         attn_res=AttnResConfig(block_size=4),
         max_position_embeddings=65536,

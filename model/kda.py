@@ -31,14 +31,14 @@ class KimiDeltaAttention(nn.Module):
         self.q_conv1d = nn.Conv1d(P, P, W, groups=P, bias=False)
         self.k_conv1d = nn.Conv1d(P, P, W, groups=P, bias=False)
         self.v_conv1d = nn.Conv1d(P, P, W, groups=P, bias=False)
-        self.f_a_proj, self.f_b_proj = linear(d, c.gate_rank), linear(c.gate_rank, P)
+        self.f_a_proj, self.f_b_proj = linear(d, D), linear(D, P)  # low rank through head_dim
         self.b_proj = linear(d, H)
         self.A_log = nn.Parameter(torch.zeros(H, dtype=torch.float32))
         self.dt_bias = nn.Parameter(torch.zeros(P, dtype=torch.float32))
         if c.full_rank_output_gate:
             self.g_proj = linear(d, P)
         else:
-            self.g_a_proj, self.g_b_proj = linear(d, c.gate_rank), linear(c.gate_rank, P)
+            self.g_a_proj, self.g_b_proj = linear(d, D), linear(D, P)  # low rank through head_dim
         self.full_rank_gate = c.full_rank_output_gate
         self.o_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.o_proj = linear(P, d)

@@ -1,0 +1,253 @@
+"""Hugging Face-style checkpoints: `config.json` + one or many `*.safetensors` (+ `model.safetensors.index.json`).
+
+Loading validates every tensor's name, shape and dtype from the safetensors headers BEFORE any weight is
+allocated (missing, unexpected, wrong shape/dtype, unreadable file, config that does not fit: one clear
+`CheckpointError` naming the tensor and file, no partial model). Then the model is materialised once and
+filled tensor by tensor from memory-mapped files, so two copies of the weights never coexist.
+
+Names: the model's own parameter names, except stacked experts: `...experts.{e}.w1.weight` (or the
+compressed-tensors MXFP4 pair `weight_packed` + `weight_scale`, dequantised on load) fills row e of
+`...experts.w1`. `A_log` may be stored longer than the head count (K3 stores 128 for 96 heads): the
+first H entries are used. A `language_model.` prefix is stripped; vision-tower tensors are ignored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from . import mxfp4
+from .config import ConfigError, K3Config
+from .hf_config import config_to_hf
+from .init import build_model
+from .model import K3ForCausalLM
+
+INDEX = "model.safetensors.index.json"
+IGNORED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "mm_projector.")
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale|weight_shape)$")
+_FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be loaded; the message names the tensor and/or file."""
+
+
+@dataclass(frozen=True)
+class _Slot:
+    param: str  # model parameter/buffer name
+    expert: int | None  # row of a stacked expert tensor
+    part: str  # "weight" | "weight_packed" | "weight_scale" | "weight_shape"
+
+
+def _canonical(name: str) -> str | None:
+    if name.startswith("language_model."):
+        name = name[len("language_model."):]
+    return None if name.startswith(IGNORED_PREFIXES) else name
+
+
+def _slot(name: str) -> _Slot:
+    m = _EXPERT.match(name)
+    if m:
+        return _Slot(f"{m.group(1)}.{m.group(3)}", int(m.group(2)), m.group(4))
+    return _Slot(name, None, "weight")
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    """tensor name -> file, from the index when present, else by reading every shard's header."""
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path}: no config.json (not a checkpoint folder)")
+    if (path / INDEX).is_file():
+        try:
+            weight_map = json.loads((path / INDEX).read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{path / INDEX}: unreadable index ({e})") from None
+        missing = sorted({f for f in weight_map.values() if not (path / f).is_file()})
+        if missing:
+            raise CheckpointError(f"{path / INDEX}: shard file(s) missing: {', '.join(missing)}")
+        return {k: path / f for k, f in weight_map.items()}
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise CheckpointError(f"{path}: no *.safetensors files")
+    out: dict[str, Path] = {}
+    for f in shards:
+        for k in _open(f).keys():
+            out[k] = f
+    return out
+
+
+def _open(f: Path):
+    try:
+        return safe_open(str(f), framework="pt")
+    except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
+        raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from None
+
+
+def _expected_shape(meta: dict[str, torch.Tensor], s: _Slot) -> tuple[int, ...]:
+    full = tuple(meta[s.param].shape)
+    if s.expert is None:
+        return full
+    out, inp = full[1:]
+    return {"weight": (out, inp), "weight_packed": (out, inp // 2), "weight_scale": (out, inp // mxfp4.BLOCK),
+            "weight_shape": (2,)}[s.part]
+
+
+def _validate(cfg: K3Config, files: dict[str, Path]) -> dict[str, tuple[str, Path]]:
+    """Check names/shapes/dtypes against a meta model; return model-name -> (stored name, file)."""
+    meta = dict(build_model(cfg, device="meta", seed=None).state_dict())
+    plan: dict[str, tuple[str, Path]] = {}
+    handles: dict[Path, object] = {}
+    covered: dict[str, set] = {k: set() for k in meta}
+    problems: list[str] = []
+    for stored, f in sorted(files.items()):
+        name = _canonical(stored)
+        if name is None:
+            continue
+        s = _slot(name)
+        if s.param not in meta:
+            problems.append(f"unexpected tensor {stored!r} in {f.name}")
+            continue
+        h = handles.setdefault(f, _open(f))
+        try:
+            sl = h.get_slice(stored)
+        except Exception:
+            raise CheckpointError(f"{f}: tensor {stored!r} listed in the index is not in the file") from None
+        shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
+        want = _expected_shape(meta, s)
+        if s.param.endswith("A_log") and len(shape) == 1 and shape[0] >= want[0]:
+            want = shape  # stored longer than the head count: first H used
+        if shape != want:
+            problems.append(f"{stored!r} in {f.name}: shape {list(shape)}, expected {list(want)}"
+                            " (does config.json match these weights?)")
+        want_dtype = {"weight_packed": {"U8"}, "weight_scale": {"U8"}, "weight_shape": {"I32", "I64"}}.get(
+            s.part, _FLOAT_DTYPES)
+        if dtype not in want_dtype:
+            problems.append(f"{stored!r} in {f.name}: dtype {dtype}, expected one of {sorted(want_dtype)}")
+        covered[s.param].add((s.expert, s.part))
+        plan[name] = (stored, f)
+    E = cfg.moe.num_experts
+    for param, got in covered.items():
+        if ".experts.w" in param:
+            for e in range(E):
+                parts = {p for (x, p) in got if x == e}
+                if "weight" not in parts and not {"weight_packed", "weight_scale"} <= parts:
+                    problems.append(f"missing tensor {param.rsplit('.', 1)[0]}.{e}.{param.rsplit('.', 1)[1]}.weight"
+                                    " (or its weight_packed + weight_scale)")
+                    break
+        elif not got:
+            problems.append(f"missing tensor {param!r}")
+    if problems:
+        shown = "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
+        raise CheckpointError(f"checkpoint does not match config ({cfg.name}):\n  {shown}")
+    return plan
+
+
+@torch.no_grad()
+def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu") -> K3ForCausalLM:
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path}: no config.json (not a checkpoint folder)")
+    try:
+        cfg = K3Config.from_hf(path / "config.json")
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    plan = _validate(cfg, _tensor_files(path))
+    model = build_model(cfg, device="meta", dtype=dtype, seed=None).to_empty(device=device)
+    targets = dict(model.named_parameters()) | dict(model.named_buffers())
+    handles: dict[Path, object] = {}
+    for name, (stored, f) in plan.items():
+        s = _slot(name)
+        if s.part in ("weight_scale", "weight_shape"):
+            continue  # consumed with weight_packed / informational
+        h = handles.setdefault(f, _open(f))
+        target = targets[s.param]
+        t = h.get_tensor(stored)
+        if s.part == "weight_packed":
+            sname = name.replace("weight_packed", "weight_scale")
+            sstored, sf = plan[sname]
+            t = mxfp4.dequantize(t, handles.setdefault(sf, _open(sf)).get_tensor(sstored), torch.float32)
+        if s.param.endswith("A_log"):
+            t = t[: target.shape[0]]
+        (target if s.expert is None else target[s.expert]).copy_(t)
+    return model.eval()
+
+
+def _hf_tensors(model: K3ForCausalLM, expert_format: str):
+    """Yield (checkpoint name, tensor) in the on-disk layout."""
+    for name, t in model.state_dict().items():
+        m = re.match(r"^(.*\.experts)\.(w[123])$", name)
+        if not m:
+            yield name, t.detach().contiguous()
+            continue
+        for e in range(t.shape[0]):
+            base = f"{m.group(1)}.{e}.{m.group(2)}"
+            if expert_format == "mxfp4":
+                packed, scale = mxfp4.quantize(t[e])
+                yield f"{base}.weight_packed", packed
+                yield f"{base}.weight_scale", scale
+            else:
+                yield f"{base}.weight", t[e].detach().contiguous()
+
+
+def save_checkpoint(model: K3ForCausalLM, path: str | Path, *, expert_format: str = "mxfp4",
+                    max_shard_bytes: int = 2 << 30) -> Path:
+    """Write config.json + sharded safetensors + index atomically (temp folder renamed into place)."""
+    if expert_format not in ("mxfp4", "dense"):
+        raise ValueError(f"expert_format={expert_format!r}: expected 'mxfp4' or 'dense'")
+    if expert_format == "mxfp4":
+        for dim, what in ((model.cfg.expert_dim, "expert input width"), (model.cfg.moe.intermediate_size,
+                                                                           "moe.intermediate_size")):
+            if dim % mxfp4.BLOCK:
+                raise ConfigError(f"{what}={dim}: MXFP4 needs a multiple of {mxfp4.BLOCK}; use expert_format='dense'")
+    path = Path(path)
+    if path.exists() and any(path.iterdir()):
+        raise FileExistsError(f"{path}: exists and is not empty")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for name, t in _hf_tensors(model, expert_format):
+            nbytes = t.numel() * t.element_size()
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][name] = t
+            size += nbytes
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+            weight_map.update({k: fname for k in shard})
+        total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
+        (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        (tmp / "config.json").write_text(json.dumps(config_to_hf(model.cfg), indent=2))
+        if path.exists():
+            path.rmdir()
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def checkpoint_hash(path: str | Path) -> str:
+    """sha256 over config.json, the index and every shard's bytes (streamed), in name order."""
+    path = Path(path)
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.iterdir() if p.suffix in (".json", ".safetensors")):
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()[:16]

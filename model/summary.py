@@ -1,0 +1,75 @@
+"""`k3x inspect`: layer plan, parameter counts (total / active), cache sizes and bytes by storage format.
+
+Built on the meta device, so the full 2.78T `k3` is summarised in about a second with no weights.
+Active parameters = everything except the routed experts a token does not visit
+(per MoE layer, (E - top_k) experts); the input embedding is reported both ways (spec §7).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .config import K3Config
+from .init import build_model
+from .state import state_bytes
+
+
+def summarize(cfg: K3Config) -> dict[str, Any]:
+    model = build_model(cfg, device="meta", seed=None)
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    total = sum(t.numel() for t in tensors.values())
+    expert = {n: t.numel() for n, t in tensors.items() if ".experts.w" in n}
+    per_expert = sum(expert.values()) // max(1, len(cfg.moe_layers) * cfg.moe.num_experts)
+    inactive = len(cfg.moe_layers) * (cfg.moe.num_experts - cfg.moe.top_k) * per_expert
+    embed = tensors["model.embed_tokens.weight"].numel()
+    fp32 = sum(t.numel() for n, t in tensors.items() if n.endswith(("A_log", "dt_bias", "e_score_correction_bias")))
+    n_expert = sum(expert.values())
+    storage = {  # bytes as the real checkpoint stores them
+        "mxfp4_experts": n_expert // 2 + n_expert // 32,
+        "bf16": 2 * (total - n_expert - fp32),
+        "fp32": 4 * fp32,
+    }
+    starts = set(cfg.block_starts())
+    plan = [{"layer": i, "mixer": cfg.layer_types[i], "ffn": cfg.mlp_types[i], "attn_res_block_start": i in starts}
+            for i in range(cfg.num_layers)]
+    return {
+        "name": cfg.name,
+        "config_hash": cfg.hash(),
+        "num_layers": cfg.num_layers,
+        "kda_layers": len(cfg.kda_layers),
+        "mla_layers": len(cfg.mla_layers),
+        "moe_layers": len(cfg.moe_layers),
+        "dense_layers": cfg.num_layers - len(cfg.moe_layers),
+        "attn_res_blocks": len(starts),
+        "total_params": total,
+        "active_params": total - inactive,
+        "active_params_excluding_embedding": total - inactive - embed,
+        "params_per_routed_expert": per_expert,
+        **state_bytes(cfg),
+        "bytes_by_storage_format": storage,
+        "checkpoint_bytes": sum(storage.values()),
+        "layers": plan,
+    }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    def b(x: int) -> str:
+        return f"{x / 1e9:,.1f}B" if x >= 1e8 else f"{x / 1e6:,.2f}M"
+
+    plan = " ".join(("|" if p["attn_res_block_start"] else "") + ("K" if p["mixer"] == "kda" else "M")
+                    + ("e" if p["ffn"] == "moe" else "d") for p in s["layers"])
+    st = s["bytes_by_storage_format"]
+    return "\n".join([
+        f"{s['name']}  (config {s['config_hash']})",
+        f"layers            {s['num_layers']}: {s['kda_layers']} KDA + {s['mla_layers']} MLA; "
+        f"{s['moe_layers']} MoE + {s['dense_layers']} dense; {s['attn_res_blocks']} AttnRes blocks",
+        f"plan              {plan}",
+        "                  (K=KDA M=MLA, e=MoE d=dense, | = AttnRes block start)",
+        f"params total      {b(s['total_params'])} ({s['total_params']:,})",
+        f"params active     {b(s['active_params'])} incl. input embedding, "
+        f"{b(s['active_params_excluding_embedding'])} excl.",
+        f"MLA KV cache      {s['mla_kv_bytes_per_token']:,} bytes/token (bf16)",
+        f"KDA state         {s['kda_state_bytes_per_sequence']:,} bytes/sequence (fp32, any length)",
+        f"storage           MXFP4 experts {st['mxfp4_experts'] / 1e9:,.2f} GB, bf16 {st['bf16'] / 1e9:,.2f} GB, "
+        f"fp32 {st['fp32'] / 1e6:,.2f} MB",
+    ])
