@@ -10,10 +10,14 @@ from __future__ import annotations
 import functools
 import os
 import random
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))  # `from tolerances import ...` in every test folder
 
 
 def _poisoned(fn):
@@ -29,6 +33,12 @@ def _poisoned(fn):
 
     return wrapper
 
+
+# torch.device(...) contexts recognise factory functions by identity and cache the set on first use:
+# build that cache from the real functions before any test patches them.
+import torch.utils._device  # noqa: E402
+
+torch.utils._device._device_constructors()
 
 _REAL = {"empty": torch.empty, "empty_like": torch.empty_like, "new_empty": torch.Tensor.new_empty}
 

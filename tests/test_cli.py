@@ -1,0 +1,93 @@
+"""The CLI of the model stage: init-checkpoint, inspect, generate, logits (typer CliRunner)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from k3x.cli import app
+from k3x.model.checkpoint import load_checkpoint
+from k3x.model.generate import full_logits, greedy_generate
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli") / "ckpt"
+    r = runner.invoke(app, ["init-checkpoint", "--preset", "k3-mini", "--out", str(path), "--seed", "7"])
+    assert r.exit_code == 0, r.output
+    return path
+
+
+def test_help_lists_commands():
+    r = runner.invoke(app, ["--help"])
+    assert r.exit_code == 0
+    for cmd in ("init-checkpoint", "inspect", "generate", "logits"):
+        assert cmd in r.output
+
+
+def test_inspect_k3_figures():
+    r = runner.invoke(app, ["inspect", "--preset", "k3", "--json"])
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.output)
+    assert round(s["total_params"] / 1e9, 1) == 2779.5
+    assert round(s["active_params_excluding_embedding"] / 1e9, 1) == 104.2
+    assert (s["num_layers"], s["kda_layers"], s["mla_layers"], s["moe_layers"]) == (93, 69, 24, 92)
+    assert s["mla_kv_bytes_per_token"] == 24 * 576 * 2
+
+
+def test_inspect_kimi_linear_and_text():
+    r = runner.invoke(app, ["inspect", "--preset", "kimi-linear-48b", "--json"])
+    s = json.loads(r.output)
+    assert round(s["total_params"] / 1e9, 1) == 49.1 and round(s["active_params_excluding_embedding"] / 1e9, 1) == 3.1
+    r = runner.invoke(app, ["inspect", "--preset", "k3-mini"])
+    assert r.exit_code == 0 and "KDA" in r.output and "params total" in r.output
+
+
+def test_inspect_checkpoint_and_errors(ckpt, tmp_path):
+    assert runner.invoke(app, ["inspect", "--checkpoint", str(ckpt)]).exit_code == 0
+    r = runner.invoke(app, ["inspect", "--preset", "k4"])
+    assert r.exit_code == 1 and "k3-mini" in r.output
+    r = runner.invoke(app, ["inspect"])
+    assert r.exit_code == 1 and "exactly one" in r.output
+
+
+def test_generate_matches_library(ckpt):
+    r = runner.invoke(app, ["generate", "--checkpoint", str(ckpt), "--prompt-ids", "1,2,3", "--max-new-tokens", "5"])
+    assert r.exit_code == 0, r.output
+    tokens = [int(t) for t in r.output.split("tokens: ")[1].split()[0].split(",")]
+    expect = greedy_generate(load_checkpoint(ckpt), torch.tensor([[1, 2, 3]]), 5).tokens[0].tolist()
+    assert tokens == expect and "tokens/s" in r.output
+
+
+def test_logits_file_and_batch(ckpt, tmp_path):
+    out = tmp_path / "l.npy"
+    r = runner.invoke(app, ["logits", "--checkpoint", str(ckpt), "--input-ids", "4,5,6", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    got = np.load(out)
+    assert got.shape == (1, 3, 512) and got.dtype == np.float32
+    expect = full_logits(load_checkpoint(ckpt), torch.tensor([[4, 5, 6]])).numpy()
+    np.testing.assert_allclose(got, expect, rtol=1e-6, atol=1e-6)
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.array([[1, 2], [3, 4]]))
+    r = runner.invoke(app, ["logits", "--checkpoint", str(ckpt), "--batch-file", str(ids), "--out", str(out)])
+    assert r.exit_code == 0 and np.load(out).shape == (2, 2, 512)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--input-ids", "1,x"], "expected comma-separated integers"),
+    (["--input-ids", "1,99999"], "token ids must be in"),
+])
+def test_logits_bad_input(ckpt, tmp_path, args, message):
+    r = runner.invoke(app, ["logits", "--checkpoint", str(ckpt), "--out", str(tmp_path / "o.npy"), *args])
+    assert r.exit_code == 1 and message in r.output
+
+
+def test_bad_checkpoint_is_one_clear_error(tmp_path):
+    r = runner.invoke(app, ["generate", "--checkpoint", str(tmp_path)])
+    assert r.exit_code == 1 and "no config.json" in r.output
