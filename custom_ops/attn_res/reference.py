@@ -18,8 +18,9 @@ from torch import Tensor
 def attn_res(prefix: Tensor, bank: Tensor, norm_weight: Tensor, proj_weight: Tensor, eps: float) -> Tensor:
     if bank.shape[:-2] != prefix.shape[:-1] or bank.shape[-1] != prefix.shape[-1]:
         raise ValueError(f"attn_res: bank {tuple(bank.shape)} does not match prefix {tuple(prefix.shape)}")
-    V = torch.cat([bank, prefix.unsqueeze(-2)], dim=-2).float()  # [..., N+1, d]
+    acc = torch.float64 if prefix.dtype == torch.float64 else torch.float32  # fp64 in: an fp64 oracle
+    V = torch.cat([bank, prefix.unsqueeze(-2)], dim=-2).to(acc)  # [..., N+1, d]
     K = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + eps)
-    query = norm_weight.float() * proj_weight.float().reshape(-1)  # effective query [d]
+    query = norm_weight.to(acc) * proj_weight.to(acc).reshape(-1)  # effective query [d]
     p = torch.softmax(K @ query, dim=-1)  # [..., N+1]
     return (p.unsqueeze(-1) * V).sum(-2).to(prefix.dtype)

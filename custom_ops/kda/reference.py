@@ -7,7 +7,8 @@ Contract (= fla's naive functions):
     beta  [B, T, H]      after sigmoid
     scale                default K ** -0.5
     initial_state [B, H, K, V] fp32 (zeros when None)
-Returns (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] fp32).
+Returns (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] fp32). With fp64 `v` everything is
+computed (and the state returned) in fp64: the oracle for kernel error budgets.
 
 Two levels: `kda_recurrent` is the token-by-token definition; `kda_chunked` is the chunkwise (WY/UT)
 form checked against it. The chunked form never factorises exp(Γ_r − Γ_c) over a chunk: it takes
@@ -30,15 +31,16 @@ def _prepare(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: fl
     if v.shape[:3] != (B, T, H) or beta.shape != (B, T, H):
         raise ValueError(f"kda: v {tuple(v.shape)} / beta {tuple(beta.shape)} do not match q {tuple(q.shape)}")
     scale = K ** -0.5 if scale is None else scale
+    acc = torch.float64 if v.dtype == torch.float64 else torch.float32  # fp64 in: an fp64 oracle
     if initial_state is None:
-        state = q.new_zeros(B, H, K, V, dtype=torch.float32)
+        state = q.new_zeros(B, H, K, V, dtype=acc)
     else:
         if initial_state.shape != (B, H, K, V):
             raise ValueError(f"kda: initial_state {tuple(initial_state.shape)}, expected {(B, H, K, V)}")
-        state = initial_state.float().clone()
-    # [B, T, H, *] -> [B, H, T, *], fp32
-    q, k, v, g = (x.float().transpose(1, 2) for x in (q, k, v, g))
-    beta = beta.float().transpose(1, 2)
+        state = initial_state.to(acc).clone()
+    # [B, T, H, *] -> [B, H, T, *], fp32 (fp64 for fp64 inputs)
+    q, k, v, g = (x.to(acc).transpose(1, 2) for x in (q, k, v, g))
+    beta = beta.to(acc).transpose(1, 2)
     return q * scale, k, v, g, beta, state
 
 
@@ -75,7 +77,7 @@ def kda_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale:
     r = torch.arange(C, device=q.device)
     incl = r[:, None] >= r[None, :]  # [C, C] causal incl. diagonal
     strict = r[:, None] > r[None, :]
-    eye = torch.eye(C, device=q.device)
+    eye = torch.eye(C, device=q.device, dtype=q.dtype)
     o = torch.empty_like(v)
     for i in range(n):
         Gi, qi, ki, vi, bi = G[:, :, i], q[:, :, i], k[:, :, i], v[:, :, i], beta[:, :, i]

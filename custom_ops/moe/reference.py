@@ -20,8 +20,10 @@ from torch import Tensor
 
 
 def glu(a: Tensor, b: Tensor, activation: str, beta: float, linear_beta: float) -> Tensor:
-    """Gated activation in fp32. 'situ': [β1 tanh(a/β1) σ(a)] ⊙ [β2 tanh(b/β2)];  'silu': a σ(a) ⊙ b."""
-    a, b = a.float(), b.float()
+    """Gated activation in fp32 (fp64 for fp64 inputs). 'situ': [β1 tanh(a/β1) σ(a)] ⊙ [β2 tanh(b/β2)];
+    'silu': a σ(a) ⊙ b."""
+    if a.dtype != torch.float64:
+        a, b = a.float(), b.float()
     if activation == "situ":
         return (beta * torch.tanh(a / beta) * torch.sigmoid(a)) * (linear_beta * torch.tanh(b / linear_beta))
     if activation == "silu":
@@ -31,9 +33,10 @@ def glu(a: Tensor, b: Tensor, activation: str, beta: float, linear_beta: float) 
 
 def route(x: Tensor, gate_weight: Tensor, gate_bias: Tensor, top_k: int, routed_scaling_factor: float,
           renormalize: bool) -> tuple[Tensor, Tensor]:
-    """(topk_ids [N, k] int64, topk_weights [N, k] fp32)."""
-    s = torch.sigmoid(x.float() @ gate_weight.float().t())  # [N, E]
-    ids = torch.topk(s + gate_bias.float(), top_k, dim=-1).indices  # selection on biased scores
+    """(topk_ids [N, k] int64, topk_weights [N, k] fp32, fp64 for fp64 x)."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    s = torch.sigmoid(x.to(acc) @ gate_weight.to(acc).t())  # [N, E]
+    ids = torch.topk(s + gate_bias.to(acc), top_k, dim=-1).indices  # selection on biased scores
     w = s.gather(-1, ids)  # weights from unbiased scores
     if renormalize:
         w = w / (w.sum(-1, keepdim=True) + 1e-20)
@@ -48,12 +51,13 @@ def moe(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tensor
         raise ValueError(f"moe: shapes x {tuple(x.shape)} z {tuple(z.shape)} gate {tuple(gate_weight.shape)} "
                          f"w1 {tuple(w1.shape)} w3 {tuple(w3.shape)} w2 {tuple(w2.shape)} do not fit")
     ids, w = route(x, gate_weight, gate_bias, top_k, routed_scaling_factor, renormalize)
-    zf = z.float()
-    out = torch.zeros(z.shape[0], L, dtype=torch.float32, device=z.device)
+    acc = torch.float64 if z.dtype == torch.float64 else torch.float32  # fp64 in: an fp64 oracle
+    zf, w = z.to(acc), w.to(acc)
+    out = torch.zeros(z.shape[0], L, dtype=acc, device=z.device)
     for e in range(E):
         tok, slot = (ids == e).nonzero(as_tuple=True)  # tokens routed to expert e
         if tok.numel() == 0:
             continue
-        h = glu(zf[tok] @ w1[e].float().t(), zf[tok] @ w3[e].float().t(), activation, situ_beta, situ_linear_beta)
-        out.index_add_(0, tok, (h @ w2[e].float().t()) * w[tok, slot, None])
+        h = glu(zf[tok] @ w1[e].to(acc).t(), zf[tok] @ w3[e].to(acc).t(), activation, situ_beta, situ_linear_beta)
+        out.index_add_(0, tok, (h.to(acc) @ w2[e].to(acc).t()) * w[tok, slot, None])
     return out.to(z.dtype)

@@ -88,6 +88,14 @@ def test_bf16_inputs_keep_fp32_state_and_v_dtype():
     assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
 
 
+def test_fp64_inputs_give_an_fp64_oracle():
+    q, k, v, g, beta, h0 = (x.double() for x in inputs(1, 40, 2, 8, 8))
+    o1, s1 = kda_chunked(q, k, v, g, beta, initial_state=h0)
+    o2, s2 = kda_recurrent(q, k, v, g, beta, initial_state=h0)
+    assert o1.dtype == s1.dtype == torch.float64
+    assert (o1 - o2).abs().max() < 1e-12 and (s1 - s2).abs().max() < 1e-12
+
+
 def test_shape_errors_name_the_tensor():
     q, k, v, g, beta, h0 = inputs(1, 5, 2, 8, 8)
     with pytest.raises(ValueError, match="initial_state"):

@@ -1,0 +1,385 @@
+"""The one prepared script for a GPU machine: kernel parity in bf16 and benchmarks against the anchors.
+
+    python bench/gpu_check.py                 # on CUDA: parity + benchmarks, < 5 min; JSON to $OUT/gpu_check.json
+    python bench/gpu_check.py --parity-only   # skip the benchmarks
+    TRITON_INTERPRET=1 python bench/gpu_check.py --cpu-selftest   # same parity code path, tiny fp32 shapes, CPU
+
+Parity: every Triton kernel on bf16 inputs vs the eager references run on the same inputs upcast.  The
+references compute in fp32 by contract (`_prepare` upcasts with `.float()`, so fp64 inputs would be
+downcast), so the oracle is the fp32 reference, run on the GPU with TF32 disabled.  Tolerances come from
+the one table in tests/tolerances.py.  fla's own bf16 error against the same oracle is reported when
+fla-core is installed (it travels as a wheel and may be absent: those rows are skipped with a note).
+
+Benchmarks (`triton.testing.do_bench`, warm-up 50 ms, 300 ms of repeats, as in anchors.md): the copy and
+GEMM ceilings, KDA prefill (H=64 and K3's H=96, T=4096 and 32768) and decode (B=1, 64) vs fla, AttnRes
+vs the copy ceiling, MoE expert GEMMs vs `torch._grouped_mm` at K3's expert shape.
+
+Extension point: `CHECKS` is the list of check functions run in order; each takes a `Context` and returns
+a list of `Result`.  Add one with `@check` (e.g. a TensorRT-plugin check that launches the AOT-compiled
+kernels).  Exit status is 1 if any parity result fails or any check raises.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Context:
+    device: str  # "cuda", or "cpu" for the self-test (Triton interpreter)
+    dtype: object  # torch dtype of kernel inputs: bf16 on CUDA, fp32 in the self-test
+    selftest: bool
+    bench: bool
+    copy_tbps: float | None = None  # measured copy ceiling, set by bench_ceilings
+    t0: float = field(default_factory=time.perf_counter)
+
+    def time_left(self, budget_s: float = 270.0) -> float:
+        return budget_s - (time.perf_counter() - self.t0)
+
+
+@dataclass
+class Result:
+    name: str
+    kind: str  # "parity" | "bench" | "info"
+    ok: bool | None  # None: informational
+    metrics: dict = field(default_factory=dict)
+    note: str = ""
+
+
+CHECKS: list[Callable[[Context], list[Result]]] = []  # the extension point: run in order by main()
+
+
+def check(fn: Callable[[Context], list[Result]]) -> Callable[[Context], list[Result]]:
+    CHECKS.append(fn)
+    return fn
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def _compare(name: str, actual, expected, dtype, extra: dict | None = None) -> Result:
+    """Max-abs, RMSE ratio and the dtype tolerance of tests/tolerances.py (allclose semantics)."""
+    import torch
+    from tests.tolerances import TOLERANCES
+
+    a, e = actual.double().cpu(), expected.double().cpu()
+    atol, rtol = TOLERANCES[dtype]
+    finite = bool(torch.isfinite(a).all())
+    err = (a - e).abs()
+    metrics = {"max_abs": err.max().item(), "rmse_ratio": (err.pow(2).mean().sqrt() / (e.pow(2).mean().sqrt() + 1e-12)).item(),
+               "worst_excess": (err - atol - rtol * e.abs()).max().item(), "shape": list(a.shape)}
+    metrics.update(extra or {})
+    ok = finite and a.shape == e.shape and metrics["worst_excess"] <= 0
+    return Result(name, "parity", ok, metrics, "" if finite else "non-finite values")
+
+
+def _fla():
+    try:
+        from fla.ops.kda import chunk_kda, fused_recurrent_kda
+    except Exception as exc:  # absent wheel or incompatible build: skip with a note
+        return None, f"fla-core unavailable ({type(exc).__name__}: {exc})"
+    return (chunk_kda, fused_recurrent_kda), ""
+
+
+def _bench(fn) -> float:
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=50, rep=300)
+
+
+def _kda_inputs(B, T, H, K, V, dtype, device, gate_min=-5.0):
+    import torch
+
+    from k3x.custom_ops.kda.reference import l2norm
+
+    q = l2norm(torch.randn(B, T, H, K, device=device)).to(dtype)
+    k = l2norm(torch.randn(B, T, H, K, device=device)).to(dtype)
+    v = torch.randn(B, T, H, V, device=device).to(dtype)
+    g = torch.rand(B, T, H, K, device=device) * gate_min  # fp32 log-decay
+    beta = torch.rand(B, T, H, device=device).to(dtype)
+    h0 = torch.randn(B, H, K, V, device=device) * 0.1
+    return q, k, v, g, beta, h0
+
+
+# ------------------------------------------------------------------------------------------------ parity
+
+
+@check
+def parity_kda(ctx: Context) -> list[Result]:
+    import torch
+
+    from k3x.custom_ops.kda import reference as ref
+    from k3x.custom_ops.kda import triton as kern
+
+    fla, note = _fla() if not ctx.selftest else (None, "self-test")
+    shapes = ([(1, 70, 2, 16, 32, -5.0), (1, 40, 1, 16, 16, -20.0)] if ctx.selftest
+              else [(2, 1000, 8, 128, 128, -5.0), (1, 300, 4, 64, 128, -20.0), (1, 4096, 2, 128, 128, -5.0)])
+    out = []
+    for B, T, H, K, V, gmin in shapes:
+        q, k, v, g, beta, h0 = _kda_inputs(B, T, H, K, V, ctx.dtype, ctx.device, gmin)
+        ro, rs = ref.kda_chunked(*(x.float() for x in (q, k, v, g, beta)), initial_state=h0)
+        o, s = kern.kda_chunked(q, k, v, g, beta, initial_state=h0)
+        extra = {}
+        if fla is not None and gmin >= -5:
+            fo, _ = fla[0](q, k, v, g, beta, initial_state=h0, output_final_state=True, safe_gate=True,
+                           lower_bound=-5.0)
+            extra["fla_max_abs"] = (fo.float() - ro).abs().max().item()
+        tag = f"B{B}-T{T}-H{H}-K{K}-V{V}-g{gmin:g}"
+        out.append(_compare(f"kda_chunked o {tag}", o, ro, ctx.dtype, extra))
+        out.append(_compare(f"kda_chunked state {tag}", s, rs, ctx.dtype))
+    for B, T in ([(2, 1), (1, 5)] if ctx.selftest else [(4, 1), (64, 1), (1, 16)]):
+        H, K, V = (3, 16, 32) if ctx.selftest else (96, 128, 128)
+        q, k, v, g, beta, h0 = _kda_inputs(B, T, H, K, V, ctx.dtype, ctx.device)
+        ro, rs = ref.kda_recurrent(q, k, v, g, beta, initial_state=h0)
+        state = h0.clone()
+        o = kern.kda_recurrent_(q, k, v, g, beta, state)
+        out.append(_compare(f"kda_recurrent_ o B{B}-T{T}-H{H}", o, ro, ctx.dtype))
+        out.append(_compare(f"kda_recurrent_ state B{B}-T{T}-H{H}", state, rs, ctx.dtype))
+    if note and not ctx.selftest:
+        out.append(Result("fla comparison", "info", None, note=note))
+    return out
+
+
+@check
+def parity_attn_res(ctx: Context) -> list[Result]:
+    import torch
+
+    from k3x.custom_ops.attn_res import reference as ref
+    from k3x.custom_ops.attn_res import triton as kern
+
+    out = []
+    for R, N, d in ([(3, 2, 100), (2, 9, 40)] if ctx.selftest else [(256, 8, 7168), (512, 1, 7168), (64, 5, 1000)]):
+        prefix = (torch.randn(R, d, device=ctx.device) * 4).to(ctx.dtype)
+        bank = torch.randn(R, N, d, device=ctx.device).to(ctx.dtype)
+        nw, pw = 1 + 0.1 * torch.randn(d, device=ctx.device), torch.randn(d, device=ctx.device) * 0.05
+        out.append(_compare(f"attn_res R{R}-N{N}-d{d}", kern.attn_res(prefix, bank, nw, pw, 1e-5),
+                            ref.attn_res(prefix, bank, nw, pw, 1e-5), ctx.dtype))
+    return out
+
+
+@check
+def parity_moe(ctx: Context) -> list[Result]:
+    import torch
+
+    from k3x.custom_ops.moe import reference as ref
+    from k3x.custom_ops.moe import triton as kern
+
+    out = []
+    cases = ([(9, 24, 40, 24, 6, 2, None), (9, 24, 20, 36, 5, 1, 2)] if ctx.selftest
+             else [(512, 512, 384, 256, 64, 8, None), (256, 512, 384, 256, 64, 8, 5), (16, 7168, 512, 384, 896, 16, None)])
+    for N, d, L, I, E, k, hot in cases:
+        dev = ctx.device
+        x = torch.randn(N, d, device=dev).to(ctx.dtype)
+        z = torch.randn(N, L, device=dev).to(ctx.dtype)
+        gw = (torch.randn(E, d, device=dev) * d ** -0.5).to(ctx.dtype)
+        gb = torch.randn(E, device=dev) * 0.1
+        if hot is not None:
+            gb[hot] = 100.0
+        w1, w3 = ((torch.randn(E, I, L, device=dev) * L ** -0.5).to(ctx.dtype) for _ in range(2))
+        w2 = (torch.randn(E, L, I, device=dev) * I ** -0.5).to(ctx.dtype)
+        args = (x, z, gw, gb, w1, w3, w2, k, 1.0, True, "situ", 4.0, 25.0)
+        tag = f"N{N}-L{L}-I{I}-E{E}-k{k}" + ("" if hot is None else f"-hot{hot}")
+        out.append(_compare(f"moe u {tag}", kern.moe(*args), ref.moe(*args), ctx.dtype))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ benchmarks
+
+
+@check
+def bench_ceilings(ctx: Context) -> list[Result]:
+    if not ctx.bench:
+        return []
+    import torch
+
+    src = torch.empty(2 ** 29, dtype=torch.bfloat16, device="cuda").normal_()  # 1 GiB
+    dst = torch.empty_like(src)
+    t_copy = _bench(lambda: dst.copy_(src))
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t_mm = _bench(lambda: a @ b)
+    ctx.copy_tbps = 2 * 2 ** 30 / t_copy / 1e9
+    return [Result("copy 1 GiB d2d", "bench", None, {"ms": t_copy, "TB/s": ctx.copy_tbps}),
+            Result("bf16 GEMM 8192^3", "bench", None, {"ms": t_mm, "TFLOP/s": 2 * 8192 ** 3 / t_mm / 1e9})]
+
+
+@check
+def bench_kda(ctx: Context) -> list[Result]:
+    if not ctx.bench:
+        return []
+    import torch
+
+    from k3x.custom_ops.kda import triton as kern
+
+    fla, note = _fla()
+    out = []
+    for H in (64, 96):
+        for T in (4096, 32768):
+            if ctx.time_left() < 60:
+                return out + [Result("kda prefill", "info", None, note="skipped: time budget")]
+            q, k, v, g, beta, h0 = _kda_inputs(1, T, H, 128, 128, torch.bfloat16, "cuda")
+            m = {"ours_ms": _bench(lambda: kern.kda_chunked(q, k, v, g, beta, initial_state=h0))}
+            if fla is not None:
+                common = dict(initial_state=h0, output_final_state=True, safe_gate=True, lower_bound=-5.0)
+                m["fla_l2norm_ms"] = _bench(lambda: fla[0](q, k, v, g, beta, use_qk_l2norm_in_kernel=True, **common))
+                m["fla_ms"] = _bench(lambda: fla[0](q, k, v, g, beta, **common))
+                m["speedup_vs_fla"] = m["fla_ms"] / m["ours_ms"]
+                m["speedup_vs_fla_l2norm"] = m["fla_l2norm_ms"] / m["ours_ms"]
+            m["Mtok/s"] = T / m["ours_ms"] / 1e3
+            out.append(Result(f"kda prefill B1-T{T}-H{H}", "bench", None, m, note))
+            del q, k, v, g, beta, h0
+    for B in (1, 64):
+        q, k, v, g, beta, h0 = _kda_inputs(B, 1, 96, 128, 128, torch.bfloat16, "cuda")
+        state = h0.clone()
+        m = {"ours_ms": _bench(lambda: kern.kda_recurrent_(q, k, v, g, beta, state))}
+        nbytes = 2 * h0.numel() * 4
+        m["state_TB/s"] = nbytes / m["ours_ms"] / 1e9
+        if ctx.copy_tbps:
+            m["frac_of_copy"] = m["state_TB/s"] / ctx.copy_tbps
+        if fla is not None:
+            m["fla_ms"] = _bench(lambda: fla[1](q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                use_qk_l2norm_in_kernel=True))
+        out.append(Result(f"kda decode B{B}-H96", "bench", None, m, note))
+    return out
+
+
+@check
+def bench_attn_res(ctx: Context) -> list[Result]:
+    if not ctx.bench:
+        return []
+    import torch
+
+    from k3x.custom_ops.attn_res import triton as kern
+
+    out = []
+    for R, N in ((8192, 8), (8192, 1)):
+        d = 7168
+        prefix = torch.randn(R, d, device="cuda", dtype=torch.bfloat16)
+        bank = torch.randn(R, N, d, device="cuda", dtype=torch.bfloat16)
+        nw, pw = torch.ones(d, device="cuda"), torch.randn(d, device="cuda") * 0.02
+        ms = _bench(lambda: kern.attn_res(prefix, bank, nw, pw, 1e-5))
+        tbps = (N + 2) * R * d * 2 / ms / 1e9
+        m = {"ms": ms, "TB/s": tbps}
+        if ctx.copy_tbps:
+            m["frac_of_copy"] = tbps / ctx.copy_tbps
+        out.append(Result(f"attn_res R{R}-N{N}-d{d}", "bench", None, m))
+    return out
+
+
+@check
+def bench_moe(ctx: Context) -> list[Result]:
+    if not ctx.bench or ctx.time_left() < 60:
+        return [] if not ctx.bench else [Result("moe", "info", None, note="skipped: time budget")]
+    import torch
+
+    from k3x.custom_ops.moe import triton as kern
+
+    N, k, E, L, I = 8192, 16, 896, 3584, 3072  # K3: 131072 pairs over 896 experts (~146 rows each)
+    dev, bf = "cuda", torch.bfloat16
+    z = torch.randn(N, L, device=dev, dtype=bf)
+    w1, w3 = (torch.empty(E, I, L, device=dev, dtype=bf).normal_(std=L ** -0.5) for _ in range(2))
+    w2 = torch.empty(E, L, I, device=dev, dtype=bf).normal_(std=I ** -0.5)
+    ids = torch.rand(N, E, device=dev).topk(k, dim=-1).indices  # ~uniform load
+    wts = torch.rand(N, k, device=dev)
+    cfg = kern.moe_launch_config(N, k, E, L, I)
+    sp, be = kern.moe_align(ids, E, cfg["BM"], cfg["P"])
+    h = kern.moe_gemm1(z, w1, w3, sp, be, k, cfg, "situ", 4.0, 25.0)
+    NK = N * k
+    m = {"gemm1_ms": _bench(lambda: kern.moe_gemm1(z, w1, w3, sp, be, k, cfg, "situ", 4.0, 25.0)),
+         "gemm2_ms": _bench(lambda: kern.moe_gemm2(h, w2, sp, be, wts, cfg)),
+         "experts_op_ms": _bench(lambda: kern.moe_experts(z, ids, wts, w1, w3, w2, "situ", 4.0, 25.0))}
+    m["gemm1_TFLOP/s"] = 2 * NK * L * 2 * I / m["gemm1_ms"] / 1e9
+    m["gemm2_TFLOP/s"] = 2 * NK * I * L / m["gemm2_ms"] / 1e9
+    m["gemms_TFLOP/s"] = 2 * NK * L * 3 * I / (m["gemm1_ms"] + m["gemm2_ms"]) / 1e9
+    m["op_over_gemms"] = m["experts_op_ms"] / (m["gemm1_ms"] + m["gemm2_ms"])
+    note = ""
+    if hasattr(torch, "_grouped_mm"):
+        try:
+            order = ids.reshape(-1).argsort()
+            a = z[(order // k)]  # [NK, L] rows grouped by expert
+            offs = torch.bincount(ids.reshape(-1), minlength=E).cumsum(0).to(torch.int32)
+            t_up = _bench(lambda: torch._grouped_mm(a, w1.transpose(1, 2), offs=offs))  # one of gate/up
+            a2 = torch.randn(N * k, I, device=dev, dtype=bf)
+            t_dn = _bench(lambda: torch._grouped_mm(a2, w2.transpose(1, 2), offs=offs))
+            m["grouped_mm_gate_up_ms"] = 2 * t_up  # gate and up as two calls of the same size
+            m["grouped_mm_down_ms"] = t_dn
+            m["grouped_mm_TFLOP/s"] = 2 * NK * L * 3 * I / (2 * t_up + t_dn) / 1e9
+        except Exception as exc:
+            note = f"torch._grouped_mm failed: {type(exc).__name__}: {exc}"
+    else:
+        note = "torch._grouped_mm not available"
+    return [Result(f"moe experts N{N}-k{k}-E{E}-L{L}-I{I}", "bench", None, m, note)]
+
+
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def run(ctx: Context) -> list[Result]:
+    results = []
+    for fn in CHECKS:
+        try:
+            results.extend(fn(ctx))
+        except Exception:
+            results.append(Result(fn.__name__, "error", False, note=traceback.format_exc(limit=8)))
+    return results
+
+
+def _fmt(m: dict) -> str:
+    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cpu-selftest", action="store_true", help="tiny fp32 parity on CPU under TRITON_INTERPRET=1")
+    p.add_argument("--parity-only", action="store_true", help="skip the benchmarks")
+    args = p.parse_args(argv)
+    if args.cpu_selftest:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+        if os.environ["TRITON_INTERPRET"] != "1":
+            print("--cpu-selftest needs TRITON_INTERPRET=1", file=sys.stderr)
+            return 2
+    sys.path.insert(0, str(ROOT))  # tests.tolerances
+    import torch
+
+    if args.cpu_selftest:
+        ctx = Context("cpu", torch.float32, selftest=True, bench=False)
+    elif torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 oracle
+        torch.backends.cudnn.allow_tf32 = False
+        ctx = Context("cuda", torch.bfloat16, selftest=False, bench=not args.parity_only)
+    else:
+        print("no CUDA device: run with --cpu-selftest (and TRITON_INTERPRET=1) on CPU", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    import triton
+
+    env = {"torch": torch.__version__, "triton": triton.__version__,
+           "device": torch.cuda.get_device_name() if ctx.device == "cuda" else "cpu (interpreter)"}
+    results = run(ctx)
+    for r in results:
+        status = {True: "PASS", False: "FAIL", None: "    "}[r.ok]
+        print(f"{status} {r.kind:6s} {r.name:44s} {_fmt(r.metrics)} {r.note}".rstrip())
+    failed = [r for r in results if r.ok is False]
+    out_dir = Path(os.environ.get("OUT", "./out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = {"env": env, "selftest": ctx.selftest, "seconds": time.perf_counter() - ctx.t0,
+              "failed": len(failed), "results": [asdict(r) for r in results]}
+    (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
+    print(f"{len(results)} results, {len(failed)} failed, {report['seconds']:.1f} s -> {out_dir / 'gpu_check.json'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Block Attention Residuals mixer, Triton kernel and launcher. Never imports `reference.py`.
+
+Same contract as `reference.attn_res` (spec §4.2):
+    prefix [..., d], bank [..., N, d] (N >= 1, N + 1 <= 16 sources), norm_weight [d], proj_weight [d]
+    -> [..., d] in prefix's dtype.
+
+One program per token row, two passes over its N + 1 sources (bank rows, then prefix), all fp32:
+  1. per d-block: accumulate Σ v² and Σ v·(norm_weight ⊙ proj_weight) for every source at once
+     ([NS, BD] tile, NS = next power of two of N + 1); score_i = rsqrt(mean(v_i²) + eps) · Σ v_i·w,
+     which equals RMSNorm(v_i) · w without materialising the normalised keys; softmax over sources.
+  2. per d-block: out = Σ_i p_i v_i (the raw sources), stored in prefix's dtype.
+The second pass re-reads the row (N + 1)·d elements; at K3 sizes (9 × 7168 bf16 = 129 KB) it mostly
+hits L2.  Memory traffic is the floor: (N + 1)·d reads + d writes per token.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _load_sources(bank, prefix, o_s, o_d, N, d):
+    """[NS, BD] fp32 tile: rows 0..N-1 from this token's bank, row N from prefix, the rest zeros."""
+    m_d = o_d < d
+    from_bank = (o_s < N)[:, None] & m_d[None, :]
+    x = tl.load(bank + o_s[:, None] * d + o_d[None, :], mask=from_bank, other=0.0).to(tl.float32)
+    from_prefix = (o_s == N)[:, None] & m_d[None, :]
+    p = tl.load(prefix + o_d[None, :] + o_s[:, None] * 0, mask=from_prefix, other=0.0).to(tl.float32)
+    return x + p
+
+
+@triton.jit
+def _attn_res_kernel(
+    prefix, bank, norm_weight, proj_weight,  # [R, d], [R, N, d], [d], [d]
+    out,  # [R, d]
+    N, d,
+    eps,
+    NS: tl.constexpr, BD: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    prefix += row * d
+    bank += row * N * d
+    out += row * d
+    o_s = tl.arange(0, NS)
+    ssq = tl.zeros([NS], dtype=tl.float32)
+    dot = tl.zeros([NS], dtype=tl.float32)
+    for d0 in range(0, d, BD):
+        o_d = d0 + tl.arange(0, BD)
+        m_d = o_d < d
+        qw = (tl.load(norm_weight + o_d, mask=m_d, other=0.0).to(tl.float32)
+              * tl.load(proj_weight + o_d, mask=m_d, other=0.0).to(tl.float32))  # effective query [BD]
+        x = _load_sources(bank, prefix, o_s, o_d, N, d)  # [NS, BD]
+        ssq += tl.sum(x * x, 1)
+        dot += tl.sum(x * qw[None, :], 1)
+    score = dot * tl.rsqrt(ssq / d + eps)  # [NS]
+    score = tl.where(o_s <= N, score, float("-inf"))
+    p = tl.exp(score - tl.max(score, 0))
+    p = p / tl.sum(p, 0)
+    for d0 in range(0, d, BD):
+        o_d = d0 + tl.arange(0, BD)
+        x = _load_sources(bank, prefix, o_s, o_d, N, d)
+        tl.store(out + o_d, tl.sum(x * p[:, None], 0).to(out.dtype.element_ty), mask=o_d < d)
+
+
+def attn_res_launch_config(rows: int, n_bank: int, d: int) -> dict:
+    """One program per row; the [NS, BD] tile holds ~4096 fp32 values."""
+    NS = triton.next_power_of_2(n_bank + 1)
+    BD = max(16, min(triton.next_power_of_2(d), 4096 // NS))
+    return {"grid": (rows,), "NS": NS, "BD": BD, "num_warps": 4 if NS * BD <= 2048 else 8, "num_stages": 2}
+
+
+def attn_res(prefix: Tensor, bank: Tensor, norm_weight: Tensor, proj_weight: Tensor, eps: float) -> Tensor:
+    if bank.shape[:-2] != prefix.shape[:-1] or bank.shape[-1] != prefix.shape[-1]:
+        raise ValueError(f"attn_res: bank {tuple(bank.shape)} does not match prefix {tuple(prefix.shape)}")
+    d, N = prefix.shape[-1], bank.shape[-2]
+    if not 1 <= N <= 15:
+        raise ValueError(f"attn_res (triton): needs 1 <= N <= 15 bank entries, got N={N}")
+    if norm_weight.numel() != d or proj_weight.numel() != d:
+        raise ValueError(f"attn_res: norm_weight {tuple(norm_weight.shape)} / proj_weight "
+                         f"{tuple(proj_weight.shape)} must have {d} elements")
+    prefix_2d = prefix.reshape(-1, d).contiguous()  # [R, d]
+    bank_3d = bank.reshape(-1, N, d).contiguous()  # [R, N, d]
+    R = prefix_2d.shape[0]
+    out = torch.empty_like(prefix_2d)
+    if R == 0:
+        return out.reshape(prefix.shape)
+    c = attn_res_launch_config(R, N, d)
+    _attn_res_kernel[c["grid"]](prefix_2d, bank_3d, norm_weight.contiguous(), proj_weight.reshape(-1).contiguous(),
+                                out, N, d, float(eps), NS=c["NS"], BD=c["BD"], num_warps=c["num_warps"],
+                                num_stages=c["num_stages"])
+    return out.reshape(prefix.shape)

@@ -1,0 +1,335 @@
+"""Routed (latent) MoE, Triton kernels and launchers. Never imports `reference.py`.
+
+Axes: N tokens, d router width, L expert width, E experts, I expert intermediate, k = top_k,
+NK = N·k (token, slot) pairs, P = padded pair rows, BM = rows per GEMM block.
+Same contract as `reference.route` / `reference.moe` (spec §5.1–5.2).
+
+Pipeline of `moe`:
+  1. `route`: `_router_kernel` (scores s = sigmoid(x W_rᵀ), fp32 accumulation; 16-bit operands go to
+     tensor cores unchanged, which is exact-product fp32 math) and `_topk_kernel` (per token: k rounds
+     of argmax over s + bias, weights from the unbiased s, optional renormalisation, × factor).
+  2. `moe_align` (torch bookkeeping, static shapes): a stable sort of the NK pairs by expert, each
+     expert's segment padded to a multiple of BM (the idea of vLLM's `moe_align_block_size`), so every
+     BM-row block belongs to one expert: `sorted_pair [P]` (pair id, or NK for padding) and
+     `block_expert [P/BM]` (expert id, or -1 for unused tail blocks, which exit at once).  P is the
+     worst case NK + min(E, NK)·(BM − 1), so grids depend on shapes only (CUDA-graph friendly).
+  3. `_moe_gemm1_kernel`: grouped GEMM over blocks, A rows gathered from z by token id; gate (w1) and
+     up (w3) tiles of the same expert in one kernel with two accumulators; SiTU-GLU or SiLU-GLU in the
+     fp32 epilogue; h [P, I] in z's dtype.  GROUP_M swizzle so the blocks of a few experts run together
+     and each weight tile is read from HBM about once.
+  4. `_moe_gemm2_kernel`: h @ w2ᵀ per block, epilogue × routing weight (fp32), rows scattered to
+     y [NK, L] fp32 by pair id (un-permute).
+  5. `_moe_sum_kernel`: u[n] = Σ_j y[n·k + j] in fp32, cast to z's dtype once.
+Experts with no tokens get no blocks; one expert with every token gets NK/BM blocks.  Matmuls take
+16-bit operands as they are and fp32 operands with input_precision="ieee".  Launch parameters are pure
+functions of the shapes (`moe_launch_config`); no autotune, no block pointers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+ACTIVATIONS = {"silu": 0, "situ": 1}
+
+
+@triton.jit
+def _mma(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _router_kernel(
+    x, wg, s,  # [N, D], [E, D], scores out [N, E] fp32
+    N, E, D,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    o_m = pid_m * BM + tl.arange(0, BM)
+    o_n = pid_n * BN + tl.arange(0, BN)
+    o_k = tl.arange(0, BK)
+    m_m, m_n = o_m < N, o_n < E
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        m_k = (k0 + o_k) < D
+        a = tl.load(x + o_m[:, None].to(tl.int64) * D + k0 + o_k[None, :], mask=m_m[:, None] & m_k[None, :],
+                    other=0.0)
+        b = tl.load(wg + o_n[None, :].to(tl.int64) * D + k0 + o_k[:, None], mask=m_k[:, None] & m_n[None, :],
+                    other=0.0)  # [BK, BN]
+        acc = _mma(a, b, acc, IEEE)
+    tl.store(s + o_m[:, None].to(tl.int64) * E + o_n[None, :], tl.sigmoid(acc), mask=m_m[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _topk_kernel(
+    s, bias,  # [N, E] fp32 scores, [E]
+    ids, wts,  # [N, TOPK] int64, [N, TOPK] fp32
+    E,
+    factor,
+    TOPK: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, RENORM: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    o_e = tl.arange(0, EP)
+    m_e = o_e < E
+    b_s = tl.load(s + row * E + o_e, mask=m_e, other=0.0)
+    sel = tl.where(m_e, b_s + tl.load(bias + o_e, mask=m_e, other=0.0).to(tl.float32), float("-inf"))
+    o_j = tl.arange(0, KP)
+    b_id = tl.zeros([KP], dtype=tl.int32)
+    b_w = tl.zeros([KP], dtype=tl.float32)
+    for j in range(TOPK):  # selection on biased scores, weights from unbiased ones
+        idx = tl.argmax(sel, 0)
+        hit = o_e == idx
+        b_id = tl.where(o_j == j, idx, b_id)
+        b_w = tl.where(o_j == j, tl.sum(tl.where(hit, b_s, 0.0), 0), b_w)
+        sel = tl.where(hit, float("-inf"), sel)
+    if RENORM:
+        b_w = b_w / (tl.sum(b_w, 0) + 1e-20)
+    m_j = o_j < TOPK
+    tl.store(ids + row * TOPK + o_j, b_id.to(tl.int64), mask=m_j)
+    tl.store(wts + row * TOPK + o_j, b_w * factor, mask=m_j)
+
+
+@triton.jit
+def _block_coords(num_m, num_n, GROUP_M: tl.constexpr):
+    """GROUP_M swizzle: (pid_m, pid_n) so GROUP_M consecutive row blocks sweep all column blocks together."""
+    pid = tl.program_id(0)
+    in_group = GROUP_M * num_n
+    first_m = (pid // in_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % in_group) % size_m, (pid % in_group) // size_m
+
+
+@triton.jit
+def _moe_gemm1_kernel(
+    z, w1, w3, sorted_pair, block_expert,  # [N, L], [E, I, L] ×2, [P] int32, [P/BM] int32
+    h,  # out [P, I]
+    NK, I, L, num_m,
+    beta1, beta2,
+    TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    ACT: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid_m, pid_n = _block_coords(num_m, tl.cdiv(I, BN), GROUP_M)
+    e = tl.load(block_expert + pid_m).to(tl.int64)
+    if e < 0:
+        return
+    o_m = pid_m * BM + tl.arange(0, BM)
+    pair = tl.load(sorted_pair + o_m)
+    valid = pair < NK
+    tok = (pair // TOPK).to(tl.int64)
+    o_n = pid_n * BN + tl.arange(0, BN)
+    m_n = o_n < I
+    o_k = tl.arange(0, BK)
+    a_ptr = z + tok[:, None] * L + o_k[None, :]  # gathered rows [BM, BK]
+    w_off = e * I * L + o_n[None, :].to(tl.int64) * L + o_k[:, None]  # [BK, BN] view of w[e]ᵀ
+    acc1 = tl.zeros([BM, BN], dtype=tl.float32)
+    acc3 = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, L, BK):
+        m_k = o_k < L - k0
+        a = tl.load(a_ptr + k0, mask=valid[:, None] & m_k[None, :], other=0.0)
+        b1 = tl.load(w1 + w_off + k0, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        b3 = tl.load(w3 + w_off + k0, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        acc1 = _mma(a, b1, acc1, IEEE)
+        acc3 = _mma(a, b3, acc3, IEEE)
+    if ACT == 1:  # SiTU-GLU: [β1 tanh(a/β1) σ(a)] ⊙ [β2 tanh(b/β2)]
+        out = beta1 * _tanh(acc1 / beta1) * tl.sigmoid(acc1) * (beta2 * _tanh(acc3 / beta2))
+    else:  # SiLU-GLU
+        out = acc1 * tl.sigmoid(acc1) * acc3
+    tl.store(h + o_m[:, None].to(tl.int64) * I + o_n[None, :], out.to(h.dtype.element_ty), mask=m_n[None, :])
+
+
+@triton.jit
+def _moe_gemm2_kernel(
+    h, w2, sorted_pair, block_expert, topk_w,  # [P, I], [E, L, I], [P], [P/BM], [NK] fp32
+    y,  # out [NK, L] fp32, rows in pair order
+    NK, I, L, num_m,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid_m, pid_n = _block_coords(num_m, tl.cdiv(L, BN), GROUP_M)
+    e = tl.load(block_expert + pid_m).to(tl.int64)
+    if e < 0:
+        return
+    o_m = pid_m * BM + tl.arange(0, BM)
+    pair = tl.load(sorted_pair + o_m)
+    valid = pair < NK
+    o_n = pid_n * BN + tl.arange(0, BN)
+    m_n = o_n < L
+    o_k = tl.arange(0, BK)
+    a_ptr = h + o_m[:, None].to(tl.int64) * I + o_k[None, :]
+    w_off = e * L * I + o_n[None, :].to(tl.int64) * I + o_k[:, None]  # [BK, BN] view of w2[e]ᵀ
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        m_k = o_k < I - k0
+        a = tl.load(a_ptr + k0, mask=valid[:, None] & m_k[None, :], other=0.0)
+        b = tl.load(w2 + w_off + k0, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        acc = _mma(a, b, acc, IEEE)
+    wt = tl.load(topk_w + pair, mask=valid, other=0.0)
+    tl.store(y + pair[:, None].to(tl.int64) * L + o_n[None, :], acc * wt[:, None],
+             mask=valid[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _moe_sum_kernel(
+    y, u,  # [N * TOPK, L] fp32, [N, L]
+    L,
+    TOPK: tl.constexpr, BL: tl.constexpr,
+):
+    row, pid_l = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    o_l = pid_l * BL + tl.arange(0, BL)
+    m_l = o_l < L
+    acc = tl.zeros([BL], dtype=tl.float32)
+    for j in range(TOPK):
+        acc += tl.load(y + (row * TOPK + j) * L + o_l, mask=m_l, other=0.0)
+    tl.store(u + row * L + o_l, acc.to(u.dtype.element_ty), mask=m_l)
+
+
+# ----------------------------------------------------------------------------------------------- launchers
+
+
+def moe_launch_config(N: int, top_k: int, E: int, L: int, I: int, elem_bytes: int = 2) -> dict:
+    """Block sizes and grids of every MoE kernel (pure function of the shapes and operand width).
+
+    AOT compilers: give pointers and L/I/E/D `tt.divisibility=16` (as the JIT does); without it the
+    GEMM loads are not vectorised or pipelined and the kernels spill."""
+    NK = N * top_k
+    avg = NK / E  # rows per expert
+    BM = 128 if avg >= 512 else max(16, min(64, triton.next_power_of_2(max(1, int(avg)))))
+    P = triton.cdiv(NK + min(E, NK) * (BM - 1), BM) * BM
+    num_m = P // BM
+    BK = 64 if elem_bytes <= 2 else 32
+    BN1 = min(128, max(16, triton.next_power_of_2(I)))
+    BN2 = min(128, max(16, triton.next_power_of_2(L)))
+    EP = triton.next_power_of_2(E)
+    return {
+        "BM": BM, "P": P, "num_m": num_m,
+        "router": {"grid": (triton.cdiv(N, 32), triton.cdiv(E, 64)), "BM": 32, "BN": 64, "BK": BK, "num_warps": 4,
+                   "num_stages": 3},
+        "topk": {"grid": (N,), "KP": triton.next_power_of_2(top_k), "EP": EP, "num_warps": 4 if EP <= 1024 else 8,
+                 "num_stages": 1},
+        "gemm1": {"grid": (num_m * triton.cdiv(I, BN1),), "BN": BN1, "BK": BK, "GROUP_M": 8,
+                  "num_warps": 8 if BM >= 64 else 4, "num_stages": 3},
+        "gemm2": {"grid": (num_m * triton.cdiv(L, BN2),), "BN": BN2, "BK": BK, "GROUP_M": 8,
+                  "num_warps": 8 if BM >= 128 else 4, "num_stages": 3},
+        "sum": {"grid": (N, triton.cdiv(L, 1024)), "BL": min(1024, triton.next_power_of_2(L)), "num_warps": 4,
+                "num_stages": 1},
+    }
+
+
+def _ieee(*tensors: Tensor) -> bool:
+    """fp32 math on IEEE dots unless every operand has the same 16-bit dtype (then tensor cores)."""
+    dts = {t.dtype for t in tensors}
+    return not (len(dts) == 1 and dts <= {torch.bfloat16, torch.float16})
+
+
+def route(x: Tensor, gate_weight: Tensor, gate_bias: Tensor, top_k: int, routed_scaling_factor: float,
+          renormalize: bool) -> tuple[Tensor, Tensor]:
+    """(topk_ids [N, k] int64, topk_weights [N, k] fp32), ids in descending order of biased score."""
+    N, D = x.shape
+    E = gate_weight.shape[0]
+    if gate_weight.shape != (E, D) or gate_bias.shape != (E,) or not 1 <= top_k <= E:
+        raise ValueError(f"route: x {tuple(x.shape)} gate {tuple(gate_weight.shape)} bias {tuple(gate_bias.shape)} "
+                         f"top_k={top_k} do not fit")
+    x, gate_weight = x.contiguous(), gate_weight.contiguous()
+    c = moe_launch_config(N, top_k, E, 1, 1, x.element_size())
+    s = torch.empty(N, E, device=x.device, dtype=torch.float32)
+    ids = torch.empty(N, top_k, device=x.device, dtype=torch.int64)
+    wts = torch.empty(N, top_k, device=x.device, dtype=torch.float32)
+    if N == 0:
+        return ids, wts
+    r = c["router"]
+    _router_kernel[r["grid"]](x, gate_weight, s, N, E, D, BM=r["BM"], BN=r["BN"], BK=r["BK"],
+                              IEEE=_ieee(x, gate_weight), num_warps=r["num_warps"], num_stages=r["num_stages"])
+    t = c["topk"]
+    _topk_kernel[t["grid"]](s, gate_bias.contiguous(), ids, wts, E, float(routed_scaling_factor), TOPK=top_k,
+                            KP=t["KP"], EP=t["EP"], RENORM=bool(renormalize), num_warps=t["num_warps"],
+                            num_stages=t["num_stages"])
+    return ids, wts
+
+
+def moe_align(ids: Tensor, E: int, BM: int, P: int) -> tuple[Tensor, Tensor]:
+    """Pairs sorted by expert, each expert's segment padded to a multiple of BM (static output sizes).
+
+    ids [N, k] -> sorted_pair [P] int32 (pair id n·k + j, or NK for padding), block_expert [P/BM] int32
+    (expert of each block, -1 past the last used block)."""
+    flat = ids.reshape(-1)  # [NK]
+    NK = flat.numel()
+    counts = torch.bincount(flat, minlength=E)  # [E]
+    padded = (counts + BM - 1) // BM * BM
+    pad_end = padded.cumsum(0)  # [E], inclusive
+    order = torch.argsort(flat, stable=True)  # pair ids grouped by expert
+    e_sorted = flat[order]
+    rank = torch.arange(NK, device=ids.device) - (counts.cumsum(0) - counts)[e_sorted]  # index inside segment
+    sorted_pair = torch.full((P,), NK, dtype=torch.int32, device=ids.device)
+    sorted_pair[(pad_end - padded)[e_sorted] + rank] = order.to(torch.int32)
+    block_start = torch.arange(0, P, BM, device=ids.device)
+    block_expert = torch.searchsorted(pad_end, block_start, right=True)  # first expert whose segment ends after
+    block_expert = torch.where(block_start < pad_end[-1], block_expert, -1).to(torch.int32)
+    return sorted_pair, block_expert
+
+
+def moe_gemm1(z: Tensor, w1: Tensor, w3: Tensor, sorted_pair: Tensor, block_expert: Tensor, top_k: int,
+              cfg: dict, activation: str, situ_beta: float, situ_linear_beta: float) -> Tensor:
+    """h [P, I] = GLU(z[tok] @ w1[e]ᵀ, z[tok] @ w3[e]ᵀ) for every padded pair row (zeros on padding)."""
+    E, I, L = w1.shape
+    h = torch.empty(cfg["P"], I, device=z.device, dtype=z.dtype)
+    g = cfg["gemm1"]
+    _moe_gemm1_kernel[g["grid"]](z, w1, w3, sorted_pair, block_expert, h, z.shape[0] * top_k, I, L, cfg["num_m"],
+                                 float(situ_beta), float(situ_linear_beta), TOPK=top_k, BM=cfg["BM"], BN=g["BN"],
+                                 BK=g["BK"], GROUP_M=g["GROUP_M"], ACT=ACTIVATIONS[activation],
+                                 IEEE=_ieee(z, w1, w3), num_warps=g["num_warps"], num_stages=g["num_stages"])
+    return h
+
+
+def moe_gemm2(h: Tensor, w2: Tensor, sorted_pair: Tensor, block_expert: Tensor, topk_weights: Tensor,
+              cfg: dict) -> Tensor:
+    """y [NK, L] fp32 = routing weight × h @ w2[e]ᵀ, rows back in pair order (n·k + j)."""
+    E, L, I = w2.shape
+    NK = topk_weights.numel()
+    y = torch.empty(NK, L, device=h.device, dtype=torch.float32)
+    g = cfg["gemm2"]
+    _moe_gemm2_kernel[g["grid"]](h, w2, sorted_pair, block_expert, topk_weights.reshape(-1).float(), y, NK, I, L,
+                                 cfg["num_m"], BM=cfg["BM"], BN=g["BN"], BK=g["BK"], GROUP_M=g["GROUP_M"],
+                                 IEEE=_ieee(h, w2), num_warps=g["num_warps"], num_stages=g["num_stages"])
+    return y
+
+
+def moe_experts(z: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
+                activation: str, situ_beta: float, situ_linear_beta: float) -> Tensor:
+    """u [N, L] = Σ_j topk_weights[:, j] · E_{topk_ids[:, j]}(z), given the routing (everything after `route`)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r}: expected one of {sorted(ACTIVATIONS)}")
+    E, I, L = w1.shape
+    N, top_k = topk_ids.shape
+    u = torch.empty(N, L, device=z.device, dtype=z.dtype)
+    if N == 0:
+        return u
+    z, w1, w3, w2 = (t.contiguous() for t in (z, w1, w3, w2))
+    cfg = moe_launch_config(N, top_k, E, L, I, z.element_size())
+    sorted_pair, block_expert = moe_align(topk_ids, E, cfg["BM"], cfg["P"])
+    h = moe_gemm1(z, w1, w3, sorted_pair, block_expert, top_k, cfg, activation, situ_beta, situ_linear_beta)
+    y = moe_gemm2(h, w2, sorted_pair, block_expert, topk_weights, cfg)
+    s = cfg["sum"]
+    _moe_sum_kernel[s["grid"]](y, u, L, TOPK=top_k, BL=s["BL"], num_warps=s["num_warps"], num_stages=s["num_stages"])
+    return u
+
+
+def moe(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
+        top_k: int, routed_scaling_factor: float, renormalize: bool, activation: str, situ_beta: float,
+        situ_linear_beta: float) -> Tensor:
+    E, I, L = w1.shape
+    if (z.shape != (x.shape[0], L) or w3.shape != w1.shape or w2.shape != (E, L, I)
+            or gate_weight.shape != (E, x.shape[-1])):
+        raise ValueError(f"moe: shapes x {tuple(x.shape)} z {tuple(z.shape)} gate {tuple(gate_weight.shape)} "
+                         f"w1 {tuple(w1.shape)} w3 {tuple(w3.shape)} w2 {tuple(w2.shape)} do not fit")
+    ids, wts = route(x, gate_weight, gate_bias, top_k, routed_scaling_factor, renormalize)
+    return moe_experts(z, ids, wts, w1, w3, w2, activation, situ_beta, situ_linear_beta)
