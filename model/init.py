@@ -53,7 +53,7 @@ def build_model(cfg, *, device: str | torch.device = "cpu", dtype: torch.dtype =
         model = K3ForCausalLM(cfg)
     if seed is not None and torch.device(device).type != "meta":
         init_weights(model, seed)
-    fp32_names = ("A_log", "dt_bias", "e_score_correction_bias")
+    fp32_names = ("A_log", "dt_bias", "e_score_correction_bias", "norm.weight")  # gates, router bias, norms
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if not name.endswith(fp32_names):
             t.data = t.data.to(dtype)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..custom_ops.common import cast
 from ..custom_ops.kda import kda
 from ..custom_ops.kda.reference import kda_gate, l2norm
 from .config import K3Config
@@ -48,17 +49,17 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x.shape
         H, D, W = self.H, self.D, self.W
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [B, T, 3P]
-        xx = torch.cat([conv_state.to(qkv.dtype), qkv.transpose(1, 2)], dim=-1)  # [B, 3P, W-1+T]
+        xx = torch.cat([cast(conv_state, qkv.dtype), qkv.transpose(1, 2)], dim=-1)  # [B, 3P, W-1+T]
         w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])  # [3P, 1, W]
-        y = F.silu(F.conv1d(xx, w.to(xx.dtype), groups=w.shape[0]))  # [B, 3P, T]
-        new_conv = xx[:, :, xx.shape[-1] - (W - 1):].float()  # [B, 3P, W-1]
+        y = F.silu(F.conv1d(xx, cast(w, xx.dtype), groups=w.shape[0]))  # [B, 3P, T]
+        new_conv = cast(xx[:, :, xx.shape[-1] - (W - 1):], torch.float32)  # [B, 3P, W-1]
         q, k, v = y.transpose(1, 2).reshape(B, T, 3, H, D).unbind(2)  # 3 x [B, T, H, D]
         q, k = l2norm(q), l2norm(k)
         f = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, D)
         g = kda_gate(f, self.A_log, self.dt_bias, self.cfg.kda.gate_lower_bound)  # [B, T, H, D] fp32
-        beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, H]
+        beta = torch.sigmoid(cast(self.b_proj(x), torch.float32))  # [B, T, H]
         out = kda(q, k, v, g, beta, recurrent_state, scale=D ** -0.5, backend=self.cfg.backend)
         gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
         o = self.o_norm(out.output)  # [B, T, H, D]
-        o = o * torch.sigmoid(gate.float().view(B, T, H, D)).to(o.dtype)
+        o = o * cast(torch.sigmoid(cast(gate, torch.float32).view(B, T, H, D)), o.dtype)
         return self.o_proj(o.reshape(B, T, H * D)), new_conv, out.final_state

@@ -1,6 +1,6 @@
 """Small building blocks shared by every layer: RMSNorm and the gated MLP (dense FFN, shared experts).
 
-Precision plan: norms and activations compute in fp32 and cast back once.
+Precision plan: norms and activations compute in fp32 and cast back once; norm weights are stored fp32.
 """
 
 from __future__ import annotations
@@ -8,13 +8,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..custom_ops.common import cast
 from ..custom_ops.moe.reference import glu
 from .config import K3Config
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+    xf = cast(x, torch.float32)
+    return cast(xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * cast(weight, torch.float32), x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -42,4 +43,4 @@ class GatedMLP(nn.Module):
         self.down_proj = linear(intermediate, dim)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(glu(self.gate_proj(x), self.up_proj(x), *self.act).to(x.dtype))
+        return self.down_proj(cast(glu(self.gate_proj(x), self.up_proj(x), *self.act), x.dtype))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..custom_ops.common import cast
 from .config import K3Config
 from .layers import RMSNorm, linear
 
@@ -45,16 +46,16 @@ class GatedMLA(nn.Module):
         q = q.view(B, T, H, N + R).transpose(1, 2)  # [B, H, T, N+R]
         c, k_extra = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, R], dim=-1)
         latent = torch.cat([self.kv_a_layernorm(c), k_extra], dim=-1)  # [B, T, kv_lora + R]
-        present = torch.cat([past_latent.to(latent.dtype), latent], dim=1)  # [B, S, kv_lora + R]
+        present = torch.cat([cast(past_latent, latent.dtype), latent], dim=1)  # [B, S, kv_lora + R]
         S = present.shape[1]
         c_all, kx_all = present.split([m.kv_lora_rank, R], dim=-1)
         k_nope, v = self.kv_b_proj(c_all).view(B, S, H, N + Dv).split([N, Dv], dim=-1)  # [B, S, H, *]
         k = torch.cat([k_nope, kx_all.unsqueeze(2).expand(B, S, H, R)], dim=-1).transpose(1, 2)  # [B, H, S, N+R]
-        scores = (q @ k.transpose(-1, -2)).float() * (N + R) ** -0.5  # [B, H, T, S]
+        scores = cast(q @ k.transpose(-1, -2), torch.float32) * (N + R) ** -0.5  # [B, H, T, S]
         qpos = torch.arange(T, device=x.device)[:, None] + (S - T)  # absolute query positions
         causal = torch.arange(S, device=x.device)[None, :] <= qpos  # [T, S]
         probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
-        o = (probs.to(v.dtype) @ v.transpose(1, 2)).transpose(1, 2).reshape(B, T, H * Dv)  # [B, T, H*Dv]
+        o = (cast(probs, v.dtype) @ v.transpose(1, 2)).transpose(1, 2).reshape(B, T, H * Dv)  # [B, T, H*Dv]
         if m.output_gate:
-            o = o * torch.sigmoid(self.g_proj(x).float()).to(o.dtype)
+            o = o * cast(torch.sigmoid(cast(self.g_proj(x), torch.float32)), o.dtype)
         return self.o_proj(o), present

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from ..custom_ops.attn_res import attn_res
+from ..custom_ops.common import cast
 from .block import DecoderLayer
 from .config import K3Config
 from .layers import RMSNorm, linear
@@ -58,4 +59,4 @@ class K3ForCausalLM(nn.Module):
     def forward(self, input_ids: Tensor, past: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
         """input_ids [B, T] int64; past: flat state (model/state.py) -> (logits [B, T, vocab] fp32, present)."""
         h, present = self.model(input_ids, past)
-        return self.lm_head(h).float(), present
+        return cast(self.lm_head(h), torch.float32), present

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..common import cast
+
 
 def _prepare(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None,
              initial_state: Tensor | None) -> tuple[Tensor, ...]:
@@ -105,8 +107,8 @@ def kda_gate(f: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float | Non
     lower_bound None (Kimi Linear):  g = -exp(A_log) * softplus(f + dt_bias).
     """
     H, D = f.shape[-2:]
-    x = f.float() + dt_bias.float().reshape(H, D)
-    a = A_log.float()[:H].exp()[:, None]  # [H, 1]
+    x = cast(f, torch.float32) + cast(dt_bias, torch.float32).reshape(H, D)
+    a = cast(A_log, torch.float32)[:H].exp()[:, None]  # [H, 1]
     if lower_bound is None:
         return -a * torch.nn.functional.softplus(x)
     return lower_bound * torch.sigmoid(a * x)
@@ -114,5 +116,5 @@ def kda_gate(f: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float | Non
 
 def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim, in fp32 (fla's in-kernel q/k norm)."""
-    xf = x.float()
-    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
+    xf = cast(x, torch.float32)
+    return cast(xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps), x.dtype)

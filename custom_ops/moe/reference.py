@@ -18,12 +18,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..common import cast
+
 
 def glu(a: Tensor, b: Tensor, activation: str, beta: float, linear_beta: float) -> Tensor:
     """Gated activation in fp32 (fp64 for fp64 inputs). 'situ': [β1 tanh(a/β1) σ(a)] ⊙ [β2 tanh(b/β2)];
     'silu': a σ(a) ⊙ b."""
     if a.dtype != torch.float64:
-        a, b = a.float(), b.float()
+        a, b = cast(a, torch.float32), cast(b, torch.float32)
     if activation == "situ":
         return (beta * torch.tanh(a / beta) * torch.sigmoid(a)) * (linear_beta * torch.tanh(b / linear_beta))
     if activation == "silu":
