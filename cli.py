@@ -8,6 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from .exporter.export import DType, Target
+
 app = typer.Typer(
     name="k3x",
     help="Kimi-K3 compiled graph export: checkpoint -> torch.export / ONNX / TensorRT / AOTInductor, parity proven.",
@@ -147,3 +149,26 @@ def save_npy_atomic(path: Path, array) -> None:
     tmp = path.with_name(f".{path.name}.tmp.npy")
     np.save(tmp, array)
     os.replace(tmp, path)
+
+
+@app.command()
+def export(
+    out: Annotated[Path, typer.Option(help="Export folder (created; each artifact renamed into place).")],
+    preset: Annotated[Optional[str], typer.Option(help="Preset name (k3, kimi-linear-48b, k3-mini, k3-bench).")] = None,
+    checkpoint: Annotated[Optional[Path], typer.Option(help="Checkpoint folder (config.json + safetensors).")] = None,
+    target: Annotated[Target, typer.Option(help="Artifact to build from the traced program.")] = Target.PT2,
+    no_weights: Annotated[bool, typer.Option("--no-weights", help="Trace on the meta device: any size, no weights.")
+                          ] = False,
+    dtype: Annotated[DType, typer.Option(help="Model dtype (states stay fp32).")] = DType.FP32,
+    seed: Annotated[int, typer.Option(help="Seed of a preset's random weights.")] = 0,
+) -> None:
+    """Trace the model once (torch.export) and write the target's artifacts plus manifest.json."""
+    from .exporter.artifacts import ManifestError
+    from .exporter.export import ExportOptions, export as run_export
+
+    progress = lambda stage, s: typer.echo(f"[{stage}] " + ("..." if s is None else f"done in {s:.1f} s"))  # noqa: E731
+    try:
+        result = run_export(ExportOptions(target, out, preset, checkpoint, not no_weights, dtype, seed), progress)
+    except (ValueError, FileNotFoundError, ManifestError) as e:  # ConfigError, CheckpointError: name the input
+        fail(str(e))
+    typer.echo("\n".join(result.notes + [f"manifest: {out / 'manifest.json'}"]))

@@ -3,15 +3,27 @@
 Dynamic dims are declared once here (`DYNAMIC_DIMS`) and reused by every later stage (ONNX dim_params,
 TensorRT optimisation profiles). Inputs: `input_ids [batch, seq]` and the flat state of model/state.py
 (`past_seq` on the MLA latent caches). Each custom op is one graph node (`op_counts`).
+
+Notable choices:
+- The fake-tensor dispatch cache is off while tracing. With three symbolic dims almost every op is a
+  cache hit whose output is rebuilt from symbolic sizes/strides, which costs more than recomputing it.
+  Same graph, CPU seconds of the trace (bench/export_full.py --baseline): k3 70.5 -> 50.5,
+  kimi-linear-48b 16.4 -> 11.8. What remains is torch's per-node symbolic-shape work (~3 ms a node).
+- `.pt2` files come from `torch.export.save`. A program traced on the meta device saves as a weightless
+  archive: every parameter is recorded with name, shape and dtype but no bytes (torch 2.13 writes meta
+  tensors as zero-length storage). `load_pt2` gives it back on meta; `with_weights` attaches real ones (no re-trace).
 """
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.export import Dim, ExportedProgram
+from torch.export.passes import move_to_device_pass
 
 from ..model import K3Config, K3ForCausalLM
 from ..model.state import state_specs
@@ -57,8 +69,46 @@ def trace(model: K3ForCausalLM, *, dtype: torch.dtype | None = None) -> Exported
     p = next(model.parameters())
     dtype = dtype or p.dtype
     ids, past = example_inputs(model.cfg, dtype=dtype, device=p.device)
-    with torch.no_grad():
+    with torch.no_grad(), torch._dynamo.config.patch(fake_tensor_cache_enabled=False):
         return torch.export.export(model, (ids, past), dynamic_shapes=dynamic_shapes(model.cfg))
+
+
+def save_pt2(ep: ExportedProgram, path: str | Path) -> None:
+    """`torch.export.save`; meta-device weights are stored as names, shapes and dtypes only."""
+    torch.export.save(ep, str(path))
+
+
+def load_pt2(path: str | Path) -> ExportedProgram:
+    """Load a `.pt2` in any process: importing k3x.custom_ops registers the torch.ops.k3.* it calls."""
+    from .. import custom_ops  # noqa: F401
+
+    return torch.export.load(str(path))
+
+
+def with_weights(ep: ExportedProgram, state_dict: dict[str, torch.Tensor], *,
+                 device: str | torch.device = "cpu") -> ExportedProgram:
+    """A copy of `ep` (e.g. a weightless `.pt2` traced on meta) with `state_dict` attached by name (cast to
+    the traced dtype) and every device baked into the graph (`arange(..., device=meta)`) moved to `device`.
+    Every parameter and buffer must be given, with the traced shape; `ep` itself is left as it was. The
+    copy can be run (`.module()`), saved, or compiled (AOTInductor) like a program traced with weights."""
+    missing = sorted(set(ep.state_dict) - set(state_dict))
+    if missing:
+        raise KeyError(f"with_weights: {len(missing)} tensors missing, e.g. {missing[:3]}")
+    new_sd: dict[str, torch.Tensor] = {}
+    for name, want in ep.state_dict.items():
+        t = state_dict[name]
+        if tuple(t.shape) != tuple(want.shape):
+            raise ValueError(f"with_weights: {name} has shape {tuple(t.shape)}, the program wants {tuple(want.shape)}")
+        t = t.detach().to(device=device, dtype=want.dtype)
+        new_sd[name] = torch.nn.Parameter(t, want.requires_grad) if isinstance(want, torch.nn.Parameter) else t
+    examples = None if ep.example_inputs is None else torch.utils._pytree.tree_map_only(
+        torch.Tensor, lambda x: torch.zeros(x.shape, dtype=x.dtype, device=device), ep.example_inputs)
+    gm = copy.deepcopy(ep.graph_module)
+    moved = ExportedProgram(root=gm, graph=gm.graph, graph_signature=ep.graph_signature,
+                            state_dict=new_sd, range_constraints=ep.range_constraints,
+                            module_call_graph=ep.module_call_graph, example_inputs=examples,
+                            constants=ep.constants, verifiers=ep.verifiers)
+    return move_to_device_pass(moved, {str(d): str(device) for d in ("meta", "cpu")})
 
 
 def op_counts(ep: ExportedProgram) -> dict[str, int]:

@@ -1,0 +1,149 @@
+"""Full-size trace benchmark: `torch.export` of huge configs on the meta device, beside an anchor.
+
+Each case runs in its own subprocess (so peak RSS is that case's alone) and reports: parameter count,
+graph nodes, custom-op counts, model construction time, trace wall and CPU seconds, optionally the
+weightless `.pt2` save, and peak RSS (`ru_maxrss`). CPU seconds are the steadier figure on a shared
+machine; wall seconds are what a user waits.
+
+    python bench/export_full.py                                  # anchor, kimi-linear-48b, k3 (bf16)
+    python bench/export_full.py --presets k3 --baseline --save   # also the pre-change trace, and .pt2 save
+    python bench/export_full.py --json out.json
+
+Cases:
+- `anchor`: a plain torch.export of a 93-layer meta `nn.Linear(173500, 173500)` stack (2.8e12
+  parameters, dynamic batch/seq) — the reference point from spec/export-toolchain.md §8.
+- `<preset>`: `k3x.exporter.trace.trace` of `build_model(preset, device="meta")`.
+- `<preset>@baseline` (with --baseline): plain `torch.export.export` of the same model with torch's
+  defaults (fake-tensor cache on), i.e. what trace() did before its tuning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+ANCHOR_LAYERS, ANCHOR_WIDTH = 93, 173_500  # 93 * 173500^2 = 2.80e12 parameters
+
+
+def _child(case: str, dtype_name: str, save: bool) -> dict:
+    t0 = time.perf_counter()
+    import torch
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    from torch.export import Dim
+
+    out: dict = {"case": case, "dtype": dtype_name}
+    name, _, variant = case.partition("@")
+    t1 = time.perf_counter()
+    c1 = time.process_time()
+    if name == "anchor":
+        with torch.device("meta"):
+            model = torch.nn.Sequential(*[torch.nn.Linear(ANCHOR_WIDTH, ANCHOR_WIDTH, bias=False, dtype=dtype)
+                                          for _ in range(ANCHOR_LAYERS)])
+        args = (torch.zeros(2, 3, ANCHOR_WIDTH, dtype=dtype, device="meta"),)
+        dyn = ({0: Dim("batch", min=1, max=64), 1: Dim("seq", min=1, max=4096)},)
+        export = lambda: torch.export.export(model, args, dynamic_shapes=dyn)  # noqa: E731
+        out["import_s"] = round(t1 - t0, 2)
+    else:
+        from k3x.exporter import trace as tr
+        from k3x.model import build_model, preset
+
+        out["import_s"] = round(time.perf_counter() - t0, 2)
+        t1, c1 = time.perf_counter(), time.process_time()
+        model = build_model(preset(name), device="meta", dtype=dtype, seed=None)
+        if variant == "baseline":
+            ids, past = tr.example_inputs(model.cfg, dtype=dtype, device="meta")
+
+            def export():
+                with torch.no_grad():
+                    return torch.export.export(model, (ids, past), dynamic_shapes=tr.dynamic_shapes(model.cfg))
+        else:
+            export = lambda: tr.trace(model)  # noqa: E731
+    out["params"] = sum(p.numel() for p in model.parameters())
+    t2, c2 = time.perf_counter(), time.process_time()
+    ep = export()
+    t3, c3 = time.perf_counter(), time.process_time()
+    out.update(build_s=round(t2 - t1, 2), build_cpu_s=round(c2 - c1, 2), trace_s=round(t3 - t2, 2),
+               trace_cpu_s=round(c3 - c2, 2), nodes=len(ep.graph.nodes))
+    if name != "anchor":
+        from k3x.exporter.trace import op_counts
+
+        out["op_counts"] = op_counts(ep)
+    if save:
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "model.pt2")
+            torch.export.save(ep, path)
+            out["save_s"] = round(time.perf_counter() - t3, 2)
+            out["pt2_bytes"] = os.path.getsize(path)
+    out["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    return out
+
+
+def _run_case(case: str, dtype: str, save: bool) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = f.name
+    try:
+        cmd = [sys.executable, __file__, "--child", case, "--dtype", dtype, "--json", path]
+        t = time.perf_counter()
+        proc = subprocess.run(cmd + (["--save"] if save else []), capture_output=True, text=True)
+        if proc.returncode != 0:
+            last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
+            return {"case": case, "error": last}
+        res = json.loads(open(path).read())
+        res["process_s"] = round(time.perf_counter() - t, 2)
+        return res
+    finally:
+        os.unlink(path)
+
+
+def _cell(row: dict, key: str) -> str:
+    if "error" in row and key != "case":
+        return row["error"][:60] if key == "params" else ""
+    v = row.get(key)
+    return "-" if v is None else f"{v:.3g}" if key == "params" else str(v)
+
+
+def _table(rows: list[dict]) -> str:
+    cols = [("case", "case"), ("params", "params"), ("nodes", "nodes"), ("build_s", "build s"),
+            ("trace_s", "trace s"), ("trace_cpu_s", "trace cpu s"), ("save_s", "save s"),
+            ("peak_rss_mb", "peak RSS MB"), ("process_s", "process s")]
+    lines = [[h for _, h in cols]] + [[_cell(r, k) for k, _ in cols] for r in rows]
+    widths = [max(len(x[i]) for x in lines) for i in range(len(cols))]
+    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(x, widths)))
+                     for x in lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--presets", nargs="+", default=["kimi-linear-48b", "k3"])
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
+    ap.add_argument("--baseline", action="store_true", help="also run each preset with plain torch.export defaults")
+    ap.add_argument("--save", action="store_true", help="also time torch.export.save of the weightless program")
+    ap.add_argument("--json", default="export_full.json", help="where to write the results")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        res = _child(a.child, a.dtype, a.save)
+        with open(a.json, "w") as f:
+            json.dump(res, f)
+        return
+    cases = ["anchor"] + [c for p in a.presets for c in ([f"{p}@baseline"] if a.baseline else []) + [p]]
+    rows = []
+    for c in cases:
+        rows.append(_run_case(c, a.dtype, a.save and c != "anchor"))
+        print(f"  done {c}: {rows[-1].get('trace_s', rows[-1].get('error'))}", file=sys.stderr, flush=True)
+    report = {"dtype": a.dtype, "cpu_count": os.cpu_count(), "loadavg_end": os.getloadavg(), "results": rows}
+    with open(a.json, "w") as f:
+        json.dump(report, f, indent=2)
+    print(_table(rows))
+    print(f"(dtype {a.dtype}; {os.cpu_count()} CPUs; load average at end {os.getloadavg()[0]:.1f}; json: {a.json})")
+
+
+if __name__ == "__main__":
+    main()

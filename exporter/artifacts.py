@@ -1,0 +1,230 @@
+"""The export folder: artifacts renamed into place, and one `manifest.json` every stage adds to.
+
+Layout of an export folder `OUT/`:
+
+    OUT/manifest.json     what was exported from what (schema below)
+    OUT/<files>           one or more files per artifact (`model.pt2`, `model.aoti.pt2`, `model.onnx`, ...)
+
+Nothing is ever half-written: a stage writes into a staging folder `OUT/.tmp-<name>-XXXX/` and the files
+are `os.replace`d into `OUT/` only when the stage succeeded; the manifest gains the artifact's entry after
+its files are in place, and is itself replaced atomically. On failure the staging folder is removed and
+the manifest is untouched. (One writer per folder at a time; stages run sequentially.)
+
+Adding an artifact from a later stage (ONNX, TensorRT) is one call:
+
+    with write_artifact(out_dir, "onnx", extra={"flavor": "ort"}) as tmp:
+        export_onnx(ep, cfg, tmp)                      # write any files into `tmp`
+    # -> OUT/model.onnx (+ external data) in place, manifest["artifacts"]["onnx"] listed with sha256
+
+or, for files already written in place by other means: `update_manifest(out_dir, "trt", [path], extra)`.
+`ExportFolder.open(out_dir)` reads a folder back (config, dtype, checkpoint, artifact paths).
+
+manifest.json (schema 1):
+    schema, k3x            format version; the k3x version that wrote it
+    config, config_hash    `K3Config.to_dict()` and `K3Config.hash()`
+    dtype, weights         "fp32" | "bf16"; false when traced on the meta device (no weight values)
+    checkpoint             {"path", "hash"} or null (preset with random init / meta)
+    versions               torch, triton, onnx, onnxruntime, k3x (null when not installed)
+    dynamic_dims           {"batch": {"min", "opt", "max"}, "seq": ..., "past_seq": ...}
+    op_counts              {"k3::kda": 69, ...} in the traced graph
+    io                     {"inputs": [...], "outputs": [...]} flat I/O names, and
+    state                  [{"input", "output", "layer", "kind", "dims", "dtype"}] (model/state.py)
+    artifacts              {name: {"files": [{"path", "bytes", "sha256"}], **extra}}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from ..model.config import K3Config
+from ..model.state import state_specs
+
+MANIFEST = "manifest.json"
+SCHEMA = 1
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# distribution names per package (onnxruntime may be installed as its GPU build)
+_DISTRIBUTIONS = {"torch": ("torch",), "triton": ("triton",), "onnx": ("onnx",),
+                  "onnxruntime": ("onnxruntime", "onnxruntime-gpu"), "k3x": ("k3x",)}
+
+
+class ManifestError(RuntimeError):
+    """A manifest is missing, unreadable or lacks what was asked of it; the message names the file."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in DTYPES.items()}[dtype]
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def package_versions() -> dict[str, str | None]:
+    """Installed versions by distribution metadata (nothing is imported)."""
+    out: dict[str, str | None] = {}
+    for pkg, dists in _DISTRIBUTIONS.items():
+        out[pkg] = None
+        for d in dists:
+            try:
+                out[pkg] = metadata.version(d)
+                break
+            except metadata.PackageNotFoundError:
+                continue
+    return out
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_manifest(out_dir: str | Path) -> dict[str, Any]:
+    path = Path(out_dir) / MANIFEST
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ManifestError(f"{path}: no manifest (run `k3x export` into this folder first)") from None
+    except json.JSONDecodeError as e:
+        raise ManifestError(f"{path}: not valid JSON ({e})") from None
+
+
+def init_manifest(out_dir: str | Path, cfg: K3Config, *, dtype: torch.dtype, weights: bool,
+                  op_counts: dict[str, int], checkpoint: str | Path | None = None,
+                  checkpoint_hash: str | None = None) -> dict[str, Any]:
+    """Start a fresh manifest (no artifacts) in `out_dir`, created if needed; replaces an older one."""
+    from .trace import DYNAMIC_DIMS  # trace imports torch.export machinery; keep this module light
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    specs = state_specs(cfg)
+    data = {
+        "schema": SCHEMA,
+        "k3x": package_versions()["k3x"],
+        "config": cfg.to_dict(),
+        "config_hash": cfg.hash(),
+        "dtype": dtype_name(dtype),
+        "weights": weights,
+        "checkpoint": None if checkpoint is None else {"path": str(Path(checkpoint).resolve()),
+                                                      "hash": checkpoint_hash},
+        "versions": package_versions(),
+        "dynamic_dims": {n: {"min": r.min, "opt": r.opt, "max": r.max} for n, r in DYNAMIC_DIMS.items()},
+        "op_counts": dict(op_counts),
+        "io": {"inputs": ["input_ids"] + [s.input_name for s in specs],
+               "outputs": ["logits"] + [s.output_name for s in specs]},
+        "state": [{"input": s.input_name, "output": s.output_name, "layer": s.layer, "kind": s.kind,
+                   "dims": list(s.dims), "dtype": "fp32" if s.fp32 else dtype_name(dtype)} for s in specs],
+        "artifacts": {},
+    }
+    _write_json_atomic(out / MANIFEST, data)
+    return data
+
+
+def update_manifest(out_dir: str | Path, artifact_name: str, files: list[str | Path],
+                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Record (or replace) artifact `artifact_name`: its files (inside `out_dir`) with size and sha256,
+    plus JSON-serialisable `extra` fields. Returns the updated manifest."""
+    out = Path(out_dir)
+    data = read_manifest(out)
+    entries = []
+    for f in files:
+        p = Path(f) if Path(f).is_absolute() else out / f
+        if not p.is_file():
+            raise ManifestError(f"{p}: artifact {artifact_name!r} lists a file that does not exist")
+        if p.resolve().parent != out.resolve():
+            raise ManifestError(f"{p}: artifact files must sit directly in {out}")
+        entries.append({"path": p.name, "bytes": p.stat().st_size, "sha256": sha256(p)})
+    data["artifacts"][artifact_name] = {"files": entries, **(extra or {})}
+    _write_json_atomic(out / MANIFEST, data)
+    return data
+
+
+@contextlib.contextmanager
+def write_artifact(out_dir: str | Path, artifact_name: str, extra: dict[str, Any] | None = None, *,
+                   primary: str | None = None) -> Iterator[Path]:
+    """Yield an empty staging folder inside `out_dir`; on success move every file written there into
+    `out_dir` (same file names) and record them in the manifest, `primary` first (else by name; see
+    `ExportFolder.artifact`). On any exception nothing moves and the staging folder is deleted.
+    `extra` may be filled in by the caller inside the block."""
+    out = Path(out_dir)
+    if not (out / MANIFEST).is_file():
+        raise ManifestError(f"{out / MANIFEST}: no manifest; call init_manifest first")
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{artifact_name}-", dir=out))
+    try:
+        yield tmp
+        names = sorted((p.name for p in tmp.iterdir()), key=lambda n: (n != primary, n))
+        if not names:
+            raise ManifestError(f"artifact {artifact_name!r}: the stage wrote no files")
+        bad = [n for n in names if not (tmp / n).is_file()]
+        if bad:
+            raise ManifestError(f"artifact {artifact_name!r}: {bad} are not plain files")
+        for n in names:
+            os.replace(tmp / n, out / n)
+        update_manifest(out, artifact_name, names, extra)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class ExportFolder:
+    """Read access to an export folder for later stages and runners."""
+
+    path: Path
+    manifest: dict[str, Any]
+
+    @classmethod
+    def open(cls, path: str | Path) -> ExportFolder:
+        return cls(Path(path), read_manifest(path))
+
+    def config(self) -> K3Config:
+        return K3Config.from_dict(self.manifest["config"])
+
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.manifest["dtype"]]
+
+    def checkpoint(self) -> Path | None:
+        c = self.manifest.get("checkpoint")
+        return None if c is None else Path(c["path"])
+
+    def files(self, name: str) -> list[Path]:
+        try:
+            entry = self.manifest["artifacts"][name]
+        except KeyError:
+            have = sorted(self.manifest["artifacts"])
+            raise ManifestError(f"{self.path / MANIFEST}: no artifact {name!r} (have {have})") from None
+        return [self.path / f["path"] for f in entry["files"]]
+
+    def artifact(self, name: str) -> Path:
+        """The artifact's primary (first listed) file."""
+        return self.files(name)[0]
+
+    def verify(self) -> list[str]:
+        """Files whose bytes no longer match the recorded sha256 (or are missing)."""
+        bad = []
+        for entry in self.manifest["artifacts"].values():
+            for f in entry["files"]:
+                p = self.path / f["path"]
+                if not p.is_file() or sha256(p) != f["sha256"]:
+                    bad.append(str(p))
+        return bad

@@ -1,0 +1,223 @@
+"""`k3x export` as one library call: source -> config check -> model -> trace -> manifest -> target stages.
+
+    result = export(ExportOptions(target=Target.PT2, out_dir=Path("out"), preset="k3", weights=False))
+
+Notable choices:
+- The config is checked against what the ops support (`verify_config`, FLA-style `(ok, reason)`) before
+  anything is built or traced; a failure raises `ConfigError` naming the field.
+- `weights=False` builds on the meta device: any size traces on an ordinary CPU machine.
+- Every target consumes the one traced `ExportedProgram`. A stage is a plain function
+  `stage(ep, ctx) -> str` (a line for the user) that writes its files through
+  `artifacts.write_artifact`, so each artifact is renamed into place and listed in the manifest.
+- Adding a target (e.g. ONNX) = one `Target` member, one `STAGES` entry, one `TARGET_STAGES` entry:
+      class Target: ONNX = "onnx"; ALL = "all"
+      STAGES["onnx"] = stage_onnx
+      TARGET_STAGES[Target.ONNX] = ("onnx",);  TARGET_STAGES[Target.ALL] = ("pt2", "onnx", "aoti")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator
+
+if TYPE_CHECKING:  # this module is imported by the CLI: torch only inside functions
+    import torch
+    from torch.export import ExportedProgram
+
+    from ..model.config import K3Config
+
+
+class Target(str, Enum):
+    PT2 = "pt2"
+    ONNX = "onnx"
+    AOTI = "aoti"
+    ALL = "all"
+
+
+class DType(str, Enum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+
+def _config_error(message: str) -> Exception:
+    from ..model.config import ConfigError
+
+    return ConfigError(message)
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    target: Target
+    out_dir: Path
+    preset: str | None = None  # exactly one of preset / checkpoint
+    checkpoint: Path | None = None
+    weights: bool = True  # False: trace on the meta device, nothing allocated
+    dtype: DType = DType.FP32
+    seed: int = 0  # random init of a preset with weights
+
+    def __post_init__(self) -> None:
+        if (self.preset is None) == (self.checkpoint is None):
+            raise _config_error("export: give exactly one of --preset or --checkpoint")
+        if Target(self.target) is Target.AOTI and not self.weights:
+            raise _config_error("--no-weights: target 'aoti' embeds the weights in the package; drop --no-weights")
+
+
+@dataclass(frozen=True)
+class StageContext:
+    cfg: K3Config
+    options: ExportOptions
+
+    @property
+    def out_dir(self) -> Path:
+        return self.options.out_dir
+
+
+@dataclass
+class ExportResult:
+    out_dir: Path
+    manifest: dict
+    timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds
+    notes: list[str] = field(default_factory=list)  # one line per target stage, for the user
+
+
+Stage = Callable[["ExportedProgram", StageContext], str]
+Progress = Callable[[str, "float | None"], None]  # (stage, None) when it starts, (stage, seconds) when done
+
+
+def verify_config(cfg: K3Config) -> tuple[bool, str]:
+    """(ok, reason): can the k3 ops (every backend, and the TensorRT plugins) run this config?"""
+    from ..custom_ops.backend import Backend
+
+    k = cfg.kda
+    if not 0 < k.head_dim <= 256:
+        return False, f"kda.head_dim={k.head_dim}: k3::kda supports head_dim <= 256"
+    if cfg.backend is Backend.TRITON and k.head_dim < 16:
+        return False, f"kda.head_dim={k.head_dim}: the Triton k3::kda kernels need head_dim >= 16"
+    if not 0 < cfg.moe.top_k <= cfg.moe.num_experts:
+        return False, f"moe.top_k={cfg.moe.top_k}: k3::moe needs 1 <= top_k <= moe.num_experts ({cfg.moe.num_experts})"
+    if cfg.activation not in ("situ", "silu"):
+        return False, f"activation={cfg.activation!r}: k3::moe supports 'situ' and 'silu'"
+    return True, ""
+
+
+# --- target stages -------------------------------------------------------------------------------
+
+def stage_pt2(ep: ExportedProgram, ctx: StageContext) -> str:
+    from . import artifacts
+    from .trace import save_pt2
+
+    name = "model.pt2"
+    with artifacts.write_artifact(ctx.out_dir, "pt2", {"weights": ctx.options.weights,
+                                                       "load": "k3x.exporter.trace.load_pt2"}) as tmp:
+        save_pt2(ep, tmp / name)
+    if ctx.options.weights:
+        return f"pt2: {ctx.out_dir / name}"
+    return (f"pt2: {ctx.out_dir / name} (weightless: names/shapes/dtypes only; "
+            "attach weights with k3x.exporter.trace.with_weights)")
+
+
+def stage_aoti(ep: ExportedProgram, ctx: StageContext) -> str:
+    from . import artifacts
+    from .aoti import PACKAGE, REQUIRES, compile_aoti
+
+    with artifacts.write_artifact(ctx.out_dir, "aoti", {"device": "cpu", "requires": REQUIRES,
+                                                        "load": "k3x.exporter.aoti.load_aoti"}) as tmp:
+        compile_aoti(ep, tmp / PACKAGE)
+    return f"aoti: {ctx.out_dir / PACKAGE} — runs only in {REQUIRES}"
+
+
+def stage_onnx(ep: ExportedProgram, ctx: StageContext) -> str:
+    from .onnx import OnnxOptions, onnx_stage
+
+    art = onnx_stage(ctx.out_dir, ep, ctx.cfg, OnnxOptions(weights=ctx.options.weights))
+    where = ", ".join(f"{flavor} {path}" for flavor, path in art.files.items())
+    data = f", weights in {art.external_data}" if art.external_data else ""
+    return f"onnx: {where}{data}" + ("" if ctx.options.weights else " (weightless: weights are graph inputs)")
+
+
+STAGES: dict[str, Stage] = {"pt2": stage_pt2, "onnx": stage_onnx, "aoti": stage_aoti}
+# what each --target runs, in order, after the one trace
+TARGET_STAGES: dict[Target, tuple[str, ...]] = {
+    Target.PT2: ("pt2",),
+    Target.ONNX: ("onnx",),
+    Target.AOTI: ("aoti",),
+    Target.ALL: ("pt2", "onnx", "aoti"),
+}
+
+
+# --- orchestration -------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _timed(name: str, progress: Progress, timings: dict[str, float]) -> Iterator[None]:
+    progress(name, None)
+    t = time.perf_counter()
+    yield
+    timings[name] = time.perf_counter() - t
+    progress(name, timings[name])
+
+
+def _check_fits_in_memory(cfg: K3Config, dtype: torch.dtype) -> None:
+    import psutil
+
+    from ..model.summary import summarize
+
+    need = summarize(cfg)["total_params"] * dtype.itemsize
+    free = psutil.virtual_memory().available
+    if need > free:
+        raise _config_error(f"preset={cfg.name!r}: its weights need {need / 2**30:,.0f} GiB, "
+                            f"{free / 2**30:,.0f} GiB is free; trace it with --no-weights")
+
+
+def _load(options: ExportOptions, dtype: torch.dtype) -> tuple[K3Config, Callable, str | None]:
+    """(config, a function building the model, checkpoint hash) — config first, so it can be checked."""
+    from ..model import build_model
+    from ..model.config import K3Config, preset
+
+    if options.checkpoint is None:
+        cfg = preset(options.preset)
+        if options.weights:
+            _check_fits_in_memory(cfg, dtype)
+        seed = options.seed if options.weights else None
+        device = "cpu" if options.weights else "meta"
+        return cfg, lambda: build_model(cfg, device=device, dtype=dtype, seed=seed), None
+    cfg = K3Config.from_hf(Path(options.checkpoint) / "config.json")
+    if not options.weights:  # the graph depends on the config alone; no need to hash the shards
+        return cfg, lambda: build_model(cfg, device="meta", dtype=dtype, seed=None), None
+    from ..model.checkpoint import checkpoint_hash, load_checkpoint
+
+    return cfg, lambda: load_checkpoint(options.checkpoint, dtype=dtype, device="cpu"), checkpoint_hash(
+        options.checkpoint)
+
+
+def export(options: ExportOptions, progress: Progress | None = None) -> ExportResult:
+    """Run every stage of `options.target` into `options.out_dir`. Raises ConfigError (bad config or
+    options, before anything is built) or the failing stage's error (nothing half-written)."""
+    from . import artifacts
+    from .trace import op_counts, trace
+
+    progress = progress or (lambda name, seconds: None)
+    stages = TARGET_STAGES[Target(options.target)]
+    dtype = artifacts.DTYPES[DType(options.dtype).value]
+    timings: dict[str, float] = {}
+    with _timed("config", progress, timings):
+        cfg, build, ckpt_hash = _load(options, dtype)
+        ok, reason = verify_config(cfg)
+        if not ok:
+            raise _config_error(reason)
+    with _timed("model", progress, timings):
+        model = build()
+    with _timed("trace", progress, timings):
+        ep = trace(model)
+    with _timed("manifest", progress, timings):
+        artifacts.init_manifest(options.out_dir, cfg, dtype=dtype, weights=options.weights,
+                                op_counts=op_counts(ep), checkpoint=options.checkpoint, checkpoint_hash=ckpt_hash)
+    ctx = StageContext(cfg, options)
+    notes = []
+    for name in stages:
+        with _timed(name, progress, timings):
+            notes.append(str(STAGES[name](ep, ctx)))
+    return ExportResult(options.out_dir, artifacts.read_manifest(options.out_dir), timings, notes)
