@@ -116,10 +116,14 @@ def generate(
 
 @app.command()
 def logits(
-    checkpoint: Annotated[Path, typer.Option(help="Checkpoint folder.")],
     out: Annotated[Path, typer.Option(help="Where to write float32 logits [B, T, vocab] (.npy).")],
+    checkpoint: Annotated[Optional[Path], typer.Option(help="Checkpoint folder (backend eager).")] = None,
     input_ids: Annotated[Optional[str], typer.Option(help="Comma-separated token ids (batch of one).")] = None,
     batch_file: Annotated[Optional[Path], typer.Option(help=".npy int array [B, T] of token ids.")] = None,
+    backend: Annotated[str, typer.Option(help="eager (from --checkpoint), or pt2 / ort (from --export-dir).")
+                       ] = "eager",
+    export_dir: Annotated[Optional[Path], typer.Option(help="Export folder (backends pt2, ort).")] = None,
+    provider: Annotated[str, typer.Option(help="ONNX Runtime provider: auto, cuda, cpu.")] = "auto",
 ) -> None:
     """Full-sequence logits, for parity checks by anyone."""
     import numpy as np
@@ -132,13 +136,32 @@ def logits(
     ids = np.array([parse_ids(input_ids, "--input-ids")]) if input_ids else np.load(batch_file)
     if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
         fail(f"{batch_file}: expected an integer array [B, T], got {ids.dtype} {list(ids.shape)}")
-    model = load_model_or_fail(checkpoint)
-    try:
-        result = full_logits(model, torch.from_numpy(ids.astype(np.int64)))
-    except ValueError as e:
-        fail(str(e))
+    if backend != "eager":
+        result = _export_logits(backend, export_dir, torch.from_numpy(ids.astype(np.int64)), provider)
+    else:
+        if checkpoint is None:
+            fail("backend eager needs --checkpoint DIR")
+        model = load_model_or_fail(checkpoint)
+        try:
+            result = full_logits(model, torch.from_numpy(ids.astype(np.int64)))
+        except ValueError as e:
+            fail(str(e))
     save_npy_atomic(out, result.numpy())
     typer.echo(f"wrote logits {list(result.shape)} float32 to {out}")
+
+
+def _export_logits(backend: str, export_dir: Path | None, ids, provider: str):
+    """Full-sequence logits from an exported artifact (prefill from an empty state)."""
+    from .exporter.runners import RunnerError, RunnerOptions, make_runner, prefill_logits
+
+    if export_dir is None:
+        fail(f"backend {backend} needs --export-dir DIR")
+    folder = _export_folder(export_dir)
+    try:
+        runner = make_runner(backend, export_dir, RunnerOptions(provider=provider))
+        return prefill_logits(runner, folder.config(), ids, dtype=folder.dtype())
+    except (RunnerError, ValueError) as e:
+        fail(str(e))
 
 
 def save_npy_atomic(path: Path, array) -> None:
@@ -156,7 +179,8 @@ def export(
     out: Annotated[Path, typer.Option(help="Export folder (created; each artifact renamed into place).")],
     preset: Annotated[Optional[str], typer.Option(help="Preset name (k3, kimi-linear-48b, k3-mini, k3-bench).")] = None,
     checkpoint: Annotated[Optional[Path], typer.Option(help="Checkpoint folder (config.json + safetensors).")] = None,
-    target: Annotated[Target, typer.Option(help="Artifact to build from the traced program.")] = Target.PT2,
+    target: Annotated[list[Target], typer.Option(help="Artifact(s) to build from the one trace (repeatable).")
+                      ] = [Target.PT2],
     no_weights: Annotated[bool, typer.Option("--no-weights", help="Trace on the meta device: any size, no weights.")
                           ] = False,
     dtype: Annotated[DType, typer.Option(help="Model dtype (states stay fp32).")] = DType.FP32,
@@ -168,7 +192,90 @@ def export(
 
     progress = lambda stage, s: typer.echo(f"[{stage}] " + ("..." if s is None else f"done in {s:.1f} s"))  # noqa: E731
     try:
-        result = run_export(ExportOptions(target, out, preset, checkpoint, not no_weights, dtype, seed), progress)
+        result = run_export(ExportOptions(tuple(target), out, preset, checkpoint, not no_weights, dtype, seed), progress)
     except (ValueError, FileNotFoundError, ManifestError) as e:  # ConfigError, CheckpointError: name the input
         fail(str(e))
     typer.echo("\n".join(result.notes + [f"manifest: {out / 'manifest.json'}"]))
+
+
+@app.command()
+def run(
+    export_dir: Annotated[Path, typer.Argument(help="Export folder (k3x export).")],
+    backend: Annotated[str, typer.Option(help="Runner: ort, pt2, aoti, trt or eager.")] = "ort",
+    prompt_ids: Annotated[str, typer.Option(help="Comma-separated prompt token ids.")] = "1,2,3",
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate.")] = 16,
+    provider: Annotated[str, typer.Option(help="ONNX Runtime provider: auto (CUDA if it initialises), cuda, cpu.")
+                        ] = "auto",
+) -> None:
+    """Greedy decoding with an exported artifact: prefill, then decode steps carrying state."""
+    import torch
+
+    from .exporter.runners import RunnerError, RunnerOptions, greedy_decode, make_runner
+
+    ids = parse_ids(prompt_ids, "--prompt-ids")
+    folder = _export_folder(export_dir)
+    cfg = folder.config()
+    if max(ids) >= cfg.vocab_size or min(ids) < 0:
+        fail(f"--prompt-ids: ids must be in [0, {cfg.vocab_size}) for {cfg.name}")
+    try:
+        runner = make_runner(backend, export_dir, RunnerOptions(provider=provider))
+        tokens, prefill_s, decode_s = greedy_decode(runner, cfg, torch.tensor([ids]), max_new_tokens,
+                                                    dtype=folder.dtype())
+    except RunnerError as e:
+        fail(str(e))
+    where = f" on {runner.provider}" if hasattr(runner, "provider") else ""
+    steps = max_new_tokens - 1
+    typer.echo(f"backend {backend}{where}")
+    typer.echo("tokens: " + ",".join(str(t) for t in tokens[0].tolist()))
+    rate = f"{steps / decode_s:.1f} tokens/s" if steps and decode_s > 0 else "n/a"
+    typer.echo(f"prefill {prefill_s * 1e3:.1f} ms ({len(ids) / prefill_s:.1f} tokens/s); decode {rate}")
+
+
+def _export_folder(export_dir: Path):
+    from .exporter.artifacts import ExportFolder, ManifestError
+
+    try:
+        return ExportFolder.open(export_dir)
+    except ManifestError as e:
+        fail(f"{export_dir}: not a k3x export folder ({e})")
+
+
+@app.command()
+def verify(
+    export_dir: Annotated[Path, typer.Argument(help="Export folder (k3x export).")],
+    backends: Annotated[str, typer.Option(help="Comma-separated runners to check against eager.")] = "pt2,ort",
+    steps: Annotated[int, typer.Option(min=0, help="Decode steps after the prefill.")] = 8,
+    prompt_len: Annotated[int, typer.Option(min=1, help="Prompt length of the prefill.")] = 7,
+    batch: Annotated[int, typer.Option(min=1, help="Batch size.")] = 1,
+    seed: Annotated[int, typer.Option(help="Seed of the random prompt.")] = 0,
+    checkpoint: Annotated[Optional[Path], typer.Option(help="Eager reference checkpoint (default: the export's).")
+                          ] = None,
+    provider: Annotated[str, typer.Option(help="ONNX Runtime provider: auto, cuda, cpu.")] = "auto",
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the report as JSON.")] = None,
+) -> None:
+    """Parity of every backend vs the eager reference over prefill + decode steps; exit 1 on any failure."""
+    import json
+
+    from .exporter.runners import RunnerError, RunnerOptions, make_runner
+    from .exporter.verify import run_parity
+
+    names = [b.strip() for b in backends.split(",") if b.strip()]
+    if not names:
+        fail("--backends: name at least one runner")
+    folder = _export_folder(export_dir)
+    options = RunnerOptions(provider=provider, checkpoint=checkpoint)
+    try:
+        reference = make_runner("eager", export_dir, options)
+        runners = [make_runner(n, export_dir, options) for n in names]
+    except RunnerError as e:
+        fail(str(e))
+    report = run_parity(reference, runners, folder.config(), steps=steps, batch=batch, prompt_len=prompt_len,
+                        dtype=folder.dtype(), seed=seed)
+    for r in runners:
+        if hasattr(r, "provider"):
+            typer.echo(f"{r.name}: provider {r.provider}")
+    typer.echo(report.table())
+    if json_out:
+        json_out.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    if not report.ok:
+        raise typer.Exit(code=1)

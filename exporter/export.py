@@ -1,6 +1,6 @@
 """`k3x export` as one library call: source -> config check -> model -> trace -> manifest -> target stages.
 
-    result = export(ExportOptions(target=Target.PT2, out_dir=Path("out"), preset="k3", weights=False))
+    result = export(ExportOptions(targets=(Target.PT2, Target.ONNX), out_dir=Path("out"), preset="k3", weights=False))
 
 Notable choices:
 - The config is checked against what the ops support (`verify_config`, FLA-style `(ok, reason)`) before
@@ -51,7 +51,7 @@ def _config_error(message: str) -> Exception:
 
 @dataclass(frozen=True)
 class ExportOptions:
-    target: Target
+    targets: tuple[Target, ...]  # several targets share the one trace and the one manifest
     out_dir: Path
     preset: str | None = None  # exactly one of preset / checkpoint
     checkpoint: Path | None = None
@@ -62,8 +62,15 @@ class ExportOptions:
     def __post_init__(self) -> None:
         if (self.preset is None) == (self.checkpoint is None):
             raise _config_error("export: give exactly one of --preset or --checkpoint")
-        if Target(self.target) is Target.AOTI and not self.weights:
-            raise _config_error("--no-weights: target 'aoti' embeds the weights in the package; drop --no-weights")
+        if not self.targets:
+            raise _config_error("export: give at least one --target")
+        if "aoti" in self.stages() and not self.weights:
+            raise _config_error("--no-weights: target 'aoti' embeds the weights in the package; drop --no-weights "
+                                "or export --target pt2 --target onnx")
+
+    def stages(self) -> tuple[str, ...]:
+        """The stage names of every target, in order, each once."""
+        return tuple(dict.fromkeys(s for t in self.targets for s in TARGET_STAGES[Target(t)]))
 
 
 @dataclass(frozen=True)
@@ -194,13 +201,13 @@ def _load(options: ExportOptions, dtype: torch.dtype) -> tuple[K3Config, Callabl
 
 
 def export(options: ExportOptions, progress: Progress | None = None) -> ExportResult:
-    """Run every stage of `options.target` into `options.out_dir`. Raises ConfigError (bad config or
+    """Run every stage of `options.targets` into `options.out_dir`. Raises ConfigError (bad config or
     options, before anything is built) or the failing stage's error (nothing half-written)."""
     from . import artifacts
     from .trace import op_counts, trace
 
     progress = progress or (lambda name, seconds: None)
-    stages = TARGET_STAGES[Target(options.target)]
+    stages = options.stages()
     dtype = artifacts.DTYPES[DType(options.dtype).value]
     timings: dict[str, float] = {}
     with _timed("config", progress, timings):

@@ -1,20 +1,11 @@
-"""The one tolerance table, keyed by dtype: (atol, rtol) for comparing against an fp32/fp64 oracle."""
+"""Test helpers over the one tolerance table, which lives in the package (k3x/exporter/tolerances.py) so
+the parity harness and the tests share it: (atol, rtol) keyed by dtype, against an fp32/fp64 oracle."""
 
 from __future__ import annotations
 
 import torch
 
-TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
-    torch.float64: (1e-10, 1e-8),
-    torch.float32: (2e-5, 2e-4),
-    torch.float16: (2e-3, 2e-3),
-    torch.bfloat16: (2e-2, 2e-2),
-}
-
-
-def tol(dtype: torch.dtype) -> dict[str, float]:
-    atol, rtol = TOLERANCES[dtype]
-    return {"atol": atol, "rtol": rtol}
+from k3x.exporter.tolerances import TOLERANCES, tol  # noqa: F401  (re-exported for tests)
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None, what: str = "") -> None:
