@@ -198,6 +198,35 @@ def export(
     typer.echo("\n".join(result.notes + [f"manifest: {out / 'manifest.json'}"]))
 
 
+@app.command("build-engine")
+def build_engine_cmd(
+    export_dir: Annotated[Path, typer.Argument(help="Export folder holding model.trt.onnx.")],
+    min_: Annotated[Optional[list[str]], typer.Option("--min", help="Profile min, e.g. batch=1 (repeatable).")] = None,
+    opt: Annotated[Optional[list[str]], typer.Option("--opt", help="Profile opt, e.g. seq=128.")] = None,
+    max_: Annotated[Optional[list[str]], typer.Option("--max", help="Profile max, e.g. batch=8.")] = None,
+    sm: Annotated[Optional[int], typer.Option(help="Target SM (default 90 for trt, 89 for trt-rtx).")] = None,
+    runtime: Annotated[str, typer.Option(help="trt (TensorRT 11) | trt-rtx (TensorRT-RTX, builds on CPU).")] = "trt",
+    plugin_path: Annotated[str, typer.Option(help="aot (embedded cubins) | jit (Triton via torch).")] = "aot",
+) -> None:
+    """Build model.engine from the trt-flavour ONNX with the k3 plugins (profiles from DYNAMIC_DIMS)."""
+    from .exporter.trt import EngineBuildError, EngineOptions, build_engine
+
+    dims: dict[str, dict[str, int]] = {}
+    for key, items in (("min", min_), ("opt", opt), ("max", max_)):
+        for item in items or []:
+            name, _, value = item.partition("=")
+            if not value.isdigit():
+                fail(f"--{key} {item!r}: expected NAME=INT, e.g. batch=8")
+            dims.setdefault(name, {})[key] = int(value)
+    try:
+        art = build_engine(export_dir, EngineOptions(runtime=runtime, sm=sm, plugin_path=plugin_path, dims=dims))
+    except (EngineBuildError, ValueError) as e:
+        fail(str(e))
+    typer.echo(f"{art.path}: {art.meta['bytes'] / 2**20:.1f} MiB, sm_{art.meta['sm']}, "
+               f"{art.meta['runtime']} {art.meta['tensorrt_version']}, plugins "
+               + ", ".join(f"{k}={v}" for k, v in art.meta["plugin_paths"].items()))
+
+
 @app.command()
 def run(
     export_dir: Annotated[Path, typer.Argument(help="Export folder (k3x export).")],

@@ -321,6 +321,7 @@ def bench_moe(ctx: Context) -> list[Result]:
     return [Result(f"moe experts N{N}-k{k}-E{E}-L{L}-I{I}", "bench", None, m, note)]
 
 
+CHECKS.append(__import__("gpu_check_plugins").plugin_aot_kernels)  # TensorRT plugins' AOT cubins via libcuda
 
 
 # ------------------------------------------------------------------------------------------------ main

@@ -1,0 +1,63 @@
+"""TensorRT plugins for `k3::KDA`, `k3::AttnRes`, `k3::MoE`, one file per op family over one core.
+
+`core.py` states each plugin once (ports and formats, fields, shape/type rules, kernel plan); `aot.py`
+compiles plans to cubins and launches them through the CUDA driver; `adapter.py` exposes a spec as an
+IPluginV3 creator (TensorRT 11 and TensorRT-RTX) and provides the bodies of the QDP decorator functions
+(`register_qdp` in each family file, TensorRT 11 only). Paths per plugin (see each file's docstring):
+
+    KDA      IPluginV3: aot (recurrent | chunked cubins) or jit;  QDP: aot_impl (recurrent kernel) or impl
+    AttnRes  IPluginV3: aot or jit;                                QDP: aot_impl or impl
+    MoE      IPluginV3: aot (8 cubins: router, top-k, align ×3, GEMM1, GEMM2, sum) or jit;  QDP: impl
+"""
+
+from __future__ import annotations
+
+from .core import PluginError, PluginSpec
+
+
+def specs() -> dict[str, PluginSpec]:
+    """op_type -> spec (imports the family files, hence torch and triton)."""
+    from . import attn_res, kda, moe
+
+    return {m.SPEC.name: m.SPEC for m in (kda, attn_res, moe)}
+
+
+def register_creators(trt, *, sm: int, path: str | dict[str, str] = "aot") -> dict[str, str]:
+    """Register an IPluginV3 creator per plugin in namespace "k3" (replacing ones this process registered
+    with other settings); `path` is one request for all or op_type -> path. Returns op_type -> path taken."""
+    from .adapter import creator
+
+    registry, taken = trt.get_plugin_registry(), {}
+    for name, spec in specs().items():
+        taken[name] = spec.resolve_path(path if isinstance(path, str) else path[name])
+        key = (id(trt), name)
+        old = _REGISTERED.get(key)
+        if old is not None and (old.sm, old.path) == (sm, taken[name]):
+            continue
+        if old is not None:
+            registry.deregister_creator(old)
+        c = creator(trt, spec, sm=sm, path=taken[name])
+        if not registry.register_creator(c, spec.namespace):
+            raise PluginError(f"k3::{name}: plugin creator could not be registered (another library owns k3::{name}?)")
+        _REGISTERED[key] = c  # TensorRT holds a raw pointer: keep the Python object alive
+    return taken
+
+
+_REGISTERED: dict = {}
+
+
+def register_qdp(*, sm: int, opt_dims: dict[str, dict]) -> None:
+    """TensorRT 11 only: register the QDP (`tensorrt.plugin`) form of every plugin instead of the IPluginV3
+    creators (the two cannot share a process: same name/namespace). `opt_dims[op]` are the dims the AOT
+    constexprs are chosen at (e.g. {"KDA": {"B": 1, "T": 1, "H": 96, "K": 128, "V": 128}}). Not exercised in
+    CI (no TensorRT 11 there); build_engine uses the IPluginV3 creators."""
+    try:
+        import tensorrt.plugin as trtp
+    except ImportError as e:
+        raise PluginError(f"QDP plugins need TensorRT 11 (`pip install tensorrt-cu13`): {e}") from None
+    from . import attn_res, kda, moe
+
+    for m in (kda, attn_res, moe):
+        m.register_qdp(trtp, sm=sm, opt_dims=opt_dims.get(m.SPEC.name, {}))
+
+__all__ = ["PluginError", "PluginSpec", "register_creators", "register_qdp", "specs"]

@@ -8,18 +8,23 @@ Pipeline of `moe`:
   1. `route`: `_router_kernel` (scores s = sigmoid(x W_rᵀ), fp32 accumulation; 16-bit operands go to
      tensor cores unchanged, which is exact-product fp32 math) and `_topk_kernel` (per token: k rounds
      of argmax over s + bias, weights from the unbiased s, optional renormalisation, × factor).
-  2. `moe_align` (torch bookkeeping, static shapes): a stable sort of the NK pairs by expert, each
-     expert's segment padded to a multiple of BM (the idea of vLLM's `moe_align_block_size`), so every
-     BM-row block belongs to one expert: `sorted_pair [P]` (pair id, or NK for padding) and
-     `block_expert [P/BM]` (expert id, or -1 for unused tail blocks, which exit at once).  P is the
-     worst case NK + min(E, NK)·(BM − 1), so grids depend on shapes only (CUDA-graph friendly).
+  2. `moe_align`, three kernels, no atomics: `_moe_align_count_kernel` (per chunk of ALIGN_BLOCK pairs, a
+     count per expert), `_moe_align_scan_kernel` (one program: each expert's segment padded to a multiple
+     of BM and placed by an exclusive scan over experts, the idea of vLLM's `moe_align_block_size`; each
+     chunk's first row per expert; the expert of every BM-row block), `_moe_align_scatter_kernel` (each
+     pair to its row: chunk offset + rank among the chunk's earlier pairs of that expert).  The result is
+     the stable sort of the NK pairs by expert — deterministic: `sorted_pair [P]` (pair id, or NK for
+     padding) and `block_expert [P/BM]` (expert id, or -1 for unused tail blocks, which exit at once).
+     P = `padded_rows(NK, E, BM)` is the worst case NK + min(E, NK)·(BM − 1), so grids depend on shapes
+     only (CUDA graphs, TensorRT AOT plugins).
   3. `_moe_gemm1_kernel`: grouped GEMM over blocks, A rows gathered from z by token id; gate (w1) and
      up (w3) tiles of the same expert in one kernel with two accumulators; SiTU-GLU or SiLU-GLU in the
      fp32 epilogue; h [P, I] in z's dtype.  GROUP_M swizzle so the blocks of a few experts run together
      and each weight tile is read from HBM about once.
   4. `_moe_gemm2_kernel`: h @ w2ᵀ per block, epilogue × routing weight (fp32), rows scattered to
      y [NK, L] fp32 by pair id (un-permute).
-  5. `_moe_sum_kernel`: u[n] = Σ_j y[n·k + j] in fp32, cast to z's dtype once.
+  5. `_moe_sum_kernel`: u[n] = Σ_j y[n·k + j] in fp32, in slot order j = 0..k−1, cast to z's dtype once.
+Deterministic: no atomics anywhere; every y row is written by exactly one program and summed in fixed order.
 Experts with no tokens get no blocks; one expert with every token gets NK/BM blocks.  Matmuls take
 16-bit operands as they are and fp32 operands with input_precision="ieee".  Launch parameters are pure
 functions of the shapes (`moe_launch_config`); no autotune, no block pointers.
@@ -33,6 +38,7 @@ import triton.language as tl
 from torch import Tensor
 
 ACTIVATIONS = {"silu": 0, "situ": 1}
+ALIGN_BLOCK = 256  # pairs per program of the align count / scatter kernels
 
 
 @triton.jit
@@ -98,6 +104,78 @@ def _topk_kernel(
     m_j = o_j < TOPK
     tl.store(ids + row * TOPK + o_j, b_id.to(tl.int64), mask=m_j)
     tl.store(wts + row * TOPK + o_j, b_w * factor, mask=m_j)
+
+
+@triton.jit
+def _moe_align_count_kernel(
+    ids,  # [NK] int64: expert of each (token, slot) pair
+    counts,  # out [NB, E] int32: pairs of chunk b routed to expert e
+    NK, E,
+    BLOCK: tl.constexpr, BE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    o_p = b * BLOCK + tl.arange(0, BLOCK)
+    e = tl.load(ids + o_p, mask=o_p < NK, other=-1).to(tl.int32)  # -1: past NK, matches no expert
+    for e0 in range(0, E, BE):
+        o_e = e0 + tl.arange(0, BE)
+        hit = (e[:, None] == o_e[None, :]).to(tl.int32)  # [BLOCK, BE]
+        tl.store(counts + b * E + o_e, tl.sum(hit, 0), mask=o_e < E)
+
+
+@triton.jit
+def _moe_align_scan_kernel(
+    counts,  # [NB, E] int32: chunk counts
+    offsets,  # out [NB, E] int32: row of chunk b's first pair of expert e in sorted_pair (not in place: the
+              # replicas of a small [EP] vector live in several warps, which would read each other's stores)
+    sorted_pair, block_expert,  # out [P] int32 (all NK: padding, until the scatter), [P / BM] int32
+    NK, E, NB, P,
+    BM: tl.constexpr, EP: tl.constexpr, BB: tl.constexpr, BP: tl.constexpr,
+):
+    # One program: per-expert totals; segments padded to BM, laid out by an exclusive scan over experts; each
+    # chunk's first row per expert (chunks in pair order, so the layout is a stable sort); every block's expert.
+    o_e = tl.arange(0, EP)
+    m_e = o_e < E
+    tot = tl.zeros([EP], dtype=tl.int32)
+    for b in range(0, NB):
+        tot += tl.load(counts + b * E + o_e, mask=m_e, other=0)
+    padded = (tot + BM - 1) // BM * BM  # 0 for empty experts (and e >= E)
+    end = tl.cumsum(padded, 0)  # inclusive padded segment ends
+    row = end - padded  # segment starts, then advanced chunk by chunk
+    for b in range(0, NB):
+        tl.store(offsets + b * E + o_e, row, mask=m_e)
+        row += tl.load(counts + b * E + o_e, mask=m_e, other=0)
+    used = tl.sum(padded, 0)
+    for j0 in range(0, P // BM, BB):  # expert of block j = experts whose segment ends at or before j·BM
+        o_j = j0 + tl.arange(0, BB)
+        first = o_j * BM
+        e_j = tl.sum((end[None, :] <= first[:, None]).to(tl.int32), 1)  # [BB]
+        tl.store(block_expert + o_j, tl.where(first < used, e_j, -1), mask=first < P)
+    pad = tl.zeros([BP], dtype=tl.int32) + NK
+    for r0 in range(0, P, BP):
+        o_r = r0 + tl.arange(0, BP)
+        tl.store(sorted_pair + o_r, pad, mask=o_r < P)
+
+
+@triton.jit
+def _moe_align_scatter_kernel(
+    ids, offsets,  # [NK] int64, [NB, E] int32 (chunk b's first row per expert, from the scan)
+    sorted_pair,  # out [P] int32: pair id n·k + j at its row
+    NK, E,
+    BLOCK: tl.constexpr, BJ: tl.constexpr,
+):
+    b = tl.program_id(0)
+    o_i = tl.arange(0, BLOCK)
+    o_p = b * BLOCK + o_i
+    m_p = o_p < NK
+    e = tl.load(ids + o_p, mask=m_p, other=-1).to(tl.int32)
+    rank = tl.zeros([BLOCK], dtype=tl.int32)  # earlier pairs of this chunk with the same expert
+    for j0 in range(0, BLOCK, BJ):
+        o_j = j0 + tl.arange(0, BJ)
+        e_j = tl.load(ids + b * BLOCK + o_j, mask=b * BLOCK + o_j < NK, other=-2).to(tl.int32)
+        hit = (e_j[None, :] == e[:, None]) & (o_j[None, :] < o_i[:, None])  # [BLOCK, BJ]
+        rank += tl.sum(hit.to(tl.int32), 1)
+    row = tl.load(offsets + b * E + e, mask=m_p, other=0) + rank
+    tl.store(sorted_pair + row, o_p, mask=m_p)
 
 
 @triton.jit
@@ -196,15 +274,33 @@ def _moe_sum_kernel(
 # ----------------------------------------------------------------------------------------------- launchers
 
 
+def block_m(N: int, top_k: int, E: int) -> int:
+    """Rows per GEMM block: the average rows per expert, as a power of two in [16, 64], or 128 when large."""
+    avg = N * top_k / E
+    return 128 if avg >= 512 else max(16, min(64, triton.next_power_of_2(max(1, int(avg)))))
+
+
+def padded_rows(NK: int, E: int, BM: int) -> int:
+    """P: rows of `sorted_pair` / `h` in the worst case (each non-empty expert padded by up to BM − 1)."""
+    return (NK + min(E, NK) * (BM - 1) + BM - 1) // BM * BM
+
+
+def align_launch_config(NK: int, E: int) -> dict:
+    """The three align kernels: NB chunks of ALIGN_BLOCK pairs; the scan holds all E experts in one program."""
+    NB, EP = triton.cdiv(NK, ALIGN_BLOCK), triton.next_power_of_2(E)
+    return {"NB": NB, "count_grid": (NB,), "scan_grid": (1,), "scatter_grid": (NB,), "BLOCK": ALIGN_BLOCK,
+            "BE": min(64, EP), "BJ": 32, "EP": EP, "BB": max(1, 4096 // EP), "BP": 1024,
+            "num_warps": 4 if EP <= 1024 else 8, "num_stages": 1}
+
+
 def moe_launch_config(N: int, top_k: int, E: int, L: int, I: int, elem_bytes: int = 2) -> dict:
     """Block sizes and grids of every MoE kernel (pure function of the shapes and operand width).
 
     AOT compilers: give pointers and L/I/E/D `tt.divisibility=16` (as the JIT does); without it the
     GEMM loads are not vectorised or pipelined and the kernels spill."""
     NK = N * top_k
-    avg = NK / E  # rows per expert
-    BM = 128 if avg >= 512 else max(16, min(64, triton.next_power_of_2(max(1, int(avg)))))
-    P = triton.cdiv(NK + min(E, NK) * (BM - 1), BM) * BM
+    BM = block_m(N, top_k, E)
+    P = padded_rows(NK, E, BM)
     num_m = P // BM
     BK = 64 if elem_bytes <= 2 else 32
     BN1 = min(128, max(16, triton.next_power_of_2(I)))
@@ -216,6 +312,7 @@ def moe_launch_config(N: int, top_k: int, E: int, L: int, I: int, elem_bytes: in
                    "num_stages": 3},
         "topk": {"grid": (N,), "KP": triton.next_power_of_2(top_k), "EP": EP, "num_warps": 4 if EP <= 1024 else 8,
                  "num_stages": 1},
+        "align": align_launch_config(NK, E),
         "gemm1": {"grid": (num_m * triton.cdiv(I, BN1),), "BN": BN1, "BK": BK, "GROUP_M": 8,
                   "num_warps": 8 if BM >= 64 else 4, "num_stages": 3},
         "gemm2": {"grid": (num_m * triton.cdiv(L, BN2),), "BN": BN2, "BK": BK, "GROUP_M": 8,
@@ -257,23 +354,23 @@ def route(x: Tensor, gate_weight: Tensor, gate_bias: Tensor, top_k: int, routed_
 
 
 def moe_align(ids: Tensor, E: int, BM: int, P: int) -> tuple[Tensor, Tensor]:
-    """Pairs sorted by expert, each expert's segment padded to a multiple of BM (static output sizes).
+    """Pairs stably sorted by expert, each expert's segment padded to a multiple of BM (static output sizes).
 
     ids [N, k] -> sorted_pair [P] int32 (pair id n·k + j, or NK for padding), block_expert [P/BM] int32
-    (expert of each block, -1 past the last used block)."""
-    flat = ids.reshape(-1)  # [NK]
+    (expert of each block, -1 past the last used block); P = `padded_rows(NK, E, BM)` (or more)."""
+    flat = ids.reshape(-1).contiguous()  # [NK]
     NK = flat.numel()
-    counts = torch.bincount(flat, minlength=E)  # [E]
-    padded = (counts + BM - 1) // BM * BM
-    pad_end = padded.cumsum(0)  # [E], inclusive
-    order = torch.argsort(flat, stable=True)  # pair ids grouped by expert
-    e_sorted = flat[order]
-    rank = torch.arange(NK, device=ids.device) - (counts.cumsum(0) - counts)[e_sorted]  # index inside segment
-    sorted_pair = torch.full((P,), NK, dtype=torch.int32, device=ids.device)
-    sorted_pair[(pad_end - padded)[e_sorted] + rank] = order.to(torch.int32)
-    block_start = torch.arange(0, P, BM, device=ids.device)
-    block_expert = torch.searchsorted(pad_end, block_start, right=True)  # first expert whose segment ends after
-    block_expert = torch.where(block_start < pad_end[-1], block_expert, -1).to(torch.int32)
+    a = align_launch_config(NK, E)
+    counts = torch.empty(a["NB"], E, dtype=torch.int32, device=ids.device)
+    offsets = torch.empty_like(counts)
+    sorted_pair = torch.empty(P, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(P // BM, dtype=torch.int32, device=ids.device)
+    opts = {"num_warps": a["num_warps"], "num_stages": a["num_stages"]}
+    _moe_align_count_kernel[a["count_grid"]](flat, counts, NK, E, BLOCK=a["BLOCK"], BE=a["BE"], **opts)
+    _moe_align_scan_kernel[a["scan_grid"]](counts, offsets, sorted_pair, block_expert, NK, E, a["NB"], P, BM=BM,
+                                           EP=a["EP"], BB=a["BB"], BP=a["BP"], **opts)
+    _moe_align_scatter_kernel[a["scatter_grid"]](flat, offsets, sorted_pair, NK, E, BLOCK=a["BLOCK"], BJ=a["BJ"],
+                                                 **opts)
     return sorted_pair, block_expert
 
 

@@ -54,17 +54,54 @@ def test_route_matches_reference(k, renorm, device):
     assert_close(w, rw, torch.float32, what="weights")
 
 
-def test_moe_align_layout(device):
-    ids = torch.tensor([[2, 0], [2, 1], [2, 0]], device=device)  # expert 3 empty
-    c = kernels.moe_launch_config(3, 2, 4, 8, 8)
-    sorted_pair, block_expert = kernels.moe_align(ids, 4, c["BM"], c["P"])
-    BM = c["BM"]
-    assert sorted_pair.shape == (c["P"],) and block_expert.shape == (c["P"] // BM,)
-    assert block_expert.tolist()[:4] == [0, 1, 2, -1]  # one block per non-empty expert, in expert order
-    assert sorted(sorted_pair[sorted_pair < 6].tolist()) == list(range(6))  # every pair exactly once
-    for b, e in enumerate(block_expert.tolist()):
-        pairs = sorted_pair[b * BM:(b + 1) * BM]
-        assert (ids.reshape(-1)[pairs[pairs < 6].long()] == e).all()
+def _align_oracle(ids: torch.Tensor, E: int, BM: int, P: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch bookkeeping for `moe_align`: a stable sort of the pairs by expert, segments padded to BM."""
+    flat = ids.reshape(-1)  # [NK]
+    NK = flat.numel()
+    counts = torch.bincount(flat, minlength=E)  # [E]
+    padded = (counts + BM - 1) // BM * BM
+    pad_end = padded.cumsum(0)  # [E], inclusive
+    order = torch.argsort(flat, stable=True)  # pair ids grouped by expert
+    rank = torch.arange(NK, device=ids.device) - (counts.cumsum(0) - counts)[flat[order]]  # index inside segment
+    sorted_pair = torch.full((P,), NK, dtype=torch.int32, device=ids.device)
+    sorted_pair[(pad_end - padded)[flat[order]] + rank] = order.to(torch.int32)
+    block_start = torch.arange(0, P, BM, device=ids.device)
+    block_expert = torch.searchsorted(pad_end, block_start, right=True)  # first expert ending after the block start
+    return sorted_pair, torch.where(block_start < pad_end[-1], block_expert, -1).to(torch.int32)
+
+
+def _align_case(N, k, E, how):
+    return pytest.param(N, k, E, how, id=f"N{N}-k{k}-E{E}-{how}")
+
+
+@pytest.mark.parametrize("N, k, E, how", [
+    _align_case(3, 2, 4, "fixed"),  # expert 3 empty; one block per non-empty expert
+    _align_case(37, 3, 64, "random"),  # odd N, most experts empty or single-pair
+    _align_case(301, 1, 5, "one"),  # every token to expert 2: several BM blocks, two chunks of pairs
+    _align_case(11, 7, 7, "all"),  # top_k = E: every expert sees every token
+    _align_case(130, 2, 3, "random"),  # several chunks of ALIGN_BLOCK pairs feed each expert
+    _align_case(5, 2, 300, "random"),  # E > 256: several expert tiles in the count kernel
+])
+def test_moe_align_matches_oracle(N, k, E, how, device):
+    if how == "fixed":
+        ids = torch.tensor([[2, 0], [2, 1], [2, 0]])
+    elif how == "one":
+        ids = torch.full((N, k), 2)
+    elif how == "all":
+        ids = torch.stack([torch.randperm(E) for _ in range(N)])
+    else:
+        ids = torch.stack([torch.randperm(E)[:k] for _ in range(N)])  # distinct experts per token, as top-k gives
+    ids = ids.to(device)
+    for BM in (16, 64):
+        P = kernels.padded_rows(N * k, E, BM)
+        sorted_pair, block_expert = kernels.moe_align(ids, E, BM, P)
+        want_pair, want_expert = _align_oracle(ids, E, BM, P)
+        assert sorted_pair.dtype == block_expert.dtype == torch.int32
+        assert sorted_pair.shape == (P,) and block_expert.shape == (P // BM,)
+        assert torch.equal(sorted_pair, want_pair), f"BM={BM}"  # the stable sort, exactly: deterministic layout
+        assert torch.equal(block_expert, want_expert), f"BM={BM}"
+    if how == "fixed":
+        assert block_expert.tolist()[:4] == [0, 1, 2, -1]
 
 
 @pytest.mark.gpu

@@ -1,0 +1,243 @@
+"""Stage: `trt`-flavour ONNX -> serialized TensorRT engine (`model.engine`) with the k3 plugins.
+
+- Runtimes: "trt" (TensorRT 11, package `tensorrt`, needs the GPU it builds for) and "trt-rtx"
+  (TensorRT-RTX 1.7 from PyPI, builds on a CPU-only machine; targets SM75/80/86/89/120/121, not SM90).
+- Optimisation profile: one, derived from `trace.DYNAMIC_DIMS` (every input dim named batch / seq /
+  past_seq gets that dim's min/opt/max; `EngineOptions.dims` overrides single values). Static dims stay.
+- Precision: TensorRT 11 networks are strongly typed, so the precision plan is the ONNX graph's own dtypes;
+  no builder precision flags are set.
+- Plugins: IPluginV3 creators from `k3x.plugins`, one path per plugin (AOT cubins for `sm`, or JIT), printed
+  and recorded. A timing cache file lives next to the engine and is reused.
+- Output: `model.engine` and `model.engine.json` (TensorRT version, runtime, SM, plugin paths, profile, ONNX
+  hash) renamed into place together and recorded as the manifest's `trt` artifact; the runner refuses an engine whose SM or TensorRT version differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from .artifacts import read_manifest, write_artifact
+from .trace import DYNAMIC_DIMS, DimRange
+
+log = logging.getLogger("k3x.trt")
+ENGINE_FILE, ENGINE_META, TIMING_CACHE, ONNX_FILE = "model.engine", "model.engine.json", "timing.cache", "model.trt.onnx"
+RUNTIMES = {  # runtime -> (import names, pip packages)
+    "trt": (("tensorrt",), "tensorrt-cu13 (TensorRT 11; the libs come from NVIDIA's package index)"),
+    "trt-rtx": (("tensorrt_rtx", "tensorrt_rtx_bindings"),
+                "tensorrt-rtx-cu13-bindings==1.7.1.116 tensorrt-rtx-cu13-libs==1.7.1.116 "
+                "(then scripts/setup_trt_rtx.sh for LD_LIBRARY_PATH)"),
+}
+DEFAULT_SM = {"trt": 90, "trt-rtx": 89}
+
+
+class EngineBuildError(RuntimeError):
+    """TensorRT missing, the ONNX not parseable or the build failed; the message names node and cause."""
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    runtime: str = "trt"
+    sm: int | None = None  # None: 90 for trt, 89 for trt-rtx
+    plugin_path: str = "aot"  # aot | jit (per plugin, where it has that path)
+    dims: dict[str, dict[str, int]] = field(default_factory=dict)  # {"batch": {"max": 8}} overrides
+    workspace_mib: int = 4096
+    timing_cache: bool = True
+
+    def __post_init__(self) -> None:
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"runtime={self.runtime!r}: choose from {sorted(RUNTIMES)}")
+        if self.plugin_path not in ("aot", "jit"):
+            raise ValueError(f"plugin_path={self.plugin_path!r}: choose 'aot' or 'jit'")
+
+    @property
+    def target_sm(self) -> int:
+        return self.sm if self.sm is not None else DEFAULT_SM[self.runtime]
+
+
+@dataclass(frozen=True)
+class EngineArtifact:
+    path: Path
+    meta: dict
+
+
+def import_trt(runtime: str):
+    """The TensorRT module for `runtime`, or an error naming the packages to install."""
+    names, packages = RUNTIMES[runtime]
+    for name in names:
+        try:
+            return __import__(name)
+        except ImportError as e:
+            err = e
+    raise EngineBuildError(f"runtime={runtime!r}: cannot import {' or '.join(names)} ({err}); install {packages}")
+
+
+def profile_ranges(overrides: dict[str, dict[str, int]]) -> dict[str, DimRange]:
+    """DYNAMIC_DIMS with per-dim overrides, checked min <= opt <= max."""
+    out = {}
+    for name, r in DYNAMIC_DIMS.items():
+        r = replace(r, **overrides.get(name, {}))
+        if not r.min <= r.opt <= r.max:
+            raise ValueError(f"dim {name!r}: need min <= opt <= max, got {r.min}/{r.opt}/{r.max}")
+        out[name] = r
+    unknown = sorted(set(overrides) - set(DYNAMIC_DIMS))
+    if unknown:
+        raise ValueError(f"dims {unknown}: not dynamic dims; known: {sorted(DYNAMIC_DIMS)}")
+    return out
+
+
+def _logger(trt):
+    class Logger(trt.ILogger):
+        def __init__(self):
+            trt.ILogger.__init__(self)
+            self.messages: list[tuple[str, str]] = []
+
+        def log(self, severity, msg):
+            self.messages.append((severity.name, msg))
+            if severity in (trt.ILogger.Severity.INTERNAL_ERROR, trt.ILogger.Severity.ERROR):
+                log.error("TensorRT: %s", msg)
+            elif severity == trt.ILogger.Severity.WARNING:
+                log.debug("TensorRT: %s", msg)
+
+        def excerpt(self, n: int = 12) -> str:
+            errs = [m for s, m in self.messages if s in ("ERROR", "INTERNAL_ERROR")]
+            return "\n".join(("  " + m) for m in (errs or [m for _, m in self.messages])[-n:])
+
+    return Logger()
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _profile(trt, builder, network, ranges: dict[str, DimRange]) -> tuple:
+    prof, table = builder.create_optimization_profile(), {}
+    for i in range(network.num_inputs):
+        t = network.get_input(i)
+        shape = list(t.shape)
+        lo, opt, hi = list(shape), list(shape), list(shape)
+        for j, d in enumerate(shape):
+            if d >= 0:
+                continue
+            name = t.get_dimension_name(j)
+            if name not in ranges:
+                raise EngineBuildError(f"input {t.name!r} dim {j} is dynamic with name {name!r}, which has no "
+                                       f"range; known: {sorted(ranges)}")
+            r = ranges[name]
+            lo[j], opt[j], hi[j] = r.min, r.opt, r.max
+        prof.set_shape(t.name, lo, opt, hi)
+        table[t.name] = [lo, opt, hi]
+    return prof, table
+
+
+def _set_target(trt, config, options: EngineOptions) -> None:
+    sm = options.target_sm
+    if options.runtime == "trt-rtx":
+        cc = getattr(trt.ComputeCapability, f"SM{sm}", None)
+        if cc is None:
+            raise EngineBuildError(f"sm={sm}: TensorRT-RTX cannot target it; choose from "
+                                   f"{[n[2:] for n in trt.ComputeCapability.__members__ if n.startswith('SM')]}")
+        config.num_compute_capabilities = 1
+        config.set_compute_capability(cc, 0)
+        return
+    import torch
+
+    have = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    if have is None or have[0] * 10 + have[1] != sm:
+        raise EngineBuildError(f"sm={sm}: TensorRT 11 builds for the GPU it runs on, found {have}; "
+                               "build on a GPU of the target SM")
+
+
+def build_engine(export_dir: Path, options: EngineOptions = EngineOptions()) -> EngineArtifact:
+    """Build `model.engine` in `export_dir` from its `model.trt.onnx`."""
+    export_dir = Path(export_dir)
+    onnx_path = export_dir / ONNX_FILE
+    if not onnx_path.is_file():
+        raise EngineBuildError(f"{onnx_path}: missing; run `k3x export` with the trt flavour first")
+    ranges = profile_ranges(options.dims)
+    read_manifest(export_dir)  # the folder must come from `k3x export`
+    trt = import_trt(options.runtime)
+    from .. import plugins
+
+    sm = options.target_sm
+    paths = plugins.register_creators(trt, sm=sm, path=options.plugin_path)
+    specs = plugins.specs()
+    for name, p in paths.items():
+        log.info("plugin k3::%s: %s path%s — %s", name, p.upper(), f" (sm_{sm} cubins)" if p == "aot" else "",
+                 specs[name].notes)
+    logger = _logger(trt)
+    builder = trt.Builder(logger)
+    network = builder.create_network(0)
+    parser = trt.OnnxParser(network, logger)
+    t0 = time.perf_counter()
+    if not parser.parse_from_file(str(onnx_path)):
+        errs = [parser.get_error(i) for i in range(parser.num_errors)]
+        lines = [f"  node {e.node()} ({e.node_name()}, {e.node_operator()}): {e.desc()}" for e in errs]
+        raise EngineBuildError(f"{onnx_path}: TensorRT cannot parse it:\n" + "\n".join(lines) + "\n" + logger.excerpt())
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, options.workspace_mib << 20)
+    _set_target(trt, config, options)
+    prof, table = _profile(trt, builder, network, ranges)
+    config.add_optimization_profile(prof)
+    cache_path = export_dir / TIMING_CACHE
+    if options.timing_cache:
+        cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
+        config.set_timing_cache(cache, ignore_mismatch=False)
+    from ..plugins import adapter
+
+    adapter.ERRORS.clear()
+    adapter.FORMATS.clear()
+    blob = builder.build_serialized_network(network, config)
+    if adapter.ERRORS or blob is None or blob.nbytes == 0:
+        plugin_errors = "".join(f"  {e}\n" for e in adapter.ERRORS + adapter.format_failures())
+        formats = "".join(f"  k3::{n} formats: {s.format_table()}\n" for n, s in specs.items()
+                          if f"k3::{n}" in plugin_errors)
+        raise EngineBuildError(f"{onnx_path}: engine build failed ({options.runtime}, sm_{sm}):\n{plugin_errors}"
+                               f"{formats}{_failing(logger)}")
+    seconds = time.perf_counter() - t0
+    data = bytes(blob)
+    meta = {"runtime": options.runtime, "tensorrt_version": trt.__version__, "sm": sm, "plugin_paths": paths,
+            "profile": {k: asdict(v) for k, v in ranges.items()}, "input_shapes": table, "bytes": len(data),
+            "build_seconds": round(seconds, 2), "onnx_sha256": _sha256(onnx_path)}
+    with write_artifact(export_dir, "trt", extra=meta) as tmp:  # engine + metadata renamed into place together
+        (tmp / ENGINE_FILE).write_bytes(data)
+        (tmp / ENGINE_META).write_text(json.dumps(meta, indent=2, sort_keys=True))
+    if options.timing_cache:
+        _atomic_write(cache_path, bytes(config.get_timing_cache().serialize()))
+    log.info("engine %s: %.1f MiB in %.1f s (%s %s, sm_%d)", export_dir / ENGINE_FILE, len(data) / 2**20, seconds,
+             options.runtime, trt.__version__, sm)
+    return EngineArtifact(export_dir / ENGINE_FILE, meta)
+
+
+def _failing(logger) -> str:
+    """The log excerpt, led by the nodes/layers it names."""
+    text = logger.excerpt()
+    nodes = sorted(set(re.findall(r"(?:node|layer)[:\s]+['\"]?([\w./:-]+)", text, re.I)))
+    return (f"  failing node(s): {', '.join(nodes)}\n" if nodes else "") + text
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def check_engine_meta(export_dir: Path, *, tensorrt_version: str, sm: int) -> dict:
+    """The engine's metadata, or a refusal when it was built for another SM or TensorRT version."""
+    path = Path(export_dir) / ENGINE_META
+    if not path.is_file():
+        raise EngineBuildError(f"{path}: missing; build the engine with `k3x build-engine {export_dir}`")
+    meta = json.loads(path.read_text())
+    if meta["sm"] != sm:
+        raise EngineBuildError(f"{export_dir / ENGINE_FILE}: built for sm_{meta['sm']}, this GPU is sm_{sm}; "
+                               "rebuild it on this machine")
+    if meta["tensorrt_version"] != tensorrt_version:
+        raise EngineBuildError(f"{export_dir / ENGINE_FILE}: built with {meta['runtime']} {meta['tensorrt_version']}, "
+                               f"this process has {tensorrt_version}; rebuild it")
+    return meta
