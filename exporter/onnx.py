@@ -28,6 +28,7 @@ Notable choices:
 from __future__ import annotations
 
 import logging
+import warnings
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -200,8 +201,12 @@ def to_onnx_ir(ep: ExportedProgram, cfg: K3Config, *, weights: bool = True, opti
     """torch.export program -> onnx_ir model with bare k3 nodes and DESIGN.md I/O (the `trt` flavor)."""
     for name in ("onnx_ir", "onnxscript"):  # their passes log every clean-up / skipped fold at INFO
         logging.getLogger(name).setLevel(logging.WARNING)
-    prog = torch.onnx.export(ep, dynamo=True, custom_translation_table=translation_table(),
-                             optimize=optimize and weights, opset_version=opset, verbose=False)
+    # "torchvision is not installed. Skipping torchvision::nms" and the like: nothing k3x uses
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    with warnings.catch_warnings():  # torch-internal deprecation noise (pytree LeafSpec) on every export
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        prog = torch.onnx.export(ep, dynamo=True, custom_translation_table=translation_table(),
+                                 optimize=optimize and weights, opset_version=opset, verbose=False)
     model = prog.model
     for node in ir.traversal.RecursiveGraphIterator(model.graph):  # stack traces, fx names: size, paths
         node.metadata_props.clear()
