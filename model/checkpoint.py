@@ -232,6 +232,9 @@ def save_checkpoint(model: K3ForCausalLM, path: str | Path, *, expert_format: st
         total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
         (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
         (tmp / "config.json").write_text(json.dumps(config_to_hf(model.cfg), indent=2))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp creates 0700
         if path.exists():
             path.rmdir()
         os.replace(tmp, path)

@@ -108,3 +108,11 @@ def test_export_folder_reads_back_config_dtype_checkpoint(folder, tmp_path):
     with pytest.raises(ManifestError, match="no manifest"):
         with write_artifact(tmp_path, "x"):
             pass
+
+
+def test_manifest_is_readable_by_others(folder):
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (folder / MANIFEST).stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's 0600

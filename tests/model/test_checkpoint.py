@@ -140,3 +140,12 @@ def test_hash_changes_with_weights(dense_ckpt):
     assert h == checkpoint_hash(dense_ckpt)
     rewrite(dense_ckpt, lambda t: t | {"model.norm.weight": t["model.norm.weight"] + 1})
     assert checkpoint_hash(dense_ckpt) != h
+
+
+def test_saved_folder_has_normal_permissions(tmp_path, model):
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    path = save_checkpoint(model, tmp_path / "perm", expert_format="dense")
+    assert path.stat().st_mode & 0o777 == 0o777 & ~umask  # not mkdtemp's 0700
