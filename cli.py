@@ -76,7 +76,7 @@ def init_checkpoint(
     cfg = config_or_fail(preset, None)
     try:
         save_checkpoint(build_model(cfg, seed=seed), out, expert_format=expert_format)
-    except (ValueError, FileExistsError) as e:
+    except (ValueError, OSError) as e:
         fail(str(e))
     typer.echo(f"wrote {cfg.name} checkpoint (seed {seed}, experts {expert_format}) to {out}")
 
@@ -109,7 +109,10 @@ def generate(
 
     model = load_model_or_fail(checkpoint)
     ids = torch.tensor([parse_ids(prompt_ids, "--prompt-ids")])
-    g = greedy_generate(model, ids, max_new_tokens)
+    try:
+        g = greedy_generate(model, ids, max_new_tokens)
+    except ValueError as e:
+        fail(f"--prompt-ids: {e}")
     typer.echo("tokens: " + ",".join(str(t) for t in g.tokens[0].tolist()))
     typer.echo(f"prefill {g.prefill_s * 1e3:.1f} ms; decode {g.decode_tokens_per_s:.1f} tokens/s (eager, cpu)")
 
@@ -133,7 +136,10 @@ def logits(
 
     if (input_ids is None) == (batch_file is None):
         fail("give exactly one of --input-ids or --batch-file")
-    ids = np.array([parse_ids(input_ids, "--input-ids")]) if input_ids else np.load(batch_file)
+    try:
+        ids = np.array([parse_ids(input_ids, "--input-ids")]) if input_ids else np.load(batch_file)
+    except (OSError, ValueError) as e:
+        fail(f"{batch_file}: cannot read a .npy array ({e})")
     if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
         fail(f"{batch_file}: expected an integer array [B, T], got {ids.dtype} {list(ids.shape)}")
     if backend != "eager":
@@ -146,7 +152,10 @@ def logits(
             result = full_logits(model, torch.from_numpy(ids.astype(np.int64)))
         except ValueError as e:
             fail(str(e))
-    save_npy_atomic(out, result.numpy())
+    try:
+        save_npy_atomic(out, result.numpy())
+    except OSError as e:
+        fail(f"{out}: cannot write ({e})")
     typer.echo(f"wrote logits {list(result.shape)} float32 to {out}")
 
 
@@ -195,6 +204,8 @@ def export(
         result = run_export(ExportOptions(tuple(target), out, preset, checkpoint, not no_weights, dtype, seed), progress)
     except (ValueError, FileNotFoundError, ManifestError) as e:  # ConfigError, CheckpointError: name the input
         fail(str(e))
+    except (OSError, RuntimeError) as e:  # a stage failed; its artifacts were not renamed into place
+        fail(f"export to {out} failed: {type(e).__name__}: {e}")
     typer.echo("\n".join(result.notes + [f"manifest: {out / 'manifest.json'}"]))
 
 

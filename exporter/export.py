@@ -196,6 +196,7 @@ def _load(options: ExportOptions, dtype: torch.dtype) -> tuple[K3Config, Callabl
         return cfg, lambda: build_model(cfg, device="meta", dtype=dtype, seed=None), None
     from ..model.checkpoint import checkpoint_hash, load_checkpoint
 
+    _check_fits_in_memory(cfg, dtype)
     return cfg, lambda: load_checkpoint(options.checkpoint, dtype=dtype, device="cpu"), checkpoint_hash(
         options.checkpoint)
 

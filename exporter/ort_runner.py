@@ -15,17 +15,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from .runners import Feeds, RunnerError
 
-_ORT_TYPES: dict[str, tuple[np.dtype, torch.dtype]] = {
-    "tensor(float)": (np.dtype(np.float32), torch.float32),
-    "tensor(float16)": (np.dtype(np.float16), torch.float16),
-    "tensor(int64)": (np.dtype(np.int64), torch.int64),
-    "tensor(int32)": (np.dtype(np.int32), torch.int32),
+# ORT type string -> (ONNX TensorProto element type, torch dtype). Binding by the ONNX element type (an int)
+# rather than a numpy dtype is what lets bf16 tensors be bound: numpy has no bfloat16.
+_ORT_TYPES: dict[str, tuple[int, torch.dtype]] = {
+    "tensor(float)": (1, torch.float32),
+    "tensor(float16)": (10, torch.float16),
+    "tensor(bfloat16)": (16, torch.bfloat16),
+    "tensor(int64)": (7, torch.int64),
+    "tensor(int32)": (6, torch.int32),
 }
 
 
@@ -54,7 +56,11 @@ def ort_session(path: Path, provider: str = "auto", intra_op_threads: int = 0):
     try:
         sess = ort.InferenceSession(str(path), so, providers=providers)
     except Exception as e:  # noqa: BLE001 - ORT raises its own types; name the file
-        raise RunnerError(f"{path}: ONNX Runtime cannot load it: {e}") from None
+        hint = ""
+        if "Could not find an implementation" in str(e) and not want_cuda:
+            hint = (" (ONNX Runtime's CPU provider lacks kernels for this graph's dtype: bf16 graphs need the CUDA "
+                    "provider; export with --dtype fp32 to run on CPU)")
+        raise RunnerError(f"{path}: ONNX Runtime cannot load it: {e}{hint}") from None
     finally:
         ort.set_default_logger_severity(2)
     used = "cuda" if "CUDAExecutionProvider" in sess.get_providers() else "cpu"
@@ -97,8 +103,8 @@ class OrtRunner:
 
     def _bind(self, binding, name: str, t: Tensor, output: bool = False) -> None:
         device = "cuda" if t.is_cuda else "cpu"
-        np_type = _ORT_TYPES[(self.outputs if output else self.inputs)[name].type][0]
-        args = (name, device, t.device.index or 0, np_type, list(t.shape), t.data_ptr())
+        elem_type = _ORT_TYPES[(self.outputs if output else self.inputs)[name].type][0]
+        args = (name, device, t.device.index or 0, elem_type, list(t.shape), t.data_ptr())
         (binding.bind_output if output else binding.bind_input)(*args)
 
     def check_feeds(self, feeds: Feeds) -> None:

@@ -82,6 +82,10 @@ def compare(actual: Tensor | None, expected: Tensor, name: str, dtype: torch.dty
     if tuple(actual.shape) != tuple(expected.shape):
         return OutputError(name, float("inf"), float("inf"), False,
                            f"shape {list(actual.shape)} != {list(expected.shape)}")
+    if actual.dtype != expected.dtype:  # e.g. a backend that drops the fp32 KDA state to bf16
+        return OutputError(name, float("inf"), float("inf"), False,
+                           f"dtype {str(actual.dtype).removeprefix('torch.')} != "
+                           f"{str(expected.dtype).removeprefix('torch.')}")
     a, e = actual.detach().cpu().double(), expected.detach().cpu().double()
     if not torch.isfinite(a).all():
         return OutputError(name, float("inf"), float("inf"), False, "non-finite")

@@ -7,8 +7,8 @@ filled tensor by tensor from memory-mapped files, so two copies of the weights n
 
 Names: the model's own parameter names, except stacked experts: `...experts.{e}.w1.weight` (or the
 compressed-tensors MXFP4 pair `weight_packed` + `weight_scale`, dequantised on load) fills row e of
-`...experts.w1`. `A_log` may be stored longer than the head count (K3 stores 128 for 96 heads): the
-first H entries are used. A `language_model.` prefix is stripped; vision-tower tensors are ignored.
+`...experts.w1`. `A_log` may be stored longer than the head count (K3 stores 128 for 96 heads) or as
+`[1, 1, H, 1]` (Kimi Linear): the first H values are used. A `language_model.` prefix is stripped; vision-tower tensors are ignored.
 """
 
 from __future__ import annotations
@@ -123,8 +123,8 @@ def _validate(cfg: K3Config, files: dict[str, Path]) -> dict[str, tuple[str, Pat
             raise CheckpointError(f"{f}: tensor {stored!r} listed in the index is not in the file") from None
         shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
         want = _expected_shape(meta, s)
-        if s.param.endswith("A_log") and len(shape) == 1 and shape[0] >= want[0]:
-            want = shape  # stored longer than the head count: first H used
+        if s.param.endswith("A_log") and max(shape, default=0) >= want[0] and sum(d > 1 for d in shape) <= 1:
+            want = shape  # [H], longer than H (K3: 128), or [1, 1, H, 1] (Kimi Linear): first H values used
         if shape != want:
             problems.append(f"{stored!r} in {f.name}: shape {list(shape)}, expected {list(want)}"
                             " (does config.json match these weights?)")
@@ -175,9 +175,12 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32,
         if s.part == "weight_packed":
             sname = name.replace("weight_packed", "weight_scale")
             sstored, sf = plan[sname]
-            t = mxfp4.dequantize(t, handles.setdefault(sf, _open(sf)).get_tensor(sstored), torch.float32)
+            try:
+                t = mxfp4.dequantize(t, handles.setdefault(sf, _open(sf)).get_tensor(sstored), torch.float32)
+            except ValueError as e:
+                raise CheckpointError(f"{sstored!r} in {sf.name}: {e}") from None
         if s.param.endswith("A_log"):
-            t = t[: target.shape[0]]
+            t = t.reshape(-1)[: target.shape[0]]
         (target if s.expert is None else target[s.expert]).copy_(t)
     return model.eval()
 

@@ -151,6 +151,8 @@ class K3Config:
         _check(self.activation in ("situ", "silu"), "activation", self.activation, "must be 'situ' or 'silu'")
         _check(self.rms_norm_eps > 0, "rms_norm_eps", self.rms_norm_eps, "must be > 0")
         _check(isinstance(self.backend, Backend), "backend", self.backend, "must be a Backend")
+        _check(not self.tie_word_embeddings, "tie_word_embeddings", self.tie_word_embeddings,
+               "k3x models have an untied lm_head (K3 and Kimi Linear do)")
         if self.moe.latent_dim is not None:
             _check(self.moe.latent_dim <= self.hidden_size, "moe.latent_dim", self.moe.latent_dim,
                    f"must be <= hidden_size ({self.hidden_size})")

@@ -49,6 +49,23 @@ def _mlp_types(text: dict[str, Any], n: int) -> tuple[str, ...]:
     return tuple("moe" if (i >= first and i % freq == 0) else "dense" for i in range(n))
 
 
+def _refuse_unsupported(raw: dict[str, Any], text: dict[str, Any], where: str) -> None:
+    """Fields whose other values would change the computation k3x implements: refuse, never ignore."""
+    checks = [
+        ("moe_router_activation_func", text.get("moe_router_activation_func", "sigmoid"), lambda v: v == "sigmoid"),
+        ("num_expert_group", text.get("num_expert_group", 1), lambda v: v in (None, 1)),
+        ("topk_group", text.get("topk_group", 1), lambda v: v in (None, 1)),
+        ("mla_use_nope", text.get("mla_use_nope", True), lambda v: v is True),
+        ("tie_word_embeddings", raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False)),
+         lambda v: v is False),
+        ("num_nextn_predict_layers", text.get("num_nextn_predict_layers", 0), lambda v: v in (None, 0)),
+    ]
+    for name, value, ok in checks:
+        if not ok(value):
+            raise ConfigError(f"{where}: {name}={value!r} is not supported by k3x (K3 / Kimi Linear use "
+                              "sigmoid routing without expert groups, NoPE MLA, an untied head, no MTP layers)")
+
+
 def config_from_hf(path: str | Path) -> K3Config:
     path = Path(path)
     if path.is_dir():
@@ -68,6 +85,7 @@ def config_from_hf(path: str | Path) -> K3Config:
     else:
         raise ConfigError(f"{where}: model_type={model_type!r}; expected 'kimi_k3' or 'kimi_linear'")
 
+    _refuse_unsupported(raw, text, where)
     n = int(_need(text, "num_hidden_layers", where))
     lac = _need(text, "linear_attn_config", where)
     act = text.get("hidden_act", "silu")

@@ -39,7 +39,8 @@ class LatentMoE(nn.Module):
         c, d = cfg.moe, cfg.hidden_size
         L = cfg.expert_dim
         self.cfg, self.latent, self.latent_norm = cfg, c.latent_dim is not None, c.latent_norm
-        self.options = MoEOptions(c.top_k, c.routed_scaling_factor, c.renormalize, cfg.activation,
+        # Kimi / DeepSeek routers renormalise only when top_k > 1: one expert keeps its raw score s
+        self.options = MoEOptions(c.top_k, c.routed_scaling_factor, c.renormalize and c.top_k > 1, cfg.activation,
                                   cfg.situ_beta, cfg.situ_linear_beta)
         self.gate = Router(d, c.num_experts)
         if self.latent:

@@ -22,6 +22,8 @@ def dequantize(packed: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32
     out, half = packed.shape
     if scale.shape != (out, 2 * half // BLOCK):
         raise ValueError(f"mxfp4: weight_scale {tuple(scale.shape)} does not fit weight_packed {tuple(packed.shape)}")
+    if (scale == 0xFF).any():
+        raise ValueError("mxfp4: weight_scale holds 0xFF, the E8M0 NaN encoding")
     p = packed.to(torch.int64)
     codes = torch.stack([p & 0xF, p >> 4], dim=-1).reshape(out, 2 * half)  # [out, in], low nibble first
     vals = E2M1.to(packed.device)[codes & 7] * (1 - 2 * (codes >> 3)).float()

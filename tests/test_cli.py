@@ -91,3 +91,13 @@ def test_logits_bad_input(ckpt, tmp_path, args, message):
 def test_bad_checkpoint_is_one_clear_error(tmp_path):
     r = runner.invoke(app, ["generate", "--checkpoint", str(tmp_path)])
     assert r.exit_code == 1 and "no config.json" in r.output
+
+
+@pytest.mark.parametrize("args,message", [
+    (["generate", "--prompt-ids", "1,99999"], "token ids must be in"),
+    (["logits", "--batch-file", "/nonexistent/ids.npy", "--out", "/tmp/k3x-l.npy"], "cannot read a .npy"),
+    (["logits", "--input-ids", "1,2", "--out", "/nonexistent/dir/l.npy"], "cannot write"),
+])
+def test_bad_paths_and_ids_are_clear_errors(ckpt, args, message):
+    r = runner.invoke(app, [args[0], "--checkpoint", str(ckpt), *args[1:]])
+    assert r.exit_code == 1 and message in r.output, r.output

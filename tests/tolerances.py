@@ -9,7 +9,8 @@ from k3x.exporter.tolerances import TOLERANCES, tol  # noqa: F401  (re-exported 
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None, what: str = "") -> None:
-    """Shape and dtype first, then values, with max-abs and RMSE-ratio in the message."""
+    """Shape first, then values, with max-abs and RMSE-ratio in the message. Dtypes may differ (oracles run
+    in fp32/fp64); the tolerance is `dtype`'s, else the actual tensor's."""
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     a, e = actual.double(), expected.double()
     assert torch.isfinite(a).all(), f"{what}: non-finite values"

@@ -76,6 +76,7 @@ def test_compare_flags_shape_and_nonfinite():
     assert compare(torch.full((2, 3), float("nan")), e, "x", torch.float32).problem == "non-finite"
     assert compare(None, e, "x", torch.float32).problem == "missing"
     assert compare(e + 1e-6, e, "x", torch.float32).ok and not compare(e + 1e-3, e, "x", torch.float32).ok
+    assert compare(e.bfloat16(), e, "x", torch.float32).problem == "dtype bfloat16 != float32"
 
 
 def test_verify_rejects_a_folder_that_is_not_an_export(tmp_path):

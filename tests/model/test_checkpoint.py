@@ -149,3 +149,21 @@ def test_saved_folder_has_normal_permissions(tmp_path, model):
     os.umask(umask)
     path = save_checkpoint(model, tmp_path / "perm", expert_format="dense")
     assert path.stat().st_mode & 0o777 == 0o777 & ~umask  # not mkdtemp's 0700
+
+
+def test_kimi_linear_a_log_layout(dense_ckpt, model):
+    name = "model.layers.0.self_attn.A_log"
+    real = model.state_dict()[name]
+    rewrite(dense_ckpt, lambda t: t | {name: real.view(1, 1, -1, 1)})  # Kimi Linear stores [1, 1, H, 1]
+    assert torch.equal(load_checkpoint(dense_ckpt).state_dict()[name], real)
+
+
+def test_mxfp4_nan_scale_is_named(tmp_path, model):
+    path = save_checkpoint(model, tmp_path / "mx")
+    shard = next(path.glob("*.safetensors"))
+    t = load_file(str(shard))
+    key = f"{EXPERT}.2.w2.weight_scale"
+    t[key] = torch.full_like(t[key], 0xFF)
+    save_file(t, str(shard))
+    with pytest.raises(CheckpointError, match=f"{key}.*0xFF"):
+        load_checkpoint(path)

@@ -86,6 +86,10 @@ def test_schedule_comes_from_the_lists_not_a_pattern(tmp_path):
     (lambda t: t.update(hidden_act="gelu"), "hidden_act"),
     (lambda t: t.update(num_experts_per_token=1000), "moe.top_k"),
     (lambda t: t["linear_attn_config"].update(gate_lower_bound=-9.0), "kda.gate_lower_bound"),
+    (lambda t: t.update(moe_router_activation_func="softmax"), "moe_router_activation_func='softmax'"),
+    (lambda t: t.update(num_expert_group=8, topk_group=4), "num_expert_group=8"),
+    (lambda t: t.update(mla_use_nope=False), "mla_use_nope=False"),
+    (lambda t: t.update(tie_word_embeddings=True), "tie_word_embeddings=True"),
 ])
 def test_bad_json_names_the_field(tmp_path, mutate, field):
     cfg = k3_config_json()

@@ -51,15 +51,17 @@ def test_batch_rows_are_independent():
     assert_close(batched[1:2], single, torch.float32, "row 1")
 
 
-def test_state_shapes_and_names():
+def test_state_shapes_names_and_precision_plan():
+    """bf16 model: KDA conv/recurrent states stay fp32, the MLA latent cache is bf16, logits fp32."""
     cfg = preset("k3-mini")
-    model = build_model(cfg)
+    model = build_model(cfg, dtype=torch.bfloat16)
     with torch.no_grad():
-        _, state = model(torch.zeros(2, 5, dtype=torch.long), empty_state(cfg, 2))
+        logits, state = model(torch.zeros(2, 5, dtype=torch.long), empty_state(cfg, 2, torch.bfloat16))
     P, H, D = cfg.kda.proj_dim, cfg.kda.num_heads, cfg.kda.head_dim
     assert [tuple(s.shape) for s in state[:2]] == [(2, 3 * P, 3), (2, H, D, D)]
     assert tuple(state[4].shape) == (2, 5, cfg.mla.latent_dim)  # layer 2 is MLA
-    assert all(s.dtype == torch.float32 for s in state)
+    assert [s.dtype for s in state[:5]] == [torch.float32] * 4 + [torch.bfloat16]
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
 
 
 def test_k3_parameter_names_and_shapes_match_spec():
@@ -112,3 +114,23 @@ def test_custom_ops_are_the_only_path(monkeypatch):
     with torch.no_grad():
         model(torch.zeros(1, 4, dtype=torch.long), empty_state(cfg, 1))
     assert len(calls) == len(cfg.kda_layers)
+
+
+def test_top1_routing_keeps_the_raw_score():
+    """Renormalising a single selected score would make every weight 1; Kimi's router does not."""
+    c = preset("k3-mini")
+    cfg = dataclasses.replace(c, moe=dataclasses.replace(c.moe, top_k=1))
+    layer = build_model(cfg).model.layers[1].block_sparse_moe
+    assert layer.options.renormalize is False
+    assert build_model(c).model.layers[1].block_sparse_moe.options.renormalize is True
+    x = torch.randn(5, cfg.hidden_size)
+    z = layer.routed_expert_down_proj(x)
+    e = layer.experts
+    u = torch.ops.k3.moe(x, z, layer.gate.weight, layer.gate.e_score_correction_bias, e.w1, e.w3, e.w2,
+                         *layer.options.args(), "reference")
+    s = torch.sigmoid(x @ layer.gate.weight.t())
+    j = torch.argmax(s + layer.gate.e_score_correction_bias, -1)
+    from k3x.custom_ops.moe.reference import glu
+    expect = torch.stack([s[n, j[n]] * (e.w2[j[n]] @ glu(e.w1[j[n]] @ z[n], e.w3[j[n]] @ z[n], "situ", 4.0, 25.0))
+                          for n in range(5)])
+    assert_close(u, expect, torch.float32, "top-1 MoE")
