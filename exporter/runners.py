@@ -96,12 +96,16 @@ def _artifact(export_dir: Path, name: str) -> Path:
 
 
 def _eager(export_dir: Path, options: RunnerOptions) -> Runner:
-    from ..model.checkpoint import CheckpointError, load_checkpoint
+    from ..model.checkpoint import CheckpointError, checkpoint_hash, load_checkpoint
 
     d = _folder(export_dir)
     ckpt = options.checkpoint or d.checkpoint()
     if ckpt is None:
         raise RunnerError(f"{export_dir}: the export records no checkpoint; pass --checkpoint for the eager reference")
+    recorded = (d.manifest.get("checkpoint") or {}).get("hash")
+    if options.checkpoint is None and recorded and Path(ckpt).is_dir() and checkpoint_hash(ckpt) != recorded:
+        raise RunnerError(f"{ckpt}: changed since the export (sha256 {checkpoint_hash(ckpt)} != {recorded} in "
+                          f"{export_dir}/manifest.json); re-export, or pass --checkpoint to compare anyway")
     try:
         model = load_checkpoint(ckpt, dtype=d.dtype(), device="cpu")
     except (CheckpointError, FileNotFoundError) as e:

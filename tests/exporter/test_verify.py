@@ -87,3 +87,25 @@ def test_verify_rejects_a_folder_that_is_not_an_export(tmp_path):
 def test_verify_rejects_an_unknown_backend():
     res = cli.invoke(app, ["verify", str(mini_export().folder), "--backends", "tensorflow"])
     assert res.exit_code == 1 and "tensorflow" in res.output
+
+
+def test_checkpoint_changed_after_export_is_named(tmp_path):
+    """A changed checkpoint is reported as such, not as a backend parity failure."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    m = mini_export()
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(m.checkpoint, ckpt)
+    folder = tmp_path / "export"
+    shutil.copytree(m.folder, folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["checkpoint"]["path"] = str(ckpt)
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    shard = next(ckpt.glob("*.safetensors"))
+    t = load_file(str(shard))
+    t["model.norm.weight"] = t["model.norm.weight"] * 2
+    save_file(t, str(shard))
+    res = cli.invoke(app, ["verify", str(folder), "--backends", "pt2", "--steps", "1"])
+    assert res.exit_code == 1 and "changed since the export" in res.output, res.output
