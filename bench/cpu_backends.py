@@ -4,8 +4,9 @@ For each preset (random fp32 weights): trace, export the `ort` ONNX flavor into 
 both backends through the same runner interface (exporter/runners.py) with the same thread count:
   - prefill: one call on a [1, P] prompt from an empty state  -> tokens/s (median of --repeats)
   - decode:  --decode-steps T=1 calls carrying state            -> ms/token (median over steps)
-Prints a table and writes JSON. ONNX Runtime's MoE body runs every expert densely (exporter/onnx_flavors.py),
-so on MoE-heavy presets its routed FLOPs are E/top_k times eager's; the JSON records E and top_k.
+Prints a table and writes JSON. ONNX Runtime's MoE body loops over the experts actually picked (sorted
+segments, exporter/onnx_flavors.py), copying each picked expert's weights once per call; the JSON
+records E and top_k.
 
     python bench/cpu_backends.py [--presets k3-mini,k3-bench] [--prompt 128] [--decode-steps 32] [--threads N]
 """

@@ -9,12 +9,11 @@
                [B, T, H*D], decay in log space, beta [B, T, H], `scale` applied to q, past/present
                state [B, H, K, V]. It has no bf16 kernel, so the body computes in fp32 and casts o back.
     AttnRes -> standard ops, fp32 (RMS keys, softmax over sources, mix of the raw sources).
-    MoE     -> standard ops, exact: sigmoid router, TopK on biased scores, GatherElements of unbiased
-               scores, renormalise, then EVERY expert runs on every token as one batched MatMul over the
-               stacked [E, I, L] weights, weighted by a dense [N, E] routing matrix (ScatterElements).
-               Cost: E / top_k times the routed FLOPs and all expert weights read per call — fine for
-               small models and CPU tests, not a production MoE (ORT's com.microsoft::MoE routes with
-               softmax, not K3's sigmoid + biased top-k + unbiased renormalised weights).
+    MoE     -> standard ops, exact, O(N·top_k) expert work: sigmoid router, TopK on biased scores,
+               GatherElements of unbiased scores, renormalise; the routed (token, slot) pairs sorted by
+               expert, then a Loop over the hit experts only (each: its weights on its tokens, the
+               weighted result ScatterND-added), in fp32. ORT's com.microsoft::MoE routes with softmax,
+               not K3's sigmoid + biased top-k + unbiased renormalised weights, so it is not used.
   Numeric hyper-parameters are read from the node attributes (attribute references); the MoE
   activation is a string, so it is baked into the body and the pass insists all MoE nodes share it.
 """
@@ -30,7 +29,7 @@ from onnx import TensorProto, helper
 from . import onnx_schemas as schemas
 
 MS_DOMAIN = "com.microsoft"
-FLOAT = TensorProto.FLOAT
+FLOAT, INT64, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
 
 
 def k3_nodes(model: ir.Model) -> list[ir.Node]:
@@ -101,24 +100,70 @@ def attn_res_function(opset: int) -> onnx.FunctionProto:
     return b.function("AttnRes", ["prefix", "bank", "norm_weight", "proj_weight"], ["out"], {"": opset})
 
 
-def _glu(b: _Body, a: str, u: str, activation: str) -> str:
+def _activation_constants(b: _Body, activation: str) -> list[str]:
     if activation == "silu":
-        return b.op("Mul", b.op("Mul", a, b.op("Sigmoid", a)), u)
+        return []
     if activation != "situ":
         raise ValueError(f"k3::MoE activation={activation!r}: expected 'situ' or 'silu'")
-    b1 = b.ref("situ_beta", onnx.AttributeProto.FLOAT, "value_float")
-    b2 = b.ref("situ_linear_beta", onnx.AttributeProto.FLOAT, "value_float")
+    return [b.ref("situ_beta", onnx.AttributeProto.FLOAT, "value_float"),
+            b.ref("situ_linear_beta", onnx.AttributeProto.FLOAT, "value_float")]
+
+
+def _glu(b: _Body, a: str, u: str, betas: list[str]) -> str:
+    """SiLU-GLU a σ(a) ⊙ u when `betas` is empty, else SiTU-GLU [β1 tanh(a/β1) σ(a)] ⊙ [β2 tanh(u/β2)]."""
+    if not betas:
+        return b.op("Mul", b.op("Mul", a, b.op("Sigmoid", a)), u)
+    b1, b2 = betas
     left = b.op("Mul", b.op("Mul", b1, b.op("Tanh", b.op("Div", a, b1))), b.op("Sigmoid", a))
     return b.op("Mul", left, b.op("Mul", b2, b.op("Tanh", b.op("Div", u, b2))))
 
 
+def _expert_loop_body(z: str, experts: str, starts: str, ends: str, rows: str, weights: str, betas: list[str]
+                      ) -> onnx.GraphProto:
+    """Iteration i: expert experts[i] on its segment [starts[i], ends[i]) of the expert-sorted pairs."""
+    b = _Body("moe_expert")
+    i, cond, acc = "moe_expert_i", "moe_expert_cond", "moe_expert_acc"
+    axis0 = b.ints(0)
+    e = b.op("Gather", experts, i, axis=0)  # scalar expert id
+    lo, hi = (b.op("Unsqueeze", b.op("Gather", t, i, axis=0), axis0) for t in (starts, ends))
+    tok, we = b.op("Slice", rows, lo, hi, axis0), b.op("Slice", weights, lo, hi, axis0)  # [n_e]
+    ze = b.op("Gather", z, tok, axis=0)  # [n_e, L]
+    W = {n: b.op("Cast", b.op("Gather", n, e, axis=0), to=FLOAT) for n in ("w1", "w3", "w2")}  # [I, L], [L, I]
+    g = _glu(b, b.op("Gemm", ze, W["w1"], transB=1), b.op("Gemm", ze, W["w3"], transB=1), betas)  # [n_e, I]
+    y = b.op("Mul", b.op("Gemm", g, W["w2"], transB=1), b.op("Unsqueeze", we, b.ints(1)))  # [n_e, L]
+    b.nodes.append(helper.make_node("ScatterND", [acc, b.op("Unsqueeze", tok, b.ints(1)), y],
+                                    ["moe_expert_acc_out"], reduction="add"))  # a token occurs once per expert
+    b.nodes.append(helper.make_node("Identity", [cond], ["moe_expert_cond_out"]))
+    return helper.make_graph(
+        b.nodes, "moe_expert",
+        [helper.make_tensor_value_info(i, INT64, []), helper.make_tensor_value_info(cond, BOOL, []),
+         helper.make_tensor_value_info(acc, FLOAT, None)],
+        [helper.make_tensor_value_info("moe_expert_cond_out", BOOL, []),
+         helper.make_tensor_value_info("moe_expert_acc_out", FLOAT, None)])
+
+
 def moe_function(opset: int, activation: str) -> onnx.FunctionProto:
-    # axes: N tokens, d width, L expert width, E experts, I expert intermediate, k top_k
+    """k3::MoE, exact (custom_ops/moe/reference.py), O(M·I·L) FLOPs for the M = N·top_k routed pairs.
+
+    1. Route in fp32: s = sigmoid(x gate_weightᵀ), ids = TopK(s + gate_bias) [N, k], w = s[ids] renormalised
+       and scaled [N, k] (the bias selects, never weighs).
+    2. Sort the M (token, slot) pairs by expert (TopK ascending), so each expert's pairs form one segment of
+       (row = pair // k, weight); Unique gives the hit experts, ascending, and their counts.
+    3. Loop over the hit experts only (<= min(E, M) iterations): Gather the expert's weights (cast to fp32
+       after the Gather: bf16 weights are never all cast) and its rows of z, Gemm / GLU / Gemm, scale by
+       the pair weights, ScatterND-add into the fp32 accumulator u [N, L] (a token occurs once per expert;
+       experts are added in ascending id, the reference's order). u is returned in z's dtype.
+    Each hit expert's weights are read (and copied by its Gather) once per call; transient memory is one
+    expert's fp32 weights plus its activations. The SiTU betas are attribute references evaluated in the
+    function scope and read by the loop body as outer-scope values (no attribute references in subgraphs).
+    """
     b = _Body("moe")
-    f32 = {n: b.op("Cast", n, to=FLOAT) for n in ("x", "z", "gate_weight", "gate_bias", "w1", "w3", "w2")}
-    s = b.op("Sigmoid", b.op("MatMul", f32["x"], b.op("Transpose", f32["gate_weight"], perm=[1, 0])))  # [N, E]
+    x, z, gw, gb = (b.op("Cast", n, to=FLOAT) for n in ("x", "z", "gate_weight", "gate_bias"))
+    betas = _activation_constants(b, activation)
+    # 1. route
+    s = b.op("Sigmoid", b.op("MatMul", x, b.op("Transpose", gw, perm=[1, 0])))  # [N, E]
     k = b.op("Unsqueeze", b.ref("top_k", onnx.AttributeProto.INT, "value_int"), b.ints(0))  # [1]
-    _, ids = b.op("TopK", b.op("Add", s, f32["gate_bias"]), k, outputs=2, axis=-1, largest=1, sorted=1)  # [N, k]
+    _, ids = b.op("TopK", b.op("Add", s, gb), k, outputs=2, axis=-1, largest=1, sorted=1)  # [N, k]
     w = b.op("GatherElements", s, ids, axis=-1)  # unbiased scores of the chosen experts [N, k]
     # renormalize in {0, 1}: w / (r * (Σw + 1e-20) + (1 - r)) is exactly the reference for either value
     r = b.op("Cast", b.ref("renormalize", onnx.AttributeProto.INT, "value_int"), to=FLOAT)
@@ -126,12 +171,18 @@ def moe_function(opset: int, activation: str) -> onnx.FunctionProto:
     total = b.op("Add", b.op("ReduceSum", w, b.ints(-1), keepdims=1), tiny)
     w = b.op("Div", w, b.op("Add", b.op("Mul", r, total), b.op("Sub", one, r)))
     w = b.op("Mul", w, b.ref("routed_scaling_factor", onnx.AttributeProto.FLOAT, "value_float"))
-    dense = b.op("ScatterElements", b.op("ConstantOfShape", b.op("Shape", s)), ids, w, axis=1)  # [N, E]
-    h1 = b.op("MatMul", f32["z"], b.op("Transpose", f32["w1"], perm=[0, 2, 1]))  # [E, N, I]
-    h3 = b.op("MatMul", f32["z"], b.op("Transpose", f32["w3"], perm=[0, 2, 1]))
-    y = b.op("MatMul", _glu(b, h1, h3, activation), b.op("Transpose", f32["w2"], perm=[0, 2, 1]))  # [E, N, L]
-    weight = b.op("Unsqueeze", b.op("Transpose", dense, perm=[1, 0]), b.ints(-1))  # [E, N, 1]
-    u = b.op("ReduceSum", b.op("Mul", weight, y), b.ints(0), keepdims=0)  # [N, L]
+    # 2. segment the M = N * k pairs by expert; pair p is (token p // k, slot p % k)
+    flat = b.ints(-1)
+    pair_ids, pair_w = b.op("Reshape", ids, flat), b.op("Reshape", w, flat)  # [M]
+    sorted_ids, order = b.op("TopK", pair_ids, b.op("Shape", pair_ids), outputs=2, axis=0, largest=0, sorted=1)
+    rows, weights = b.op("Div", order, k), b.op("Gather", pair_w, order, axis=0)  # [M], expert-sorted
+    experts, _, _, counts = b.op("Unique", sorted_ids, outputs=4, sorted=1)  # hit experts, ascending
+    ends = b.op("CumSum", counts, b.ints(0))
+    starts = b.op("Sub", ends, counts)
+    # 3. loop over the hit experts
+    acc = b.op("ConstantOfShape", b.op("Shape", z))  # fp32 zeros [N, L]
+    body = _expert_loop_body(z, experts, starts, ends, rows, weights, betas)
+    u = b.op("Loop", b.op("Size", experts), "", acc, body=body)
     b.nodes.append(helper.make_node("CastLike", [u, "z"], ["u"]))
     return b.function("MoE", ["x", "z", "gate_weight", "gate_bias", "w1", "w3", "w2"], ["u"], {"": opset})
 
