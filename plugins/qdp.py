@@ -6,7 +6,7 @@ CI; it mirrors NVIDIA's quickly_deployable_plugins sample (kernel args: inputs, 
 
 from __future__ import annotations
 
-from . import aot
+from . import aot as aot_compiler
 from .adapter import dtype_name, to_trt_dtype
 from .core import PluginError, PluginSpec
 
@@ -53,7 +53,7 @@ def aot(trtp, spec: PluginSpec, descs: list, out_descs: list, attrs: dict, sm: i
     sym = spec.dims([list(d.shape_expr) for d in descs])
     sc = launch.scalars(sym)
     types = dict(zip([p.name for p in spec.ports], dtypes)) | {n: "i32" for n in sc}
-    k = aot.compile_launch(launch, types, sm, keep_ptx=True)
+    k = aot_compiler.compile_launch(launch, types, sm, keep_ptx=True)
     grid = tuple(launch.grid(sym)) + (1, 1)
     params = trtp.KernelLaunchParams()
     params.grid_x, params.grid_y, params.grid_z = grid[0], grid[1], grid[2]
