@@ -41,12 +41,11 @@ def parse_ids(text: str, what: str) -> list[int]:
 
 
 def load_model_or_fail(checkpoint: Path, dtype: str = "fp32"):
-    import torch
-
+    from .exporter.artifacts import DTYPES
     from .model.checkpoint import CheckpointError, load_checkpoint
 
     try:
-        return load_checkpoint(checkpoint, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+        return load_checkpoint(checkpoint, dtype=DTYPES[dtype])
     except (CheckpointError, FileNotFoundError) as e:
         fail(str(e))
 
@@ -174,13 +173,15 @@ def _export_logits(backend: str, export_dir: Path | None, ids, provider: str):
 
 
 def save_npy_atomic(path: Path, array) -> None:
-    import os
+    import io
 
     import numpy as np
 
-    tmp = path.with_name(f".{path.name}.tmp.npy")
-    np.save(tmp, array)
-    os.replace(tmp, path)
+    from .exporter.artifacts import atomic_write_bytes
+
+    buf = io.BytesIO()
+    np.save(buf, array)
+    atomic_write_bytes(path, buf.getvalue())
 
 
 @app.command()

@@ -117,8 +117,6 @@ def _kda_inputs(B, T, H, K, V, dtype, device, gate_min=-5.0):
 
 @check
 def parity_kda(ctx: Context) -> list[Result]:
-    import torch
-
     from k3x.custom_ops.kda import reference as ref
     from k3x.custom_ops.kda import triton as kern
 

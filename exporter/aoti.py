@@ -44,6 +44,8 @@ def load_aoti(package_path: str | Path) -> Callable:
 
     def run(input_ids: torch.Tensor, past: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         logits, present = package(input_ids, past)
+        # the package reuses its output buffers on the next call: without these copies the state fed back
+        # as `past.*` is overwritten while it is read (measured: decode steps wrong)
         return logits.clone(), [t.clone() for t in present]
 
     return run

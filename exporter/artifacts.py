@@ -88,19 +88,24 @@ def package_versions() -> dict[str, str | None]:
     return out
 
 
-def _write_json_atomic(path: Path, data: dict) -> None:
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `path` under a temporary name beside it and rename it into place (nothing half-written)."""
+    path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=False)
-            f.write("\n")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; the manifest is for everyone to read
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; artifacts are for everyone to read
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    atomic_write_bytes(path, (json.dumps(data, indent=2, sort_keys=False) + "\n").encode())
 
 
 def read_manifest(out_dir: str | Path) -> dict[str, Any]:

@@ -46,8 +46,8 @@ class RunnerOptions:
 class ModuleRunner:
     """Eager PyTorch model or an ExportedProgram's module: flat state list in, flat state list out."""
 
-    def __init__(self, name: str, module: Callable, cfg, *, clone_outputs: bool = False) -> None:
-        self.name, self.module, self.specs, self.clone = name, module, state_specs(cfg), clone_outputs
+    def __init__(self, name: str, module: Callable, cfg) -> None:
+        self.name, self.module, self.specs = name, module, state_specs(cfg)
 
     @torch.no_grad()
     def infer(self, feeds: Feeds) -> Feeds:
@@ -56,7 +56,7 @@ class ModuleRunner:
             raise RunnerError(f"{self.name}: missing feed(s) {missing}")
         logits, present = self.module(feeds["input_ids"], [feeds[s.input_name] for s in self.specs])
         out = {"logits": logits, **{s.output_name: t for s, t in zip(self.specs, present)}}
-        return {k: v.clone() for k, v in out.items()} if self.clone else out
+        return out
 
 
 def start_feeds(cfg, input_ids: Tensor, dtype: torch.dtype = torch.float32) -> Feeds:
@@ -153,10 +153,7 @@ def _trt(export_dir: Path, options: RunnerOptions) -> Runner:
 def _aoti(export_dir: Path, options: RunnerOptions) -> Runner:
     from .aoti import load_aoti
 
-    # an AOTInductor package reuses its output buffers on the next call: clone, or the state fed back
-    # as `past.*` is overwritten while it is read (measured: decode steps wrong without the clone)
-    return ModuleRunner("aoti", load_aoti(_artifact(export_dir, "aoti")), _folder(export_dir).config(),
-                        clone_outputs=True)
+    return ModuleRunner("aoti", load_aoti(_artifact(export_dir, "aoti")), _folder(export_dir).config())
 
 
 RUNNERS: dict[str, Callable[[Path, RunnerOptions], Runner]] = {

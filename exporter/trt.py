@@ -17,13 +17,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from .artifacts import read_manifest, write_artifact
+from .artifacts import atomic_write_bytes, read_manifest, write_artifact
 from .trace import DYNAMIC_DIMS, DimRange
 
 log = logging.getLogger("k3x.trt")
@@ -110,12 +109,6 @@ def _logger(trt):
             return "\n".join(("  " + m) for m in (errs or [m for _, m in self.messages])[-n:])
 
     return Logger()
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def _profile(trt, builder, network, ranges: dict[str, DimRange]) -> tuple:
@@ -211,7 +204,7 @@ def build_engine(export_dir: Path, options: EngineOptions = EngineOptions()) -> 
         (tmp / ENGINE_FILE).write_bytes(data)
         (tmp / ENGINE_META).write_text(json.dumps(meta, indent=2, sort_keys=True))
     if options.timing_cache:
-        _atomic_write(cache_path, bytes(config.get_timing_cache().serialize()))
+        atomic_write_bytes(cache_path, bytes(config.get_timing_cache().serialize()))
     log.info("engine %s: %.1f MiB in %.1f s (%s %s, sm_%d)", export_dir / ENGINE_FILE, len(data) / 2**20, seconds,
              options.runtime, trt.__version__, sm)
     return EngineArtifact(export_dir / ENGINE_FILE, meta)

@@ -10,6 +10,7 @@ AttnRes needs no cross-token state (spec §4.3).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +55,7 @@ def empty_state(cfg: K3Config, batch: int, dtype: torch.dtype = torch.float32,
 
 def state_bytes(cfg: K3Config, dtype_bytes: int = 2) -> dict[str, int]:
     """KDA state bytes per sequence and MLA KV bytes per token (model dtype of `dtype_bytes`)."""
-    kda = sum(4 * s.shape(1, 0)[1] * s.shape(1, 0)[2] * (s.shape(1, 0)[3] if len(s.dims) == 4 else 1)
-              for s in state_specs(cfg) if s.kind in ("conv", "recurrent"))
-    mla = sum(dtype_bytes * s.dims[2] for s in state_specs(cfg) if s.kind == "latent")
+    specs = state_specs(cfg)
+    kda = sum(4 * math.prod(s.shape(1, 0)) for s in specs if s.fp32)  # batch 1, any length
+    mla = sum(dtype_bytes * math.prod(s.shape(1, 1)) for s in specs if not s.fp32)  # one token
     return {"kda_state_bytes_per_sequence": kda, "mla_kv_bytes_per_token": mla}
