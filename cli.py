@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .exporter.export import DType, Target
+from .exporter.export import DType, KernelChoice, Target
 
 app = typer.Typer(
     name="k3x",
@@ -195,6 +195,9 @@ def export(
                           ] = False,
     dtype: Annotated[DType, typer.Option(help="Model dtype (states stay fp32).")] = DType.FP32,
     seed: Annotated[int, typer.Option(help="Seed of a preset's random weights.")] = 0,
+    kernels: Annotated[KernelChoice, typer.Option(
+        help="k3 custom-op implementation traced into the program: reference (PyTorch, any device) or triton "
+             "(Triton kernels, CUDA only). Not the runner: that is `k3x run --backend`.")] = KernelChoice.REFERENCE,
 ) -> None:
     """Trace the model once (torch.export) and write the target's artifacts plus manifest.json."""
     from .exporter.artifacts import ManifestError
@@ -202,7 +205,8 @@ def export(
 
     progress = lambda stage, s: typer.echo(f"[{stage}] " + ("..." if s is None else f"done in {s:.1f} s"))  # noqa: E731
     try:
-        result = run_export(ExportOptions(tuple(target), out, preset, checkpoint, not no_weights, dtype, seed), progress)
+        options = ExportOptions(tuple(target), out, preset, checkpoint, not no_weights, dtype, seed, kernels)
+        result = run_export(options, progress)
     except (ValueError, FileNotFoundError, ManifestError) as e:  # ConfigError, CheckpointError: name the input
         fail(str(e))
     except (OSError, RuntimeError) as e:  # a stage failed; its artifacts were not renamed into place

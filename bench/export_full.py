@@ -35,8 +35,11 @@ def _child(case: str, dtype_name: str, save: bool) -> dict:
     t0 = time.perf_counter()
     import torch
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     from torch.export import Dim
+
+    from k3x.custom_ops.dtypes import torch_dtype
+
+    dtype = torch_dtype(dtype_name)
 
     out: dict = {"case": case, "dtype": dtype_name}
     name, _, variant = case.partition("@")

@@ -28,6 +28,7 @@ def plugin_aot_kernels(ctx) -> list:
     from k3x.custom_ops.moe import reference as moe_ref
     from k3x.plugins import aot, specs
     from k3x.plugins.adapter import compile_plan, run_plan
+    from k3x.custom_ops.dtypes import dtype_name
     from k3x.plugins.core import workspace_layout
 
     major, minor = torch.cuda.get_device_capability()
@@ -35,7 +36,7 @@ def plugin_aot_kernels(ctx) -> list:
     driver, out, S = aot.CudaDriver(), [], specs()
 
     def launch(spec, opt_dims, tensors, attrs):
-        dtypes = [{torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[t.dtype] for t in tensors]
+        dtypes = [dtype_name(t.dtype) for t in tensors]
         shapes = [tuple(t.shape) for t in tensors]
         run_dims = spec.dims(shapes[:len(spec.inputs)])
         plan = spec.plan(opt_dims, dtypes, attrs)

@@ -1,6 +1,10 @@
-"""k3 custom ops: KDA, AttnRes and MoE as `torch.ops.k3.*` (registered on import)."""
+"""k3 custom ops: one folder per op family (custom_ops/registry.py lists them), each registered on import
+as `torch.ops.k3.<family>`."""
 
-from .backend import Backend
-from . import attn_res, kda, moe  # noqa: F401  (registers torch.ops.k3.*)
+from . import registry
+from .kernels import Kernels
 
-__all__ = ["Backend", "attn_res", "kda", "moe"]
+for _family in registry.families():
+    _family.op  # noqa: B018  (imports op.py: registers torch.ops.k3.<family>)
+
+__all__ = ["Kernels", "registry"]

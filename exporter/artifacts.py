@@ -35,7 +35,6 @@ manifest.json (schema 1):
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -47,12 +46,14 @@ from typing import Any, Iterator
 
 import torch
 
+from ..custom_ops.dtypes import FLOAT, dtype_name, torch_dtype
+from ..fileio import normal_permissions, sha256
 from ..model.config import K3Config
 from ..model.state import state_specs
 
 MANIFEST = "manifest.json"
 SCHEMA = 1
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES: dict[str, torch.dtype] = {n: torch_dtype(n) for n in FLOAT}  # the export dtypes (custom_ops/dtypes.py)
 # distribution names per package (onnxruntime may be installed as its GPU build)
 _DISTRIBUTIONS = {"torch": ("torch",), "triton": ("triton",), "onnx": ("onnx",),
                   "onnxruntime": ("onnxruntime", "onnxruntime-gpu"), "k3x": ("k3x",)}
@@ -60,18 +61,6 @@ _DISTRIBUTIONS = {"torch": ("torch",), "triton": ("triton",), "onnx": ("onnx",),
 
 class ManifestError(RuntimeError):
     """A manifest is missing, unreadable or lacks what was asked of it; the message names the file."""
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return {v: k for k, v in DTYPES.items()}[dtype]
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def package_versions() -> dict[str, str | None]:
@@ -95,9 +84,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; artifacts are for everyone to read
+        normal_permissions(tmp)  # mkstemp creates 0600; artifacts are for everyone to read
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -3,8 +3,11 @@
     result = export(ExportOptions(targets=(Target.PT2, Target.ONNX), out_dir=Path("out"), preset="k3", weights=False))
 
 Notable choices:
-- The config is checked against what the ops support (`verify_config`, FLA-style `(ok, reason)`) before
-  anything is built or traced; a failure raises `ConfigError` naming the field.
+- The config is checked against what the ops support before anything is built or traced (each op family
+  states its limits once, in custom_ops/<family>/op.py `check_config`); with the TensorRT ONNX flavor or
+  `kernels=triton`, the Triton kernel limits too. A failure raises `ConfigError` naming the field.
+- `kernels` (reference | triton) is the k3 custom-op implementation baked into the traced program; it is
+  not the runner (`k3x run --backend`).
 - `weights=False` builds on the meta device: any size traces on an ordinary CPU machine.
 - Every target consumes the one traced `ExportedProgram`. A stage is a plain function
   `stage(ep, ctx) -> str` (a line for the user) that writes its files through
@@ -43,6 +46,11 @@ class DType(str, Enum):
     BF16 = "bf16"
 
 
+class KernelChoice(str, Enum):  # the values of custom_ops.kernels.Kernels, importable without torch
+    REFERENCE = "reference"
+    TRITON = "triton"
+
+
 def _config_error(message: str) -> Exception:
     from ..model.config import ConfigError
 
@@ -58,6 +66,7 @@ class ExportOptions:
     weights: bool = True  # False: trace on the meta device, nothing allocated
     dtype: DType = DType.FP32
     seed: int = 0  # random init of a preset with weights
+    kernels: KernelChoice = KernelChoice.REFERENCE  # k3 custom-op implementation in the traced program
 
     def __post_init__(self) -> None:
         if (self.preset is None) == (self.checkpoint is None):
@@ -93,22 +102,6 @@ class ExportResult:
 
 Stage = Callable[["ExportedProgram", StageContext], str]
 Progress = Callable[[str, "float | None"], None]  # (stage, None) when it starts, (stage, seconds) when done
-
-
-def verify_config(cfg: K3Config) -> tuple[bool, str]:
-    """(ok, reason): can the k3 ops (every backend, and the TensorRT plugins) run this config?"""
-    from ..custom_ops.backend import Backend
-
-    k = cfg.kda
-    if not 0 < k.head_dim <= 256:
-        return False, f"kda.head_dim={k.head_dim}: k3::kda supports head_dim <= 256"
-    if cfg.backend is Backend.TRITON and k.head_dim < 16:
-        return False, f"kda.head_dim={k.head_dim}: the Triton k3::kda kernels need head_dim >= 16"
-    if not 0 < cfg.moe.top_k <= cfg.moe.num_experts:
-        return False, f"moe.top_k={cfg.moe.top_k}: k3::moe needs 1 <= top_k <= moe.num_experts ({cfg.moe.num_experts})"
-    if cfg.activation not in ("situ", "silu"):
-        return False, f"activation={cfg.activation!r}: k3::moe supports 'situ' and 'silu'"
-    return True, ""
 
 
 # --- target stages -------------------------------------------------------------------------------
@@ -181,24 +174,29 @@ def _check_fits_in_memory(cfg: K3Config, dtype: torch.dtype) -> None:
 
 def _load(options: ExportOptions, dtype: torch.dtype) -> tuple[K3Config, Callable, str | None]:
     """(config, a function building the model, checkpoint hash) — config first, so it can be checked."""
+    import dataclasses
+
+    from ..custom_ops.kernels import Kernels
     from ..model import build_model
     from ..model.config import K3Config, preset
 
+    kernels = Kernels(KernelChoice(options.kernels).value)
+
     if options.checkpoint is None:
-        cfg = preset(options.preset)
+        cfg = dataclasses.replace(preset(options.preset), kernels=kernels)
         if options.weights:
             _check_fits_in_memory(cfg, dtype)
         seed = options.seed if options.weights else None
         device = "cpu" if options.weights else "meta"
         return cfg, lambda: build_model(cfg, device=device, dtype=dtype, seed=seed), None
-    cfg = K3Config.from_hf(Path(options.checkpoint) / "config.json")
+    cfg = dataclasses.replace(K3Config.from_hf(Path(options.checkpoint) / "config.json"), kernels=kernels)
     if not options.weights:  # the graph depends on the config alone; no need to hash the shards
         return cfg, lambda: build_model(cfg, device="meta", dtype=dtype, seed=None), None
     from ..model.checkpoint import checkpoint_hash, load_checkpoint
 
     _check_fits_in_memory(cfg, dtype)
-    return cfg, lambda: load_checkpoint(options.checkpoint, dtype=dtype, device="cpu"), checkpoint_hash(
-        options.checkpoint)
+    return cfg, lambda: load_checkpoint(options.checkpoint, dtype=dtype, device="cpu", kernels=kernels), \
+        checkpoint_hash(options.checkpoint)
 
 
 def export(options: ExportOptions, progress: Progress | None = None) -> ExportResult:
@@ -213,9 +211,8 @@ def export(options: ExportOptions, progress: Progress | None = None) -> ExportRe
     timings: dict[str, float] = {}
     with _timed("config", progress, timings):
         cfg, build, ckpt_hash = _load(options, dtype)
-        ok, reason = verify_config(cfg)
-        if not ok:
-            raise _config_error(reason)
+        # the TensorRT flavor of the ONNX export runs the Triton kernels in its plugins: their limits apply
+        cfg.check_ops(kernels=cfg.kernels.value == "triton" or "onnx" in stages)
     with _timed("model", progress, timings):
         model = build()
     with _timed("trace", progress, timings):

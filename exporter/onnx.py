@@ -1,4 +1,4 @@
-"""Stage 2: ExportedProgram -> ONNX with `k3::KDA` / `k3::AttnRes` / `k3::MoE` nodes, then flavors.
+"""Stage 2: ExportedProgram -> ONNX with one `k3::<Op>` node per custom op, then flavors.
 
 One export, two files (exporter/onnx_flavors.py):
   - `model.onnx`      flavor `ort`: the k3 nodes get function bodies (standard ops + com.microsoft::
@@ -6,10 +6,11 @@ One export, two files (exporter/onnx_flavors.py):
   - `model.trt.onnx`  flavor `trt`: bare plugin nodes for TensorRT.
 
 Notable choices:
-- Custom translations (`custom_translation_table`, keyed by OpOverload) emit plain custom-domain nodes
-  whose attributes are the op's static hyper-parameters and static dims (exporter/onnx_schemas.py).
+- Custom translations (`custom_translation_table`, keyed by OpOverload, one per registered op family:
+  custom_ops/<family>/onnx.py) emit plain custom-domain nodes whose attributes are the op's static
+  hyper-parameters and static dims (the family's `NODE` spec).
   Function bodies are attached after export, because torch.onnx inlines every local function.
-- I/O names follow DESIGN.md (`input_ids`, `past.{i}.*` / `past_key_values.{i}.latent` -> `logits`,
+- I/O names follow ONNX Runtime GenAI's conventions (`input_ids`, `past.{i}.*` / `past_key_values.{i}.latent` -> `logits`,
   `present.{i}.*`); the exporter's symbolic dims are renamed to `batch`, `seq`, `past_seq` (from
   exporter/trace.DYNAMIC_DIMS) and `present.{i}.latent` gets `total_seq`.
 - No onnxscript optimizer by default: initializers keep their state_dict names (refit, external data
@@ -34,13 +35,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx_ir as ir
-import onnxscript
 import torch
 from torch.export import ExportedProgram
 
 from ..model.config import K3Config
 from ..model.state import state_specs
-from . import onnx_schemas as schemas
+from ..custom_ops.onnx_node import DOMAIN
 from .onnx_flavors import FLAVOR_PASSES
 from .trace import DYNAMIC_DIMS
 
@@ -48,9 +48,6 @@ FLAVOR_FILES: dict[str, str] = {"ort": "model.onnx", "trt": "model.trt.onnx"}
 EXTERNAL_DATA = "model.onnx.data"
 EXTERNAL_DATA_THRESHOLD = 2 * 1024**3  # protobuf's 2 GB limit
 TOTAL_SEQ = "total_seq"
-
-_k3 = onnxscript.values.Opset(schemas.DOMAIN, schemas.VERSION)
-
 
 @dataclass(frozen=True)
 class OnnxOptions:
@@ -74,40 +71,13 @@ class OnnxArtifact:
     op_counts: dict[str, int] = field(default_factory=dict)
 
 
-def _static(dim: object, what: str) -> int:
-    if not isinstance(dim, int):
-        raise ValueError(f"{what} must be static for a k3 node attribute, got {dim!r}")
-    return dim
-
-
-# --- custom translations: torch.ops.k3.* -> k3::* nodes (attributes = plugin fields) -----------------
-
-def _kda(q, k, v, g, beta, initial_state, scale: float, backend: str):
-    return _k3.KDA(q, k, v, g, beta, initial_state, scale=float(scale), num_heads=_static(q.shape[2], "kda heads"),
-                   head_dim=_static(q.shape[3], "kda head_dim"), value_dim=_static(v.shape[3], "kda value_dim"),
-                   _outputs=2, **schemas.COMMON_ATTRIBUTES)
-
-
-def _attn_res(prefix, bank, norm_weight, proj_weight, eps: float, backend: str):
-    return _k3.AttnRes(prefix, bank, norm_weight, proj_weight, eps=float(eps),
-                       hidden_size=_static(prefix.shape[-1], "attn_res hidden_size"), **schemas.COMMON_ATTRIBUTES)
-
-
-def _moe(x, z, gate_weight, gate_bias, w1, w3, w2, top_k: int, routed_scaling_factor: float, renormalize: bool,
-         activation: str, situ_beta: float, situ_linear_beta: float, backend: str):
-    E, I, L = (_static(d, "moe expert weight dims") for d in w1.shape)
-    return _k3.MoE(x, z, gate_weight, gate_bias, w1, w3, w2, top_k=int(top_k),
-                   routed_scaling_factor=float(routed_scaling_factor), renormalize=int(bool(renormalize)),
-                   activation=str(activation), situ_beta=float(situ_beta), situ_linear_beta=float(situ_linear_beta),
-                   num_experts=E, hidden_size=_static(x.shape[-1], "moe hidden_size"), expert_dim=L,
-                   intermediate_size=I, **schemas.COMMON_ATTRIBUTES)
-
+# --- custom translations: torch.ops.k3.<family> -> k3::<Op> nodes (attributes = plugin fields) ---------
 
 def translation_table() -> dict:
-    import k3x.custom_ops  # noqa: F401  (registers torch.ops.k3.*)
+    """OpOverload -> translation, one per registered op family (custom_ops/<family>/onnx.translate)."""
+    from ..custom_ops.registry import families
 
-    return {torch.ops.k3.kda.default: _kda, torch.ops.k3.attn_res.default: _attn_res,
-            torch.ops.k3.moe.default: _moe}
+    return {f.overload: f.onnx.translate for f in families()}
 
 
 # --- I/O names and dims ------------------------------------------------------------------------------
@@ -120,7 +90,7 @@ def _rename_io(model: ir.Model, cfg: K3Config) -> None:
     if len(inputs) != 1 + len(specs) or len(outputs) != 1 + len(specs):
         raise ValueError(f"exported graph has {len(g.inputs)} inputs / {len(outputs)} outputs; "
                          f"expected {1 + len(specs)} each for config {cfg.name!r}")
-    # symbol -> DESIGN.md dim name, read off the inputs the exporter produced
+    # symbol -> dim name of exporter/trace.DYNAMIC_DIMS, read off the inputs the exporter produced
     sym = {str(inputs[0].shape[0]): "batch", str(inputs[0].shape[1]): "seq"}
     for s, v in zip(specs, inputs[1:]):
         if s.kind == "latent":
@@ -198,7 +168,7 @@ def _weights_to_inputs(model: ir.Model, weights: set[str]) -> None:
 
 def to_onnx_ir(ep: ExportedProgram, cfg: K3Config, *, weights: bool = True, optimize: bool = False,
                opset: int = 23) -> ir.Model:
-    """torch.export program -> onnx_ir model with bare k3 nodes and DESIGN.md I/O (the `trt` flavor)."""
+    """torch.export program -> onnx_ir model with bare k3 nodes and GenAI-style I/O (the `trt` flavor)."""
     for name in ("onnx_ir", "onnxscript"):  # their passes log every clean-up / skipped fold at INFO
         logging.getLogger(name).setLevel(logging.WARNING)
     # "torchvision is not installed. Skipping torchvision::nms" and the like: nothing k3x uses
@@ -249,7 +219,7 @@ def export_onnx(ep: ExportedProgram, cfg: K3Config, out_dir: Path, options: Onnx
             FLAVOR_PASSES[flavor](model)
             ir.save(model, out_dir / FLAVOR_FILES[flavor])
     files = {f: out_dir / FLAVOR_FILES[f] for f in FLAVOR_FILES if f in options.flavors}
-    counts = Counter(f"{n.domain}::{n.op_type}" for n in model.graph if n.domain == schemas.DOMAIN)
+    counts = Counter(f"{n.domain}::{n.op_type}" for n in model.graph if n.domain == DOMAIN)
     return OnnxArtifact(files=files, external_data=data_path, num_nodes=len(model.graph),
                         op_counts=dict(sorted(counts.items())))
 

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import re
@@ -22,6 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from ..fileio import sha256
 from .artifacts import atomic_write_bytes, read_manifest, write_artifact
 from .trace import DYNAMIC_DIMS, DimRange
 
@@ -199,7 +199,7 @@ def build_engine(export_dir: Path, options: EngineOptions = EngineOptions()) -> 
     data = bytes(blob)
     meta = {"runtime": options.runtime, "tensorrt_version": trt.__version__, "sm": sm, "plugin_paths": paths,
             "profile": {k: asdict(v) for k, v in ranges.items()}, "input_shapes": table, "bytes": len(data),
-            "build_seconds": round(seconds, 2), "onnx_sha256": _sha256(onnx_path)}
+            "build_seconds": round(seconds, 2), "onnx_sha256": sha256(onnx_path)}
     with write_artifact(export_dir, "trt", extra=meta) as tmp:  # engine + metadata renamed into place together
         (tmp / ENGINE_FILE).write_bytes(data)
         (tmp / ENGINE_META).write_text(json.dumps(meta, indent=2, sort_keys=True))
@@ -215,10 +215,6 @@ def _failing(logger) -> str:
     text = logger.excerpt()
     nodes = sorted(set(re.findall(r"(?:node|layer)[:\s]+['\"]?([\w./:-]+)", text, re.I)))
     return (f"  failing node(s): {', '.join(nodes)}\n" if nodes else "") + text
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def check_engine_meta(export_dir: Path, *, tensorrt_version: str, sm: int) -> dict:

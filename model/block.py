@@ -53,7 +53,7 @@ class DecoderLayer(nn.Module):
 
     def _attn_res(self, which: str, prefix: Tensor, bank: Tensor) -> Tensor:
         norm, proj = getattr(self, f"{which}_res_norm"), getattr(self, f"{which}_res_proj")
-        return attn_res(prefix, bank, norm.weight, proj.weight, eps=self.cfg.rms_norm_eps, backend=self.cfg.backend)
+        return attn_res(prefix, bank, norm.weight, proj.weight, eps=self.cfg.rms_norm_eps, kernels=self.cfg.kernels)
 
     def forward(self, prefix: Tensor, bank: Tensor | None, state: list[Tensor]
                 ) -> tuple[Tensor, Tensor | None, list[Tensor]]:

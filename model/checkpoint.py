@@ -13,6 +13,7 @@ compressed-tensors MXFP4 pair `weight_packed` + `weight_scale`, dequantised on l
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -26,6 +27,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..custom_ops.kernels import Kernels
+from ..fileio import normal_permissions, sha256
 from . import mxfp4
 from .config import ConfigError, K3Config
 from .hf_config import config_to_hf
@@ -152,13 +155,13 @@ def _validate(cfg: K3Config, files: dict[str, Path]) -> dict[str, tuple[str, Pat
 
 
 @torch.no_grad()
-def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu") -> K3ForCausalLM:
+def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                    kernels: Kernels = Kernels.REFERENCE) -> K3ForCausalLM:
     path = Path(path)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json (not a checkpoint folder)")
     try:
-        cfg = K3Config.from_hf(path / "config.json")
+        cfg = dataclasses.replace(K3Config.from_hf(path / "config.json"), kernels=Kernels(kernels))
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
     plan = _validate(cfg, _tensor_files(path))
@@ -235,9 +238,7 @@ def save_checkpoint(model: K3ForCausalLM, path: str | Path, *, expert_format: st
         total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
         (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
         (tmp / "config.json").write_text(json.dumps(config_to_hf(model.cfg), indent=2))
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp creates 0700
+        normal_permissions(tmp)  # mkdtemp creates 0700
         if path.exists():
             path.rmdir()
         os.replace(tmp, path)
@@ -253,7 +254,5 @@ def checkpoint_hash(path: str | Path) -> str:
     h = hashlib.sha256()
     for f in sorted(p for p in path.iterdir() if p.suffix in (".json", ".safetensors")):
         h.update(f.name.encode())
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
+        sha256(f, h=h)
     return h.hexdigest()[:16]

@@ -1,6 +1,6 @@
 """K3Config: the single source of truth for every shape in k3x.
 
-Spec: ../shared/spec/k3-architecture.md §1 (config values), §11 (tensor shapes).
+Architecture: docs/architecture.md (config values, tensor shapes).
 
 Notable choices:
 - Frozen dataclasses nested per concern (KDA, MLA, MoE, AttnRes); derived sizes are properties.
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ..custom_ops.backend import Backend
+from ..custom_ops.kernels import Kernels
 
 LayerType = Literal["kda", "mla"]
 MlpType = Literal["dense", "moe"]
@@ -44,7 +44,7 @@ class KDAConfig:
 
     def __post_init__(self) -> None:
         _check(self.num_heads > 0, "kda.num_heads", self.num_heads, "must be > 0")
-        _check(0 < self.head_dim <= 256, "kda.head_dim", self.head_dim, "must be in 1..256")
+        _check(self.head_dim > 0, "kda.head_dim", self.head_dim, "must be > 0")  # op limits: check_ops
         _check(self.conv_kernel >= 2, "kda.conv_kernel", self.conv_kernel, "must be >= 2")
         lb = self.gate_lower_bound
         _check(lb is None or -5.0 <= lb < 0.0, "kda.gate_lower_bound", lb,
@@ -95,8 +95,7 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         _check(self.num_experts > 0, "moe.num_experts", self.num_experts, "must be > 0")
-        _check(0 < self.top_k <= self.num_experts, "moe.top_k", self.top_k,
-               f"must be in 1..num_experts ({self.num_experts})")
+        _check(self.top_k > 0, "moe.top_k", self.top_k, "must be > 0")  # op limits: K3Config.check_ops
         _check(self.intermediate_size > 0, "moe.intermediate_size", self.intermediate_size, "must be > 0")
         _check(self.num_shared_experts >= 0, "moe.num_shared_experts", self.num_shared_experts, "must be >= 0")
         _check(self.latent_dim is None or self.latent_dim > 0, "moe.latent_dim", self.latent_dim,
@@ -135,7 +134,7 @@ class K3Config:
     situ_linear_beta: float = 25.0
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 1048576
-    backend: Backend = Backend.REFERENCE
+    kernels: Kernels = Kernels.REFERENCE  # k3 custom-op implementation (not the runner)
     extra: tuple[tuple[str, Any], ...] = field(default=(), compare=False)  # informational only
 
     def __post_init__(self) -> None:
@@ -150,12 +149,22 @@ class K3Config:
                f"needs one entry per layer ({len(self.layer_types)})")
         _check(self.activation in ("situ", "silu"), "activation", self.activation, "must be 'situ' or 'silu'")
         _check(self.rms_norm_eps > 0, "rms_norm_eps", self.rms_norm_eps, "must be > 0")
-        _check(isinstance(self.backend, Backend), "backend", self.backend, "must be a Backend")
+        _check(isinstance(self.kernels, Kernels), "kernels", self.kernels, "must be a Kernels")
         _check(not self.tie_word_embeddings, "tie_word_embeddings", self.tie_word_embeddings,
                "k3x models have an untied lm_head (K3 and Kimi Linear do)")
         if self.moe.latent_dim is not None:
             _check(self.moe.latent_dim <= self.hidden_size, "moe.latent_dim", self.moe.latent_dim,
                    f"must be <= hidden_size ({self.hidden_size})")
+        self.check_ops(kernels=self.kernels is Kernels.TRITON)
+
+    def check_ops(self, *, kernels: bool) -> None:
+        """ConfigError naming the field if a k3 op (with `kernels`: its Triton kernels and TensorRT plugin)
+        cannot run this config; the limits live with each op (custom_ops/<family>/op.py)."""
+        from ..custom_ops.registry import check_config
+
+        reason = check_config(self, kernels=kernels)
+        if reason:
+            raise ConfigError(reason)
 
     # --- derived layout -----------------------------------------------------------------------
     @property
@@ -186,7 +195,7 @@ class K3Config:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d["backend"] = self.backend.value
+        d["kernels"] = self.kernels.value
         d["extra"] = dict(self.extra)
         return d
 
@@ -203,7 +212,7 @@ class K3Config:
         d["attn_res"] = AttnResConfig(**d["attn_res"]) if d.get("attn_res") else None
         d["layer_types"] = tuple(d["layer_types"])
         d["mlp_types"] = tuple(d["mlp_types"])
-        d["backend"] = Backend(d.get("backend", "reference"))
+        d["kernels"] = Kernels(d.pop("kernels", d.pop("backend", "reference")))  # "backend": manifests before 0.2
         d["extra"] = tuple(sorted((d.get("extra") or {}).items()))
         return cls(**d)
 

@@ -45,7 +45,7 @@ class K3Model(nn.Module):
             present.extend(new)
         if bank is not None:
             prefix = attn_res(prefix, bank, self.output_attn_res_norm.weight, self.output_attn_res_proj.weight,
-                              eps=self.cfg.rms_norm_eps, backend=self.cfg.backend)
+                              eps=self.cfg.rms_norm_eps, kernels=self.cfg.kernels)
         return self.norm(prefix), present
 
 

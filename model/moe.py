@@ -59,7 +59,7 @@ class LatentMoE(nn.Module):
         z = self.routed_expert_down_proj(xf) if self.latent else xf  # [N, L]
         e = self.experts
         u = moe(xf, z, self.gate.weight, self.gate.e_score_correction_bias, e.w1, e.w3, e.w2,
-                options=self.options, backend=self.cfg.backend)  # [N, L]
+                options=self.options, kernels=self.cfg.kernels)  # [N, L]
         if self.latent_norm:
             u = self.routed_expert_norm(u)
         y = self.routed_expert_up_proj(u) if self.latent else u

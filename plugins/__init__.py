@@ -1,13 +1,10 @@
-"""TensorRT plugins for `k3::KDA`, `k3::AttnRes`, `k3::MoE`, one file per op family over one core.
+"""The TensorRT plumbing shared by every op family's plugin (each family states its own plugin in
+`custom_ops/<family>/plugin.py`: a `PluginSpec` and `register_qdp`; the registry lists the families).
 
-`core.py` states each plugin once (ports and formats, fields, shape/type rules, kernel plan); `aot.py`
+`core.py` is the spec type (ports and formats, fields, shape/type rules, the family's launch plan); `aot.py`
 compiles plans to cubins and launches them through the CUDA driver; `adapter.py` exposes a spec as an
-IPluginV3 creator (TensorRT 11 and TensorRT-RTX) and provides the bodies of the QDP decorator functions
-(`register_qdp` in each family file, TensorRT 11 only). Paths per plugin (see each file's docstring):
-
-    KDA      IPluginV3: aot (recurrent | chunked cubins) or jit;  QDP: aot_impl (recurrent kernel) or impl
-    AttnRes  IPluginV3: aot or jit;                                QDP: aot_impl or impl
-    MoE      IPluginV3: aot (8 cubins: router, top-k, align ×3, GEMM1, GEMM2, sum) or jit;  QDP: impl
+IPluginV3 creator (TensorRT 11 and TensorRT-RTX); `qdp.py` holds the bodies of the QDP decorator functions
+(TensorRT 11 only). Each family's plugin docstring says which paths (aot, jit, QDP aot_impl/impl) it has.
 """
 
 from __future__ import annotations
@@ -16,10 +13,10 @@ from .core import PluginError, PluginSpec
 
 
 def specs() -> dict[str, PluginSpec]:
-    """op_type -> spec (imports the family files, hence torch and triton)."""
-    from . import attn_res, kda, moe
+    """op_type -> spec of every registered family (imports the family files, hence torch and triton)."""
+    from ..custom_ops.registry import families
 
-    return {m.SPEC.name: m.SPEC for m in (kda, attn_res, moe)}
+    return {f.plugin.SPEC.name: f.plugin.SPEC for f in families()}
 
 
 def register_creators(trt, *, sm: int, path: str | dict[str, str] = "aot") -> dict[str, str]:
@@ -49,15 +46,16 @@ _REGISTERED: dict = {}
 def register_qdp(*, sm: int, opt_dims: dict[str, dict]) -> None:
     """TensorRT 11 only: register the QDP (`tensorrt.plugin`) form of every plugin instead of the IPluginV3
     creators (the two cannot share a process: same name/namespace). `opt_dims[op]` are the dims the AOT
-    constexprs are chosen at (e.g. {"KDA": {"B": 1, "T": 1, "H": 96, "K": 128, "V": 128}}). Not exercised in
+    constexprs are chosen at ({op_type: {dim: size}}, the spec's `dims` names). Not exercised in
     CI (no TensorRT 11 there); build_engine uses the IPluginV3 creators."""
     try:
         import tensorrt.plugin as trtp
     except ImportError as e:
         raise PluginError(f"QDP plugins need TensorRT 11 (`pip install tensorrt-cu13`): {e}") from None
-    from . import attn_res, kda, moe
+    from ..custom_ops.registry import families
 
-    for m in (kda, attn_res, moe):
+    for f in families():
+        m = f.plugin
         m.register_qdp(trtp, sm=sm, opt_dims=opt_dims.get(m.SPEC.name, {}))
 
 __all__ = ["PluginError", "PluginSpec", "register_creators", "register_qdp", "specs"]

@@ -20,7 +20,7 @@ import re
 import struct
 from dataclasses import asdict, dataclass
 
-from .core import TRITON_TYPE, Launch, PluginError
+from .core import TRITON_POINTER, Launch, PluginError
 
 MAGIC = b"K3AOT1\0\0"
 
@@ -64,7 +64,7 @@ def signature(launch: Launch, types: dict[str, str]) -> dict[str, str]:
             sig[p] = "constexpr"
         else:
             t = types[bound[p]]
-            sig[p] = t if t == "i32" else TRITON_TYPE[t]
+            sig[p] = t if t == "i32" else TRITON_POINTER[t]
     return sig
 
 

@@ -1,19 +1,13 @@
-"""The plugin core, written once per op family and shared by every TensorRT front end.
+"""The plugin core: what TensorRT needs to know about a `k3::<Op>` node, written once per op family (in
+`custom_ops/<family>/plugin.py`) and shared by every TensorRT front end (adapter.py, qdp.py).
 
-A `PluginSpec` states what TensorRT needs to know about a `k3::<Op>` node — its I/O ports with the data
-types each accepts (LINEAR layout only), its fields (= the ONNX node attributes), the output-shape rule
-(the op's own `*_output_shape(s)` function from `custom_ops/<family>/op.py`) and the output types — and
-how to run it:
+A `PluginSpec` states the node's I/O ports with the data types each accepts (LINEAR layout only), its fields
+(= the ONNX node attributes, read from the family's `NodeSpec`), the output-shape rule (the op's own
+`*_output_shape(s)` function), the output types, a shape check, and the family's launch plan
+(`custom_ops/<family>/triton.plan`, custom_ops/launch.py), which the AOT path runs from cubins and the JIT
+path runs with Triton on torch tensors — the same plan the op's `triton` kernels execute.
 
-- `plan(dims, dtypes, attrs)` -> `Plan`: the Triton kernels of `custom_ops/<family>/triton.py` as
-  `Launch`es (kernel, argument order, constexprs, warps) chosen for one concrete set of dims (the
-  profile's opt shape), each launch's grid and int32 scalar arguments as functions of the runtime dims,
-  and the workspace buffers. `aot.py` compiles the launches to cubins; `adapter.py` launches them.
-- `jit(inputs, outputs, attrs)`: the debugging path, the family's Triton launcher on torch tensors.
-
-Nothing here imports TensorRT, torch or Triton, so specs can be checked on any machine. Dims are dicts
-of named sizes (`{"B": 2, "T": 7, ...}`); grid and scalar functions use only `+ * //` and `cdiv`, so the
-same functions evaluate on ints and on TensorRT's symbolic shape expressions (QDP `ShapeExpr`).
+Nothing here imports TensorRT, torch or Triton, so specs can be checked on any machine.
 """
 
 from __future__ import annotations
@@ -21,10 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-DTYPES = ("fp32", "fp16", "bf16", "int32", "int64")
-FLOAT = ("fp32", "fp16", "bf16")
-ITEMSIZE = {"fp32": 4, "fp16": 2, "bf16": 2, "int32": 4, "int64": 8, "uint8": 1}
-TRITON_TYPE = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16", "int32": "*i32", "int64": "*i64", "uint8": "*u8"}
+from ..custom_ops.dtypes import FLOAT, ITEMSIZE, TRITON_POINTER
+from ..custom_ops.launch import Buffer, Launch, Plan, PlanError, Variant, cdiv, workspace_layout
+
+__all__ = ["FLOAT", "ITEMSIZE", "TRITON_POINTER", "Buffer", "Field", "Launch", "Plan", "PlanError", "PluginError",
+           "PluginSpec", "Port", "Variant", "cdiv", "dims_match", "fields_of", "workspace_layout"]
 
 
 class PluginError(ValueError):
@@ -46,55 +41,6 @@ class Field:
 
 
 @dataclass(frozen=True)
-class Buffer:
-    """A workspace buffer: `numel(dims)` elements of `dtype`."""
-    name: str
-    dtype: str
-    numel: Callable[[dict], Any]
-
-
-@dataclass(frozen=True)
-class Launch:
-    """One kernel launch. `args` are, in the kernel's order, port names, workspace buffer names or int32
-    scalar names (`scalars(dims)` gives their values); `constexprs` also pin specialised arguments.
-    `divisible` names the int32 scalars the plan guarantees to be multiples of 16 (compiled with
-    `tt.divisibility=16`, as Triton's JIT does for such values, and checked at every launch); every pointer
-    gets that hint too (TensorRT buffers and workspace offsets are 256-byte aligned; also checked)."""
-    kernel: Any  # triton.JITFunction
-    args: tuple[str, ...]
-    constexprs: dict
-    grid: Callable[[dict], tuple]
-    scalars: Callable[[dict], dict] = lambda d: {}
-    num_warps: int = 4
-    num_stages: int = 1
-    divisible: tuple[str, ...] = ()
-
-    @property
-    def kernel_name(self) -> str:
-        return self.kernel.fn.__name__ if hasattr(self.kernel, "fn") else self.kernel.__name__
-
-
-@dataclass(frozen=True)
-class Variant:
-    """Launches run in order when `when(dims)` holds for the runtime dims (first match wins)."""
-    name: str
-    launches: tuple[Launch, ...]
-    when: Callable[[dict], bool] = lambda d: True
-
-
-@dataclass(frozen=True)
-class Plan:
-    variants: tuple[Variant, ...]
-    workspace: tuple[Buffer, ...] = ()
-
-    def select(self, dims: dict) -> Variant:
-        for v in self.variants:
-            if v.when(dims):
-                return v
-        raise PluginError(f"no kernel variant covers dims {dims}")
-
-
-@dataclass(frozen=True)
 class PluginSpec:
     name: str  # ONNX op_type, e.g. "KDA"; namespace "k3"
     inputs: tuple[Port, ...]
@@ -104,8 +50,7 @@ class PluginSpec:
     output_dtypes: Callable[[list[str]], list[str]]
     dims: Callable[[list], dict]  # input shapes -> named dims used by plan/grid/scalars
     check: Callable[[list, dict], str | None]  # concrete input shapes, attrs -> reason or None
-    plan: Callable[[dict, list[str], dict], Plan]  # opt dims, I/O dtypes, attrs
-    jit: Callable[[list, list, dict], None]  # torch inputs, torch outputs (written in place), attrs
+    plan: Callable[[dict, list[str], dict], Plan]  # opt dims, I/O dtypes, attrs: the family's triton.plan
     notes: str = ""  # which path the plugin takes, for docs and build logs
     namespace: str = "k3"
     version: str = "1"
@@ -120,6 +65,16 @@ class PluginSpec:
     @property
     def ports(self) -> tuple[Port, ...]:
         return self.inputs + self.outputs
+
+    def jit(self, inputs: list, outputs: list, attrs: dict) -> None:
+        """The JIT path: the plan run by Triton's JIT on torch tensors (TensorRT's buffers); outputs in place."""
+        from ..custom_ops.dtypes import dtype_name
+        from ..custom_ops.launch import run
+
+        tensors = list(inputs) + list(outputs)
+        dims = self.dims([tuple(t.shape) for t in inputs])
+        plan = self.plan(dims, [dtype_name(t.dtype) for t in tensors], attrs)
+        run(plan, {p.name: t for p, t in zip(self.ports, tensors)}, dims)
 
     def attrs(self, given: dict) -> dict:
         """Field values from `given` (ONNX attributes / plugin fields), defaults filled, types coerced."""
@@ -153,24 +108,15 @@ class PluginSpec:
                          for p in self.ports) + " — LINEAR only"
 
 
-def cdiv(a, b):
-    """Ceil division on ints and on symbolic shape expressions alike."""
-    return (a + b - 1) // b
+def dims_match(got: Sequence, want: Sequence) -> bool:
+    """Shapes agree where both dims are known (None = unknown at this point of the build)."""
+    return len(got) == len(want) and all(a is None or b is None or a == b for a, b in zip(got, want))
 
 
-def workspace_layout(buffers: Sequence[Buffer], dims: dict, align: int = 256) -> tuple[list[int], int]:
-    """Byte offsets of each buffer inside one workspace allocation, and its total size."""
-    offsets, total = [], 0
-    for b in buffers:
-        offsets.append(total)
-        total += cdiv(int(b.numel(dims)) * ITEMSIZE[b.dtype], align) * align
-    return offsets, total
-
-
-def schema_fields(op_type: str) -> tuple[Field, ...]:
-    """The plugin fields of `k3::<op_type>`: exactly the node attributes declared in exporter/onnx_schemas.py
-    (one source of truth for ONNX attributes and plugin fields); all required."""
-    from ..exporter.onnx_schemas import PLUGIN_FIELDS, AttrType
+def fields_of(node) -> tuple[Field, ...]:
+    """The plugin fields of a `k3::<Op>` node: exactly its NodeSpec attributes (custom_ops/onnx_node.py), in
+    order, all required — one source of truth for ONNX attributes and plugin fields."""
+    from ..custom_ops.onnx_node import AttrType
 
     kinds = {AttrType.FLOAT: float, AttrType.INT: int, AttrType.STRING: str}
-    return tuple(Field(name, kinds[t], None) for name, t in PLUGIN_FIELDS[op_type])
+    return tuple(Field(name, kinds[t], None) for name, t in node.fields)

@@ -1,5 +1,5 @@
 """The reference path and `k3x --help` work where Triton and TensorRT cannot be imported (attention-gym's
-`test_kda_imports`): kernels are imported lazily and only for backend='triton'. A fresh process blocks them."""
+`test_kda_imports`): kernels are imported lazily and only for kernels='triton'. A fresh process blocks them."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""`k3::attn_res` — schema, fake impl and the backend dispatch. Torch-only; Triton is imported lazily.
+"""`k3::attn_res` — schema, fake impl, shape rule, limits and the kernel dispatch. Torch-only; Triton is imported lazily.
 
-    k3::attn_res(prefix [..., d], bank [..., N, d], norm_weight [d], proj_weight [d], eps, backend) -> [..., d]
+    k3::attn_res(prefix [..., d], bank [..., N, d], norm_weight [d], proj_weight [d], eps, kernels) -> [..., d]
 Same contract as `reference.attn_res` (spec §4.2): RMSNorm-score-softmax-mix over N + 1 sources.
 """
 
@@ -9,8 +9,22 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..backend import Backend, require_backend
+from ..kernels import Kernels, require_kernels
 from . import reference
+
+
+KERNEL_MAX_BANK = 15  # bank entries N the Triton kernel (and so the TensorRT plugin) holds on chip
+
+
+def check_config(cfg, *, kernels: bool) -> str | None:
+    """Why k3::attn_res cannot run `cfg` (None if it can); `kernels`: also the Triton kernel limits."""
+    if cfg.attn_res is None or not kernels:
+        return None
+    n = len(cfg.block_starts())  # the bank grows by one entry per block
+    if n > KERNEL_MAX_BANK:
+        return (f"attn_res.block_size={cfg.attn_res.block_size}: {n} bank entries for {cfg.num_layers} layers; "
+                f"the Triton k3::attn_res kernel (and the TensorRT plugin) hold at most {KERNEL_MAX_BANK}")
+    return None
 
 
 def attn_res_output_shape(prefix_shape):
@@ -20,20 +34,20 @@ def attn_res_output_shape(prefix_shape):
 
 @torch.library.custom_op("k3::attn_res", mutates_args=())
 def _attn_res(prefix: Tensor, bank: Tensor, norm_weight: Tensor, proj_weight: Tensor, eps: float,
-              backend: str) -> Tensor:
-    if require_backend("k3::attn_res", backend, prefix, bank, norm_weight, proj_weight) is Backend.TRITON:
-        from . import triton as kernels
+              kernels: str) -> Tensor:
+    if require_kernels("k3::attn_res", kernels, prefix, bank, norm_weight, proj_weight) is Kernels.TRITON:
+        from . import triton
 
-        return kernels.attn_res(prefix, bank, norm_weight, proj_weight, eps)
+        return triton.attn_res(prefix, bank, norm_weight, proj_weight, eps)
     return reference.attn_res(prefix, bank, norm_weight, proj_weight, eps)
 
 
 @_attn_res.register_fake
-def _(prefix, bank, norm_weight, proj_weight, eps, backend):
+def _(prefix, bank, norm_weight, proj_weight, eps, kernels):
     return prefix.new_empty(attn_res_output_shape(prefix.shape))
 
 
 def attn_res(prefix: Tensor, bank: Tensor, norm_weight: Tensor, proj_weight: Tensor, *, eps: float,
-             backend: Backend = Backend.REFERENCE) -> Tensor:
+             kernels: Kernels = Kernels.REFERENCE) -> Tensor:
     return torch.ops.k3.attn_res(prefix, bank, norm_weight, proj_weight.reshape(-1), float(eps),
-                                 Backend(backend).value)
+                                 Kernels(kernels).value)

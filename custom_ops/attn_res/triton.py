@@ -1,4 +1,4 @@
-"""Block Attention Residuals mixer, Triton kernel and launcher. Never imports `reference.py`.
+"""Block Attention Residuals mixer, Triton kernel, its launch plan and launcher. Never imports `reference.py`.
 
 Same contract as `reference.attn_res` (spec §4.2):
     prefix [..., d], bank [..., N, d] (N >= 1, N + 1 <= 16 sources), norm_weight [d], proj_weight [d]
@@ -19,6 +19,9 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from ..launch import Launch, Plan, Variant, run
+from .op import KERNEL_MAX_BANK
 
 
 @triton.jit
@@ -69,26 +72,41 @@ def attn_res_launch_config(rows: int, n_bank: int, d: int) -> dict:
     """One program per row; the [NS, BD] tile holds ~4096 fp32 values."""
     NS = triton.next_power_of_2(n_bank + 1)
     BD = max(16, min(triton.next_power_of_2(d), 4096 // NS))
-    return {"grid": (rows,), "NS": NS, "BD": BD, "num_warps": 4 if NS * BD <= 2048 else 8, "num_stages": 2}
+    return {"NS": NS, "BD": BD, "num_warps": 4 if NS * BD <= 2048 else 8, "num_stages": 2}
+
+
+def dims(shapes) -> dict:
+    """Named dims from the input shapes (prefix [..., d], bank [..., N, d], ...): R rows of d, N bank entries."""
+    prefix, bank = list(shapes[0]), list(shapes[1])
+    R = 1
+    for x in prefix[:-1]:
+        R = x * R
+    return {"R": R, "N": bank[-2], "d": prefix[-1]}
+
+
+def plan(d: dict, dtypes: list[str], attrs: dict) -> Plan:
+    """One launch, one program per row, with N, d and eps specialised into the code: its runtime arguments
+    (prefix, bank, norm_weight, proj_weight, out) are already TensorRT QDP order."""
+    c = attn_res_launch_config(max(int(d["R"]), 1), d["N"], d["d"])
+    launch = Launch(_attn_res_kernel, ("prefix", "bank", "norm_weight", "proj_weight", "out"),
+                    {"N": d["N"], "d": d["d"], "eps": float(attrs["eps"]), "NS": c["NS"], "BD": c["BD"]},
+                    grid=lambda x: (x["R"], 1, 1), num_warps=c["num_warps"], num_stages=c["num_stages"])
+    return Plan((Variant("rows", (launch,)),))
 
 
 def attn_res(prefix: Tensor, bank: Tensor, norm_weight: Tensor, proj_weight: Tensor, eps: float) -> Tensor:
     if bank.shape[:-2] != prefix.shape[:-1] or bank.shape[-1] != prefix.shape[-1]:
         raise ValueError(f"attn_res: bank {tuple(bank.shape)} does not match prefix {tuple(prefix.shape)}")
     d, N = prefix.shape[-1], bank.shape[-2]
-    if not 1 <= N <= 15:
-        raise ValueError(f"attn_res (triton): needs 1 <= N <= 15 bank entries, got N={N}")
+    if not 1 <= N <= KERNEL_MAX_BANK:
+        raise ValueError(f"attn_res (triton): needs 1 <= N <= {KERNEL_MAX_BANK} bank entries, got N={N}")
     if norm_weight.numel() != d or proj_weight.numel() != d:
         raise ValueError(f"attn_res: norm_weight {tuple(norm_weight.shape)} / proj_weight "
                          f"{tuple(proj_weight.shape)} must have {d} elements")
     prefix_2d = prefix.reshape(-1, d).contiguous()  # [R, d]
     bank_3d = bank.reshape(-1, N, d).contiguous()  # [R, N, d]
-    R = prefix_2d.shape[0]
     out = torch.empty_like(prefix_2d)
-    if R == 0:
-        return out.reshape(prefix.shape)
-    c = attn_res_launch_config(R, N, d)
-    _attn_res_kernel[c["grid"]](prefix_2d, bank_3d, norm_weight.contiguous(), proj_weight.reshape(-1).contiguous(),
-                                out, N, d, float(eps), NS=c["NS"], BD=c["BD"], num_warps=c["num_warps"],
-                                num_stages=c["num_stages"])
+    d_ = dims([prefix_2d.shape, bank_3d.shape])
+    run(plan(d_, [], {"eps": eps}), {"prefix": prefix_2d, "bank": bank_3d, "norm_weight": norm_weight.contiguous(),
+                                     "proj_weight": proj_weight.reshape(-1).contiguous(), "out": out}, d_)
     return out.reshape(prefix.shape)

@@ -1,6 +1,6 @@
-"""`k3::kda` — schema, fake impl and the backend dispatch. Torch-only; Triton is imported lazily.
+"""`k3::kda` — schema, fake impl, shape rule, limits and the kernel dispatch. Torch-only; Triton is imported lazily.
 
-    k3::kda(q, k, v, g, beta, initial_state, scale, backend) -> (o, final_state)
+    k3::kda(q, k, v, g, beta, initial_state, scale, kernels) -> (o, final_state)
     q, k [B, T, H, K] (L2-normalised); v [B, T, H, V]; g [B, T, H, K] log-decay; beta [B, T, H];
     initial_state [B, H, K, V] fp32.  o [B, T, H, V] (v's dtype), final_state [B, H, K, V] fp32.
 Same contract as `reference.kda_recurrent`. Prefill and decode are the same op: T is dynamic.
@@ -13,8 +13,23 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..backend import Backend, require_backend
+from ..kernels import Kernels, require_kernels
 from . import reference
+
+
+# head dims the Triton kernels (and so the TensorRT plugin) support; the reference takes any up to the max
+KERNEL_HEAD_DIM = (16, 256)
+
+
+def check_config(cfg, *, kernels: bool) -> str | None:
+    """Why k3::kda cannot run `cfg` (None if it can); `kernels`: also the Triton kernel limits."""
+    lo, hi = KERNEL_HEAD_DIM
+    d = cfg.kda.head_dim
+    if not 0 < d <= hi:
+        return f"kda.head_dim={d}: k3::kda supports head_dim <= {hi}"
+    if kernels and d < lo:
+        return f"kda.head_dim={d}: the Triton k3::kda kernels (and the TensorRT plugin) need head_dim >= {lo}"
+    return None
 
 
 def kda_output_shapes(q_shape, v_shape):
@@ -26,18 +41,18 @@ def kda_output_shapes(q_shape, v_shape):
 
 @torch.library.custom_op("k3::kda", mutates_args=())
 def _kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor, scale: float,
-         backend: str) -> tuple[Tensor, Tensor]:
-    if require_backend("k3::kda", backend, q, k, v, g, beta, initial_state) is Backend.TRITON:
-        from . import triton as kernels
+         kernels: str) -> tuple[Tensor, Tensor]:
+    if require_kernels("k3::kda", kernels, q, k, v, g, beta, initial_state) is Kernels.TRITON:
+        from . import triton
 
-        return kernels.kda(q, k, v, g, beta, scale=scale, initial_state=initial_state)
+        return triton.kda(q, k, v, g, beta, scale=scale, initial_state=initial_state)
     if q.shape[1] == 1:
         return reference.kda_recurrent(q, k, v, g, beta, scale=scale, initial_state=initial_state)
     return reference.kda_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state)
 
 
 @_kda.register_fake
-def _(q, k, v, g, beta, initial_state, scale, backend):
+def _(q, k, v, g, beta, initial_state, scale, kernels):
     o_shape, s_shape = kda_output_shapes(q.shape, v.shape)
     return v.new_empty(o_shape), initial_state.new_empty(s_shape, dtype=torch.float32)
 
@@ -49,7 +64,7 @@ class KDAOutput:
 
 
 def kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor, *,
-        scale: float | None = None, backend: Backend = Backend.REFERENCE) -> KDAOutput:
+        scale: float | None = None, kernels: Kernels = Kernels.REFERENCE) -> KDAOutput:
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    o, s = torch.ops.k3.kda(q, k, v, g, beta, initial_state, scale, Backend(backend).value)
+    o, s = torch.ops.k3.kda(q, k, v, g, beta, initial_state, scale, Kernels(kernels).value)
     return KDAOutput(o, s)

@@ -1,4 +1,5 @@
-"""Kimi Delta Attention, Triton kernels and launchers (forward only). Never imports `reference.py`.
+"""Kimi Delta Attention, Triton kernels, their launch plan and launchers (forward only). Never imports
+`reference.py`.
 
 Same functions and contract as `reference.py`:
     q, k  [B, T, H, K]  L2-normalised;  v [B, T, H, V];  g [B, T, H, K] log-decay (<= 0);  beta [B, T, H]
@@ -30,7 +31,8 @@ registers, token loop inside.  `kda_recurrent_` updates a state buffer in place 
 `kda` picks recurrent for T <= RECURRENT_MAX_T, chunked above.
 
 Launch parameters are pure functions of the shapes (`kda_chunk_launch_config`,
-`kda_recurrent_launch_config`) so the TensorRT plugin can compile the same kernels ahead of time.
+`kda_recurrent_launch_config`), gathered in one `plan` (custom_ops/launch.py) that the torch launchers below
+run with Triton's JIT and the TensorRT plugin runs from cubins compiled ahead of time.
 No autotune, no block pointers; kernel arguments are tensors, then scalars, then constexprs.
 """
 
@@ -40,6 +42,10 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from ..dtypes import dtype_name
+from ..launch import Buffer, Launch, Plan, Variant, cdiv, run
+from .op import KERNEL_HEAD_DIM
 
 BT = 64  # chunk size
 BC = 16  # sub-chunk size
@@ -385,10 +391,10 @@ def _kda_state_kernel(
 
 
 @triton.jit
-def _kda_recurrent_kernel(
+def _kda_recurrent_kernel(  # arguments in TensorRT QDP order: inputs, int32 scalars, outputs
     q, k, v, g, beta, h0,  # [B, T, H, K|V], beta [B, T, H], h0 [B, H, K, V] fp32 (may alias ht)
-    o, ht,  # [B, T, H, V], [B, H, K, V] fp32
     T,
+    o, ht,  # [B, T, H, V], [B, H, K, V] fp32
     scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr,
@@ -419,7 +425,7 @@ def _kda_recurrent_kernel(
     tl.store(ht + p_s, S, mask=m_s)
 
 
-# ----------------------------------------------------------------------------------------------- launchers
+# ----------------------------------------------------------------------------------- launch plan and launchers
 
 
 def _np2(x: int) -> int:
@@ -427,11 +433,10 @@ def _np2(x: int) -> int:
 
 
 def kda_chunk_launch_config(B: int, T: int, H: int, K: int, V: int) -> dict:
-    """Grids, block sizes and warps of the two chunked kernels (pure function of the shapes).
+    """Block sizes and warps of the two chunked kernels (pure function of the shapes).
 
     AOT compilers: give pointers and the K/V-sized int arguments `tt.divisibility=16` as the JIT does
     for such values; without it loads are not vectorised and the state kernel spills."""
-    NT = triton.cdiv(T, BT)
     BK_state = _np2(K)
     # state slice [K, BV] fp32 in registers: 64 columns up to K=128, 32 beyond; smaller if B*H is tiny
     BV_state = min(_np2(V), 64 if K <= 128 else 32)
@@ -439,20 +444,61 @@ def kda_chunk_launch_config(B: int, T: int, H: int, K: int, V: int) -> dict:
         BV_state //= 2
     return {
         # BK=16 / 8 warps: the least register spilling on sm_90 (ptxas -v) for 12 [16, BK] tiles + 20 [16, 16] blocks
-        "intra": {"grid": (NT, B * H), "BK": 16, "BV": min(64, _np2(V)), "num_warps": 8, "num_stages": 1},
-        "state": {"grid": (triton.cdiv(V, BV_state), B * H), "BK": BK_state, "BV": BV_state,
-                  "num_warps": 8 if BK_state * BV_state >= 8192 else 4, "num_stages": 2},
+        "intra": {"BK": 16, "BV": min(64, _np2(V)), "num_warps": 8, "num_stages": 1},
+        "state": {"BK": BK_state, "BV": BV_state, "num_warps": 8 if BK_state * BV_state >= 8192 else 4,
+                  "num_stages": 2},
     }
 
 
 def kda_recurrent_launch_config(B: int, T: int, H: int, K: int, V: int) -> dict:
-    """Grid and block sizes of the recurrent kernel: enough programs to fill the GPU even at B=1."""
+    """Block sizes of the recurrent kernel: enough programs to fill the GPU even at B=1."""
     BK = _np2(K)
     BV = min(_np2(V), 64)
     while BV > 16 and B * H * triton.cdiv(V, BV) < 1024:
         BV //= 2
-    return {"grid": (triton.cdiv(V, BV), B * H), "BK": BK, "BV": BV, "num_warps": 4 if BK * BV >= 4096 else 2,
-            "num_stages": 1}
+    return {"BK": BK, "BV": BV, "num_warps": 4 if BK * BV >= 4096 else 2, "num_stages": 1}
+
+
+def dims(shapes) -> dict:
+    """Named dims from the input shapes (q, k, v, g, beta, initial_state)."""
+    (B, T, H, K), v = shapes[0], shapes[2]
+    return {"B": B, "T": T, "H": H, "K": K, "V": v[3]}
+
+
+def plan(d: dict, dtypes: list[str], attrs: dict) -> Plan:
+    """The launches of k3::kda at dims `d` (block sizes chosen there; grids follow the runtime B and T):
+    variant "recurrent" for T <= RECURRENT_MAX_T (one kernel), "chunked" above (intra + state kernels, their
+    intermediates w, u, qg, kg, A, gl in the workspace). `dtypes` are the port dtypes (q first); `scale` is
+    specialised into the code. Ports: q, k, v, g, beta, initial_state -> o, final_state."""
+    B, T, H, K, V = d["B"], d["T"], d["H"], d["K"], d["V"]
+    scale = float(attrs["scale"])
+    r = kda_recurrent_launch_config(B, max(T, 1), H, K, V)
+    recurrent = Launch(_kda_recurrent_kernel, ("q", "k", "v", "g", "beta", "initial_state", "T", "o", "final_state"),
+                       {"scale": scale, "H": H, "K": K, "V": V, "BK": r["BK"], "BV": r["BV"], "HAS_H0": True},
+                       grid=lambda x, BV=r["BV"]: (cdiv(V, BV), x["B"] * H, 1), scalars=lambda x: {"T": x["T"]},
+                       num_warps=r["num_warps"], num_stages=r["num_stages"])
+    c = kda_chunk_launch_config(B, max(T, RECURRENT_MAX_T + 1), H, K, V)
+    dot_bf16 = dtypes[0] == "bf16"
+    idt = "bf16" if dot_bf16 else "fp32"  # dtype of the intermediates
+    nt = lambda x: cdiv(x["T"], BT)  # noqa: E731
+    rows = lambda n: (lambda x: x["B"] * x["T"] * H * n)  # noqa: E731
+    ws = (Buffer("w", idt, rows(K)), Buffer("u", idt, rows(V)), Buffer("qg", idt, rows(K)),
+          Buffer("kg", idt, rows(K)), Buffer("A", idt, rows(BT)), Buffer("gl", "fp32", lambda x: x["B"] * nt(x) * H * K))
+    ci, cs = c["intra"], c["state"]
+    sizes = lambda x: {"T": x["T"], "NT": nt(x)}  # noqa: E731
+    intra = Launch(_kda_intra_kernel, ("q", "k", "v", "g", "beta", "w", "u", "qg", "kg", "A", "gl", "T", "NT"),
+                   {"scale": scale, "H": H, "K": K, "V": V, "BT": BT, "BC": BC, "BK": ci["BK"], "BV": ci["BV"],
+                    "DOT_BF16": dot_bf16},
+                   grid=lambda x: (nt(x), x["B"] * H, 1), scalars=sizes,
+                   num_warps=ci["num_warps"], num_stages=ci["num_stages"])
+    state = Launch(_kda_state_kernel, ("w", "u", "qg", "kg", "A", "gl", "initial_state", "o", "final_state", "T",
+                                       "NT"),
+                   {"H": H, "K": K, "V": V, "BT": BT, "BK": cs["BK"], "BV": cs["BV"], "DOT_BF16": dot_bf16,
+                    "HAS_H0": True},
+                   grid=lambda x, BV=cs["BV"]: (cdiv(V, BV), x["B"] * H, 1), scalars=sizes,
+                   num_warps=cs["num_warps"], num_stages=cs["num_stages"])
+    return Plan((Variant("recurrent", (recurrent,), when=lambda x: x["T"] <= RECURRENT_MAX_T),
+                 Variant("chunked", (intra, state), when=lambda x: x["T"] > RECURRENT_MAX_T)), workspace=ws)
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None) -> None:
@@ -464,60 +510,40 @@ def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_sta
         raise ValueError(f"kda: initial_state {tuple(initial_state.shape)}, expected {(B, H, K, v.shape[-1])}")
 
 
+def _run(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None, h0: Tensor | None,
+         ht: Tensor | None, variant: str) -> tuple[Tensor, Tensor]:
+    """Execute `plan`'s `variant` on torch tensors: (o, final_state); ht may alias h0 (in-place decode)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K ** -0.5 if scale is None else float(scale)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    h0 = q.new_zeros(B, H, K, V, dtype=torch.float32) if h0 is None else h0.float().contiguous()
+    ht = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32) if ht is None else ht
+    o = torch.empty(B, T, H, V, device=q.device, dtype=v.dtype)
+    d = dims([q.shape, k.shape, v.shape])
+    p = plan(d, [dtype_name(q.dtype)], {"scale": scale})
+    wanted = next(x for x in p.variants if x.name == variant)
+    run(Plan((Variant(variant, wanted.launches),), p.workspace),
+        {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": h0, "o": o, "final_state": ht}, d)
+    return o, ht
+
+
 def kda_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
                 initial_state: Tensor | None = None, chunk_size: int = 64) -> tuple[Tensor, Tensor]:
     _check(q, k, v, g, beta, initial_state)
     if chunk_size != BT:
         raise ValueError(f"kda_chunked (triton): chunk_size={chunk_size}, only {BT} is implemented")
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    if not (16 <= K <= 256 and 16 <= V <= 256):
-        raise ValueError(f"kda_chunked (triton): needs 16 <= K, V <= 256, got K={K}, V={V}")
-    scale = K ** -0.5 if scale is None else float(scale)
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    cfg = kda_chunk_launch_config(B, T, H, K, V)
-    NT = cfg["intra"]["grid"][0]
-    dot_bf16 = q.dtype == torch.bfloat16
-    idt = torch.bfloat16 if dot_bf16 else torch.float32  # dtype of the intermediates
-    w, qg, kg = (torch.empty(B, T, H, K, device=q.device, dtype=idt) for _ in range(3))
-    u = torch.empty(B, T, H, V, device=q.device, dtype=idt)
-    A = torch.empty(B, T, H, BT, device=q.device, dtype=idt)
-    gl = torch.empty(B, NT, H, K, device=q.device, dtype=torch.float32)
-    c = cfg["intra"]
-    _kda_intra_kernel[c["grid"]](q, k, v, g, beta, w, u, qg, kg, A, gl, T, NT, scale, H=H, K=K, V=V, BT=BT,
-                                 BC=BC, BK=c["BK"], BV=c["BV"], DOT_BF16=dot_bf16, num_warps=c["num_warps"],
-                                 num_stages=c["num_stages"])
-    o = torch.empty(B, T, H, V, device=q.device, dtype=v.dtype)
-    ht = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32)
-    h0 = ht if initial_state is None else initial_state.float().contiguous()
-    c = cfg["state"]
-    _kda_state_kernel[c["grid"]](w, u, qg, kg, A, gl, h0, o, ht, T, NT, H=H, K=K, V=V, BT=BT, BK=c["BK"],
-                                 BV=c["BV"], DOT_BF16=dot_bf16, HAS_H0=initial_state is not None,
-                                 num_warps=c["num_warps"], num_stages=c["num_stages"])
-    return o, ht
-
-
-def _recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None,
-               h0: Tensor | None, ht: Tensor) -> Tensor:
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    scale = K ** -0.5 if scale is None else float(scale)
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    o = torch.empty(B, T, H, V, device=q.device, dtype=v.dtype)
-    c = kda_recurrent_launch_config(B, T, H, K, V)
-    _kda_recurrent_kernel[c["grid"]](q, k, v, g, beta, ht if h0 is None else h0, o, ht, T, scale, H=H, K=K, V=V,
-                                     BK=c["BK"], BV=c["BV"], HAS_H0=h0 is not None, num_warps=c["num_warps"],
-                                     num_stages=c["num_stages"])
-    return o
+    K, V = q.shape[-1], v.shape[-1]
+    lo, hi = KERNEL_HEAD_DIM
+    if not (lo <= K <= hi and lo <= V <= hi):
+        raise ValueError(f"kda_chunked (triton): needs {lo} <= K, V <= {hi}, got K={K}, V={V}")
+    return _run(q, k, v, g, beta, scale, initial_state, None, "chunked")
 
 
 def kda_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
                   initial_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
     _check(q, k, v, g, beta, initial_state)
-    B, T, H, K = q.shape
-    ht = torch.empty(B, H, K, v.shape[-1], device=q.device, dtype=torch.float32)
-    h0 = None if initial_state is None else initial_state.float().contiguous()
-    return _recurrent(q, k, v, g, beta, scale, h0, ht), ht
+    return _run(q, k, v, g, beta, scale, initial_state, None, "recurrent")
 
 
 def kda_recurrent_(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
@@ -528,12 +554,13 @@ def kda_recurrent_(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sta
     _check(q, k, v, g, beta, state)
     if state.dtype != torch.float32 or not state.is_contiguous():
         raise ValueError(f"kda_recurrent_: state must be contiguous fp32, got {state.dtype}")
-    return _recurrent(q, k, v, g, beta, scale, state, state)
+    return _run(q, k, v, g, beta, scale, state, state, "recurrent")[0]
 
 
 def kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
         initial_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Recurrent kernel for T <= RECURRENT_MAX_T (decode, short appends), chunked kernels above."""
+    """The plan's variant for this T: recurrent kernel for T <= RECURRENT_MAX_T (decode, short appends),
+    chunked kernels above."""
     if q.shape[1] <= RECURRENT_MAX_T:
         return kda_recurrent(q, k, v, g, beta, scale=scale, initial_state=initial_state)
     return kda_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state)

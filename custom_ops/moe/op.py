@@ -1,8 +1,8 @@
-"""`k3::moe` — schema, fake impl and the backend dispatch. Torch-only; Triton is imported lazily.
+"""`k3::moe` — schema, fake impl, shape rule, limits and the kernel dispatch. Torch-only; Triton is imported lazily.
 
     k3::moe(x [N, d], z [N, L], gate_weight [E, d], gate_bias [E], w1 [E, I, L], w3 [E, I, L],
             w2 [E, L, I], top_k, routed_scaling_factor, renormalize, activation, situ_beta,
-            situ_linear_beta, backend) -> u [N, L]
+            situ_linear_beta, kernels) -> u [N, L]
 Same contract as `reference.moe` (spec §5.1 steps 1–6): routing, experts, weighted sum.
 """
 
@@ -13,8 +13,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..backend import Backend, require_backend
+from ..kernels import Kernels, require_kernels
 from . import reference
+
+
+def check_config(cfg, *, kernels: bool) -> str | None:
+    """Why k3::moe cannot run `cfg` (None if it can); the reference and the kernels share this limit (the
+    activation, 'situ' or 'silu', is validated with the model config)."""
+    m = cfg.moe
+    if not 0 < m.top_k <= m.num_experts:
+        return f"moe.top_k={m.top_k}: k3::moe needs 1 <= top_k <= moe.num_experts ({m.num_experts})"
+    return None
 
 
 def moe_output_shape(z_shape):
@@ -39,22 +48,22 @@ class MoEOptions:
 @torch.library.custom_op("k3::moe", mutates_args=())
 def _moe(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
          top_k: int, routed_scaling_factor: float, renormalize: bool, activation: str, situ_beta: float,
-         situ_linear_beta: float, backend: str) -> Tensor:
+         situ_linear_beta: float, kernels: str) -> Tensor:
     args = (x, z, gate_weight, gate_bias, w1, w3, w2, top_k, routed_scaling_factor, renormalize, activation,
             situ_beta, situ_linear_beta)
-    if require_backend("k3::moe", backend, x, z, gate_weight, w1) is Backend.TRITON:
-        from . import triton as kernels
+    if require_kernels("k3::moe", kernels, x, z, gate_weight, w1) is Kernels.TRITON:
+        from . import triton
 
-        return kernels.moe(*args)
+        return triton.moe(*args)
     return reference.moe(*args)
 
 
 @_moe.register_fake
 def _(x, z, gate_weight, gate_bias, w1, w3, w2, top_k, routed_scaling_factor, renormalize, activation,
-      situ_beta, situ_linear_beta, backend):
+      situ_beta, situ_linear_beta, kernels):
     return z.new_empty(moe_output_shape(z.shape))
 
 
 def moe(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, *,
-        options: MoEOptions, backend: Backend = Backend.REFERENCE) -> Tensor:
-    return torch.ops.k3.moe(x, z, gate_weight, gate_bias, w1, w3, w2, *options.args(), Backend(backend).value)
+        options: MoEOptions, kernels: Kernels = Kernels.REFERENCE) -> Tensor:
+    return torch.ops.k3.moe(x, z, gate_weight, gate_bias, w1, w3, w2, *options.args(), Kernels(kernels).value)

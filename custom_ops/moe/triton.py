@@ -37,6 +37,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..dtypes import ITEMSIZE, dtype_name
+from ..launch import Buffer, Launch, Plan, PlanError, Variant, cdiv, run
+
 ACTIVATIONS = {"silu": 0, "situ": 1}
 ALIGN_BLOCK = 256  # pairs per program of the align count / scatter kernels
 
@@ -271,7 +274,7 @@ def _moe_sum_kernel(
     tl.store(u + row * L + o_l, acc.to(u.dtype.element_ty), mask=m_l)
 
 
-# ----------------------------------------------------------------------------------------------- launchers
+# ----------------------------------------------------------------------------------- launch plan and launchers
 
 
 def block_m(N: int, top_k: int, E: int) -> int:
@@ -285,148 +288,158 @@ def padded_rows(NK: int, E: int, BM: int) -> int:
     return (NK + min(E, NK) * (BM - 1) + BM - 1) // BM * BM
 
 
-def align_launch_config(NK: int, E: int) -> dict:
-    """The three align kernels: NB chunks of ALIGN_BLOCK pairs; the scan holds all E experts in one program."""
-    NB, EP = triton.cdiv(NK, ALIGN_BLOCK), triton.next_power_of_2(E)
-    return {"NB": NB, "count_grid": (NB,), "scan_grid": (1,), "scatter_grid": (NB,), "BLOCK": ALIGN_BLOCK,
-            "BE": min(64, EP), "BJ": 32, "EP": EP, "BB": max(1, 4096 // EP), "BP": 1024,
-            "num_warps": 4 if EP <= 1024 else 8, "num_stages": 1}
-
-
 def moe_launch_config(N: int, top_k: int, E: int, L: int, I: int, elem_bytes: int = 2) -> dict:
-    """Block sizes and grids of every MoE kernel (pure function of the shapes and operand width).
+    """Block sizes of every MoE kernel (pure function of the shapes and operand width).
 
     AOT compilers: give pointers and L/I/E/D `tt.divisibility=16` (as the JIT does); without it the
     GEMM loads are not vectorised or pipelined and the kernels spill."""
-    NK = N * top_k
     BM = block_m(N, top_k, E)
-    P = padded_rows(NK, E, BM)
-    num_m = P // BM
     BK = 64 if elem_bytes <= 2 else 32
-    BN1 = min(128, max(16, triton.next_power_of_2(I)))
-    BN2 = min(128, max(16, triton.next_power_of_2(L)))
     EP = triton.next_power_of_2(E)
     return {
-        "BM": BM, "P": P, "num_m": num_m,
-        "router": {"grid": (triton.cdiv(N, 32), triton.cdiv(E, 64)), "BM": 32, "BN": 64, "BK": BK, "num_warps": 4,
-                   "num_stages": 3},
-        "topk": {"grid": (N,), "KP": triton.next_power_of_2(top_k), "EP": EP, "num_warps": 4 if EP <= 1024 else 8,
+        "BM": BM,
+        "router": {"BM": 32, "BN": 64, "BK": BK, "num_warps": 4, "num_stages": 3},
+        "topk": {"KP": triton.next_power_of_2(top_k), "EP": EP, "num_warps": 4 if EP <= 1024 else 8,
                  "num_stages": 1},
-        "align": align_launch_config(NK, E),
-        "gemm1": {"grid": (num_m * triton.cdiv(I, BN1),), "BN": BN1, "BK": BK, "GROUP_M": 8,
+        "align": {"BLOCK": ALIGN_BLOCK, "BE": min(64, EP), "BJ": 32, "EP": EP, "BB": max(1, 4096 // EP), "BP": 1024,
+                  "num_warps": 4 if EP <= 1024 else 8, "num_stages": 1},
+        "gemm1": {"BN": min(128, max(16, triton.next_power_of_2(I))), "BK": BK, "GROUP_M": 8,
                   "num_warps": 8 if BM >= 64 else 4, "num_stages": 3},
-        "gemm2": {"grid": (num_m * triton.cdiv(L, BN2),), "BN": BN2, "BK": BK, "GROUP_M": 8,
+        "gemm2": {"BN": min(128, max(16, triton.next_power_of_2(L))), "BK": BK, "GROUP_M": 8,
                   "num_warps": 8 if BM >= 128 else 4, "num_stages": 3},
-        "sum": {"grid": (N, triton.cdiv(L, 1024)), "BL": min(1024, triton.next_power_of_2(L)), "num_warps": 4,
-                "num_stages": 1},
+        "sum": {"BL": min(1024, triton.next_power_of_2(L)), "num_warps": 4, "num_stages": 1},
     }
 
 
-def _ieee(*tensors: Tensor) -> bool:
+def dims(shapes) -> dict:
+    """Named dims from the input shapes (x [N, d], z [N, L], gate_weight, gate_bias, w1 [E, I, L], ...)."""
+    (N, d), (_, L), (E, I, _) = shapes[0], shapes[1], shapes[4]
+    return {"N": N, "d": d, "L": L, "E": E, "I": I}
+
+
+def _ieee(*dtypes: str) -> bool:
     """fp32 math on IEEE dots unless every operand has the same 16-bit dtype (then tensor cores)."""
-    dts = {t.dtype for t in tensors}
-    return not (len(dts) == 1 and dts <= {torch.bfloat16, torch.float16})
+    return not (len(set(dtypes)) == 1 and dtypes[0] in ("fp16", "bf16"))
+
+
+def plan(d: dict, dtypes: list[str], attrs: dict) -> Plan:
+    """The eight launches of k3::moe, block sizes (BM included) chosen at dims `d`; grids and int32 sizes
+    follow the runtime N, the weight dims d, L, E, I are static (checked at every launch). Ports: x, z,
+    gate_weight, gate_bias, w1, w3, w2 -> u. `attrs`: the op's hyper-parameters (top_k, routed_scaling_factor,
+    renormalize, activation, situ_beta, situ_linear_beta), specialised into the code; `block_m` overrides BM.
+    Workspace: s [N, E] fp32, ids [N·k] int64, wts [N·k] fp32, counts/offsets [NB, E] int32, sorted_pair [P]
+    int32, block_expert [P/BM] int32, h [P, I] (z's dtype), y [N·k, L] fp32, P = padded_rows(N·k, E, BM)."""
+    E, I, L, D, k = d["E"], d["I"], d["L"], d["d"], int(attrs["top_k"])
+    c = moe_launch_config(max(int(d["N"]), 1), k, E, L, I, ITEMSIZE[dtypes[1]])
+    BM = int(attrs.get("block_m") or c["BM"])
+    r, t, a, g1, g2, su = c["router"], c["topk"], c["align"], c["gemm1"], c["gemm2"], c["sum"]
+    static = {"d": D, "L": L, "E": E, "I": I}
+
+    def sizes(x: dict) -> dict:
+        """Every int32 argument at runtime dims `x` (N dynamic; the weight dims must be the planned ones)."""
+        for name, v in static.items():
+            if x[name] != v:
+                raise PlanError(f"k3::moe: runtime {name}={x[name]} differs from the planned {v} (static dim)")
+        NK = x["N"] * k
+        P = padded_rows(NK, E, BM)
+        return {"N": x["N"], "NK": NK, "NB": cdiv(NK, ALIGN_BLOCK), "P": P, "num_m": P // BM} | static
+
+    div16 = {n for n, v in static.items() if v % 16 == 0} | {"P"}  # P is a multiple of BM >= 16
+
+    def launch(kernel, args, constexprs, grid, cfg):
+        return Launch(kernel, args, constexprs, grid=grid, scalars=sizes, num_warps=cfg["num_warps"],
+                      num_stages=cfg["num_stages"], divisible=tuple(n for n in args if n in div16))
+
+    num_m = lambda x: sizes(x)["num_m"]  # noqa: E731
+    nb = lambda x: sizes(x)["NB"]  # noqa: E731
+    x_t, z_t, gw_t, w_t = dtypes[0], dtypes[1], dtypes[2], dtypes[4]
+    act = attrs.get("activation", "situ")
+    launches = (
+        launch(_router_kernel, ("x", "gate_weight", "s", "N", "E", "d"),
+               {"BM": r["BM"], "BN": r["BN"], "BK": r["BK"], "IEEE": _ieee(x_t, gw_t)},
+               lambda x: (cdiv(x["N"], r["BM"]), cdiv(E, r["BN"]), 1), r),
+        launch(_topk_kernel, ("s", "gate_bias", "ids", "wts", "E"),
+               {"factor": float(attrs.get("routed_scaling_factor", 1.0)), "TOPK": k, "KP": t["KP"], "EP": t["EP"],
+                "RENORM": bool(attrs.get("renormalize", True))}, lambda x: (x["N"], 1, 1), t),
+        launch(_moe_align_count_kernel, ("ids", "counts", "NK", "E"), {"BLOCK": a["BLOCK"], "BE": a["BE"]},
+               lambda x: (nb(x), 1, 1), a),
+        launch(_moe_align_scan_kernel, ("counts", "offsets", "sorted_pair", "block_expert", "NK", "E", "NB", "P"),
+               {"BM": BM, "EP": a["EP"], "BB": a["BB"], "BP": a["BP"]}, lambda x: (1, 1, 1), a),
+        launch(_moe_align_scatter_kernel, ("ids", "offsets", "sorted_pair", "NK", "E"),
+               {"BLOCK": a["BLOCK"], "BJ": a["BJ"]}, lambda x: (nb(x), 1, 1), a),
+        launch(_moe_gemm1_kernel, ("z", "w1", "w3", "sorted_pair", "block_expert", "h", "NK", "I", "L", "num_m"),
+               {"beta1": float(attrs.get("situ_beta", 4.0)), "beta2": float(attrs.get("situ_linear_beta", 25.0)),
+                "TOPK": k, "BM": BM, "BN": g1["BN"], "BK": g1["BK"], "GROUP_M": g1["GROUP_M"],
+                "ACT": ACTIVATIONS[act], "IEEE": _ieee(z_t, w_t)},
+               lambda x: (num_m(x) * cdiv(I, g1["BN"]), 1, 1), g1),
+        launch(_moe_gemm2_kernel, ("h", "w2", "sorted_pair", "block_expert", "wts", "y", "NK", "I", "L", "num_m"),
+               {"BM": BM, "BN": g2["BN"], "BK": g2["BK"], "GROUP_M": g2["GROUP_M"], "IEEE": _ieee(z_t, w_t)},
+               lambda x: (num_m(x) * cdiv(L, g2["BN"]), 1, 1), g2),
+        launch(_moe_sum_kernel, ("y", "u", "L"), {"TOPK": k, "BL": su["BL"]},
+               lambda x: (x["N"], cdiv(L, su["BL"]), 1), su),
+    )
+    ws = (Buffer("s", "fp32", lambda x: x["N"] * E), Buffer("ids", "int64", lambda x: x["N"] * k),
+          Buffer("wts", "fp32", lambda x: x["N"] * k), Buffer("counts", "int32", lambda x: nb(x) * E),
+          Buffer("offsets", "int32", lambda x: nb(x) * E),
+          Buffer("sorted_pair", "int32", lambda x: sizes(x)["P"]), Buffer("block_expert", "int32", num_m),
+          Buffer("h", z_t, lambda x: sizes(x)["P"] * I), Buffer("y", "fp32", lambda x: x["N"] * k * L))
+    return Plan((Variant("experts", launches),), workspace=ws)
+
+
+ROUTE = ("_router_kernel", "_topk_kernel")
+ALIGN = ("_moe_align_count_kernel", "_moe_align_scan_kernel", "_moe_align_scatter_kernel")
+
+
+def _attrs(top_k, routed_scaling_factor, renormalize, activation, situ_beta, situ_linear_beta) -> dict:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r}: expected one of {sorted(ACTIVATIONS)}")
+    return {"top_k": int(top_k), "routed_scaling_factor": float(routed_scaling_factor),
+            "renormalize": bool(renormalize), "activation": activation, "situ_beta": float(situ_beta),
+            "situ_linear_beta": float(situ_linear_beta)}
 
 
 def route(x: Tensor, gate_weight: Tensor, gate_bias: Tensor, top_k: int, routed_scaling_factor: float,
           renormalize: bool) -> tuple[Tensor, Tensor]:
-    """(topk_ids [N, k] int64, topk_weights [N, k] fp32), ids in descending order of biased score."""
+    """The plan's routing step: (topk_ids [N, k] int64, topk_weights [N, k] fp32), ids in descending order of
+    biased score."""
     N, D = x.shape
     E = gate_weight.shape[0]
     if gate_weight.shape != (E, D) or gate_bias.shape != (E,) or not 1 <= top_k <= E:
         raise ValueError(f"route: x {tuple(x.shape)} gate {tuple(gate_weight.shape)} bias {tuple(gate_bias.shape)} "
                          f"top_k={top_k} do not fit")
-    x, gate_weight = x.contiguous(), gate_weight.contiguous()
-    c = moe_launch_config(N, top_k, E, 1, 1, x.element_size())
-    s = torch.empty(N, E, device=x.device, dtype=torch.float32)
-    ids = torch.empty(N, top_k, device=x.device, dtype=torch.int64)
-    wts = torch.empty(N, top_k, device=x.device, dtype=torch.float32)
-    if N == 0:
-        return ids, wts
-    r = c["router"]
-    _router_kernel[r["grid"]](x, gate_weight, s, N, E, D, BM=r["BM"], BN=r["BN"], BK=r["BK"],
-                              IEEE=_ieee(x, gate_weight), num_warps=r["num_warps"], num_stages=r["num_stages"])
-    t = c["topk"]
-    _topk_kernel[t["grid"]](s, gate_bias.contiguous(), ids, wts, E, float(routed_scaling_factor), TOPK=top_k,
-                            KP=t["KP"], EP=t["EP"], RENORM=bool(renormalize), num_warps=t["num_warps"],
-                            num_stages=t["num_stages"])
-    return ids, wts
+    d = {"N": N, "d": D, "L": 1, "E": E, "I": 1}
+    dts = [dtype_name(x.dtype), dtype_name(x.dtype), dtype_name(gate_weight.dtype), "fp32", "fp32"]
+    p = plan(d, dts, _attrs(top_k, routed_scaling_factor, renormalize, "silu", 1.0, 1.0))
+    env = run(p, {"x": x.contiguous(), "gate_weight": gate_weight.contiguous(), "gate_bias": gate_bias.contiguous()},
+              d, only=ROUTE)
+    return env["ids"].view(N, top_k), env["wts"].view(N, top_k)
 
 
-def moe_align(ids: Tensor, E: int, BM: int, P: int) -> tuple[Tensor, Tensor]:
-    """Pairs stably sorted by expert, each expert's segment padded to a multiple of BM (static output sizes).
-
-    ids [N, k] -> sorted_pair [P] int32 (pair id n·k + j, or NK for padding), block_expert [P/BM] int32
-    (expert of each block, -1 past the last used block); P = `padded_rows(NK, E, BM)` (or more)."""
-    flat = ids.reshape(-1).contiguous()  # [NK]
-    NK = flat.numel()
-    a = align_launch_config(NK, E)
-    counts = torch.empty(a["NB"], E, dtype=torch.int32, device=ids.device)
-    offsets = torch.empty_like(counts)
-    sorted_pair = torch.empty(P, dtype=torch.int32, device=ids.device)
-    block_expert = torch.empty(P // BM, dtype=torch.int32, device=ids.device)
-    opts = {"num_warps": a["num_warps"], "num_stages": a["num_stages"]}
-    _moe_align_count_kernel[a["count_grid"]](flat, counts, NK, E, BLOCK=a["BLOCK"], BE=a["BE"], **opts)
-    _moe_align_scan_kernel[a["scan_grid"]](counts, offsets, sorted_pair, block_expert, NK, E, a["NB"], P, BM=BM,
-                                           EP=a["EP"], BB=a["BB"], BP=a["BP"], **opts)
-    _moe_align_scatter_kernel[a["scatter_grid"]](flat, offsets, sorted_pair, NK, E, BLOCK=a["BLOCK"], BJ=a["BJ"],
-                                                 **opts)
-    return sorted_pair, block_expert
-
-
-def moe_gemm1(z: Tensor, w1: Tensor, w3: Tensor, sorted_pair: Tensor, block_expert: Tensor, top_k: int,
-              cfg: dict, activation: str, situ_beta: float, situ_linear_beta: float) -> Tensor:
-    """h [P, I] = GLU(z[tok] @ w1[e]ᵀ, z[tok] @ w3[e]ᵀ) for every padded pair row (zeros on padding)."""
-    E, I, L = w1.shape
-    h = torch.empty(cfg["P"], I, device=z.device, dtype=z.dtype)
-    g = cfg["gemm1"]
-    _moe_gemm1_kernel[g["grid"]](z, w1, w3, sorted_pair, block_expert, h, z.shape[0] * top_k, I, L, cfg["num_m"],
-                                 float(situ_beta), float(situ_linear_beta), TOPK=top_k, BM=cfg["BM"], BN=g["BN"],
-                                 BK=g["BK"], GROUP_M=g["GROUP_M"], ACT=ACTIVATIONS[activation],
-                                 IEEE=_ieee(z, w1, w3), num_warps=g["num_warps"], num_stages=g["num_stages"])
-    return h
-
-
-def moe_gemm2(h: Tensor, w2: Tensor, sorted_pair: Tensor, block_expert: Tensor, topk_weights: Tensor,
-              cfg: dict) -> Tensor:
-    """y [NK, L] fp32 = routing weight × h @ w2[e]ᵀ, rows back in pair order (n·k + j)."""
-    E, L, I = w2.shape
-    NK = topk_weights.numel()
-    y = torch.empty(NK, L, device=h.device, dtype=torch.float32)
-    g = cfg["gemm2"]
-    _moe_gemm2_kernel[g["grid"]](h, w2, sorted_pair, block_expert, topk_weights.reshape(-1).float(), y, NK, I, L,
-                                 cfg["num_m"], BM=cfg["BM"], BN=g["BN"], BK=g["BK"], GROUP_M=g["GROUP_M"],
-                                 IEEE=_ieee(h, w2), num_warps=g["num_warps"], num_stages=g["num_stages"])
-    return y
-
-
-def moe_experts(z: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
-                activation: str, situ_beta: float, situ_linear_beta: float) -> Tensor:
-    """u [N, L] = Σ_j topk_weights[:, j] · E_{topk_ids[:, j]}(z), given the routing (everything after `route`)."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation={activation!r}: expected one of {sorted(ACTIVATIONS)}")
-    E, I, L = w1.shape
-    N, top_k = topk_ids.shape
-    u = torch.empty(N, L, device=z.device, dtype=z.dtype)
-    if N == 0:
-        return u
-    z, w1, w3, w2 = (t.contiguous() for t in (z, w1, w3, w2))
-    cfg = moe_launch_config(N, top_k, E, L, I, z.element_size())
-    sorted_pair, block_expert = moe_align(topk_ids, E, cfg["BM"], cfg["P"])
-    h = moe_gemm1(z, w1, w3, sorted_pair, block_expert, top_k, cfg, activation, situ_beta, situ_linear_beta)
-    y = moe_gemm2(h, w2, sorted_pair, block_expert, topk_weights, cfg)
-    s = cfg["sum"]
-    _moe_sum_kernel[s["grid"]](y, u, L, TOPK=top_k, BL=s["BL"], num_warps=s["num_warps"], num_stages=s["num_stages"])
-    return u
+def moe_align(ids: Tensor, E: int, BM: int) -> tuple[Tensor, Tensor]:
+    """The plan's align step with `BM` rows per block: pairs stably sorted by expert, each expert's segment
+    padded to a multiple of BM (static output sizes). ids [N, k] -> sorted_pair [P] int32 (pair id n·k + j, or
+    NK for padding), block_expert [P/BM] int32 (expert of each block, -1 past the last used block);
+    P = `padded_rows(NK, E, BM)`."""
+    N, k = ids.shape
+    d = {"N": N, "d": 1, "L": 1, "E": E, "I": 1}
+    p = plan(d, ["fp32"] * 5, _attrs(k, 1.0, True, "silu", 1.0, 1.0) | {"block_m": BM})
+    env = run(p, {"ids": ids.reshape(-1).contiguous()}, d, only=ALIGN)
+    return env["sorted_pair"], env["block_expert"]
 
 
 def moe(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
         top_k: int, routed_scaling_factor: float, renormalize: bool, activation: str, situ_beta: float,
         situ_linear_beta: float) -> Tensor:
+    """The whole plan: routing, align, grouped GEMMs, weighted sum -> u [N, L] in z's dtype."""
     E, I, L = w1.shape
     if (z.shape != (x.shape[0], L) or w3.shape != w1.shape or w2.shape != (E, L, I)
             or gate_weight.shape != (E, x.shape[-1])):
         raise ValueError(f"moe: shapes x {tuple(x.shape)} z {tuple(z.shape)} gate {tuple(gate_weight.shape)} "
                          f"w1 {tuple(w1.shape)} w3 {tuple(w3.shape)} w2 {tuple(w2.shape)} do not fit")
-    ids, wts = route(x, gate_weight, gate_bias, top_k, routed_scaling_factor, renormalize)
-    return moe_experts(z, ids, wts, w1, w3, w2, activation, situ_beta, situ_linear_beta)
+    attrs = _attrs(top_k, routed_scaling_factor, renormalize, activation, situ_beta, situ_linear_beta)
+    tensors = dict(zip(("x", "z", "gate_weight", "gate_bias", "w1", "w3", "w2"),
+                       (t.contiguous() for t in (x, z, gate_weight, gate_bias, w1, w3, w2))))
+    tensors["u"] = torch.empty(z.shape[0], L, device=z.device, dtype=z.dtype)
+    d = dims([t.shape for t in tensors.values()])
+    run(plan(d, [dtype_name(t.dtype) for t in tensors.values()], attrs), tensors, d)
+    return tensors["u"]

@@ -10,10 +10,12 @@ import onnx
 import pytest
 import torch
 
-from k3x.exporter import onnx_schemas as schemas
+from k3x.custom_ops.registry import families
 from k3x.exporter.onnx import FLAVOR_FILES, OnnxOptions, export_onnx
 from k3x.model import build_model, empty_state, preset, state_specs
 from onnx_mini_folder import export_folder, mini_export
+
+NODE_SPECS = {f.onnx.NODE.op_type: f.onnx.NODE for f in families()}
 
 ort = pytest.importorskip("onnxruntime")
 CFG = preset("k3-mini")
@@ -42,13 +44,13 @@ def test_io_names_dims_and_k3_nodes():
             want_out = ["batch", "total_seq", *s.dims[2:]] if s.kind == "latent" else want_in
             assert outs[s.output_name] == want_out, s.output_name
         k3 = [n for n in model.graph.node if n.domain == "k3"]
-        counts = {t: sum(n.op_type == t for n in k3) for t in schemas.NODE_SPECS}
+        counts = {t: sum(n.op_type == t for n in k3) for t in NODE_SPECS}
         traced = manifest["op_counts"]
         assert counts == {"KDA": traced["k3::kda"], "AttnRes": traced["k3::attn_res"], "MoE": traced["k3::moe"]}
         for n in k3:
             attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
             assert attrs["plugin_namespace"] == b"k3"
-            assert set(attrs) == {f for f, _ in schemas.PLUGIN_FIELDS[n.op_type]} | {"plugin_namespace"}
+            assert set(attrs) == {f for f, _ in NODE_SPECS[n.op_type].fields} | {"plugin_namespace"}
             if n.op_type == "MoE":
                 assert (attrs["top_k"], attrs["num_experts"], attrs["activation"]) == (2, 8, b"situ")
         functions = sorted(f.name for f in model.functions if f.domain == "k3")

@@ -16,16 +16,19 @@ from onnx import TensorProto, helper
 from k3x.custom_ops.attn_res.reference import attn_res
 from k3x.custom_ops.kda.reference import kda_recurrent, l2norm
 from k3x.custom_ops.moe.reference import moe
-from k3x.exporter import onnx_schemas as schemas
+from k3x.custom_ops import onnx_node
+from k3x.custom_ops.registry import families
 from k3x.exporter.onnx_flavors import ort_pass, trt_pass
 from tolerances import assert_close
+
+NODE_SPECS = {f.onnx.NODE.op_type: f.onnx.NODE for f in families()}
 
 ort = pytest.importorskip("onnxruntime")
 
 
 def one_node_model(op_type: str, inputs: dict[str, torch.Tensor], outputs: dict[str, tuple], **attrs) -> ir.Model:
-    node = helper.make_node(op_type, list(inputs), outputs, domain=schemas.DOMAIN, **attrs,
-                            **schemas.COMMON_ATTRIBUTES)
+    node = helper.make_node(op_type, list(inputs), outputs, domain=onnx_node.DOMAIN, **attrs,
+                            **onnx_node.COMMON_ATTRIBUTES)
     graph = helper.make_graph(
         [node], op_type,
         [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(t.shape)) for n, t in inputs.items()],
@@ -96,7 +99,7 @@ def test_trt_pass_keeps_bare_plugin_nodes():
     assert not model.functions  # ... and the trt pass removes it
     node = next(iter(model.graph))
     assert node.attributes["plugin_namespace"].as_string() == "k3"
-    assert [f for f, _ in schemas.PLUGIN_FIELDS["AttnRes"]] == [a for a in node.attributes if a != "plugin_namespace"]
+    assert [f for f, _ in NODE_SPECS["AttnRes"].fields] == [a for a in node.attributes if a != "plugin_namespace"]
 
 
 def test_pass_rejects_a_node_without_its_plugin_fields():
@@ -110,6 +113,6 @@ def test_pass_rejects_a_node_without_its_plugin_fields():
 
 
 def test_schemas_registered_with_plugin_fields():
-    for op_type, fields in schemas.PLUGIN_FIELDS.items():
+    for op_type, fields in ((t, s.fields) for t, s in NODE_SPECS.items()):
         s = onnx.defs.get_schema(op_type, 1, "k3")
         assert set(dict(fields)) | {"plugin_namespace"} == set(s.attributes)

@@ -1,4 +1,4 @@
-"""The `ort` body of k3::MoE (exporter/onnx_flavors.py `moe_function`): sparse (a Loop over the hit experts
+"""The `ort` body of k3::MoE (custom_ops/moe/onnx.py `function`): sparse (a Loop over the hit experts
 only) and exact against custom_ops/moe/reference.py under the tolerance table, for random routing, decode and
 prefill through one session (dynamic N), an expert hit by every token, top_k = E, top_k = 1, and bf16
 expert weights stored as initializers (as in an exported model).
@@ -13,8 +13,9 @@ import torch
 from onnx import TensorProto, helper
 
 from k3x.custom_ops.moe.reference import moe
-from k3x.exporter import onnx_schemas as schemas
-from k3x.exporter.onnx_flavors import moe_function, ort_pass
+from k3x.custom_ops import onnx_node
+from k3x.custom_ops.moe.onnx import function as moe_function
+from k3x.exporter.onnx_flavors import ort_pass
 from tolerances import assert_close
 
 ort = pytest.importorskip("onnxruntime")
@@ -44,9 +45,9 @@ class MoESession:
         d = w["gate_weight"].shape[1]
         self.w, self.args = w, (top_k, factor, renormalize, activation, 4.0, 25.0)
         node = helper.make_node(
-            "MoE", ["x", "z", *w], ["u"], domain=schemas.DOMAIN, top_k=top_k, routed_scaling_factor=factor,
+            "MoE", ["x", "z", *w], ["u"], domain=onnx_node.DOMAIN, top_k=top_k, routed_scaling_factor=factor,
             renormalize=int(renormalize), activation=activation, situ_beta=4.0, situ_linear_beta=25.0,
-            num_experts=E, hidden_size=d, expert_dim=L, intermediate_size=I, **schemas.COMMON_ATTRIBUTES)
+            num_experts=E, hidden_size=d, expert_dim=L, intermediate_size=I, **onnx_node.COMMON_ATTRIBUTES)
         graph = helper.make_graph(
             [node], "moe",
             [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", d]),
@@ -106,7 +107,9 @@ def test_bf16_expert_weights():
 
 def test_expert_weights_are_only_gathered_per_hit_expert():
     """No dense path: outside the Loop nothing reads w1/w3/w2; inside, only a Gather of one expert does."""
-    fn = moe_function(20, "situ")
+    import onnx_ir as ir
+
+    fn, _ = moe_function(20, [ir.node("MoE", [], {"activation": "situ"}, domain=onnx_node.DOMAIN)])
     experts = ("w1", "w3", "w2")
     assert not [n.op_type for n in fn.node if set(n.input) & set(experts)]
     (loop,) = [n for n in fn.node if n.op_type == "Loop"]

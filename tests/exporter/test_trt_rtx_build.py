@@ -61,7 +61,7 @@ def test_k3_mini_engine_builds_with_plugins(k3_mini_export):
     blob = (k3_mini_export / "model.engine").read_bytes()
     assert len(blob) > 100_000
     for needle in (b"KDA", b"AttnRes", b"MoE", b"scale", b"num_heads", b"activation", b"situ", b"k3_kernels",
-                   b"_kda_recurrent_qdp", b"_kda_intra_kernel", b"_kda_state_kernel", b"_attn_res_kernel",
+                   b"_kda_recurrent_kernel", b"_kda_intra_kernel", b"_kda_state_kernel", b"_attn_res_kernel",
                    b"_router_kernel", b"_moe_align_scan_kernel", b"_moe_gemm1_kernel", b"_moe_sum_kernel"):
         assert needle in blob, needle  # plugin layers, their ONNX fields, and the embedded cubins
     manifest = json.loads((k3_mini_export / "manifest.json").read_text())

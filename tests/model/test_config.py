@@ -100,12 +100,29 @@ def test_bad_json_names_the_field(tmp_path, mutate, field):
 
 
 def test_invalid_dataclass_fields_are_named():
-    with pytest.raises(ConfigError, match="kda.head_dim=512"):
-        KDAConfig(num_heads=4, head_dim=512)
+    mini = preset("k3-mini")
+    with pytest.raises(ConfigError, match="kda.head_dim=512"):  # an op limit (custom_ops/kda/op.py)
+        dataclasses.replace(mini, kda=KDAConfig(num_heads=4, head_dim=512))
+    with pytest.raises(ConfigError, match="kda.head_dim=0"):
+        KDAConfig(num_heads=4, head_dim=0)
+    with pytest.raises(ConfigError, match="moe.top_k=9"):  # an op limit (custom_ops/moe/op.py)
+        dataclasses.replace(mini, moe=dataclasses.replace(mini.moe, top_k=9, num_experts=8))
     with pytest.raises(ConfigError, match="attn_res.block_size=0"):
         AttnResConfig(block_size=0)
     with pytest.raises(ConfigError, match="mlp_types"):
         dataclasses.replace(preset("k3-mini"), mlp_types=("dense",))
+
+
+def test_kernel_limits_apply_with_triton_kernels_only():
+    """The Triton kernels' limits (head_dim >= 16) are checked when the config is validated with
+    kernels=triton, before anything is built; the reference takes the config."""
+    from k3x.custom_ops.kernels import Kernels
+
+    small = dataclasses.replace(preset("k3-mini"), kda=KDAConfig(num_heads=2, head_dim=8))
+    with pytest.raises(ConfigError, match="kda.head_dim=8: the Triton k3::kda kernels"):
+        dataclasses.replace(small, kernels=Kernels.TRITON)
+    with pytest.raises(ConfigError, match="kda.head_dim=8"):
+        small.check_ops(kernels=True)
 
 
 def test_hash_is_stable_and_sensitive():

@@ -12,10 +12,13 @@ import pytest
 
 from k3x.custom_ops.attn_res import attn_res_output_shape
 from k3x.custom_ops.kda import kda_output_shapes
-from k3x.exporter.onnx_schemas import PLUGIN_FIELDS
+from k3x.custom_ops.launch import PlanError
+from k3x.custom_ops.registry import families
 from k3x.plugins import PluginError, aot, specs
 from k3x.plugins.adapter import compile_plan
 from k3x.plugins.core import workspace_layout
+
+NODE_SPECS = {f.onnx.NODE.op_type: f.onnx.NODE for f in families()}
 
 SPECS = specs()
 KDA_DIMS = [dict(B=1, T=1, H=2, K=16, V=32), dict(B=2, T=40, H=2, K=16, V=32), dict(B=4, T=128, H=2, K=16, V=32)]
@@ -24,7 +27,7 @@ KDA_TYPES = ["bf16"] * 3 + ["fp32"] * 3 + ["bf16", "fp32"]
 
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_fields_are_the_onnx_attributes(name):
-    assert [f.name for f in SPECS[name].fields] == [n for n, _ in PLUGIN_FIELDS[name]]
+    assert [f.name for f in SPECS[name].fields] == [n for n, _ in NODE_SPECS[name].fields]
 
 
 def test_shape_rules_are_the_ops_rules():
@@ -60,8 +63,8 @@ def test_kda_aot_kernels_sm90():
     spec = SPECS["KDA"]
     plan = spec.plan(KDA_DIMS[1], KDA_TYPES, {"scale": 0.25})
     kernels = {k.name: k for k in compile_plan(spec, plan, KDA_TYPES, 90, KDA_DIMS)}
-    assert set(kernels) == {"_kda_recurrent_qdp", "_kda_intra_kernel", "_kda_state_kernel"}
-    rec = kernels["_kda_recurrent_qdp"]  # QDP argument order: inputs, int32 scalars, outputs
+    assert set(kernels) == {"_kda_recurrent_kernel", "_kda_intra_kernel", "_kda_state_kernel"}
+    rec = kernels["_kda_recurrent_kernel"]  # QDP argument order: inputs, int32 scalars, outputs
     assert rec.arg_names == ("q", "k", "v", "g", "beta", "initial_state", "T", "o", "final_state")
     assert rec.arg_types == ("*bf16",) * 3 + ("*fp32",) * 3 + ("i32", "*bf16", "*fp32")
     intra, state = kernels["_kda_intra_kernel"], kernels["_kda_state_kernel"]
@@ -162,7 +165,7 @@ def test_moe_grids_and_scalars_follow_runtime_n():
                      "_moe_align_scan_kernel": (1, 1, 1), "_moe_align_scatter_kernel": (1, 1, 1),
                      "_moe_gemm1_kernel": (13, 1, 1), "_moe_gemm2_kernel": (13, 1, 1), "_moe_sum_kernel": (37, 1, 1)}
     assert launches["_moe_gemm1_kernel"].constexprs["BM"] == 16
-    with pytest.raises(PluginError, match="runtime E=16 differs from the planned 8"):
+    with pytest.raises(PlanError, match="runtime E=16 differs from the planned 8"):
         launches["_moe_sum_kernel"].scalars(dict(run, E=16))
 
 

@@ -24,7 +24,7 @@ def desc(dtype: str, shape: list[int]):
 
 def test_attn_res_aot_impl_body_compiles_sm90():
     from k3x.plugins import qdp
-    from k3x.plugins.attn_res import SPEC
+    from k3x.custom_ops.attn_res.plugin import SPEC
 
     d = 64
     ins = [desc("FLOAT", [2, 3, d]), desc("FLOAT", [2, 3, 2, d]), desc("FLOAT", [d]), desc("FLOAT", [d])]

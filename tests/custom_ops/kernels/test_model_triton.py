@@ -1,4 +1,4 @@
-"""k3-mini end to end with backend=triton vs backend=reference: the kernels wired through torch.ops.k3.
+"""k3-mini end to end with kernels=triton vs kernels=reference: the kernels wired through torch.ops.k3.
 
 Under the interpreter the tensors are CPU tensors, which the op's backend check refuses for 'triton'
 (outside the interpreter Triton needs CUDA); the test lifts that check for itself only.
@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from k3x.custom_ops.backend import Backend
+from k3x.custom_ops.kernels import Kernels
 from k3x.model import build_model, empty_state, preset
 from tolerances import assert_close
 
@@ -19,15 +19,15 @@ from tolerances import assert_close
 @pytest.fixture
 def allow_cpu_triton(monkeypatch, device):
     if device == "cpu":
-        import k3x.custom_ops.backend as backend
+        import k3x.custom_ops.kernels as kernels
 
-        monkeypatch.setattr(backend, "check_backend", lambda op, name, *tensors: (True, ""))
+        monkeypatch.setattr(kernels, "check_kernels", lambda op, name, *tensors: (True, ""))
 
 
 def test_model_triton_matches_reference(allow_cpu_triton, device):
     cfg = preset("k3-mini")
     ref = build_model(cfg, device=device, seed=0)
-    tri = build_model(dataclasses.replace(cfg, backend=Backend.TRITON), device=device, seed=0)
+    tri = build_model(dataclasses.replace(cfg, kernels=Kernels.TRITON), device=device, seed=0)
     ids = torch.randint(0, cfg.vocab_size, (1, 20), device=device)  # > 16 tokens: the chunked KDA kernels
     with torch.no_grad():
         s_ref, s_tri = empty_state(cfg, 1, device=device), empty_state(cfg, 1, device=device)

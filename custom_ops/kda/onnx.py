@@ -1,0 +1,51 @@
+"""`k3::KDA` in ONNX: the node spec (= the TensorRT plugin's fields), the torch.onnx translation of
+`torch.ops.k3.kda`, and the ONNX Runtime function body.
+
+Body: com.microsoft::LinearAttention (update_rule="gated_delta", per-key decay). Checked to match the
+reference to ~5e-10 on CPU; its conventions: q/k/v/decay packed [B, T, H*D], decay in log space,
+beta [B, T, H], `scale` applied to q, past/present state [B, H, K, V]. It has no bf16 kernel, so the body
+computes in fp32 and casts o back.
+"""
+
+from __future__ import annotations
+
+import onnx
+
+from ..onnx_node import COMMON_ATTRIBUTES, MS_DOMAIN, AttrType, Body, NodeSpec, opset, static
+
+NODE = NodeSpec(
+    "KDA",
+    inputs=(("q", "T"), ("k", "T"), ("v", "T"), ("g", "F"), ("beta", "F"), ("initial_state", "S")),
+    outputs=(("o", "T"), ("final_state", "S")),
+    fields=(("scale", AttrType.FLOAT), ("num_heads", AttrType.INT), ("head_dim", AttrType.INT),
+            ("value_dim", AttrType.INT)),
+    doc="Kimi Delta Attention (gated delta rule, per-key decay). q, k [B, T, H, K] L2-normalised; "
+        "v [B, T, H, V]; g [B, T, H, K] log-decay; beta [B, T, H] post-sigmoid; initial_state [B, H, K, V] "
+        "fp32 -> o [B, T, H, V], final_state [B, H, K, V] fp32. Same contract as torch.ops.k3.kda.",
+)
+NODE.register()  # onnx.checker and the exporter need the schema before any node is emitted
+
+
+def translate(q, k, v, g, beta, initial_state, scale: float, kernels: str):
+    return opset().KDA(q, k, v, g, beta, initial_state, scale=float(scale), num_heads=static(q.shape[2], "kda heads"),
+                       head_dim=static(q.shape[3], "kda head_dim"), value_dim=static(v.shape[3], "kda value_dim"),
+                       _outputs=2, **COMMON_ATTRIBUTES)
+
+
+def function(opset_version: int, nodes: list) -> tuple[onnx.FunctionProto, dict[str, int]]:
+    """The ONNX Runtime body and the extra opsets it imports."""
+    b = Body("KDA", "pack")
+    packed = b.ints(0, 0, -1)  # [B, T, H, D] -> [B, T, H*D]
+    q, k, v, g = (b.op("Reshape", b.op("Cast", x, to=onnx.TensorProto.FLOAT), packed) for x in ("q", "k", "v", "g"))
+    beta, s0 = (b.op("Cast", x, to=onnx.TensorProto.FLOAT) for x in ("beta", "initial_state"))
+    b.step = "recurrence"
+    o, state = b.op("LinearAttention", q, k, v, s0, g, beta, outputs=2, domain=MS_DOMAIN, update_rule="gated_delta")
+    la = b.nodes[-1]
+    for attr, ref in (("q_num_heads", "num_heads"), ("kv_num_heads", "num_heads")):
+        la.attribute.append(onnx.AttributeProto(name=attr, ref_attr_name=ref, type=onnx.AttributeProto.INT))
+    la.attribute.append(onnx.AttributeProto(name="scale", ref_attr_name="scale", type=onnx.AttributeProto.FLOAT))
+    b.step = "unpack"
+    o = b.op("Reshape", o, b.op("Shape", "v"))  # [B, T, H*V] -> [B, T, H, V]
+    b.out("CastLike", [o, "v"], ["o"])
+    b.out("Identity", [state], ["final_state"])
+    return b.function(NODE, {"": opset_version, MS_DOMAIN: 1}), {MS_DOMAIN: 1}

@@ -1,0 +1,82 @@
+"""`k3::KDA` TensorRT plugin: Kimi Delta Attention over the launch plan of `triton.py`.
+
+    KDA(q, k, v [B, T, H, K|V] fp32|fp16|bf16 (one dtype), g [B, T, H, K] fp32, beta [B, T, H] fp32,
+        initial_state [B, H, K, V] fp32; scale, num_heads, head_dim, value_dim) -> (o [B, T, H, V] (v's dtype),
+        final_state [B, H, K, V] fp32).  LINEAR only.  Output shapes: `kda_output_shapes` (op.py).
+
+Kernels per runtime T, as the op runs them (`triton.plan`): T <= RECURRENT_MAX_T -> the recurrent kernel (one
+launch, arguments already in QDP order: inputs, int32 scalars, outputs); above -> the chunked pair
+`_kda_intra_kernel` + `_kda_state_kernel` with their intermediates in the TensorRT workspace. `scale` is
+specialised into the code; block sizes come from the profile's opt shape, grids from the runtime B and T.
+Paths: IPluginV3 "aot" runs both variants from embedded cubins; QDP `aot_impl` (TensorRT 11) can carry one
+kernel only, so it embeds the recurrent kernel for every T (exact, but slow for long prefills) — use the
+IPluginV3 path for prefill engines. "jit" runs the same plan with Triton's JIT.
+"""
+
+from __future__ import annotations
+
+from ...plugins.core import FLOAT, PluginSpec, Port, dims_match, fields_of
+from . import triton as kt
+from .onnx import NODE
+from .op import KERNEL_HEAD_DIM, kda_output_shapes
+
+
+def check(shapes, attrs: dict) -> str | None:
+    q, k, v, g, beta, s = (list(x) for x in shapes)
+    if len(q) != 4 or len(v) != 4 or len(beta) != 3 or len(s) != 4:
+        return f"ranks q {len(q)} v {len(v)} beta {len(beta)} initial_state {len(s)}, expected 4, 4, 3, 4"
+    B, T, H, K = q
+    V = v[3]
+    checks = [("k", k, q), ("g", g, q), ("v[:3]", v[:3], q[:3]), ("beta", beta, [B, T, H]),
+              ("initial_state", s, [B, H, K, V])]
+    for name, got, want in checks:
+        if not dims_match(got, want):
+            return f"{name} has shape {got}, expected {want} (from q {q}, v {v})"
+    for f, d in (("num_heads", H), ("head_dim", K), ("value_dim", V)):
+        if not dims_match([attrs.get(f)], [d]):
+            return f"field {f}={attrs.get(f)} does not match the tensors' {d}"
+    lo, hi = KERNEL_HEAD_DIM
+    if K is not None and V is not None and not (lo <= K <= hi and lo <= V <= hi):
+        return f"needs {lo} <= K, V <= {hi} (Triton kernels), got K={K}, V={V}"
+    return None
+
+
+SPEC = PluginSpec(
+    name=NODE.op_type,
+    inputs=(Port("q", FLOAT), Port("k", FLOAT, "q"), Port("v", FLOAT, "q"), Port("g", ("fp32",)),
+            Port("beta", ("fp32",)), Port("initial_state", ("fp32",))),
+    outputs=(Port("o", FLOAT, "v"), Port("final_state", ("fp32",))),
+    fields=fields_of(NODE),
+    output_shapes=lambda s: list(kda_output_shapes(s[0], s[2])),
+    output_dtypes=lambda t: [t[2], "fp32"],
+    dims=kt.dims, check=check, plan=kt.plan, qdp_aot=True,
+    notes="IPluginV3 aot: recurrent (T<=16) or chunked intra+state (T>16) cubins; QDP aot_impl: recurrent only",
+)
+
+
+def register_qdp(trtp, *, sm: int, opt_dims: dict) -> None:
+    """TensorRT 11 QDP registration of `k3::KDA` (needs `tensorrt.plugin`)."""
+    from typing import Tuple
+
+    from ...plugins import qdp
+
+    @trtp.register("k3::KDA")
+    def _desc(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDesc, g: trtp.TensorDesc, beta: trtp.TensorDesc,
+              initial_state: trtp.TensorDesc, scale: float, num_heads: int, head_dim: int,
+              value_dim: int) -> Tuple[trtp.TensorDesc, trtp.TensorDesc]:
+        return qdp.output_descs(trtp, SPEC, [q, k, v, g, beta, initial_state], {})
+
+    @trtp.autotune("k3::KDA")
+    def _tune(q, k, v, g, beta, initial_state, outputs):
+        return qdp.autotune(trtp, SPEC)
+
+    @trtp.impl("k3::KDA")
+    def _impl(q, k, v, g, beta, initial_state, scale: float, num_heads: int, head_dim: int, value_dim: int,
+              outputs, stream: int) -> None:
+        qdp.jit(SPEC, [q, k, v, g, beta, initial_state], list(outputs), {"scale": scale}, stream)
+
+    @trtp.aot_impl("k3::KDA")
+    def _aot(q, k, v, g, beta, initial_state, scale: float, num_heads: int, head_dim: int, value_dim: int,
+             outputs, tactic: int):
+        return qdp.aot(trtp, SPEC, [q, k, v, g, beta, initial_state], list(outputs),
+                       {"scale": scale}, sm, opt_dims | {"T": 1})

@@ -1,0 +1,134 @@
+"""`k3::MoE` in ONNX: the node spec (= the TensorRT plugin's fields), the torch.onnx translation of
+`torch.ops.k3.moe`, and the ONNX Runtime function body.
+
+Body: standard ops, exact, O(N·top_k) expert work: sigmoid router, TopK on biased scores, GatherElements of
+unbiased scores, renormalise; the routed (token, slot) pairs sorted by expert, then a Loop over the hit
+experts only (each: its weights on its tokens, the weighted result ScatterND-added), in fp32. ORT's
+com.microsoft::MoE routes with softmax, not K3's sigmoid + biased top-k + unbiased renormalised weights, so
+it is not used. Numeric hyper-parameters are read from the node attributes (attribute references); the
+activation is a string, so it is baked into the body and all MoE nodes of a model must share it.
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import TensorProto, helper
+
+from ..onnx_node import COMMON_ATTRIBUTES, AttrType, Body, NodeSpec, opset, static
+
+FLOAT, INT64, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
+
+NODE = NodeSpec(
+    "MoE",
+    inputs=(("x", "T"), ("z", "T"), ("gate_weight", "G"), ("gate_bias", "F"), ("w1", "W"), ("w3", "W"),
+            ("w2", "W")),
+    outputs=(("u", "T"),),
+    fields=(("top_k", AttrType.INT), ("routed_scaling_factor", AttrType.FLOAT), ("renormalize", AttrType.INT),
+            ("activation", AttrType.STRING), ("situ_beta", AttrType.FLOAT), ("situ_linear_beta", AttrType.FLOAT),
+            ("num_experts", AttrType.INT), ("hidden_size", AttrType.INT), ("expert_dim", AttrType.INT),
+            ("intermediate_size", AttrType.INT)),
+    doc="Routed MoE: sigmoid router on x [N, d] (gate_weight [E, d]), top_k on scores + gate_bias [E], weights "
+        "from unbiased scores (renormalised, x routed_scaling_factor); experts w1, w3 [E, I, L], w2 [E, L, I] on "
+        "z [N, L] with SiTU-GLU or SiLU-GLU -> u [N, L]. Same contract as torch.ops.k3.moe.",
+)
+NODE.register()  # onnx.checker and the exporter need the schema before any node is emitted
+
+
+def translate(x, z, gate_weight, gate_bias, w1, w3, w2, top_k: int, routed_scaling_factor: float, renormalize: bool,
+              activation: str, situ_beta: float, situ_linear_beta: float, kernels: str):
+    E, I, L = (static(d, "moe expert weight dims") for d in w1.shape)
+    return opset().MoE(x, z, gate_weight, gate_bias, w1, w3, w2, top_k=int(top_k),
+                       routed_scaling_factor=float(routed_scaling_factor), renormalize=int(bool(renormalize)),
+                       activation=str(activation), situ_beta=float(situ_beta), situ_linear_beta=float(situ_linear_beta),
+                       num_experts=E, hidden_size=static(x.shape[-1], "moe hidden_size"), expert_dim=L,
+                       intermediate_size=I, **COMMON_ATTRIBUTES)
+
+
+def _activation_constants(b: Body, activation: str) -> list[str]:
+    if activation == "silu":
+        return []
+    if activation != "situ":
+        raise ValueError(f"k3::MoE activation={activation!r}: expected 'situ' or 'silu'")
+    return [b.ref("situ_beta", onnx.AttributeProto.FLOAT, "value_float"),
+            b.ref("situ_linear_beta", onnx.AttributeProto.FLOAT, "value_float")]
+
+
+def _glu(b: Body, a: str, u: str, betas: list[str]) -> str:
+    """SiLU-GLU a σ(a) ⊙ u when `betas` is empty, else SiTU-GLU [β1 tanh(a/β1) σ(a)] ⊙ [β2 tanh(u/β2)]."""
+    if not betas:
+        return b.op("Mul", b.op("Mul", a, b.op("Sigmoid", a)), u)
+    b1, b2 = betas
+    left = b.op("Mul", b.op("Mul", b1, b.op("Tanh", b.op("Div", a, b1))), b.op("Sigmoid", a))
+    return b.op("Mul", left, b.op("Mul", b2, b.op("Tanh", b.op("Div", u, b2))))
+
+
+def _expert_loop_body(z: str, experts: str, starts: str, ends: str, rows: str, weights: str, betas: list[str]
+                      ) -> onnx.GraphProto:
+    """Iteration i: expert experts[i] on its segment [starts[i], ends[i]) of the expert-sorted pairs."""
+    b = Body("MoE", "expert")
+    i, cond, acc = "moe_expert_i", "moe_expert_cond", "moe_expert_acc"
+    axis0 = b.ints(0)
+    e = b.op("Gather", experts, i, axis=0)  # scalar expert id
+    lo, hi = (b.op("Unsqueeze", b.op("Gather", t, i, axis=0), axis0) for t in (starts, ends))
+    tok, we = b.op("Slice", rows, lo, hi, axis0), b.op("Slice", weights, lo, hi, axis0)  # [n_e]
+    ze = b.op("Gather", z, tok, axis=0)  # [n_e, L]
+    W = {n: b.op("Cast", b.op("Gather", n, e, axis=0), to=FLOAT) for n in ("w1", "w3", "w2")}  # [I, L], [L, I]
+    g = _glu(b, b.op("Gemm", ze, W["w1"], transB=1), b.op("Gemm", ze, W["w3"], transB=1), betas)  # [n_e, I]
+    y = b.op("Mul", b.op("Gemm", g, W["w2"], transB=1), b.op("Unsqueeze", we, b.ints(1)))  # [n_e, L]
+    b.out("ScatterND", [acc, b.op("Unsqueeze", tok, b.ints(1)), y], ["moe_expert_acc_out"],
+          reduction="add")  # a token occurs once per expert
+    b.out("Identity", [cond], ["moe_expert_cond_out"])
+    return helper.make_graph(
+        b.nodes, "moe_expert",
+        [helper.make_tensor_value_info(i, INT64, []), helper.make_tensor_value_info(cond, BOOL, []),
+         helper.make_tensor_value_info(acc, FLOAT, None)],
+        [helper.make_tensor_value_info("moe_expert_cond_out", BOOL, []),
+         helper.make_tensor_value_info("moe_expert_acc_out", FLOAT, None)])
+
+
+def function(opset_version: int, nodes: list) -> tuple[onnx.FunctionProto, dict[str, int]]:
+    """k3::MoE, exact (custom_ops/moe/reference.py), O(M·I·L) FLOPs for the M = N·top_k routed pairs.
+
+    1. Route in fp32: s = sigmoid(x gate_weightᵀ), ids = TopK(s + gate_bias) [N, k], w = s[ids] renormalised
+       and scaled [N, k] (the bias selects, never weighs).
+    2. Sort the M (token, slot) pairs by expert (TopK ascending), so each expert's pairs form one segment of
+       (row = pair // k, weight); Unique gives the hit experts, ascending, and their counts.
+    3. Loop over the hit experts only (<= min(E, M) iterations): Gather the expert's weights (cast to fp32
+       after the Gather: bf16 weights are never all cast) and its rows of z, Gemm / GLU / Gemm, scale by
+       the pair weights, ScatterND-add into the fp32 accumulator u [N, L] (a token occurs once per expert;
+       experts are added in ascending id, the reference's order). u is returned in z's dtype.
+    Each hit expert's weights are read (and copied by its Gather) once per call; transient memory is one
+    expert's fp32 weights plus its activations. The SiTU betas are attribute references evaluated in the
+    function scope and read by the loop body as outer-scope values (no attribute references in subgraphs).
+    `nodes`: the model's MoE nodes (onnx_ir), whose shared activation is baked in.
+    """
+    activations = {n.attributes["activation"].as_string() for n in nodes}
+    if len(activations) != 1:
+        raise ValueError(f"k3::MoE nodes use activations {sorted(activations)}; the ort body bakes in exactly one")
+    b = Body("MoE", "route")
+    x, z, gw, gb = (b.op("Cast", n, to=FLOAT) for n in ("x", "z", "gate_weight", "gate_bias"))
+    betas = _activation_constants(b, activations.pop())
+    s = b.op("Sigmoid", b.op("MatMul", x, b.op("Transpose", gw, perm=[1, 0])))  # [N, E]
+    k = b.op("Unsqueeze", b.ref("top_k", onnx.AttributeProto.INT, "value_int"), b.ints(0))  # [1]
+    _, ids = b.op("TopK", b.op("Add", s, gb), k, outputs=2, axis=-1, largest=1, sorted=1)  # [N, k]
+    w = b.op("GatherElements", s, ids, axis=-1)  # unbiased scores of the chosen experts [N, k]
+    # renormalize in {0, 1}: w / (r * (Σw + 1e-20) + (1 - r)) is exactly the reference for either value
+    r = b.op("Cast", b.ref("renormalize", onnx.AttributeProto.INT, "value_int"), to=FLOAT)
+    one, tiny = b.op("Constant", value_float=1.0), b.op("Constant", value_float=1e-20)
+    total = b.op("Add", b.op("ReduceSum", w, b.ints(-1), keepdims=1), tiny)
+    w = b.op("Div", w, b.op("Add", b.op("Mul", r, total), b.op("Sub", one, r)))
+    w = b.op("Mul", w, b.ref("routed_scaling_factor", onnx.AttributeProto.FLOAT, "value_float"))
+    b.step = "segment"  # the M = N * k pairs by expert; pair p is (token p // k, slot p % k)
+    flat = b.ints(-1)
+    pair_ids, pair_w = b.op("Reshape", ids, flat), b.op("Reshape", w, flat)  # [M]
+    sorted_ids, order = b.op("TopK", pair_ids, b.op("Shape", pair_ids), outputs=2, axis=0, largest=0, sorted=1)
+    rows, weights = b.op("Div", order, k), b.op("Gather", pair_w, order, axis=0)  # [M], expert-sorted
+    experts, _, _, counts = b.op("Unique", sorted_ids, outputs=4, sorted=1)  # hit experts, ascending
+    ends = b.op("CumSum", counts, b.ints(0))
+    starts = b.op("Sub", ends, counts)
+    b.step = "experts"
+    acc = b.op("ConstantOfShape", b.op("Shape", z))  # fp32 zeros [N, L]
+    body = _expert_loop_body(z, experts, starts, ends, rows, weights, betas)
+    u = b.op("Loop", b.op("Size", experts), "", acc, body=body)
+    b.out("CastLike", [u, "z"], ["u"])
+    return b.function(NODE, {"": opset_version}), {}

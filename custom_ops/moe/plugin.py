@@ -1,0 +1,79 @@
+"""`k3::MoE` TensorRT plugin: the routed (latent) MoE over the launch plan of `triton.py`.
+
+    MoE(x [N, d], z [N, L] (one dtype, fp32|fp16|bf16), gate_weight [E, d] (fp32|fp16|bf16), gate_bias [E] fp32,
+        w1, w3 [E, I, L], w2 [E, L, I] (one dtype, fp32|fp16|bf16); top_k, routed_scaling_factor, renormalize,
+        activation, situ_beta, situ_linear_beta, num_experts, hidden_size, expert_dim, intermediate_size)
+        -> u [N, L] (z's dtype).  LINEAR only; N dynamic, d/L/E/I static (weights).  Output shape:
+    `moe_output_shape` (op.py) — static (= z's shape) although the work inside is data-dependent.
+
+Eight launches in one variant (router -> top-k -> align count / scan / scatter -> GEMM1 -> GEMM2 -> sum), the
+intermediates in the TensorRT workspace, sized for the worst case so grids and workspace depend on N alone
+(`get_workspace_size` evaluates them at the profile's max N); block sizes chosen at the opt shape.
+Paths: IPluginV3 "aot" (cubins in the engine, launched through the CUDA driver); "jit" runs the same plan
+with Triton's JIT (debugging). QDP (TensorRT 11): `impl` only — `aot_impl` carries a single kernel.
+"""
+
+from __future__ import annotations
+
+from ...plugins.core import FLOAT, PluginSpec, Port, dims_match, fields_of
+from . import triton as kt
+from .onnx import NODE
+from .op import moe_output_shape
+
+
+def check(shapes, attrs: dict) -> str | None:
+    x, z, gw, gb, w1, w3, w2 = (list(s) for s in shapes)
+    if [len(s) for s in (x, z, gw, gb, w1, w3, w2)] != [2, 2, 2, 1, 3, 3, 3]:
+        return f"ranks {[len(s) for s in (x, z, gw, gb, w1, w3, w2)]}, expected [2, 2, 2, 1, 3, 3, 3]"
+    (N, d), L, (E, I, _) = x, z[1], w1
+    want = {"z": ([N, L], z), "gate_weight": ([E, d], gw), "gate_bias": ([E], gb), "w1": ([E, I, L], w1),
+            "w3": ([E, I, L], w3), "w2": ([E, L, I], w2)}
+    for name, (w, got) in want.items():
+        if not dims_match(got, w):
+            return f"{name} has shape {got}, expected {w} (x {x}, w1 {w1})"
+    for f, v in (("num_experts", E), ("hidden_size", d), ("expert_dim", L), ("intermediate_size", I)):
+        if not dims_match([attrs.get(f)], [v]):
+            return f"field {f}={attrs.get(f)} does not match the tensors' {v}"
+    if attrs.get("activation") not in (None, *kt.ACTIVATIONS):
+        return f"field activation={attrs.get('activation')!r}: expected one of {sorted(kt.ACTIVATIONS)}"
+    if E is not None and "top_k" in attrs and not 1 <= attrs["top_k"] <= E:
+        return f"field top_k={attrs['top_k']} outside [1, {E}]"
+    return None
+
+
+SPEC = PluginSpec(
+    name=NODE.op_type,
+    inputs=(Port("x", FLOAT), Port("z", FLOAT, "x"), Port("gate_weight", FLOAT), Port("gate_bias", ("fp32",)),
+            Port("w1", FLOAT), Port("w3", FLOAT, "w1"), Port("w2", FLOAT, "w1")),
+    outputs=(Port("u", FLOAT, "z"),),
+    fields=fields_of(NODE),
+    output_shapes=lambda s: [moe_output_shape(s[1])],
+    output_dtypes=lambda t: [t[1]],
+    dims=kt.dims, check=check, plan=kt.plan,
+    notes="IPluginV3 aot: 8 cubins (router, top-k, align count/scan/scatter, GEMM1, GEMM2, sum); QDP: impl only",
+)
+
+
+def register_qdp(trtp, *, sm: int, opt_dims: dict) -> None:
+    """TensorRT 11 QDP registration of `k3::MoE` (JIT `impl` only: `aot_impl` carries one kernel, MoE needs
+    eight; needs `tensorrt.plugin`)."""
+    from ...plugins import qdp
+
+    @trtp.register("k3::MoE")
+    def _desc(x: trtp.TensorDesc, z: trtp.TensorDesc, gate_weight: trtp.TensorDesc, gate_bias: trtp.TensorDesc,
+              w1: trtp.TensorDesc, w3: trtp.TensorDesc, w2: trtp.TensorDesc, top_k: int, routed_scaling_factor: float,
+              renormalize: int, activation: str, situ_beta: float, situ_linear_beta: float, num_experts: int,
+              hidden_size: int, expert_dim: int, intermediate_size: int) -> trtp.TensorDesc:
+        return qdp.output_descs(trtp, SPEC, [x, z, gate_weight, gate_bias, w1, w3, w2], {})
+
+    @trtp.autotune("k3::MoE")
+    def _tune(x, z, gate_weight, gate_bias, w1, w3, w2, outputs):
+        return qdp.autotune(trtp, SPEC)
+
+    @trtp.impl("k3::MoE")
+    def _impl(x, z, gate_weight, gate_bias, w1, w3, w2, top_k: int, routed_scaling_factor: float, renormalize: int,
+              activation: str, situ_beta: float, situ_linear_beta: float, num_experts: int, hidden_size: int,
+              expert_dim: int, intermediate_size: int, outputs, stream: int) -> None:
+        attrs = {"top_k": top_k, "routed_scaling_factor": routed_scaling_factor, "renormalize": renormalize,
+                 "activation": activation, "situ_beta": situ_beta, "situ_linear_beta": situ_linear_beta}
+        qdp.jit(SPEC, [x, z, gate_weight, gate_bias, w1, w3, w2], list(outputs), attrs, stream)

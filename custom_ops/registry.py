@@ -1,0 +1,81 @@
+"""The registry of op families: the one list every stage iterates instead of naming ops.
+
+    FAMILIES = ("kda", "attn_res", "moe")      # one line per family: its folder under custom_ops/
+
+A family folder `custom_ops/<name>/` has fixed roles (docs/architecture.md):
+    op.py         torch.library schema `k3::<name>`, fake impl, output-shape rule, `check_config` (limits)
+    reference.py  PyTorch reference (fp32 oracle)
+    triton.py     Triton kernels and their launch plan (`dims`, `plan`, torch launchers)
+    onnx.py       `NODE` (ONNX node spec), `translate` (torch.onnx), `function` (ONNX Runtime body)
+    plugin.py     `SPEC` (TensorRT plugin spec) and `register_qdp`
+Roles other than op.py are imported only when asked for (`family.onnx`, `family.plugin`, `family.triton`),
+so torch-only use never imports onnx, Triton or TensorRT.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Iterator
+
+if TYPE_CHECKING:
+    from ..model.config import K3Config
+
+FAMILIES: tuple[str, ...] = ("kda", "attn_res", "moe")
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # folder name = custom-op name: torch.ops.k3.<name>
+
+    def role(self, role: str) -> ModuleType:
+        return importlib.import_module(f"{__package__}.{self.name}.{role}")
+
+    @property
+    def op(self) -> ModuleType:
+        return self.role("op")
+
+    @property
+    def onnx(self) -> ModuleType:
+        return self.role("onnx")
+
+    @property
+    def plugin(self) -> ModuleType:
+        return self.role("plugin")
+
+    @property
+    def triton(self) -> ModuleType:
+        return self.role("triton")
+
+    @property
+    def qualname(self) -> str:  # as in op counts: "k3::kda"
+        return f"k3::{self.name}"
+
+    @property
+    def overload(self):
+        import torch
+
+        return getattr(torch.ops.k3, self.name).default
+
+
+def families() -> Iterator[Family]:
+    return (Family(n) for n in FAMILIES)
+
+
+def by_onnx_op(op_type: str) -> Family:
+    """The family whose ONNX node is `k3::<op_type>` (e.g. "KDA")."""
+    for f in families():
+        if f.onnx.NODE.op_type == op_type:
+            return f
+    raise KeyError(f"unknown ONNX op k3::{op_type} (known: {[f.onnx.NODE.op_type for f in families()]})")
+
+
+def check_config(cfg: K3Config, *, kernels: bool) -> str | None:
+    """The first reason any family's op cannot run `cfg`, or None. `kernels=True` adds the Triton kernel
+    (and TensorRT plugin) limits; the reference limits always apply."""
+    for f in families():
+        reason = f.op.check_config(cfg, kernels=kernels)
+        if reason:
+            return reason
+    return None
