@@ -11,7 +11,7 @@ machine; wall seconds are what a user waits.
 
 Cases:
 - `anchor`: a plain torch.export of a 93-layer meta `nn.Linear(173500, 173500)` stack (2.8e12
-  parameters, dynamic batch/seq) — the reference point from spec/export-toolchain.md §8.
+  parameters, dynamic batch/seq) — the reference point for the trace time of a model this size.
 - `<preset>`: `k3x.exporter.trace.trace` of `build_model(preset, device="meta")`.
 - `<preset>@baseline` (with --baseline): plain `torch.export.export` of the same model with torch's
   defaults (fake-tensor cache on), i.e. what trace() did before its tuning.

@@ -5,7 +5,7 @@ Notable choices:
 - k3's ops are Python `torch.library.custom_op`s: AOTInductor compiles calls to them, and the package
   runs only in a Python process where they are registered — import k3x (or use `load_aoti`) before
   `torch._inductor.aoti_load_package`. A process without k3x fails with "Custom operators created via
-  torch.library.custom_op cannot be run via AOTI without Python environment" (export-toolchain.md §1.4).
+  torch.library.custom_op cannot be run via AOTI without Python environment".
   `REQUIRES` says so in the manifest and the CLI output.
 - Compiles for the device of the program's weights (CPU in CI; needs a C++ compiler).
 - `load_aoti` copies the outputs: a package's outputs can share memory that its next call reuses

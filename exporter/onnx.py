@@ -117,6 +117,34 @@ def _rename_io(model: ir.Model, cfg: K3Config) -> None:
             vout.shape = ir.Shape(["batch", TOTAL_SEQ, *vout.shape[2:]])
 
 
+def _module_path(scopes: list[str]) -> str:
+    """['', 'model', 'model.layers.3', 'model.layers.3.block_sparse_moe', 'moe'] -> 'model/layers.3/block_sparse_moe'
+    (the deepest module; a numeric part stays with its list's name)."""
+    modules = [x for x in scopes[:-1] if x]
+    parts: list[str] = []
+    for p in (modules[-1].split(".") if modules else []):
+        if p.isdigit() and parts:
+            parts[-1] += f".{p}"
+        else:
+            parts.append(p)
+    return "/".join(parts)
+
+
+def _name_nodes(graph: ir.Graph) -> None:
+    """Hierarchical node names from the module each node came from (`/model/layers.3/block_sparse_moe/MoE`,
+    `/model/layers.0/self_attn/MatMul_2`), so a profile or a Netron view maps back to the model."""
+    import ast
+
+    seen: dict[str, int] = {}
+    for node in graph:
+        raw = node.metadata_props.get("pkg.torch.onnx.name_scopes")
+        scopes = ast.literal_eval(raw) if raw else []
+        base = f"/{_module_path(scopes)}/{node.op_type}".replace("//", "/")
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        node.name = base if n == 0 else f"{base}_{n}"
+
+
 def _split_sequences_to_split(graph: ir.Graph) -> None:
     """SplitToSequence(x, const sizes) read only by SequenceAt(const i) -> one Split node.
 
@@ -178,6 +206,7 @@ def to_onnx_ir(ep: ExportedProgram, cfg: K3Config, *, weights: bool = True, opti
         prog = torch.onnx.export(ep, dynamo=True, custom_translation_table=translation_table(),
                                  optimize=optimize and weights, opset_version=opset, verbose=False)
     model = prog.model
+    _name_nodes(model.graph)
     for node in ir.traversal.RecursiveGraphIterator(model.graph):  # stack traces, fx names: size, paths
         node.metadata_props.clear()
         for v in node.outputs:

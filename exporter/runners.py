@@ -1,6 +1,6 @@
 """Runners: one interface, `infer(feeds) -> outputs`, over every way k3x can execute a model (Polygraphy).
 
-Feeds and outputs are `dict[str, Tensor]` named as the ONNX graph is (DESIGN.md): `input_ids`,
+Feeds and outputs are `dict[str, Tensor]` named as the ONNX graph is (docs/architecture.md): `input_ids`,
 `past.{i}.conv|recurrent`, `past_key_values.{i}.latent` -> `logits`, `present.{i}.*`. Every runner
 takes and returns torch tensors, so the comparator and the decode loop never care which one runs.
 

@@ -1,5 +1,5 @@
 """One decoder layer: a mixer (KDA or MLA) and an FFN (dense or MoE), joined either by Block
-Attention Residuals (K3, spec §4.2) or by the plain pre-norm residual (Kimi Linear).
+Attention Residuals (K3, docs/model.md §4.2) or by the plain pre-norm residual (Kimi Linear).
 
 AttnRes dataflow per layer l (state: `prefix` = running partial block sum, `bank` [B, T, N, d]):
   1. h = AttnRes(prefix, bank) if the bank is non-empty, else prefix (layer 0: the embedding);

@@ -1,6 +1,6 @@
 """K3Config: the single source of truth for every shape in k3x.
 
-Architecture: docs/architecture.md (config values, tensor shapes).
+Architecture: docs/model.md §1 (config values), §11 (tensor shapes).
 
 Notable choices:
 - Frozen dataclasses nested per concern (KDA, MLA, MoE, AttnRes); derived sizes are properties.
@@ -64,7 +64,7 @@ class MLAConfig:
     qk_rope_head_dim: int
     v_head_dim: int
     output_gate: bool = True
-    norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm (K3-HF default; spec §10.2)
+    norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm (K3-HF default; docs/model.md §10.2)
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
@@ -188,7 +188,7 @@ class K3Config:
         return self.moe.latent_dim or self.hidden_size
 
     def block_starts(self) -> tuple[int, ...]:
-        """Layers that write the running partial sum into the AttnRes bank (spec §4.2 step 2)."""
+        """Layers that write the running partial sum into the AttnRes bank (docs/model.md §4.2 step 2)."""
         if self.attn_res is None:
             return ()
         return tuple(range(0, self.num_layers, self.attn_res.block_size))

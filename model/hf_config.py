@@ -2,7 +2,7 @@
 
 The layer schedule comes from the config's own lists (`linear_attn_config.kda_layers` /
 `full_attn_layers`, 1-based; `first_k_dense_replace`, `moe_layer_freq`), never from a fixed pattern.
-Spec: ../shared/spec/k3-architecture.md §1.
+Architecture: docs/model.md §1.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention layer (spec §2.2; Kimi Linear, arXiv 2510.26692).
+"""Kimi Delta Attention layer (docs/model.md §2.2; Kimi Linear, arXiv 2510.26692).
 
 - q/k/v: Linear -> depthwise causal conv (kernel 4, no bias) -> SiLU; the three convs run as one
   grouped conv over the concatenated channels, with one conv state `[B, 3P, W-1]` (the last W-1

@@ -33,7 +33,7 @@ def linear(d_in: int, d_out: int) -> nn.Linear:
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x), up(x))): dense layer-0 FFN and the merged shared experts (spec §5.1 step 9)."""
+    """down(act(gate(x), up(x))): dense layer-0 FFN and the merged shared experts (docs/model.md §5.1 step 9)."""
 
     def __init__(self, cfg: K3Config, dim: int, intermediate: int) -> None:
         super().__init__()

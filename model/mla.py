@@ -1,4 +1,4 @@
-"""Gated Multi-head Latent Attention with no positional encoding (spec §3; DeepSeek-V2/V3 MLA).
+"""Gated Multi-head Latent Attention with no positional encoding (docs/model.md §3; DeepSeek-V2/V3 MLA).
 
 - Query: q_a_proj -> RMSNorm -> q_b_proj (or a direct q_proj when q_lora_rank is None).
 - KV: kv_a_proj_with_mqa -> [c_KV (kv_lora_rank) | k_extra (rope dim)]; only c_KV is normalised.

@@ -1,4 +1,4 @@
-"""Stable LatentMoE (spec §5.1; LatentMoE arXiv 2601.18089) and the plain MoE of Kimi Linear.
+"""Stable LatentMoE (docs/model.md §5.1; LatentMoE arXiv 2601.18089) and the plain MoE of Kimi Linear.
 
 Axes: N tokens, d model width, L expert width (latent, or d), E experts, I expert intermediate.
 - Router on the full-width x (fp32, sigmoid), top-k on scores + e_score_correction_bias, weights

@@ -5,7 +5,7 @@
 - MLA layer i:  `past_key_values.{i}.latent` [batch, past_seq, kv_lora + rope] (model dtype)
                 ->  `present.{i}.latent` [batch, past_seq + seq, ...]
 A flat list in layer order (conv before recurrent) is what the model's forward takes and returns.
-AttnRes needs no cross-token state (spec §4.3).
+AttnRes needs no cross-token state (docs/model.md §4.3).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Built on the meta device, so the full 2.78T `k3` is summarised in about a second with no weights.
 Active parameters = everything except the routed experts a token does not visit
-(per MoE layer, (E - top_k) experts); the input embedding is reported both ways (spec §7).
+(per MoE layer, (E - top_k) experts); the input embedding is reported both ways (docs/model.md §7).
 """
 
 from __future__ import annotations

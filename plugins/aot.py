@@ -2,7 +2,7 @@
 the bytes a plugin serialises into the engine, and launch them through the CUDA driver (ctypes `libcuda`,
 no Triton, no torch) at run time.
 
-`triton.compile(ASTSource(...), target=GPUTarget("cuda", sm, 32))` works on a CPU-only machine (spec §8).
+`triton.compile(ASTSource(...), target=GPUTarget("cuda", sm, 32))` works on a CPU-only machine (docs/model.md §8).
 Specialised arguments (`Launch.constexprs` naming a non-constexpr parameter, e.g. KDA's `scale`) are baked
 into the code. Like Triton's JIT, every pointer and every int32 the plan declares a multiple of 16
 (`Launch.divisible`) is compiled with `tt.divisibility=16` (without it loads are not vectorised, `cp.async`

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install TensorRT-RTX 1.7.1 (CPU-capable engine builder) into a venv and create the unversioned-library
-# symlink its ONNX parser dlopens for plugin nodes (spec §8). Prints the LD_LIBRARY_PATH to export; it must
+# symlink its ONNX parser dlopens for plugin nodes (docs/model.md §8). Prints the LD_LIBRARY_PATH to export; it must
 # be set before Python starts (setting it inside the process does not work).
 #   usage: scripts/setup_trt_rtx.sh [VENV_DIR] [WHEEL_DIR]   (defaults: .venv, pip's index)
 #   then:  export LD_LIBRARY_PATH="$(scripts/setup_trt_rtx.sh --print-only):$LD_LIBRARY_PATH"

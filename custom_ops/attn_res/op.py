@@ -1,7 +1,7 @@
 """`k3::attn_res` — schema, fake impl, shape rule, limits and the kernel dispatch. Torch-only; Triton is imported lazily.
 
     k3::attn_res(prefix [..., d], bank [..., N, d], norm_weight [d], proj_weight [d], eps, kernels) -> [..., d]
-Same contract as `reference.attn_res` (spec §4.2): RMSNorm-score-softmax-mix over N + 1 sources.
+Same contract as `reference.attn_res` (docs/model.md §4.2): RMSNorm-score-softmax-mix over N + 1 sources.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Block Attention Residuals mixer, the eager fp32 oracle (spec §4.2). Torch-only.
+"""Block Attention Residuals mixer, the eager fp32 oracle (docs/model.md §4.2). Torch-only.
 
     prefix       [..., d]      the running partial block sum (the last, "current" source)
     bank         [..., N, d]   completed block representations b_0 .. b_{N-1} (N >= 1)

@@ -1,6 +1,6 @@
 """Block Attention Residuals mixer, Triton kernel, its launch plan and launcher. Never imports `reference.py`.
 
-Same contract as `reference.attn_res` (spec §4.2):
+Same contract as `reference.attn_res` (docs/model.md §4.2):
     prefix [..., d], bank [..., N, d] (N >= 1, N + 1 <= 16 sources), norm_weight [d], proj_weight [d]
     -> [..., d] in prefix's dtype.
 

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention, the eager fp32 oracle (spec §2.1, §2.4). Torch-only; never imports a kernel.
+"""Kimi Delta Attention, the eager fp32 oracle (docs/model.md §2.1, §2.4). Torch-only; never imports a kernel.
 
 Contract (= fla's naive functions):
     q, k  [B, T, H, K]   already L2-normalised (no norm inside)
@@ -101,7 +101,7 @@ def kda_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale:
 
 
 def kda_gate(f: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float | None) -> Tensor:
-    """Decay-gate activation (spec §2.2 step 4). f [..., H, D]; A_log [H]; dt_bias [H*D]. fp32 out.
+    """Decay-gate activation (docs/model.md §2.2 step 4). f [..., H, D]; A_log [H]; dt_bias [H*D]. fp32 out.
 
     lower_bound set (K3 safe gate): g = lb * sigmoid(exp(A_log) * (f + dt_bias)), in (lb, 0).
     lower_bound None (Kimi Linear):  g = -exp(A_log) * softplus(f + dt_bias).

@@ -6,7 +6,7 @@ Same functions and contract as `reference.py`:
     initial_state [B, H, K, V] fp32 (zeros when None).  Returns (o [B, T, H, V] in v's dtype,
     final_state [B, H, K, V] fp32).  Any T >= 1, any H; 16 <= K, V <= 256 for the chunked path.
 
-Chunked prefill (spec §2.4), two kernels:
+Chunked prefill (docs/model.md §2.4), two kernels:
   1. `_kda_intra_kernel`, grid (NT, B*H), one 64-token chunk split into four 16-token sub-chunks.
      Within-chunk cumulative decay Γ by `tl.cumsum`.  Score blocks A[r, c] = Σ_d x_r k_c e^{Γ_r − Γ_c}
      (x = k for L, x = q for A^qk) are dense `tl.dot`s after factorising e^{Γ_r − Γ_c} =
@@ -26,7 +26,7 @@ Chunked prefill (spec §2.4), two kernels:
 Matmul operands are bf16 (fp32 accumulation) when the inputs are bf16, as in fla; otherwise fp32 with
 input_precision="ieee" (exact-ish, slow: for tests and fp16/fp32 callers).
 
-Recurrent decode (spec §2.1): `_kda_recurrent_kernel`, grid (V/BV, B*H), the [K, BV] state slice in
+Recurrent decode (docs/model.md §2.1): `_kda_recurrent_kernel`, grid (V/BV, B*H), the [K, BV] state slice in
 registers, token loop inside.  `kda_recurrent_` updates a state buffer in place (decode step).
 `kda` picks recurrent for T <= RECURRENT_MAX_T, chunked above.
 

@@ -3,7 +3,7 @@
     k3::moe(x [N, d], z [N, L], gate_weight [E, d], gate_bias [E], w1 [E, I, L], w3 [E, I, L],
             w2 [E, L, I], top_k, routed_scaling_factor, renormalize, activation, situ_beta,
             situ_linear_beta, kernels) -> u [N, L]
-Same contract as `reference.moe` (spec §5.1 steps 1–6): routing, experts, weighted sum.
+Same contract as `reference.moe` (docs/model.md §5.1 steps 1–6): routing, experts, weighted sum.
 """
 
 from __future__ import annotations

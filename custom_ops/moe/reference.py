@@ -1,4 +1,4 @@
-"""Routed (latent) MoE, the eager fp32 oracle (spec §5.1–5.2). Torch-only.
+"""Routed (latent) MoE, the eager fp32 oracle (docs/model.md §5.1–5.2). Torch-only.
 
 Axes: N tokens, d model width, L expert width (latent 3584 in K3, = d without latent), E experts,
 I expert intermediate, k = top_k.

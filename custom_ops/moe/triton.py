@@ -2,7 +2,7 @@
 
 Axes: N tokens, d router width, L expert width, E experts, I expert intermediate, k = top_k,
 NK = N·k (token, slot) pairs, P = padded pair rows, BM = rows per GEMM block.
-Same contract as `reference.route` / `reference.moe` (spec §5.1–5.2).
+Same contract as `reference.route` / `reference.moe` (docs/model.md §5.1–5.2).
 
 Pipeline of `moe`:
   1. `route`: `_router_kernel` (scores s = sigmoid(x W_rᵀ), fp32 accumulation; 16-bit operands go to

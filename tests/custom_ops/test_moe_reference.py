@@ -1,4 +1,4 @@
-"""MoE reference against a per-token loop of spec §5.1 (routing, SiTU-GLU experts, weighted sum)."""
+"""MoE reference against a per-token loop of docs/model.md §5.1 (routing, SiTU-GLU experts, weighted sum)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""ONNX export of k3-mini: checker, DESIGN.md I/O names and dim_params, k3 nodes and attributes, flavors,
+"""ONNX export of k3-mini: checker, GenAI-style I/O names and dim_params, k3 nodes and attributes, flavors,
 byte-identical re-export, weightless (meta-device) export, shared external data."""
 
 from __future__ import annotations
@@ -55,6 +55,24 @@ def test_io_names_dims_and_k3_nodes():
                 assert (attrs["top_k"], attrs["num_experts"], attrs["activation"]) == (2, 8, b"situ")
         functions = sorted(f.name for f in model.functions if f.domain == "k3")
         assert functions == ([] if flavor == "trt" else ["AttnRes", "KDA", "MoE"])
+
+
+def test_node_names_map_back_to_the_model():
+    """Main-graph nodes are named after the module they came from; function-body nodes after their op and
+    step, so an ONNX Runtime profile or a Netron view reads /model/layers.1/block_sparse_moe/MoE."""
+    model = onnx.load(str(mini_export().folder / FLAVOR_FILES["ort"]))
+    names = [n.name for n in model.graph.node]
+    assert len(set(names)) == len(names) and all(n.startswith("/") for n in names)
+    k3 = {n.name for n in model.graph.node if n.domain == "k3"}
+    for i in CFG.kda_layers:
+        assert f"/model/layers.{i}/self_attn/KDA" in k3
+    for i in CFG.moe_layers:
+        assert f"/model/layers.{i}/block_sparse_moe/MoE" in k3
+    assert "/model/layers.0/AttnRes" in k3
+    for f in model.functions:
+        assert all(n.name.startswith(f"{f.name}/") for n in f.node), f.name
+    moe = next(f for f in model.functions if f.name == "MoE")
+    assert {n.name.split("/")[1] for n in moe.node} >= {"route", "segment", "experts"}
 
 
 def test_reexport_is_byte_identical(tmp_path):

@@ -1,7 +1,7 @@
 """exporter/trace.py: one torch.export program per config, custom ops as single nodes, `.pt2` round trips.
 
 - k3-mini (real weights), kimi-linear-48b and the full 93-layer k3 (meta device) have exact k3 op counts,
-  no MLA custom op, and (k3) the parameter shapes of spec §11.
+  no MLA custom op, and (k3) the parameter shapes of docs/model.md §11.
 - A `.pt2` loads in a fresh process that only imports k3x and matches eager for a prefill (past_seq = 0)
   and a decode step (seq = 1) through the one program. (Weightless `.pt2` + `with_weights`:
   test_export_cli.py.)
@@ -65,7 +65,7 @@ def test_k3_on_meta_op_counts(k3_ep):
     assert {t.device.type for t in k3_ep.state_dict.values()} == {"meta"}
 
 
-# spec/k3-architecture.md §11, `[out, in]`
+# docs/model.md §11, `[out, in]`
 K3_SHAPES = {
     "model.embed_tokens.weight": [163840, 7168], "lm_head.weight": [163840, 7168], "model.norm.weight": [7168],
     "model.output_attn_res_norm.weight": [7168], "model.output_attn_res_proj.weight": [1, 7168],

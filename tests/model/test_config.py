@@ -44,7 +44,7 @@ def test_hf_round_trip(tmp_path, name):
 
 
 def k3_config_json() -> dict:
-    """The published K3 config.json fields k3x reads (spec §1.1), as Hugging Face ships them."""
+    """The published K3 config.json fields k3x reads (docs/model.md §1.1), as Hugging Face ships them."""
     full = [4 * i for i in range(1, 24)] + [93]
     return {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
             "vision_config": {"model_type": "moonvit"},

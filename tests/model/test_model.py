@@ -1,4 +1,4 @@
-"""The model: prefill + decode == one forward; Kimi-Linear variant; spec §11 names and shapes."""
+"""The model: prefill + decode == one forward; Kimi-Linear variant; docs/model.md §11 names and shapes."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def test_state_shapes_names_and_precision_plan():
 
 def test_k3_parameter_names_and_shapes_match_spec():
     sd = build_model(preset("k3"), device="meta", seed=None).state_dict()
-    spec = {  # spec §11
+    spec = {  # docs/model.md §11
         "model.embed_tokens.weight": (163840, 7168), "lm_head.weight": (163840, 7168),
         "model.norm.weight": (7168,), "model.output_attn_res_proj.weight": (1, 7168),
         "model.layers.0.self_attn.q_proj.weight": (12288, 7168),

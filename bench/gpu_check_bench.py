@@ -1,0 +1,135 @@
+"""Kernel benchmarks of bench/gpu_check.py, side by side with the anchors (copy and GEMM ceilings, KDA
+prefill/decode vs fla, AttnRes vs the copy ceiling, MoE grouped GEMMs vs torch._grouped_mm); appended to its
+`CHECKS`. Helpers (Result, _bench, _fla, _kda_inputs) come from the running gpu_check module."""
+
+from __future__ import annotations
+
+import sys
+
+
+def bench_ceilings(ctx) -> list:
+    gc = sys.modules[type(ctx).__module__]  # bench/gpu_check.py, run as __main__ or imported
+    if not ctx.bench:
+        return []
+    import torch
+
+    src = torch.empty(2 ** 29, dtype=torch.bfloat16, device="cuda").normal_()  # 1 GiB
+    dst = torch.empty_like(src)
+    t_copy = gc._bench(lambda: dst.copy_(src))
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t_mm = gc._bench(lambda: a @ b)
+    ctx.copy_tbps = 2 * 2 ** 30 / t_copy / 1e9
+    return [gc.Result("copy 1 GiB d2d", "bench", None, {"ms": t_copy, "TB/s": ctx.copy_tbps}),
+            gc.Result("bf16 GEMM 8192^3", "bench", None, {"ms": t_mm, "TFLOP/s": 2 * 8192 ** 3 / t_mm / 1e9})]
+
+
+def bench_kda(ctx) -> list:
+    gc = sys.modules[type(ctx).__module__]  # bench/gpu_check.py, run as __main__ or imported
+    if not ctx.bench:
+        return []
+    import torch
+
+    from k3x.custom_ops.kda import triton as kern
+
+    fla, note = gc._fla()
+    out = []
+    for H in (64, 96):
+        for T in (4096, 32768):
+            if ctx.time_left() < 60:
+                return out + [gc.Result("kda prefill", "info", None, note="skipped: time budget")]
+            q, k, v, g, beta, h0 = gc._kda_inputs(1, T, H, 128, 128, torch.bfloat16, "cuda")
+            m = {"ours_ms": gc._bench(lambda: kern.kda_chunked(q, k, v, g, beta, initial_state=h0))}
+            if fla is not None:
+                common = dict(initial_state=h0, output_final_state=True, safe_gate=True, lower_bound=-5.0)
+                m["fla_l2norm_ms"] = gc._bench(lambda: fla[0](q, k, v, g, beta, use_qk_l2norm_in_kernel=True, **common))
+                m["fla_ms"] = gc._bench(lambda: fla[0](q, k, v, g, beta, **common))
+                m["speedup_vs_fla"] = m["fla_ms"] / m["ours_ms"]
+                m["speedup_vs_fla_l2norm"] = m["fla_l2norm_ms"] / m["ours_ms"]
+            m["Mtok/s"] = T / m["ours_ms"] / 1e3
+            out.append(gc.Result(f"kda prefill B1-T{T}-H{H}", "bench", None, m, note))
+            del q, k, v, g, beta, h0
+    for B in (1, 64):
+        q, k, v, g, beta, h0 = gc._kda_inputs(B, 1, 96, 128, 128, torch.bfloat16, "cuda")
+        state = h0.clone()
+        m = {"ours_ms": gc._bench(lambda: kern.kda_recurrent_(q, k, v, g, beta, state))}
+        nbytes = 2 * h0.numel() * 4
+        m["state_TB/s"] = nbytes / m["ours_ms"] / 1e9
+        if ctx.copy_tbps:
+            m["frac_of_copy"] = m["state_TB/s"] / ctx.copy_tbps
+        if fla is not None:
+            m["fla_ms"] = gc._bench(lambda: fla[1](q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                use_qk_l2norm_in_kernel=True))
+        out.append(gc.Result(f"kda decode B{B}-H96", "bench", None, m, note))
+    return out
+
+
+def bench_attn_res(ctx) -> list:
+    gc = sys.modules[type(ctx).__module__]  # bench/gpu_check.py, run as __main__ or imported
+    if not ctx.bench:
+        return []
+    import torch
+
+    from k3x.custom_ops.attn_res import triton as kern
+
+    out = []
+    for R, N in ((8192, 8), (8192, 1)):
+        d = 7168
+        prefix = torch.randn(R, d, device="cuda", dtype=torch.bfloat16)
+        bank = torch.randn(R, N, d, device="cuda", dtype=torch.bfloat16)
+        nw, pw = torch.ones(d, device="cuda"), torch.randn(d, device="cuda") * 0.02
+        ms = gc._bench(lambda: kern.attn_res(prefix, bank, nw, pw, 1e-5))
+        tbps = (N + 2) * R * d * 2 / ms / 1e9
+        m = {"ms": ms, "TB/s": tbps}
+        if ctx.copy_tbps:
+            m["frac_of_copy"] = tbps / ctx.copy_tbps
+        out.append(gc.Result(f"attn_res R{R}-N{N}-d{d}", "bench", None, m))
+    return out
+
+
+def bench_moe(ctx) -> list:
+    gc = sys.modules[type(ctx).__module__]  # bench/gpu_check.py, run as __main__ or imported
+    if not ctx.bench or ctx.time_left() < 60:
+        return [] if not ctx.bench else [gc.Result("moe", "info", None, note="skipped: time budget")]
+    import torch
+
+    from k3x.custom_ops.moe import triton as kern
+
+    N, k, E, L, I = 8192, 16, 896, 3584, 3072  # K3: 131072 pairs over 896 experts (~146 rows each)
+    dev, bf = "cuda", torch.bfloat16
+    z = torch.randn(N, L, device=dev, dtype=bf)
+    w1, w3 = (torch.empty(E, I, L, device=dev, dtype=bf).normal_(std=L ** -0.5) for _ in range(2))
+    w2 = torch.empty(E, L, I, device=dev, dtype=bf).normal_(std=I ** -0.5)
+    ids = torch.rand(N, E, device=dev).topk(k, dim=-1).indices  # ~uniform load
+    wts = torch.rand(N, k, device=dev)
+    cfg = kern.moe_launch_config(N, k, E, L, I)
+    sp, be = kern.moe_align(ids, E, cfg["BM"], cfg["P"])
+    h = kern.moe_gemm1(z, w1, w3, sp, be, k, cfg, "situ", 4.0, 25.0)
+    NK = N * k
+    m = {"gemm1_ms": gc._bench(lambda: kern.moe_gemm1(z, w1, w3, sp, be, k, cfg, "situ", 4.0, 25.0)),
+         "gemm2_ms": gc._bench(lambda: kern.moe_gemm2(h, w2, sp, be, wts, cfg)),
+         "experts_op_ms": gc._bench(lambda: kern.moe_experts(z, ids, wts, w1, w3, w2, "situ", 4.0, 25.0))}
+    m["gemm1_TFLOP/s"] = 2 * NK * L * 2 * I / m["gemm1_ms"] / 1e9
+    m["gemm2_TFLOP/s"] = 2 * NK * I * L / m["gemm2_ms"] / 1e9
+    m["gemms_TFLOP/s"] = 2 * NK * L * 3 * I / (m["gemm1_ms"] + m["gemm2_ms"]) / 1e9
+    m["op_over_gemms"] = m["experts_op_ms"] / (m["gemm1_ms"] + m["gemm2_ms"])
+    note = ""
+    if hasattr(torch, "_grouped_mm"):
+        try:
+            order = ids.reshape(-1).argsort()
+            a = z[(order // k)]  # [NK, L] rows grouped by expert
+            offs = torch.bincount(ids.reshape(-1), minlength=E).cumsum(0).to(torch.int32)
+            t_up = gc._bench(lambda: torch._grouped_mm(a, w1.transpose(1, 2), offs=offs))  # one of gate/up
+            a2 = torch.randn(N * k, I, device=dev, dtype=bf)
+            t_dn = gc._bench(lambda: torch._grouped_mm(a2, w2.transpose(1, 2), offs=offs))
+            m["grouped_mm_gate_up_ms"] = 2 * t_up  # gate and up as two calls of the same size
+            m["grouped_mm_down_ms"] = t_dn
+            m["grouped_mm_TFLOP/s"] = 2 * NK * L * 3 * I / (2 * t_up + t_dn) / 1e9
+        except Exception as exc:
+            note = f"torch._grouped_mm failed: {type(exc).__name__}: {exc}"
+    else:
+        note = "torch._grouped_mm not available"
+    return [gc.Result(f"moe experts N{N}-k{k}-E{E}-L{L}-I{I}", "bench", None, m, note)]
+
+
+BENCHMARKS = [bench_ceilings, bench_kda, bench_attn_res, bench_moe]

@@ -1,0 +1,95 @@
+"""Layout guards (docs/architecture.md): every op family has every role; reference and kernels never import
+each other; no module outside custom_ops/ names a family (the model definition and benchmarks excepted);
+no non-kernel source file passes 400 lines; nothing points outside the repository."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from k3x.custom_ops.registry import FAMILIES
+
+ROOT = Path(__file__).resolve().parents[1]
+ROLES = ("__init__.py", "op.py", "reference.py", "triton.py", "onnx.py", "plugin.py")
+MAX_LINES = 400
+KERNEL_FILES = {f"custom_ops/{f}/triton.py" for f in FAMILIES}
+
+
+def sources() -> list[Path]:
+    skip = {".venv", ".git", "tests", "build", "runs", "docs"}
+    return sorted(p for p in ROOT.rglob("*.py") if not skip & set(p.relative_to(ROOT).parts[:1]))
+
+
+def family_words() -> re.Pattern:
+    from k3x.custom_ops.registry import families
+
+    names = set(FAMILIES) | {f.onnx.NODE.op_type for f in families()}
+    return re.compile(r"\b(" + "|".join(sorted(names)) + r")\b", re.I)
+
+
+def code_tokens(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every identifier, attribute and string constant that is not a docstring."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                  if isinstance(n, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.body
+                  and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    out = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name):
+            out.append((n.lineno, n.id))
+        elif isinstance(n, ast.Attribute):
+            out.append((n.lineno, n.attr))
+        elif isinstance(n, ast.alias):
+            out.append((getattr(n, "lineno", 0), n.name))
+        elif isinstance(n, ast.arg):
+            out.append((n.lineno, n.arg))
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings:
+            out.append((n.lineno, n.value))
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_has_every_role(family):
+    folder = ROOT / "custom_ops" / family
+    missing = [r for r in ROLES if not (folder / r).is_file()]
+    assert not missing, f"custom_ops/{family} lacks {missing} (docs/architecture.md, 'Adding an op family')"
+    for a, b in (("reference.py", "triton"), ("triton.py", "reference")):
+        imports = [t for _, t in code_tokens(folder / a) if t == b or t.endswith(f".{b}")]
+        assert not imports, f"custom_ops/{family}/{a} imports {b}"
+
+
+def test_no_module_outside_custom_ops_names_a_family():
+    """exporter/, plugins/, cli.py and the other top-level modules iterate the registry instead."""
+    words = family_words()
+    exempt = ("custom_ops", "model", "bench")  # the ops themselves, the model definition, per-kernel benchmarks
+    hits = [f"{p.relative_to(ROOT)}:{line}: {text!r}" for p in sources()
+            if p.relative_to(ROOT).parts[0] not in exempt for line, text in code_tokens(p) if words.search(text)]
+    assert not hits, "modules outside custom_ops/ name an op family:\n" + "\n".join(hits)
+
+
+def test_the_guard_sees_a_family_name():
+    """The scan above can fail: a module naming `k3::kda` in code is caught."""
+    src = ROOT / "tests" / "_probe.py"
+    try:
+        src.write_text('"""doc mentions kda freely."""\nOP = "k3::kda"\n')
+        assert [t for _, t in code_tokens(src) if family_words().search(t)] == ["k3::kda"]
+    finally:
+        src.unlink()
+
+
+def test_non_kernel_files_stay_small():
+    big = [f"{p.relative_to(ROOT)}: {n} lines" for p in sources()
+           if str(p.relative_to(ROOT)) not in KERNEL_FILES and (n := len(p.read_text().splitlines())) > MAX_LINES]
+    assert not big, f"non-kernel files over {MAX_LINES} lines (split them by concern):\n" + "\n".join(big)
+
+
+def test_nothing_points_outside_the_repository():
+    pattern = re.compile(r"\.\./shared|/work/|spec/k3-architecture|export-toolchain\.md|DESIGN\.md")
+    files = [p for p in ROOT.rglob("*") if p.suffix in (".py", ".md", ".sh", ".toml") and p.is_file()
+             and not {".venv", ".git"} & set(p.relative_to(ROOT).parts)]
+    hits = [f"{p.relative_to(ROOT)}:{i}" for p in files for i, line in enumerate(p.read_text().splitlines(), 1)
+            if pattern.search(line) and p.name != "test_layout.py"]
+    assert not hits, "references outside the repository:\n" + "\n".join(hits)
