@@ -9,6 +9,7 @@ Names: the model's own parameter names, except stacked experts: `...experts.{e}.
 compressed-tensors MXFP4 pair `weight_packed` + `weight_scale`, dequantised on load) fills row e of
 `...experts.w1`. `A_log` may be stored longer than the head count (K3 stores 128 for 96 heads) or as
 `[1, 1, H, 1]` (Kimi Linear): the first H values are used. A `language_model.` prefix is stripped; vision-tower tensors are ignored.
+Names as transformers 5 writes them are renamed at load (`hf_transformers.WEIGHT_RENAMES`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from safetensors.torch import save_file
 from . import mxfp4
 from .config import ConfigError, K3Config
 from .hf_config import config_to_hf
+from .hf_transformers import rename_weight
 from .init import build_model
 from .model import K3ForCausalLM
 
@@ -52,7 +54,7 @@ class _Slot:
 def _canonical(name: str) -> str | None:
     if name.startswith("language_model."):
         name = name[len("language_model."):]
-    return None if name.startswith(IGNORED_PREFIXES) else name
+    return None if name.startswith(IGNORED_PREFIXES) else rename_weight(name)
 
 
 def _slot(name: str) -> _Slot:
@@ -132,6 +134,9 @@ def _validate(cfg: K3Config, files: dict[str, Path]) -> dict[str, tuple[str, Pat
             s.part, _FLOAT_DTYPES)
         if dtype not in want_dtype:
             problems.append(f"{stored!r} in {f.name}: dtype {dtype}, expected one of {sorted(want_dtype)}")
+        if name in plan:
+            problems.append(f"{stored!r} in {f.name} and {plan[name][0]!r} in {plan[name][1].name} "
+                            f"both fill {name!r}")
         covered[s.param].add((s.expert, s.part))
         plan[name] = (stored, f)
     E = cfg.moe.num_experts
