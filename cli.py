@@ -61,6 +61,25 @@ def config_or_fail(preset_name: str | None, checkpoint: Path | None):
         fail(str(e))
 
 
+# sampling flags shared by `generate` and `run` (model/sampling.py)
+MaxNewTokens = Annotated[int, typer.Option(min=1, help="Most tokens to generate (stops earlier on EOS).")]
+Temperature = Annotated[float, typer.Option(min=0.0, help="0 = greedy (default); > 0 samples at this temperature.")]
+TopK = Annotated[int, typer.Option(min=0, help="Sample among the k most likely tokens (0 = off).")]
+TopP = Annotated[float, typer.Option(help="Sample among the smallest set of tokens whose probability sum reaches "
+                                          "this (1 = off).")]
+Seed = Annotated[Optional[int], typer.Option(help="Seed of the sampler (default: random).")]
+
+
+def sampling_or_fail(max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None,
+                     eos_token_ids: tuple[int, ...] = ()):
+    from .model.sampling import SamplingOptions
+
+    try:
+        return SamplingOptions(max_new_tokens, temperature, top_k, top_p, seed, eos_token_ids)
+    except ValueError as e:
+        fail(f"sampling: {e}")
+
+
 @app.command("init-checkpoint")
 def init_checkpoint(
     preset: Annotated[str, typer.Option(help="Preset to instantiate (k3-mini, k3-bench, ...).")] = "k3-mini",
@@ -99,17 +118,22 @@ def inspect(
 def generate(
     checkpoint: Annotated[Path, typer.Option(help="Checkpoint folder.")],
     prompt_ids: Annotated[str, typer.Option(help="Comma-separated prompt token ids.")] = "1,2,3",
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate.")] = 16,
+    max_new_tokens: MaxNewTokens = 16,
+    temperature: Temperature = 0.0,
+    top_k: TopK = 0,
+    top_p: TopP = 1.0,
+    seed: Seed = None,
 ) -> None:
-    """Greedy decoding with the eager PyTorch model (prefill, then decode steps carrying state)."""
+    """Decode with the eager PyTorch model (prefill, then decode steps carrying state); greedy by default."""
     import torch
 
-    from .model.generate import greedy_generate
+    from .model.generate import generate as eager_generate
 
+    options = sampling_or_fail(max_new_tokens, temperature, top_k, top_p, seed)
     model = load_model_or_fail(checkpoint)
     ids = torch.tensor([parse_ids(prompt_ids, "--prompt-ids")])
     try:
-        g = greedy_generate(model, ids, max_new_tokens)
+        g = eager_generate(model, ids, options)
     except ValueError as e:
         fail(f"--prompt-ids: {e}")
     typer.echo("tokens: " + ",".join(str(t) for t in g.tokens[0].tolist()))
@@ -244,15 +268,20 @@ def run(
     export_dir: Annotated[Path, typer.Argument(help="Export folder (k3x export).")],
     backend: Annotated[str, typer.Option(help="Runner: ort, pt2, aoti, trt or eager.")] = "ort",
     prompt_ids: Annotated[str, typer.Option(help="Comma-separated prompt token ids.")] = "1,2,3",
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate.")] = 16,
+    max_new_tokens: MaxNewTokens = 16,
+    temperature: Temperature = 0.0,
+    top_k: TopK = 0,
+    top_p: TopP = 1.0,
+    seed: Seed = None,
     provider: Annotated[str, typer.Option(help="ONNX Runtime provider: auto (CUDA if it initialises), cuda, cpu.")
                         ] = "auto",
 ) -> None:
-    """Greedy decoding with an exported artifact: prefill, then decode steps carrying state."""
+    """Decode with an exported artifact: prefill, then decode steps carrying state; greedy by default."""
     import torch
 
-    from .exporter.runners import RunnerError, RunnerOptions, greedy_decode, make_runner
+    from .exporter.runners import RunnerError, RunnerOptions, generate as run_generate, make_runner
 
+    options = sampling_or_fail(max_new_tokens, temperature, top_k, top_p, seed)
     ids = parse_ids(prompt_ids, "--prompt-ids")
     folder = _export_folder(export_dir)
     cfg = folder.config()
@@ -260,16 +289,14 @@ def run(
         fail(f"--prompt-ids: ids must be in [0, {cfg.vocab_size}) for {cfg.name}")
     try:
         runner = make_runner(backend, export_dir, RunnerOptions(provider=provider))
-        tokens, prefill_s, decode_s = greedy_decode(runner, cfg, torch.tensor([ids]), max_new_tokens,
-                                                    dtype=folder.dtype())
+        g = run_generate(runner, cfg, torch.tensor([ids]), options, dtype=folder.dtype())
     except RunnerError as e:
         fail(str(e))
     where = f" on {runner.provider}" if hasattr(runner, "provider") else ""
-    steps = max_new_tokens - 1
     typer.echo(f"backend {backend}{where}")
-    typer.echo("tokens: " + ",".join(str(t) for t in tokens[0].tolist()))
-    rate = f"{steps / decode_s:.1f} tokens/s" if steps and decode_s > 0 else "n/a"
-    typer.echo(f"prefill {prefill_s * 1e3:.1f} ms ({len(ids) / prefill_s:.1f} tokens/s); decode {rate}")
+    typer.echo("tokens: " + ",".join(str(t) for t in g.tokens[0].tolist()))
+    rate = f"{g.decode_tokens_per_s:.1f} tokens/s" if g.tokens.shape[1] > 1 and g.decode_s > 0 else "n/a"
+    typer.echo(f"prefill {g.prefill_s * 1e3:.1f} ms ({len(ids) / g.prefill_s:.1f} tokens/s); decode {rate}")
 
 
 def _export_folder(export_dir: Path):

@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 
 from k3x.cli import app
 from k3x.model.checkpoint import load_checkpoint
-from k3x.model.generate import full_logits, greedy_generate
+from k3x.model.generate import full_logits, generate
+from k3x.model.sampling import SamplingOptions
 
 runner = CliRunner()
 
@@ -61,8 +62,23 @@ def test_generate_matches_library(ckpt):
     r = runner.invoke(app, ["generate", "--checkpoint", str(ckpt), "--prompt-ids", "1,2,3", "--max-new-tokens", "5"])
     assert r.exit_code == 0, r.output
     tokens = [int(t) for t in r.output.split("tokens: ")[1].split()[0].split(",")]
-    expect = greedy_generate(load_checkpoint(ckpt), torch.tensor([[1, 2, 3]]), 5).tokens[0].tolist()
-    assert tokens == expect and "tokens/s" in r.output
+    expect = generate(load_checkpoint(ckpt), torch.tensor([[1, 2, 3]]), SamplingOptions(max_new_tokens=5)).tokens
+    assert tokens == expect[0].tolist() and "tokens/s" in r.output
+
+
+def test_generate_sampling_flags(ckpt):
+    def tokens(*flags: str) -> list[int]:
+        r = runner.invoke(app, ["generate", "--checkpoint", str(ckpt), "--prompt-ids", "1,2,3", "--max-new-tokens",
+                                "8", *flags])
+        assert r.exit_code == 0, r.output
+        return [int(t) for t in r.output.split("tokens: ")[1].split()[0].split(",")]
+
+    sampled = tokens("--temperature", "1.5", "--top-p", "0.9", "--seed", "4")
+    assert sampled == tokens("--temperature", "1.5", "--top-p", "0.9", "--seed", "4")
+    opts = SamplingOptions(max_new_tokens=8, temperature=1.5, top_p=0.9, seed=4)
+    assert sampled == generate(load_checkpoint(ckpt), torch.tensor([[1, 2, 3]]), opts).tokens[0].tolist()
+    r = runner.invoke(app, ["generate", "--checkpoint", str(ckpt), "--top-k", "5"])
+    assert r.exit_code == 1 and "give temperature > 0" in r.output
 
 
 def test_logits_file_and_batch(ckpt, tmp_path):
