@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from .cli_decode import Chat, MaxNewTokens, PromptIds, PromptText, Seed, Temperature, TopK, TopP
 from .exporter.export import DType, Target
 
 app = typer.Typer(
@@ -61,42 +62,28 @@ def config_or_fail(preset_name: str | None, checkpoint: Path | None):
         fail(str(e))
 
 
-# sampling flags shared by `generate` and `run` (model/sampling.py)
-MaxNewTokens = Annotated[int, typer.Option(min=1, help="Most tokens to generate (stops earlier on EOS).")]
-Temperature = Annotated[float, typer.Option(min=0.0, help="0 = greedy (default); > 0 samples at this temperature.")]
-TopK = Annotated[int, typer.Option(min=0, help="Sample among the k most likely tokens (0 = off).")]
-TopP = Annotated[float, typer.Option(help="Sample among the smallest set of tokens whose probability sum reaches "
-                                          "this (1 = off).")]
-Seed = Annotated[Optional[int], typer.Option(help="Seed of the sampler (default: random).")]
-
-
-def sampling_or_fail(max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None,
-                     eos_token_ids: tuple[int, ...] = ()):
-    from .model.sampling import SamplingOptions
-
-    try:
-        return SamplingOptions(max_new_tokens, temperature, top_k, top_p, seed, eos_token_ids)
-    except ValueError as e:
-        fail(f"sampling: {e}")
-
-
 @app.command("init-checkpoint")
 def init_checkpoint(
     preset: Annotated[str, typer.Option(help="Preset to instantiate (k3-mini, k3-bench, ...).")] = "k3-mini",
     out: Annotated[Path, typer.Option(help="Folder to create (must not exist or be empty).")] = Path("k3-mini-ckpt"),
     seed: Annotated[int, typer.Option(help="Random seed of the weights.")] = 0,
     expert_format: Annotated[str, typer.Option(help="mxfp4 (as the real K3 checkpoint) or dense.")] = "mxfp4",
+    tokenizer: Annotated[bool, typer.Option(help="Also write a small byte-level BPE tokenizer trained at init "
+                                                 "(text in and out with --prompt).")] = True,
 ) -> None:
     """Write a random-weight checkpoint in the real Hugging Face format (config.json + safetensors)."""
     from .model import build_model
     from .model.checkpoint import save_checkpoint
+    from .model.tiny_tokenizer import tokenizer_files
 
     cfg = config_or_fail(preset, None)
     try:
-        save_checkpoint(build_model(cfg, seed=seed), out, expert_format=expert_format)
+        extra = tokenizer_files(cfg.vocab_size) if tokenizer else None
+        save_checkpoint(build_model(cfg, seed=seed), out, expert_format=expert_format, extra_files=extra)
     except (ValueError, OSError) as e:
         fail(str(e))
-    typer.echo(f"wrote {cfg.name} checkpoint (seed {seed}, experts {expert_format}) to {out}")
+    typer.echo(f"wrote {cfg.name} checkpoint (seed {seed}, experts {expert_format}"
+               + (", tokenizer" if tokenizer else "") + f") to {out}")
 
 
 @app.command()
@@ -117,27 +104,28 @@ def inspect(
 @app.command()
 def generate(
     checkpoint: Annotated[Path, typer.Option(help="Checkpoint folder.")],
-    prompt_ids: Annotated[str, typer.Option(help="Comma-separated prompt token ids.")] = "1,2,3",
+    prompt: PromptText = None,
+    prompt_ids: PromptIds = None,
+    chat: Chat = False,
     max_new_tokens: MaxNewTokens = 16,
     temperature: Temperature = 0.0,
     top_k: TopK = 0,
     top_p: TopP = 1.0,
     seed: Seed = None,
 ) -> None:
-    """Decode with the eager PyTorch model (prefill, then decode steps carrying state); greedy by default."""
+    """Decode with the eager PyTorch model (prefill, then decode steps carrying state); greedy by default.
+    Prints text as it comes when the checkpoint has a tokenizer."""
     import torch
 
+    from .cli_decode import Printer, Sampling, prepare
     from .model.generate import generate as eager_generate
 
-    options = sampling_or_fail(max_new_tokens, temperature, top_k, top_p, seed)
     model = load_model_or_fail(checkpoint)
-    ids = torch.tensor([parse_ids(prompt_ids, "--prompt-ids")])
-    try:
-        g = eager_generate(model, ids, options)
-    except ValueError as e:
-        fail(f"--prompt-ids: {e}")
-    typer.echo("tokens: " + ",".join(str(t) for t in g.tokens[0].tolist()))
-    typer.echo(f"prefill {g.prefill_s * 1e3:.1f} ms; decode {g.decode_tokens_per_s:.1f} tokens/s (eager, cpu)")
+    p = prepare(checkpoint, model.cfg.vocab_size, prompt, prompt_ids, chat,
+                Sampling(max_new_tokens, temperature, top_k, top_p, seed))
+    printer = Printer(p.tokenizer)
+    g = eager_generate(model, torch.tensor([p.ids]), p.options, on_token=printer)
+    printer.finish(g, len(p.ids), "eager, cpu")
 
 
 @app.command()
@@ -267,7 +255,9 @@ def build_engine_cmd(
 def run(
     export_dir: Annotated[Path, typer.Argument(help="Export folder (k3x export).")],
     backend: Annotated[str, typer.Option(help="Runner: ort, pt2, aoti, trt or eager.")] = "ort",
-    prompt_ids: Annotated[str, typer.Option(help="Comma-separated prompt token ids.")] = "1,2,3",
+    prompt: PromptText = None,
+    prompt_ids: PromptIds = None,
+    chat: Chat = False,
     max_new_tokens: MaxNewTokens = 16,
     temperature: Temperature = 0.0,
     top_k: TopK = 0,
@@ -276,27 +266,25 @@ def run(
     provider: Annotated[str, typer.Option(help="ONNX Runtime provider: auto (CUDA if it initialises), cuda, cpu.")
                         ] = "auto",
 ) -> None:
-    """Decode with an exported artifact: prefill, then decode steps carrying state; greedy by default."""
+    """Decode with an exported artifact: prefill, then decode steps carrying state; greedy by default.
+    Prints text as it comes when the export folder has a tokenizer."""
     import torch
 
+    from .cli_decode import Printer, Sampling, prepare
     from .exporter.runners import RunnerError, RunnerOptions, generate as run_generate, make_runner
 
-    options = sampling_or_fail(max_new_tokens, temperature, top_k, top_p, seed)
-    ids = parse_ids(prompt_ids, "--prompt-ids")
     folder = _export_folder(export_dir)
     cfg = folder.config()
-    if max(ids) >= cfg.vocab_size or min(ids) < 0:
-        fail(f"--prompt-ids: ids must be in [0, {cfg.vocab_size}) for {cfg.name}")
+    p = prepare(export_dir, cfg.vocab_size, prompt, prompt_ids, chat,
+                Sampling(max_new_tokens, temperature, top_k, top_p, seed))
     try:
         runner = make_runner(backend, export_dir, RunnerOptions(provider=provider))
-        g = run_generate(runner, cfg, torch.tensor([ids]), options, dtype=folder.dtype())
+        typer.echo(f"backend {backend}" + (f" on {runner.provider}" if hasattr(runner, "provider") else ""))
+        printer = Printer(p.tokenizer)
+        g = run_generate(runner, cfg, torch.tensor([p.ids]), p.options, dtype=folder.dtype(), on_token=printer)
     except RunnerError as e:
         fail(str(e))
-    where = f" on {runner.provider}" if hasattr(runner, "provider") else ""
-    typer.echo(f"backend {backend}{where}")
-    typer.echo("tokens: " + ",".join(str(t) for t in g.tokens[0].tolist()))
-    rate = f"{g.decode_tokens_per_s:.1f} tokens/s" if g.tokens.shape[1] > 1 and g.decode_s > 0 else "n/a"
-    typer.echo(f"prefill {g.prefill_s * 1e3:.1f} ms ({len(ids) / g.prefill_s:.1f} tokens/s); decode {rate}")
+    printer.finish(g, len(p.ids), backend)
 
 
 def _export_folder(export_dir: Path):

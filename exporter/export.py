@@ -146,6 +146,23 @@ def stage_onnx(ep: ExportedProgram, ctx: StageContext) -> str:
     return f"onnx: {where}{data}" + ("" if ctx.options.weights else " (weightless: weights are graph inputs)")
 
 
+def copy_tokenizer(checkpoint: Path, out_dir: Path) -> str:
+    """Copy the checkpoint's tokenizer / generation files (model/tokenizer.TOKENIZER_FILES) into the export
+    as artifact `tokenizer`, so `k3x run --prompt` and ONNX Runtime GenAI find them beside the models."""
+    import shutil
+
+    from ..model.tokenizer import TOKENIZER_FILES
+    from . import artifacts
+
+    found = [Path(checkpoint) / n for n in TOKENIZER_FILES if (Path(checkpoint) / n).is_file()]
+    if not found:
+        return f"tokenizer: none in {checkpoint} (text prompts need tokenizer.json or tiktoken.model)"
+    with artifacts.write_artifact(out_dir, "tokenizer") as tmp:
+        for f in found:
+            shutil.copyfile(f, tmp / f.name)
+    return "tokenizer: " + ", ".join(f.name for f in found)
+
+
 STAGES: dict[str, Stage] = {"pt2": stage_pt2, "onnx": stage_onnx, "aoti": stage_aoti}
 # what each --target runs, in order, after the one trace
 TARGET_STAGES: dict[Target, tuple[str, ...]] = {
@@ -224,7 +241,7 @@ def export(options: ExportOptions, progress: Progress | None = None) -> ExportRe
         artifacts.init_manifest(options.out_dir, cfg, dtype=dtype, weights=options.weights,
                                 op_counts=op_counts(ep), checkpoint=options.checkpoint, checkpoint_hash=ckpt_hash)
     ctx = StageContext(cfg, options)
-    notes = []
+    notes = [copy_tokenizer(options.checkpoint, options.out_dir)] if options.checkpoint else []
     for name in stages:
         with _timed(name, progress, timings):
             notes.append(str(STAGES[name](ep, ctx)))

@@ -208,8 +208,12 @@ def _hf_tensors(model: K3ForCausalLM, expert_format: str):
 
 
 def save_checkpoint(model: K3ForCausalLM, path: str | Path, *, expert_format: str = "mxfp4",
-                    max_shard_bytes: int = 2 << 30) -> Path:
-    """Write config.json + sharded safetensors + index atomically (temp folder renamed into place)."""
+                    max_shard_bytes: int = 2 << 30, extra_files: dict[str, bytes] | None = None) -> Path:
+    """Write config.json + sharded safetensors + index atomically (temp folder renamed into place).
+    `extra_files` ({plain file name: bytes}, e.g. the tokenizer's) are written into the same folder."""
+    for name in extra_files or {}:
+        if Path(name).name != name or name in ("config.json", INDEX) or name.endswith(".safetensors"):
+            raise ValueError(f"extra file {name!r}: must be a plain file name other than the checkpoint's own")
     if expert_format not in ("mxfp4", "dense"):
         raise ValueError(f"expert_format={expert_format!r}: expected 'mxfp4' or 'dense'")
     if expert_format == "mxfp4":
@@ -240,6 +244,8 @@ def save_checkpoint(model: K3ForCausalLM, path: str | Path, *, expert_format: st
         total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
         (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
         (tmp / "config.json").write_text(json.dumps(config_to_hf(model.cfg), indent=2))
+        for name, data in (extra_files or {}).items():
+            (tmp / name).write_bytes(data)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp creates 0700
