@@ -143,7 +143,11 @@ def stage_onnx(ep: ExportedProgram, ctx: StageContext) -> str:
     art = onnx_stage(ctx.out_dir, ep, ctx.cfg, OnnxOptions(weights=ctx.options.weights))
     where = ", ".join(f"{flavor} {path}" for flavor, path in art.files.items())
     data = f", weights in {art.external_data}" if art.external_data else ""
-    return f"onnx: {where}{data}" + ("" if ctx.options.weights else " (weightless: weights are graph inputs)")
+    if not ctx.options.weights:
+        return f"onnx: {where}{data} (weightless: weights are graph inputs; no GenAI package)"
+    from .genai import genai_stage  # the ort model wrapped for onnxruntime-genai, beside it
+
+    return f"onnx: {where}{data}\n" + genai_stage(ctx.out_dir, ctx.cfg, art.files["ort"].name)
 
 
 def copy_tokenizer(checkpoint: Path, out_dir: Path) -> str:
