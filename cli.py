@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from .cli_decode import Chat, MaxNewTokens, PromptIds, PromptText, Seed, Temperature, TopK, TopP
 from .exporter.export import DType, KernelChoice, Target
 
 app = typer.Typer(
@@ -67,17 +68,22 @@ def init_checkpoint(
     out: Annotated[Path, typer.Option(help="Folder to create (must not exist or be empty).")] = Path("k3-mini-ckpt"),
     seed: Annotated[int, typer.Option(help="Random seed of the weights.")] = 0,
     expert_format: Annotated[str, typer.Option(help="mxfp4 (as the real K3 checkpoint) or dense.")] = "mxfp4",
+    tokenizer: Annotated[bool, typer.Option(help="Also write a small byte-level BPE tokenizer trained at init "
+                                                 "(text in and out with --prompt).")] = True,
 ) -> None:
     """Write a random-weight checkpoint in the real Hugging Face format (config.json + safetensors)."""
     from .model import build_model
     from .model.checkpoint import save_checkpoint
+    from .model.tiny_tokenizer import tokenizer_files
 
     cfg = config_or_fail(preset, None)
     try:
-        save_checkpoint(build_model(cfg, seed=seed), out, expert_format=expert_format)
+        extra = tokenizer_files(cfg.vocab_size) if tokenizer else None
+        save_checkpoint(build_model(cfg, seed=seed), out, expert_format=expert_format, extra_files=extra)
     except (ValueError, OSError) as e:
         fail(str(e))
-    typer.echo(f"wrote {cfg.name} checkpoint (seed {seed}, experts {expert_format}) to {out}")
+    typer.echo(f"wrote {cfg.name} checkpoint (seed {seed}, experts {expert_format}"
+               + (", tokenizer" if tokenizer else "") + f") to {out}")
 
 
 @app.command()
@@ -98,22 +104,28 @@ def inspect(
 @app.command()
 def generate(
     checkpoint: Annotated[Path, typer.Option(help="Checkpoint folder.")],
-    prompt_ids: Annotated[str, typer.Option(help="Comma-separated prompt token ids.")] = "1,2,3",
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate.")] = 16,
+    prompt: PromptText = None,
+    prompt_ids: PromptIds = None,
+    chat: Chat = False,
+    max_new_tokens: MaxNewTokens = 16,
+    temperature: Temperature = 0.0,
+    top_k: TopK = 0,
+    top_p: TopP = 1.0,
+    seed: Seed = None,
 ) -> None:
-    """Greedy decoding with the eager PyTorch model (prefill, then decode steps carrying state)."""
+    """Decode with the eager PyTorch model (prefill, then decode steps carrying state); greedy by default.
+    Prints text as it comes when the checkpoint has a tokenizer."""
     import torch
 
-    from .model.generate import greedy_generate
+    from .cli_decode import Printer, Sampling, prepare
+    from .model.generate import generate as eager_generate
 
     model = load_model_or_fail(checkpoint)
-    ids = torch.tensor([parse_ids(prompt_ids, "--prompt-ids")])
-    try:
-        g = greedy_generate(model, ids, max_new_tokens)
-    except ValueError as e:
-        fail(f"--prompt-ids: {e}")
-    typer.echo("tokens: " + ",".join(str(t) for t in g.tokens[0].tolist()))
-    typer.echo(f"prefill {g.prefill_s * 1e3:.1f} ms; decode {g.decode_tokens_per_s:.1f} tokens/s (eager, cpu)")
+    p = prepare(checkpoint, model.cfg.vocab_size, prompt, prompt_ids, chat,
+                Sampling(max_new_tokens, temperature, top_k, top_p, seed))
+    printer = Printer(p.tokenizer)
+    g = eager_generate(model, torch.tensor([p.ids]), p.options, on_token=printer)
+    printer.finish(g, len(p.ids), "eager, cpu")
 
 
 @app.command()
@@ -247,33 +259,36 @@ def build_engine_cmd(
 def run(
     export_dir: Annotated[Path, typer.Argument(help="Export folder (k3x export).")],
     backend: Annotated[str, typer.Option(help="Runner: ort, pt2, aoti, trt or eager.")] = "ort",
-    prompt_ids: Annotated[str, typer.Option(help="Comma-separated prompt token ids.")] = "1,2,3",
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate.")] = 16,
+    prompt: PromptText = None,
+    prompt_ids: PromptIds = None,
+    chat: Chat = False,
+    max_new_tokens: MaxNewTokens = 16,
+    temperature: Temperature = 0.0,
+    top_k: TopK = 0,
+    top_p: TopP = 1.0,
+    seed: Seed = None,
     provider: Annotated[str, typer.Option(help="ONNX Runtime provider: auto (CUDA if it initialises), cuda, cpu.")
                         ] = "auto",
 ) -> None:
-    """Greedy decoding with an exported artifact: prefill, then decode steps carrying state."""
+    """Decode with an exported artifact: prefill, then decode steps carrying state; greedy by default.
+    Prints text as it comes when the export folder has a tokenizer."""
     import torch
 
-    from .exporter.runners import RunnerError, RunnerOptions, greedy_decode, make_runner
+    from .cli_decode import Printer, Sampling, prepare
+    from .exporter.runners import RunnerError, RunnerOptions, generate as run_generate, make_runner
 
-    ids = parse_ids(prompt_ids, "--prompt-ids")
     folder = _export_folder(export_dir)
     cfg = folder.config()
-    if max(ids) >= cfg.vocab_size or min(ids) < 0:
-        fail(f"--prompt-ids: ids must be in [0, {cfg.vocab_size}) for {cfg.name}")
+    p = prepare(export_dir, cfg.vocab_size, prompt, prompt_ids, chat,
+                Sampling(max_new_tokens, temperature, top_k, top_p, seed))
     try:
         runner = make_runner(backend, export_dir, RunnerOptions(provider=provider))
-        tokens, prefill_s, decode_s = greedy_decode(runner, cfg, torch.tensor([ids]), max_new_tokens,
-                                                    dtype=folder.dtype())
+        typer.echo(f"backend {backend}" + (f" on {runner.provider}" if hasattr(runner, "provider") else ""))
+        printer = Printer(p.tokenizer)
+        g = run_generate(runner, cfg, torch.tensor([p.ids]), p.options, dtype=folder.dtype(), on_token=printer)
     except RunnerError as e:
         fail(str(e))
-    where = f" on {runner.provider}" if hasattr(runner, "provider") else ""
-    steps = max_new_tokens - 1
-    typer.echo(f"backend {backend}{where}")
-    typer.echo("tokens: " + ",".join(str(t) for t in tokens[0].tolist()))
-    rate = f"{steps / decode_s:.1f} tokens/s" if steps and decode_s > 0 else "n/a"
-    typer.echo(f"prefill {prefill_s * 1e3:.1f} ms ({len(ids) / prefill_s:.1f} tokens/s); decode {rate}")
+    printer.finish(g, len(p.ids), backend)
 
 
 def _export_folder(export_dir: Path):

@@ -136,7 +136,28 @@ def stage_onnx(ep: ExportedProgram, ctx: StageContext) -> str:
     art = onnx_stage(ctx.out_dir, ep, ctx.cfg, OnnxOptions(weights=ctx.options.weights))
     where = ", ".join(f"{flavor} {path}" for flavor, path in art.files.items())
     data = f", weights in {art.external_data}" if art.external_data else ""
-    return f"onnx: {where}{data}" + ("" if ctx.options.weights else " (weightless: weights are graph inputs)")
+    if not ctx.options.weights:
+        return f"onnx: {where}{data} (weightless: weights are graph inputs; no GenAI package)"
+    from .genai import genai_stage  # the ort model wrapped for onnxruntime-genai, beside it
+
+    return f"onnx: {where}{data}\n" + genai_stage(ctx.out_dir, ctx.cfg, art.files["ort"].name)
+
+
+def copy_tokenizer(checkpoint: Path, out_dir: Path) -> str:
+    """Copy the checkpoint's tokenizer / generation files (model/tokenizer.TOKENIZER_FILES) into the export
+    as artifact `tokenizer`, so `k3x run --prompt` and ONNX Runtime GenAI find them beside the models."""
+    import shutil
+
+    from ..model.tokenizer import TOKENIZER_FILES
+    from . import artifacts
+
+    found = [Path(checkpoint) / n for n in TOKENIZER_FILES if (Path(checkpoint) / n).is_file()]
+    if not found:
+        return f"tokenizer: none in {checkpoint} (text prompts need tokenizer.json or tiktoken.model)"
+    with artifacts.write_artifact(out_dir, "tokenizer") as tmp:
+        for f in found:
+            shutil.copyfile(f, tmp / f.name)
+    return "tokenizer: " + ", ".join(f.name for f in found)
 
 
 STAGES: dict[str, Stage] = {"pt2": stage_pt2, "onnx": stage_onnx, "aoti": stage_aoti}
@@ -221,7 +242,7 @@ def export(options: ExportOptions, progress: Progress | None = None) -> ExportRe
         artifacts.init_manifest(options.out_dir, cfg, dtype=dtype, weights=options.weights,
                                 op_counts=op_counts(ep), checkpoint=options.checkpoint, checkpoint_hash=ckpt_hash)
     ctx = StageContext(cfg, options)
-    notes = []
+    notes = [copy_tokenizer(options.checkpoint, options.out_dir)] if options.checkpoint else []
     for name in stages:
         with _timed(name, progress, timings):
             notes.append(str(STAGES[name](ep, ctx)))

@@ -21,6 +21,7 @@ from typing import Callable, Protocol
 import torch
 from torch import Tensor
 
+from ..model.sampling import Generation, SamplingOptions, decode_loop
 from ..model.state import state_specs
 
 Feeds = dict[str, Tensor]
@@ -169,21 +170,22 @@ def make_runner(backend: str, export_dir: Path, options: RunnerOptions = RunnerO
     return factory(Path(export_dir), options)
 
 
-def greedy_decode(runner: Runner, cfg, prompt: Tensor, max_new_tokens: int, *, dtype: torch.dtype = torch.float32
-                  ) -> tuple[Tensor, float, float]:
-    """Prefill `prompt` [B, T], then T=1 steps carrying state -> (tokens [B, new], prefill_s, decode_s)."""
-    import time
+def generate(runner: Runner, cfg, prompt: Tensor, options: SamplingOptions, *, dtype: torch.dtype = torch.float32,
+             on_token=None) -> Generation:
+    """Prefill `prompt` [B, T], then T=1 steps carrying state; tokens chosen by the shared sampler."""
+    out: Feeds = {}
 
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1")
-    t0 = time.perf_counter()
-    out = runner.infer(start_feeds(cfg, prompt, dtype))
-    tokens = [out["logits"][:, -1].argmax(-1, keepdim=True).cpu()]
-    t1 = time.perf_counter()
-    for _ in range(max_new_tokens - 1):
-        out = runner.infer(next_feeds(cfg, out, tokens[-1]))
-        tokens.append(out["logits"][:, -1].argmax(-1, keepdim=True).cpu())
-    return torch.cat(tokens, 1), t1 - t0, time.perf_counter() - t1
+    def prefill(ids: Tensor) -> Tensor:
+        nonlocal out
+        out = runner.infer(start_feeds(cfg, ids, dtype))
+        return out["logits"][:, -1]
+
+    def step(ids: Tensor) -> Tensor:
+        nonlocal out
+        out = runner.infer(next_feeds(cfg, out, ids))
+        return out["logits"][:, -1]
+
+    return decode_loop(prefill, step, prompt, options, on_token)
 
 
 def prefill_logits(runner: Runner, cfg, ids: Tensor, *, dtype: torch.dtype = torch.float32) -> Tensor:

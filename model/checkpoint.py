@@ -9,6 +9,7 @@ Names: the model's own parameter names, except stacked experts: `...experts.{e}.
 compressed-tensors MXFP4 pair `weight_packed` + `weight_scale`, dequantised on load) fills row e of
 `...experts.w1`. `A_log` may be stored longer than the head count (K3 stores 128 for 96 heads) or as
 `[1, 1, H, 1]` (Kimi Linear): the first H values are used. A `language_model.` prefix is stripped; vision-tower tensors are ignored.
+Names as transformers 5 writes them are renamed at load (`hf_transformers.WEIGHT_RENAMES`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ..fileio import normal_permissions, sha256
 from . import mxfp4
 from .config import ConfigError, K3Config
 from .hf_config import config_to_hf
+from .hf_transformers import rename_weight
 from .init import build_model
 from .model import K3ForCausalLM
 
@@ -55,7 +57,7 @@ class _Slot:
 def _canonical(name: str) -> str | None:
     if name.startswith("language_model."):
         name = name[len("language_model."):]
-    return None if name.startswith(IGNORED_PREFIXES) else name
+    return None if name.startswith(IGNORED_PREFIXES) else rename_weight(name)
 
 
 def _slot(name: str) -> _Slot:
@@ -135,6 +137,9 @@ def _validate(cfg: K3Config, files: dict[str, Path]) -> dict[str, tuple[str, Pat
             s.part, _FLOAT_DTYPES)
         if dtype not in want_dtype:
             problems.append(f"{stored!r} in {f.name}: dtype {dtype}, expected one of {sorted(want_dtype)}")
+        if name in plan:
+            problems.append(f"{stored!r} in {f.name} and {plan[name][0]!r} in {plan[name][1].name} "
+                            f"both fill {name!r}")
         covered[s.param].add((s.expert, s.part))
         plan[name] = (stored, f)
     E = cfg.moe.num_experts
@@ -206,8 +211,12 @@ def _hf_tensors(model: K3ForCausalLM, expert_format: str):
 
 
 def save_checkpoint(model: K3ForCausalLM, path: str | Path, *, expert_format: str = "mxfp4",
-                    max_shard_bytes: int = 2 << 30) -> Path:
-    """Write config.json + sharded safetensors + index atomically (temp folder renamed into place)."""
+                    max_shard_bytes: int = 2 << 30, extra_files: dict[str, bytes] | None = None) -> Path:
+    """Write config.json + sharded safetensors + index atomically (temp folder renamed into place).
+    `extra_files` ({plain file name: bytes}, e.g. the tokenizer's) are written into the same folder."""
+    for name in extra_files or {}:
+        if Path(name).name != name or name in ("config.json", INDEX) or name.endswith(".safetensors"):
+            raise ValueError(f"extra file {name!r}: must be a plain file name other than the checkpoint's own")
     if expert_format not in ("mxfp4", "dense"):
         raise ValueError(f"expert_format={expert_format!r}: expected 'mxfp4' or 'dense'")
     if expert_format == "mxfp4":
@@ -238,6 +247,8 @@ def save_checkpoint(model: K3ForCausalLM, path: str | Path, *, expert_format: st
         total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
         (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
         (tmp / "config.json").write_text(json.dumps(config_to_hf(model.cfg), indent=2))
+        for name, data in (extra_files or {}).items():
+            (tmp / name).write_bytes(data)
         normal_permissions(tmp)  # mkdtemp creates 0700
         if path.exists():
             path.rmdir()

@@ -1,26 +1,15 @@
-"""Greedy decoding with explicit state: one prefill call, then T=1 decode steps carrying the caches."""
+"""Decoding with the eager model and explicit state: one prefill call, then T=1 decode steps carrying the caches.
+Token choice and stopping are the shared sampler's (model/sampling.py)."""
 
 from __future__ import annotations
-
-import time
-from dataclasses import dataclass
 
 import torch
 
 from .model import K3ForCausalLM
+from .sampling import Generation, SamplingOptions, decode_loop
 from .state import empty_state
 
-
-@dataclass
-class Generation:
-    tokens: torch.Tensor  # [B, new] int64
-    prefill_s: float
-    decode_s: float
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        steps = self.tokens.shape[1] - 1
-        return steps * self.tokens.shape[0] / self.decode_s if steps and self.decode_s > 0 else float("nan")
+__all__ = ["Generation", "check_ids", "full_logits", "generate"]
 
 
 def check_ids(ids: torch.Tensor, vocab_size: int) -> None:
@@ -31,21 +20,19 @@ def check_ids(ids: torch.Tensor, vocab_size: int) -> None:
 
 
 @torch.no_grad()
-def greedy_generate(model: K3ForCausalLM, prompt: torch.Tensor, max_new_tokens: int) -> Generation:
-    """prompt [B, T] int64 -> the next `max_new_tokens` greedy tokens per row."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1")
+def generate(model: K3ForCausalLM, prompt: torch.Tensor, options: SamplingOptions,
+             on_token=None) -> Generation:
+    """prompt [B, T] int64 -> up to `options.max_new_tokens` new tokens per row (greedy unless sampling)."""
     check_ids(prompt, model.cfg.vocab_size)
     dtype = model.model.embed_tokens.weight.dtype
-    device = prompt.device
-    t0 = time.perf_counter()
-    logits, state = model(prompt, empty_state(model.cfg, prompt.shape[0], dtype, device))
-    out = [logits[:, -1].argmax(-1)]
-    t1 = time.perf_counter()
-    for _ in range(max_new_tokens - 1):
-        logits, state = model(out[-1][:, None], state)
-        out.append(logits[:, -1].argmax(-1))
-    return Generation(torch.stack(out, 1), t1 - t0, time.perf_counter() - t1)
+    state = empty_state(model.cfg, prompt.shape[0], dtype, prompt.device)
+
+    def run(ids: torch.Tensor) -> torch.Tensor:
+        nonlocal state
+        logits, state = model(ids, state)
+        return logits[:, -1]
+
+    return decode_loop(run, run, prompt, options, on_token)
 
 
 @torch.no_grad()

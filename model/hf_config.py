@@ -2,6 +2,8 @@
 
 The layer schedule comes from the config's own lists (`linear_attn_config.kda_layers` /
 `full_attn_layers`, 1-based; `first_k_dense_replace`, `moe_layer_freq`), never from a fixed pattern.
+Configs in transformers 5's own style (`layer_types`, `mlp_layer_types`, `linear_num_heads`, ...) are
+first mapped to the published style by model/hf_transformers.py.
 Architecture: docs/model.md §1.
 """
 
@@ -11,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from . import hf_transformers
 from .config import AttnResConfig, ConfigError, K3Config, KDAConfig, MLAConfig, MoEConfig
 
 
@@ -42,6 +45,9 @@ def _layer_types(text: dict[str, Any], n: int, where: str) -> tuple[str, ...]:
 
 
 def _mlp_types(text: dict[str, Any], n: int) -> tuple[str, ...]:
+    listed = hf_transformers.mlp_types(text)  # transformers-5 style `mlp_layer_types`, validated
+    if listed is not None:
+        return listed
     if not text.get("num_experts"):
         return ("dense",) * n
     first = int(text.get("first_k_dense_replace", 0))
@@ -84,6 +90,7 @@ def config_from_hf(path: str | Path) -> K3Config:
         text = raw
     else:
         raise ConfigError(f"{where}: model_type={model_type!r}; expected 'kimi_k3' or 'kimi_linear'")
+    text = hf_transformers.to_published(text, where)  # transformers-5 config style -> the published one
 
     _refuse_unsupported(raw, text, where)
     n = int(_need(text, "num_hidden_layers", where))

@@ -11,7 +11,9 @@ from typer.testing import CliRunner
 
 from k3x.cli import app
 from k3x.model.checkpoint import load_checkpoint
-from k3x.model.generate import full_logits, greedy_generate
+from k3x.model.generate import full_logits, generate
+from k3x.model.sampling import SamplingOptions
+from k3x.model.tokenizer import find_tokenizer
 
 runner = CliRunner()
 
@@ -57,12 +59,64 @@ def test_inspect_checkpoint_and_errors(ckpt, tmp_path):
     assert r.exit_code == 1 and "exactly one" in r.output
 
 
+def _tokens(output: str) -> list[int]:
+    return [int(t) for t in output.split("tokens: ")[1].split()[0].split(",")]
+
+
+def _library(ckpt, ids: list[int], **kwargs) -> list[int]:
+    eos = find_tokenizer(ckpt).eos_token_ids  # init-checkpoint wrote a tokenizer: EOS stops the CLI
+    opts = SamplingOptions(eos_token_ids=eos, **kwargs)
+    return generate(load_checkpoint(ckpt), torch.tensor([ids]), opts).tokens[0].tolist()
+
+
 def test_generate_matches_library(ckpt):
     r = runner.invoke(app, ["generate", "--checkpoint", str(ckpt), "--prompt-ids", "1,2,3", "--max-new-tokens", "5"])
     assert r.exit_code == 0, r.output
-    tokens = [int(t) for t in r.output.split("tokens: ")[1].split()[0].split(",")]
-    expect = greedy_generate(load_checkpoint(ckpt), torch.tensor([[1, 2, 3]]), 5).tokens[0].tolist()
-    assert tokens == expect and "tokens/s" in r.output
+    assert _tokens(r.output) == _library(ckpt, [1, 2, 3], max_new_tokens=5) and "tokens/s" in r.output
+
+
+def test_generate_sampling_flags(ckpt):
+    def tokens(*flags: str) -> list[int]:
+        r = runner.invoke(app, ["generate", "--checkpoint", str(ckpt), "--prompt-ids", "1,2,3", "--max-new-tokens",
+                                "8", *flags])
+        assert r.exit_code == 0, r.output
+        return _tokens(r.output)
+
+    sampled = tokens("--temperature", "1.5", "--top-p", "0.9", "--seed", "4")
+    assert sampled == tokens("--temperature", "1.5", "--top-p", "0.9", "--seed", "4")
+    assert sampled == _library(ckpt, [1, 2, 3], max_new_tokens=8, temperature=1.5, top_p=0.9, seed=4)
+    r = runner.invoke(app, ["generate", "--checkpoint", str(ckpt), "--top-k", "5"])
+    assert r.exit_code == 1 and "give temperature > 0" in r.output
+
+
+def test_generate_text_in_and_out(ckpt):
+    tok = find_tokenizer(ckpt)
+    r = runner.invoke(app, ["generate", "--checkpoint", str(ckpt), "--prompt", "Hello! How are", "--max-new-tokens",
+                            "6"])
+    assert r.exit_code == 0, r.output
+    tokens = _tokens(r.output)
+    assert tokens == _library(ckpt, tok.encode("Hello! How are"), max_new_tokens=6)
+    assert r.output.startswith(tok.decode(tokens) + "\n")  # streamed text, then the ids
+    r = runner.invoke(app, ["generate", "--checkpoint", str(ckpt), "--prompt", "Hi", "--chat", "--max-new-tokens", "3"])
+    assert r.exit_code == 0, r.output
+    assert _tokens(r.output) == _library(ckpt, tok.encode(tok.chat_prompt("Hi")), max_new_tokens=3)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--prompt", "a", "--prompt-ids", "1"], "not both"),
+    (["--chat"], "--chat applies the chat template to --prompt"),
+])
+def test_prompt_flag_errors(ckpt, args, message):
+    r = runner.invoke(app, ["generate", "--checkpoint", str(ckpt), *args])
+    assert r.exit_code == 1 and message in r.output, r.output
+
+
+def test_text_prompt_without_a_tokenizer_is_named(tmp_path):
+    path = tmp_path / "bare"
+    r = runner.invoke(app, ["init-checkpoint", "--out", str(path), "--no-tokenizer"])
+    assert r.exit_code == 0 and not (path / "tokenizer.json").exists()
+    r = runner.invoke(app, ["generate", "--checkpoint", str(path), "--prompt", "Hello"])
+    assert r.exit_code == 1 and "no tokenizer" in r.output and "--prompt-ids" in r.output
 
 
 def test_logits_file_and_batch(ckpt, tmp_path):

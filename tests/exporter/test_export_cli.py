@@ -65,16 +65,27 @@ def test_export_no_weights_traces_on_meta_and_runs_once_weights_are_attached(tmp
     check_prefill_decode(model, ids, step, past, logits, present, logits2, present2, what="weightless pt2")
 
 
-def test_export_from_checkpoint_records_its_hash(tmp_path):
+def test_export_from_checkpoint_records_its_hash_and_copies_its_tokenizer(tmp_path):
     from k3x.model.checkpoint import checkpoint_hash, save_checkpoint
+    from k3x.model.tiny_tokenizer import tokenizer_files
+    from k3x.model.tokenizer import find_tokenizer
 
     ckpt = tmp_path / "ckpt"
-    save_checkpoint(build_model(preset("k3-mini"), seed=1), ckpt, expert_format="dense")
+    save_checkpoint(build_model(preset("k3-mini"), seed=1), ckpt, expert_format="dense",
+                    extra_files=tokenizer_files(512))
     r = export("--checkpoint", str(ckpt), "--out", str(tmp_path / "out"))
     assert r.exit_code == 0, r.output
     d = ExportFolder.open(tmp_path / "out")
     assert d.manifest["checkpoint"] == {"path": str(ckpt.resolve()), "hash": checkpoint_hash(ckpt)}
     assert d.config() == preset("k3-mini") and d.checkpoint() == ckpt.resolve()
+    copied = sorted(f.name for f in d.files("tokenizer"))
+    assert copied == ["generation_config.json", "tokenizer.json", "tokenizer_config.json"]
+    assert all((d.path / n).read_bytes() == (ckpt / n).read_bytes() for n in copied)
+    r = CliRunner().invoke(app, ["run", str(tmp_path / "out"), "--backend", "pt2", "--prompt", "Hello",
+                                 "--max-new-tokens", "4"])
+    assert r.exit_code == 0, r.output
+    ids = [int(t) for t in r.output.split("tokens: ")[1].split()[0].split(",")]
+    assert find_tokenizer(ckpt).decode(ids) in r.output  # the text was printed
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -11,10 +11,11 @@ from typer.testing import CliRunner
 
 from k3x.cli import app
 from k3x.exporter.ort_runner import OrtRunner, import_onnxruntime, output_shapes
-from k3x.exporter.runners import RunnerError, RunnerOptions, greedy_decode, make_runner, next_feeds
+from k3x.exporter.runners import RunnerError, RunnerOptions, generate, make_runner, next_feeds
 from k3x.model import empty_state, preset, state_specs
 from k3x.model.checkpoint import load_checkpoint
-from k3x.model.generate import greedy_generate
+from k3x.model import generate as eager
+from k3x.model.sampling import SamplingOptions
 from onnx_mini_folder import mini_export
 
 ort = pytest.importorskip("onnxruntime")
@@ -85,14 +86,26 @@ def test_missing_onnxruntime_is_a_clear_error(monkeypatch):
 def test_greedy_decode_equals_eager_generate_and_cli_prints_it():
     m = mini_export()
     prompt = torch.tensor([[1, 2, 3]])
-    expected = greedy_generate(load_checkpoint(m.checkpoint), prompt, 6).tokens
-    tokens, _, _ = greedy_decode(make_runner("ort", m.folder, RunnerOptions(provider="cpu")), CFG, prompt, 6)
+    six = SamplingOptions(max_new_tokens=6)
+    expected = eager.generate(load_checkpoint(m.checkpoint), prompt, six).tokens
+    tokens = generate(make_runner("ort", m.folder, RunnerOptions(provider="cpu")), CFG, prompt, six).tokens
     assert torch.equal(tokens, expected)
     res = cli.invoke(app, ["run", str(m.folder), "--backend", "ort", "--prompt-ids", "1,2,3", "--max-new-tokens", "6",
                            "--provider", "cpu"])
     assert res.exit_code == 0, res.output
     assert "tokens: " + ",".join(map(str, expected[0].tolist())) in res.output
     assert "backend ort on cpu" in res.output and "tokens/s" in res.output
+
+
+def test_seeded_sampling_is_the_same_on_ort_and_eager():
+    m = mini_export()
+    opts = SamplingOptions(max_new_tokens=8, temperature=1.2, top_k=50, seed=9)
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    expected = eager.generate(load_checkpoint(m.checkpoint), prompt, opts).tokens
+    res = cli.invoke(app, ["run", str(m.folder), "--backend", "ort", "--prompt-ids", "3,1,4,1,5", "--max-new-tokens",
+                           "8", "--temperature", "1.2", "--top-k", "50", "--seed", "9", "--provider", "cpu"])
+    assert res.exit_code == 0, res.output
+    assert "tokens: " + ",".join(map(str, expected[0].tolist())) in res.output
 
 
 def test_run_rejects_a_folder_that_is_not_an_export(tmp_path):

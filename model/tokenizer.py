@@ -1,0 +1,231 @@
+"""Text in and out: the tokenizer a checkpoint or export folder carries, EOS ids, chat template, streaming.
+
+    tok = find_tokenizer(folder)            # None when the folder has no tokenizer
+    ids = tok.encode("hello")               # list[int]
+    stream = tok.stream(); stream.push(7)   # -> the text these ids add, once it is whole UTF-8
+
+Notable choices:
+- Formats: a Hugging Face `tokenizer.json` (the `tokenizers` library), or Kimi's tiktoken model
+  (`tiktoken.model`: one `base64(bytes) rank` line per token) whose special tokens come from
+  `tokenizer_config.json`'s `added_tokens_decoder` (needs the `tiktoken` package).
+- EOS ids, first found: `generation_config.json`, `config.json` (or its `text_config`), the tokenizer
+  config's `eos_token`. Both `k3x generate/run` and the GenAI config read them from here.
+- The chat template is `chat_template.jinja` or `tokenizer_config.json`'s `chat_template` (a string, or
+  the `default` entry of a list), rendered in a sandboxed Jinja environment as transformers does, with
+  `add_generation_prompt=True`; the rendered text already holds its special tokens, so it is encoded
+  without adding more.
+- Streaming decodes all ids so far and emits the new suffix, holding back an incomplete UTF-8
+  sequence (byte-level BPE splits characters across tokens).
+- `TOKENIZER_FILES` are what an export copies beside its models.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tiktoken.model",
+                   "chat_template.jinja", "generation_config.json")
+# Kimi's tiktoken pre-tokenizer (tokenization_kimi.py in the Kimi model repositories): Han runs, words with
+# case-aware affixes, digit groups of up to 3, punctuation, whitespace
+KIMI_PATTERN = "|".join([
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file cannot be read or used; the message names the file."""
+
+
+class _Backend(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+    def token_id(self, token: str) -> int | None: ...
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise TokenizerError(f"{path}: unreadable ({e})") from None
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path}: expected a JSON object")
+    return data
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class _HfTokenizer:
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer
+
+        try:
+            self.tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 - the library raises its own exception type
+            raise TokenizerError(f"{path}: not a readable tokenizer.json ({e})") from None
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+    def token_id(self, token: str) -> int | None:
+        return self.tok.token_to_id(token)
+
+
+class _TiktokenTokenizer:
+    def __init__(self, path: Path, config: dict[str, Any]) -> None:
+        import base64
+
+        try:
+            import tiktoken
+        except ImportError:
+            raise TokenizerError(f"{path}: reading a tiktoken model needs the tiktoken package "
+                                 "(pip install tiktoken)") from None
+        ranks: dict[bytes, int] = {}
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if line.strip():
+                try:
+                    token, rank = line.split()
+                    ranks[base64.b64decode(token)] = int(rank)
+                except ValueError:
+                    raise TokenizerError(f"{path}: line {n} is not 'base64-token rank'") from None
+        special = {v["content"]: int(k) for k, v in (config.get("added_tokens_decoder") or {}).items()
+                   if int(k) not in ranks.values()}
+        self.enc = tiktoken.Encoding(name=path.parent.name, pat_str=KIMI_PATTERN, mergeable_ranks=ranks,
+                                     special_tokens=special)
+
+    def encode(self, text: str) -> list[int]:
+        return self.enc.encode(text, allowed_special="all")
+
+    def decode(self, ids: list[int]) -> str:
+        return self.enc.decode(ids)
+
+    def token_id(self, token: str) -> int | None:
+        try:
+            return self.enc.encode_single_token(token)
+        except KeyError:
+            return None
+
+
+@dataclass
+class TextStream:
+    """Incremental decoding: `push(id)` returns the text the new id completes (maybe "")."""
+
+    tokenizer: Tokenizer
+    ids: list[int] = field(default_factory=list)
+    emitted: int = 0
+
+    def push(self, token: int) -> str:
+        self.ids.append(int(token))
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return ""
+        new, self.emitted = text[self.emitted:], len(text)
+        return new
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete UTF-8 sequence at the very end, as replacement text)."""
+        text = self.tokenizer.decode(self.ids)
+        new, self.emitted = text[self.emitted:], len(text)
+        return new
+
+
+@dataclass
+class Tokenizer:
+    folder: Path
+    backend: _Backend
+    config: dict[str, Any]  # tokenizer_config.json ({} when absent)
+    eos_token_ids: tuple[int, ...]
+    chat_template: str | None
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.backend.decode([int(i) for i in ids])
+
+    def stream(self) -> TextStream:
+        return TextStream(self)
+
+    def special_token(self, name: str) -> str | None:
+        return _token_text(self.config.get(name))
+
+    def chat_prompt(self, user_text: str) -> str:
+        """The chat template rendered for one user message, ending where the assistant's reply starts."""
+        if not self.chat_template:
+            raise TokenizerError(f"{self.folder}: --chat needs a chat template (chat_template.jinja or "
+                                 "tokenizer_config.json's chat_template); none found")
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message: str) -> None:
+            raise TemplateError(message)
+
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=[{"role": "user", "content": user_text}], add_generation_prompt=True,
+                bos_token=self.special_token("bos_token") or "", eos_token=self.special_token("eos_token") or "")
+        except TemplateError as e:
+            raise TokenizerError(f"{self.folder}: the chat template fails: {e}") from None
+
+
+def _chat_template(folder: Path, config: dict[str, Any]) -> str | None:
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text()
+    t = config.get("chat_template")
+    if isinstance(t, list):  # [{"name": ..., "template": ...}]
+        t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
+    return t if isinstance(t, str) else None
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in (value if isinstance(value, list) else [value]))
+
+
+def eos_token_ids(folder: Path, backend: _Backend | None = None, config: dict[str, Any] | None = None
+                  ) -> tuple[int, ...]:
+    """EOS ids of a checkpoint / export folder: generation_config.json, config.json, then the tokenizer's."""
+    folder = Path(folder)
+    for name in ("generation_config.json", "config.json"):
+        if (folder / name).is_file():
+            data = _read_json(folder / name)
+            ids = _ids(data.get("eos_token_id", (data.get("text_config") or {}).get("eos_token_id")))
+            if ids:
+                return ids
+    token = _token_text((config or {}).get("eos_token"))
+    if backend is not None and token:
+        tid = backend.token_id(token)
+        return () if tid is None else (tid,)
+    return ()
+
+
+def find_tokenizer(folder: str | Path) -> Tokenizer | None:
+    """The tokenizer in `folder`, or None when it has neither tokenizer.json nor tiktoken.model."""
+    folder = Path(folder)
+    config = _read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
+    if (folder / "tokenizer.json").is_file():
+        backend: _Backend = _HfTokenizer(folder / "tokenizer.json")
+    elif (folder / "tiktoken.model").is_file():
+        backend = _TiktokenTokenizer(folder / "tiktoken.model", config)
+    else:
+        return None
+    return Tokenizer(folder, backend, config, eos_token_ids(folder, backend, config), _chat_template(folder, config))
