@@ -126,6 +126,7 @@ def logits(
                        ] = "eager",
     export_dir: Annotated[Optional[Path], typer.Option(help="Export folder (backends pt2, ort).")] = None,
     provider: Annotated[str, typer.Option(help="ONNX Runtime provider: auto, cuda, cpu.")] = "auto",
+    skip_hash_check: Annotated[bool, typer.Option("--skip-hash-check", help=SKIP_HASH_HELP)] = False,
 ) -> None:
     """Full-sequence logits, for parity checks by anyone."""
     import numpy as np
@@ -142,7 +143,8 @@ def logits(
     if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
         fail(f"{batch_file}: expected an integer array [B, T], got {ids.dtype} {list(ids.shape)}")
     if backend != "eager":
-        result = _export_logits(backend, export_dir, torch.from_numpy(ids.astype(np.int64)), provider)
+        result = _export_logits(backend, export_dir, torch.from_numpy(ids.astype(np.int64)),
+                                _runner_options(provider, skip_hash_check))
     else:
         if checkpoint is None:
             fail("backend eager needs --checkpoint DIR")
@@ -158,18 +160,30 @@ def logits(
     typer.echo(f"wrote logits {list(result.shape)} float32 to {out}")
 
 
-def _export_logits(backend: str, export_dir: Path | None, ids, provider: str):
+def _export_logits(backend: str, export_dir: Path | None, ids, options):
     """Full-sequence logits from an exported artifact (prefill from an empty state)."""
-    from .exporter.runners import RunnerError, RunnerOptions, make_runner, prefill_logits
+    from .exporter.runners import RunnerError, make_runner, prefill_logits
 
     if export_dir is None:
         fail(f"backend {backend} needs --export-dir DIR")
     folder = _export_folder(export_dir)
     try:
-        runner = make_runner(backend, export_dir, RunnerOptions(provider=provider))
+        runner = make_runner(backend, export_dir, options)
         return prefill_logits(runner, folder.config(), ids, dtype=folder.dtype())
     except (RunnerError, ValueError) as e:
         fail(str(e))
+
+
+SKIP_HASH_HELP = "Do not sha256 the artifact files before loading (huge files; paths and sizes are still checked)."
+
+
+def _runner_options(provider: str, skip_hash_check: bool, checkpoint: Path | None = None):
+    from .exporter.runners import RunnerOptions
+
+    if skip_hash_check:
+        typer.echo("note: sha256 check of the artifact files skipped (--skip-hash-check); AOTI packages are "
+                   "still checked", err=True)
+    return RunnerOptions(provider=provider, checkpoint=checkpoint, check_hashes=not skip_hash_check)
 
 
 def save_npy_atomic(path: Path, array) -> None:
@@ -247,11 +261,12 @@ def run(
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate.")] = 16,
     provider: Annotated[str, typer.Option(help="ONNX Runtime provider: auto (CUDA if it initialises), cuda, cpu.")
                         ] = "auto",
+    skip_hash_check: Annotated[bool, typer.Option("--skip-hash-check", help=SKIP_HASH_HELP)] = False,
 ) -> None:
     """Greedy decoding with an exported artifact: prefill, then decode steps carrying state."""
     import torch
 
-    from .exporter.runners import RunnerError, RunnerOptions, greedy_decode, make_runner
+    from .exporter.runners import RunnerError, greedy_decode, make_runner
 
     ids = parse_ids(prompt_ids, "--prompt-ids")
     folder = _export_folder(export_dir)
@@ -259,7 +274,7 @@ def run(
     if max(ids) >= cfg.vocab_size or min(ids) < 0:
         fail(f"--prompt-ids: ids must be in [0, {cfg.vocab_size}) for {cfg.name}")
     try:
-        runner = make_runner(backend, export_dir, RunnerOptions(provider=provider))
+        runner = make_runner(backend, export_dir, _runner_options(provider, skip_hash_check))
         tokens, prefill_s, decode_s = greedy_decode(runner, cfg, torch.tensor([ids]), max_new_tokens,
                                                     dtype=folder.dtype())
     except RunnerError as e:
@@ -276,7 +291,9 @@ def _export_folder(export_dir: Path):
     from .exporter.artifacts import ExportFolder, ManifestError
 
     try:
-        return ExportFolder.open(export_dir)
+        folder = ExportFolder.open(export_dir)
+        folder.config()  # the recorded config must build
+        return folder
     except ManifestError as e:
         fail(f"{export_dir}: not a k3x export folder ({e})")
 
@@ -293,18 +310,19 @@ def verify(
                           ] = None,
     provider: Annotated[str, typer.Option(help="ONNX Runtime provider: auto, cuda, cpu.")] = "auto",
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the report as JSON.")] = None,
+    skip_hash_check: Annotated[bool, typer.Option("--skip-hash-check", help=SKIP_HASH_HELP)] = False,
 ) -> None:
     """Parity of every backend vs the eager reference over prefill + decode steps; exit 1 on any failure."""
     import json
 
-    from .exporter.runners import RunnerError, RunnerOptions, make_runner
+    from .exporter.runners import RunnerError, make_runner
     from .exporter.verify import run_parity
 
     names = [b.strip() for b in backends.split(",") if b.strip()]
     if not names:
         fail("--backends: name at least one runner")
     folder = _export_folder(export_dir)
-    options = RunnerOptions(provider=provider, checkpoint=checkpoint)
+    options = _runner_options(provider, skip_hash_check, checkpoint)
     try:
         reference = make_runner("eager", export_dir, options)
         runners = [make_runner(n, export_dir, options) for n in names]

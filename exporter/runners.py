@@ -14,7 +14,7 @@ happen only when such a runner is built, with a clear error when missing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -41,6 +41,7 @@ class RunnerOptions:
     provider: str = "auto"  # ONNX Runtime: auto | cuda | cpu
     checkpoint: Path | None = None  # eager: overrides the checkpoint recorded in the export
     intra_op_threads: int = 0  # ONNX Runtime: 0 = its default
+    check_hashes: bool = True  # False: skip the sha256 of artifact files (sizes and paths still checked)
 
 
 class ModuleRunner:
@@ -83,16 +84,15 @@ def _folder(export_dir: Path):
         raise RunnerError(f"{export_dir}: not a k3x export folder ({e})") from None
 
 
-def _artifact(export_dir: Path, name: str) -> Path:
+def _artifact(export_dir: Path, name: str, options: RunnerOptions) -> list[Path]:
+    """The artifact's files (primary first) after the checks of exporter/trust.py: inside the folder,
+    present, and (unless options.check_hashes is off) with the manifest's sha256. Nothing is loaded before."""
     from .artifacts import ManifestError
 
     try:
-        path = _folder(export_dir).artifact(name)
+        return _folder(export_dir).checked_files(name, check_hash=options.check_hashes)
     except ManifestError as e:
         raise RunnerError(str(e)) from None
-    if not path.is_file():
-        raise RunnerError(f"{path}: listed in the manifest but missing")
-    return path
 
 
 def _eager(export_dir: Path, options: RunnerOptions) -> Runner:
@@ -117,10 +117,15 @@ def _eager(export_dir: Path, options: RunnerOptions) -> Runner:
 
 def _pt2(export_dir: Path, options: RunnerOptions) -> Runner:
     from .trace import load_pt2
+    from .trust import UnsafeArtifactError, check_pt2_archive
 
-    path = _artifact(export_dir, "pt2")
+    path = _artifact(export_dir, "pt2", options)[0]
     if not _folder(export_dir).manifest.get("weights", True):
         raise RunnerError(f"{path}: weightless program (exported with --no-weights); it cannot run")
+    try:
+        check_pt2_archive(path)
+    except UnsafeArtifactError as e:
+        raise RunnerError(str(e)) from None
     try:
         ep = load_pt2(path)
     except Exception as e:  # noqa: BLE001 - name the file
@@ -131,7 +136,8 @@ def _pt2(export_dir: Path, options: RunnerOptions) -> Runner:
 def _ort(export_dir: Path, options: RunnerOptions) -> Runner:
     from .ort_runner import OrtRunner
 
-    path = _artifact(export_dir, "onnx")  # the artifact exists and its first file is present
+    files = _artifact(export_dir, "onnx", options)  # the model and its external data, all checked
+    path = files[0]
     entry = _folder(export_dir).manifest["artifacts"]["onnx"]
     if entry.get("weights") is False:
         raise RunnerError(f"{path}: weightless ONNX (exported with --no-weights: weights are graph inputs); "
@@ -140,6 +146,8 @@ def _ort(export_dir: Path, options: RunnerOptions) -> Runner:
     if name is None:
         raise RunnerError(f"{export_dir}: the onnx artifact has no ort flavor (flavors: {entry.get('flavors')}); "
                           "re-export with the ort flavor")
+    if name not in {p.name for p in files}:
+        raise RunnerError(f"{export_dir}: the ort flavor {str(name)[:80]!r} is not one of the onnx artifact's files")
     return OrtRunner(Path(export_dir) / name, provider=options.provider,
                      intra_op_threads=options.intra_op_threads)
 
@@ -147,13 +155,16 @@ def _ort(export_dir: Path, options: RunnerOptions) -> Runner:
 def _trt(export_dir: Path, options: RunnerOptions) -> Runner:
     from .trt_runner import TrtRunner  # TensorRT 11 + GPU; imports tensorrt only when built
 
+    _artifact(export_dir, "trt", options)  # the engine is native code: only with the manifest's sha256
     return TrtRunner(export_dir)
 
 
 def _aoti(export_dir: Path, options: RunnerOptions) -> Runner:
     from .aoti import load_aoti
 
-    return ModuleRunner("aoti", load_aoti(_artifact(export_dir, "aoti")), _folder(export_dir).config())
+    # an AOTI package is trusted native code (exporter/aoti.py): loaded only once its sha256 matches
+    path = _artifact(export_dir, "aoti", replace(options, check_hashes=True))[0]
+    return ModuleRunner("aoti", load_aoti(path), _folder(export_dir).config())
 
 
 RUNNERS: dict[str, Callable[[Path, RunnerOptions], Runner]] = {
@@ -166,7 +177,12 @@ def make_runner(backend: str, export_dir: Path, options: RunnerOptions = RunnerO
         factory = RUNNERS[backend]
     except KeyError:
         raise RunnerError(f"backend={backend!r}: choose from {sorted(RUNNERS)}") from None
-    return factory(Path(export_dir), options)
+    from .artifacts import ManifestError
+
+    try:
+        return factory(Path(export_dir), options)
+    except ManifestError as e:  # e.g. the manifest's config does not build
+        raise RunnerError(str(e)) from None
 
 
 def greedy_decode(runner: Runner, cfg, prompt: Tensor, max_new_tokens: int, *, dtype: torch.dtype = torch.float32
