@@ -103,10 +103,11 @@ def _eager(export_dir: Path, options: RunnerOptions) -> Runner:
     if ckpt is None:
         raise RunnerError(f"{export_dir}: the export records no checkpoint; pass --checkpoint for the eager reference")
     recorded = (d.manifest.get("checkpoint") or {}).get("hash")
-    if options.checkpoint is None and recorded and Path(ckpt).is_dir() and checkpoint_hash(ckpt) != recorded:
-        raise RunnerError(f"{ckpt}: changed since the export (sha256 {checkpoint_hash(ckpt)} != {recorded} in "
-                          f"{export_dir}/manifest.json); re-export, or pass --checkpoint to compare anyway")
     try:
+        now = checkpoint_hash(ckpt) if options.checkpoint is None and recorded and Path(ckpt).is_dir() else None
+        if now is not None and now != recorded:
+            raise RunnerError(f"{ckpt}: changed since the export (sha256 {now} != {recorded} in "
+                              f"{export_dir}/manifest.json); re-export, or pass --checkpoint to compare anyway")
         model = load_checkpoint(ckpt, dtype=d.dtype(), device="cpu")
     except (CheckpointError, FileNotFoundError) as e:
         raise RunnerError(f"eager reference: {e}") from None
