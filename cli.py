@@ -24,8 +24,13 @@ def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug lo
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(message)s")
 
 
+MAX_ERROR = 2000
+
+
 def fail(message: str) -> None:
-    """Print an error that names the bad input and exit 1."""
+    """Print an error that names the bad input and exit 1 (cut to MAX_ERROR characters)."""
+    if len(message) > MAX_ERROR:
+        message = message[:MAX_ERROR] + f"... ({len(message)} characters in all)"
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code=1)
 
@@ -211,15 +216,21 @@ def export(
     seed: Annotated[int, typer.Option(help="Seed of a preset's random weights.")] = 0,
 ) -> None:
     """Trace the model once (torch.export) and write the target's artifacts plus manifest.json."""
+    import errno
+
     from .exporter.artifacts import ManifestError
     from .exporter.export import ExportOptions, export as run_export
+    from .exporter.staging import FolderError
 
     progress = lambda stage, s: typer.echo(f"[{stage}] " + ("..." if s is None else f"done in {s:.1f} s"))  # noqa: E731
     try:
         result = run_export(ExportOptions(tuple(target), out, preset, checkpoint, not no_weights, dtype, seed), progress)
-    except (ValueError, FileNotFoundError, ManifestError) as e:  # ConfigError, CheckpointError: name the input
+    except (ValueError, FileNotFoundError, ManifestError, FolderError) as e:  # ConfigError, ...: name the input
         fail(str(e))
-    except (OSError, RuntimeError) as e:  # a stage failed; its artifacts were not renamed into place
+    except OSError as e:  # nothing was renamed into place: `out` is as it was
+        what = "no space left on device" if e.errno == errno.ENOSPC else f"{type(e).__name__}: {e}"
+        fail(f"export to {out} failed: {what}; nothing was written")
+    except RuntimeError as e:  # a stage failed; its artifacts were not renamed into place
         fail(f"export to {out} failed: {type(e).__name__}: {e}")
     typer.echo("\n".join(result.notes + [f"manifest: {out / 'manifest.json'}"]))
 

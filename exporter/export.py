@@ -6,6 +6,9 @@ Notable choices:
 - The config is checked against what the ops support (`verify_config`, FLA-style `(ok, reason)`) before
   anything is built or traced; a failure raises `ConfigError` naming the field.
 - `weights=False` builds on the meta device: any size traces on an ordinary CPU machine.
+- Whole exports (exporter/staging.py): everything is written into a sibling temporary folder
+  (`StageContext.work_dir`) that replaces `out_dir` only once every stage succeeded; `out_dir` must be
+  missing, empty or an earlier k3x export, and is locked against concurrent exports.
 - Every target consumes the one traced `ExportedProgram`. A stage is a plain function
   `stage(ep, ctx) -> str` (a line for the user) that writes its files through
   `artifacts.write_artifact`, so each artifact is renamed into place and listed in the manifest.
@@ -77,6 +80,7 @@ class ExportOptions:
 class StageContext:
     cfg: K3Config
     options: ExportOptions
+    work_dir: Path  # where stages write (renamed to out_dir when the export is complete)
 
     @property
     def out_dir(self) -> Path:
@@ -118,7 +122,7 @@ def stage_pt2(ep: ExportedProgram, ctx: StageContext) -> str:
     from .trace import save_pt2
 
     name = "model.pt2"
-    with artifacts.write_artifact(ctx.out_dir, "pt2", {"weights": ctx.options.weights,
+    with artifacts.write_artifact(ctx.work_dir, "pt2", {"weights": ctx.options.weights,
                                                        "load": "k3x.exporter.trace.load_pt2"}) as tmp:
         save_pt2(ep, tmp / name)
     if ctx.options.weights:
@@ -131,7 +135,7 @@ def stage_aoti(ep: ExportedProgram, ctx: StageContext) -> str:
     from . import artifacts
     from .aoti import PACKAGE, REQUIRES, compile_aoti
 
-    with artifacts.write_artifact(ctx.out_dir, "aoti", {"device": "cpu", "requires": REQUIRES,
+    with artifacts.write_artifact(ctx.work_dir, "aoti", {"device": "cpu", "requires": REQUIRES,
                                                         "load": "k3x.exporter.aoti.load_aoti"}) as tmp:
         compile_aoti(ep, tmp / PACKAGE)
     return f"aoti: {ctx.out_dir / PACKAGE} — runs only in {REQUIRES}"
@@ -140,9 +144,9 @@ def stage_aoti(ep: ExportedProgram, ctx: StageContext) -> str:
 def stage_onnx(ep: ExportedProgram, ctx: StageContext) -> str:
     from .onnx import OnnxOptions, onnx_stage
 
-    art = onnx_stage(ctx.out_dir, ep, ctx.cfg, OnnxOptions(weights=ctx.options.weights))
-    where = ", ".join(f"{flavor} {path}" for flavor, path in art.files.items())
-    data = f", weights in {art.external_data}" if art.external_data else ""
+    art = onnx_stage(ctx.work_dir, ep, ctx.cfg, OnnxOptions(weights=ctx.options.weights))
+    where = ", ".join(f"{flavor} {ctx.out_dir / Path(path).name}" for flavor, path in art.files.items())
+    data = f", weights in {ctx.out_dir / Path(art.external_data).name}" if art.external_data else ""
     return f"onnx: {where}{data}" + ("" if ctx.options.weights else " (weightless: weights are graph inputs)")
 
 
@@ -216,16 +220,19 @@ def export(options: ExportOptions, progress: Progress | None = None) -> ExportRe
         ok, reason = verify_config(cfg)
         if not ok:
             raise _config_error(reason)
-    with _timed("model", progress, timings):
-        model = build()
-    with _timed("trace", progress, timings):
-        ep = trace(model)
-    with _timed("manifest", progress, timings):
-        artifacts.init_manifest(options.out_dir, cfg, dtype=dtype, weights=options.weights,
-                                op_counts=op_counts(ep), checkpoint=options.checkpoint, checkpoint_hash=ckpt_hash)
-    ctx = StageContext(cfg, options)
-    notes = []
-    for name in stages:
-        with _timed(name, progress, timings):
-            notes.append(str(STAGES[name](ep, ctx)))
+    from .staging import staged_export
+
+    with staged_export(options.out_dir) as work:
+        with _timed("model", progress, timings):
+            model = build()
+        with _timed("trace", progress, timings):
+            ep = trace(model)
+        with _timed("manifest", progress, timings):
+            artifacts.init_manifest(work, cfg, dtype=dtype, weights=options.weights, op_counts=op_counts(ep),
+                                    checkpoint=options.checkpoint, checkpoint_hash=ckpt_hash)
+        ctx = StageContext(cfg, options, work)
+        notes = []
+        for name in stages:
+            with _timed(name, progress, timings):
+                notes.append(str(STAGES[name](ep, ctx)))
     return ExportResult(options.out_dir, artifacts.read_manifest(options.out_dir), timings, notes)
