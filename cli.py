@@ -111,8 +111,14 @@ def generate(
 
     from .model.generate import greedy_generate
 
-    model = load_model_or_fail(checkpoint)
+    from .exporter.runners import RunnerError, check_request
+
     ids = torch.tensor([parse_ids(prompt_ids, "--prompt-ids")])
+    try:
+        check_request(config_or_fail(None, checkpoint), batch=1, prompt_len=ids.shape[1], new_tokens=max_new_tokens)
+    except RunnerError as e:
+        fail(str(e))
+    model = load_model_or_fail(checkpoint)
     try:
         g = greedy_generate(model, ids, max_new_tokens)
     except ValueError as e:
@@ -141,23 +147,24 @@ def logits(
 
     if (input_ids is None) == (batch_file is None):
         fail("give exactly one of --input-ids or --batch-file")
-    try:
-        ids = np.array([parse_ids(input_ids, "--input-ids")]) if input_ids else np.load(batch_file)
-    except (OSError, ValueError) as e:
-        fail(f"{batch_file}: cannot read a .npy array ({e})")
-    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-        fail(f"{batch_file}: expected an integer array [B, T], got {ids.dtype} {list(ids.shape)}")
+    ids = np.array([parse_ids(input_ids, "--input-ids")]) if input_ids else load_ids_npy(batch_file)
     if backend != "eager":
         result = _export_logits(backend, export_dir, torch.from_numpy(ids.astype(np.int64)),
                                 _runner_options(provider, skip_hash_check))
     else:
+        from .exporter.runners import RunnerError, check_request
+
         if checkpoint is None:
             fail("backend eager needs --checkpoint DIR")
+        try:
+            check_request(config_or_fail(None, checkpoint), batch=ids.shape[0], prompt_len=ids.shape[1], new_tokens=1)
+        except RunnerError as e:
+            fail(str(e))
         model = load_model_or_fail(checkpoint)
         try:
             result = full_logits(model, torch.from_numpy(ids.astype(np.int64)))
-        except ValueError as e:
-            fail(str(e))
+        except Exception as e:  # noqa: BLE001 - one line, no traceback
+            fail(f"eager: {_one_line(e)}")
     try:
         save_npy_atomic(out, result.numpy())
     except OSError as e:
@@ -167,16 +174,54 @@ def logits(
 
 def _export_logits(backend: str, export_dir: Path | None, ids, options):
     """Full-sequence logits from an exported artifact (prefill from an empty state)."""
-    from .exporter.runners import RunnerError, make_runner, prefill_logits
+    from .exporter.runners import RunnerError, check_request, make_runner, prefill_logits
 
     if export_dir is None:
         fail(f"backend {backend} needs --export-dir DIR")
     folder = _export_folder(export_dir)
     try:
+        check_request(folder.config(), batch=ids.shape[0], prompt_len=ids.shape[1], new_tokens=1,
+                      dims=folder.manifest["dynamic_dims"], backend=backend)
         runner = make_runner(backend, export_dir, options)
         return prefill_logits(runner, folder.config(), ids, dtype=folder.dtype())
     except (RunnerError, ValueError) as e:
         fail(str(e))
+    except Exception as e:  # noqa: BLE001 - one line, no traceback
+        fail(f"backend {backend}: {_one_line(e)}")
+
+
+def _one_line(e: BaseException) -> str:
+    """`Type: first line of the message` (a runtime's own errors can be pages long)."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:300] if lines else ''}"
+
+
+def load_ids_npy(path: Path):
+    """A .npy integer array [B, T], its header checked before any data is read (no .npz, no pickles,
+    no header promising more bytes than the file holds)."""
+    import numpy as np
+
+    try:
+        with open(path, "rb") as f:
+            if f.read(4).startswith(b"PK"):
+                fail(f"{path}: a .npz archive; --batch-file takes one .npy array [B, T] (np.save, not np.savez)")
+            f.seek(0)
+            version = np.lib.format.read_magic(f)
+            shape, fortran, dtype = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                                     else np.lib.format.read_array_header_2_0)(f)
+            header_end = f.tell()
+        size = path.stat().st_size
+    except (OSError, ValueError) as e:
+        fail(f"{path}: cannot read a .npy array ({str(e)[:200]})")
+    if len(shape) != 2 or dtype.kind not in "iu":
+        fail(f"{path}: expected an integer array [B, T], got {dtype} {list(shape)}")
+    if shape[0] * shape[1] * dtype.itemsize != size - header_end:
+        fail(f"{path}: the header says {dtype} {list(shape)} ({shape[0] * shape[1] * dtype.itemsize:,} bytes), the "
+             f"file holds {size - header_end:,}")
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        fail(f"{path}: cannot read a .npy array ({str(e)[:200]})")
 
 
 SKIP_HASH_HELP = "Do not sha256 the artifact files before loading (huge files; paths and sizes are still checked)."
@@ -277,7 +322,7 @@ def run(
     """Greedy decoding with an exported artifact: prefill, then decode steps carrying state."""
     import torch
 
-    from .exporter.runners import RunnerError, greedy_decode, make_runner
+    from .exporter.runners import RunnerError, check_request, greedy_decode, make_runner
 
     ids = parse_ids(prompt_ids, "--prompt-ids")
     folder = _export_folder(export_dir)
@@ -285,11 +330,15 @@ def run(
     if max(ids) >= cfg.vocab_size or min(ids) < 0:
         fail(f"--prompt-ids: ids must be in [0, {cfg.vocab_size}) for {cfg.name}")
     try:
+        check_request(cfg, batch=1, prompt_len=len(ids), new_tokens=max_new_tokens, backend=backend,
+                      dims=None if backend == "eager" else folder.manifest["dynamic_dims"])
         runner = make_runner(backend, export_dir, _runner_options(provider, skip_hash_check))
         tokens, prefill_s, decode_s = greedy_decode(runner, cfg, torch.tensor([ids]), max_new_tokens,
                                                     dtype=folder.dtype())
     except RunnerError as e:
         fail(str(e))
+    except Exception as e:  # noqa: BLE001 - one line, no traceback
+        fail(f"backend {backend}: {_one_line(e)}")
     where = f" on {runner.provider}" if hasattr(runner, "provider") else ""
     steps = max_new_tokens - 1
     typer.echo(f"backend {backend}{where}")
@@ -326,7 +375,7 @@ def verify(
     """Parity of every backend vs the eager reference over prefill + decode steps; exit 1 on any failure."""
     import json
 
-    from .exporter.runners import RunnerError, make_runner
+    from .exporter.runners import RunnerError, check_request, make_runner
     from .exporter.verify import run_parity
 
     names = [b.strip() for b in backends.split(",") if b.strip()]
@@ -335,12 +384,17 @@ def verify(
     folder = _export_folder(export_dir)
     options = _runner_options(provider, skip_hash_check, checkpoint)
     try:
+        for n in ["eager"] + names:
+            check_request(folder.config(), batch=batch, prompt_len=prompt_len, new_tokens=steps + 1, backend=n,
+                          dims=None if n == "eager" else folder.manifest["dynamic_dims"])
         reference = make_runner("eager", export_dir, options)
         runners = [make_runner(n, export_dir, options) for n in names]
+        report = run_parity(reference, runners, folder.config(), steps=steps, batch=batch, prompt_len=prompt_len,
+                            dtype=folder.dtype(), seed=seed)
     except RunnerError as e:
         fail(str(e))
-    report = run_parity(reference, runners, folder.config(), steps=steps, batch=batch, prompt_len=prompt_len,
-                        dtype=folder.dtype(), seed=seed)
+    except Exception as e:  # noqa: BLE001 - e.g. the eager reference failing: one line, no traceback
+        fail(f"verify: {_one_line(e)}")
     for r in runners:
         if hasattr(r, "provider"):
             typer.echo(f"{r.name}: provider {r.provider}")

@@ -186,6 +186,37 @@ def make_runner(backend: str, export_dir: Path, options: RunnerOptions = RunnerO
         raise RunnerError(str(e)) from None
 
 
+def check_request(cfg, *, batch: int, prompt_len: int, new_tokens: int, dims: dict | None = None,
+                  backend: str = "eager", dtype_bytes: int = 4) -> None:
+    """Refuse, before anything runs, a request the model cannot serve: `batch` x `prompt_len` then
+    `new_tokens` - 1 decode steps. Exported backends are bounded by the traced dynamic dims (`dims`, the
+    manifest's `dynamic_dims`); every backend by the config's context length and, for the eager model
+    (which materialises full attention), by an estimate of the prefill's memory against what is free."""
+    if batch < 1 or prompt_len < 1 or new_tokens < 1:
+        raise RunnerError(f"batch={batch}, prompt length={prompt_len}, new tokens={new_tokens}: each must be >= 1")
+    positions = prompt_len + new_tokens - 1  # tokens fed to the model in all
+    if dims is not None:
+        limits = [("batch", batch, "batch"), ("seq", prompt_len, "prompt length"),
+                  ("past_seq", positions - 1, "prompt length + decode steps - 1 (the cache length)")]
+        for dim, value, what in limits:
+            if dim in dims and value > dims[dim]["max"]:
+                raise RunnerError(f"backend {backend}: {what} = {value} is over the exported maximum {dim}="
+                                  f"{dims[dim]['max']} (trace.DYNAMIC_DIMS at export time); use a shorter request")
+    if positions > cfg.max_position_embeddings:
+        raise RunnerError(f"prompt length {prompt_len} + {new_tokens - 1} decode steps = {positions} positions: "
+                          f"over the model's context length (max_position_embeddings={cfg.max_position_embeddings})")
+    if dims is not None:
+        return
+    import psutil
+
+    heads = max(cfg.mla.num_heads, cfg.kda.num_heads)
+    need = batch * prompt_len * (cfg.vocab_size + 16 * cfg.hidden_size) * 4 + batch * heads * prompt_len ** 2 * 4 * 2
+    free = psutil.virtual_memory().available
+    if need > free // 2:
+        raise RunnerError(f"backend {backend}: batch {batch} x prompt length {prompt_len} needs about "
+                          f"{need / 2**30:,.1f} GiB for the prefill, {free / 2**30:,.1f} GiB is free; use a shorter request")
+
+
 def greedy_decode(runner: Runner, cfg, prompt: Tensor, max_new_tokens: int, *, dtype: torch.dtype = torch.float32
                   ) -> tuple[Tensor, float, float]:
     """Prefill `prompt` [B, T], then T=1 steps carrying state -> (tokens [B, new], prefill_s, decode_s)."""

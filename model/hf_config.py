@@ -60,7 +60,7 @@ def _read_json(path: Path, where: str) -> dict[str, Any]:
             raise ConfigError(f"{where}: {path.stat().st_size} bytes; a config.json is at most {_MAX_BYTES}")
         raw = json.loads(path.read_bytes().decode("utf-8"), parse_constant=no_constant)
     except FileNotFoundError:
-        raise ConfigError(f"{where}: no such file") from None
+        raise ConfigError(f"{where}: no such file (no config.json: not a checkpoint folder)") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:
