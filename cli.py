@@ -287,7 +287,8 @@ def build_engine_cmd(
     opt: Annotated[Optional[list[str]], typer.Option("--opt", help="Profile opt, e.g. seq=128.")] = None,
     max_: Annotated[Optional[list[str]], typer.Option("--max", help="Profile max, e.g. batch=8.")] = None,
     sm: Annotated[Optional[int], typer.Option(help="Target SM (default 90 for trt, 89 for trt-rtx).")] = None,
-    runtime: Annotated[str, typer.Option(help="trt (TensorRT 11) | trt-rtx (TensorRT-RTX, builds on CPU).")] = "trt",
+    runtime: Annotated[str, typer.Option(help="auto (trt when TensorRT 11 and a GPU are here, else trt-rtx) | trt "
+                                              "(TensorRT 11) | trt-rtx (TensorRT-RTX, builds on CPU).")] = "auto",
     plugin_path: Annotated[str, typer.Option(help="aot (embedded cubins) | jit (Triton via torch).")] = "aot",
 ) -> None:
     """Build model.engine from the trt-flavour ONNX with the k3 plugins (profiles from DYNAMIC_DIMS)."""

@@ -140,3 +140,11 @@ def test_manifest_that_is_not_an_object_is_a_manifest_error(export_dir, text):
     (export_dir / "manifest.json").write_bytes(text if isinstance(text, bytes) else text.encode())
     with pytest.raises(ManifestError):
         ExportFolder.open(export_dir)
+
+
+def test_ort_sessions_run_without_the_growing_cpu_arena(export_dir):
+    from k3x.exporter.ort_runner import ort_session
+
+    sess, _ = ort_session(export_dir / "model.onnx", "cpu")
+    cfg = sess.get_session_options()
+    assert cfg.enable_cpu_mem_arena is False and cfg.enable_mem_pattern is False
