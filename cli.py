@@ -8,9 +8,10 @@ from typing import Annotated, Optional
 
 import typer
 
+from .cli_support import App, Progress, fail, load_ids_npy, one_line
 from .exporter.export import DType, Target
 
-app = typer.Typer(
+app = App(
     name="k3x",
     help="Kimi-K3 compiled graph export: checkpoint -> torch.export / ONNX / TensorRT / AOTInductor, parity proven.",
     no_args_is_help=True,
@@ -22,17 +23,6 @@ app = typer.Typer(
 @app.callback()
 def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(message)s")
-
-
-MAX_ERROR = 2000
-
-
-def fail(message: str) -> None:
-    """Print an error that names the bad input and exit 1 (cut to MAX_ERROR characters)."""
-    if len(message) > MAX_ERROR:
-        message = message[:MAX_ERROR] + f"... ({len(message)} characters in all)"
-    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(code=1)
 
 
 def parse_ids(text: str, what: str) -> list[int]:
@@ -164,7 +154,7 @@ def logits(
         try:
             result = full_logits(model, torch.from_numpy(ids.astype(np.int64)))
         except Exception as e:  # noqa: BLE001 - one line, no traceback
-            fail(f"eager: {_one_line(e)}")
+            fail(f"eager: {one_line(e)}")
     try:
         save_npy_atomic(out, result.numpy())
     except OSError as e:
@@ -187,41 +177,7 @@ def _export_logits(backend: str, export_dir: Path | None, ids, options):
     except (RunnerError, ValueError) as e:
         fail(str(e))
     except Exception as e:  # noqa: BLE001 - one line, no traceback
-        fail(f"backend {backend}: {_one_line(e)}")
-
-
-def _one_line(e: BaseException) -> str:
-    """`Type: first line of the message` (a runtime's own errors can be pages long)."""
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0][:300] if lines else ''}"
-
-
-def load_ids_npy(path: Path):
-    """A .npy integer array [B, T], its header checked before any data is read (no .npz, no pickles,
-    no header promising more bytes than the file holds)."""
-    import numpy as np
-
-    try:
-        with open(path, "rb") as f:
-            if f.read(4).startswith(b"PK"):
-                fail(f"{path}: a .npz archive; --batch-file takes one .npy array [B, T] (np.save, not np.savez)")
-            f.seek(0)
-            version = np.lib.format.read_magic(f)
-            shape, fortran, dtype = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                                     else np.lib.format.read_array_header_2_0)(f)
-            header_end = f.tell()
-        size = path.stat().st_size
-    except (OSError, ValueError) as e:
-        fail(f"{path}: cannot read a .npy array ({str(e)[:200]})")
-    if len(shape) != 2 or dtype.kind not in "iu":
-        fail(f"{path}: expected an integer array [B, T], got {dtype} {list(shape)}")
-    if shape[0] * shape[1] * dtype.itemsize != size - header_end:
-        fail(f"{path}: the header says {dtype} {list(shape)} ({shape[0] * shape[1] * dtype.itemsize:,} bytes), the "
-             f"file holds {size - header_end:,}")
-    try:
-        return np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        fail(f"{path}: cannot read a .npy array ({str(e)[:200]})")
+        fail(f"backend {backend}: {one_line(e)}")
 
 
 SKIP_HASH_HELP = "Do not sha256 the artifact files before loading (huge files; paths and sizes are still checked)."
@@ -267,9 +223,10 @@ def export(
     from .exporter.export import ExportOptions, export as run_export
     from .exporter.staging import FolderError
 
-    progress = lambda stage, s: typer.echo(f"[{stage}] " + ("..." if s is None else f"done in {s:.1f} s"))  # noqa: E731
     try:
-        result = run_export(ExportOptions(tuple(target), out, preset, checkpoint, not no_weights, dtype, seed), progress)
+        with Progress() as progress:
+            result = run_export(ExportOptions(tuple(target), out, preset, checkpoint, not no_weights, dtype, seed),
+                                progress)
     except (ValueError, FileNotFoundError, ManifestError, FolderError) as e:  # ConfigError, ...: name the input
         fail(str(e))
     except OSError as e:  # nothing was renamed into place: `out` is as it was
@@ -339,13 +296,26 @@ def run(
     except RunnerError as e:
         fail(str(e))
     except Exception as e:  # noqa: BLE001 - one line, no traceback
-        fail(f"backend {backend}: {_one_line(e)}")
+        fail(f"backend {backend}: {one_line(e)}")
     where = f" on {runner.provider}" if hasattr(runner, "provider") else ""
     steps = max_new_tokens - 1
     typer.echo(f"backend {backend}{where}")
     typer.echo("tokens: " + ",".join(str(t) for t in tokens[0].tolist()))
     rate = f"{steps / decode_s:.1f} tokens/s" if steps and decode_s > 0 else "n/a"
     typer.echo(f"prefill {prefill_s * 1e3:.1f} ms ({len(ids) / prefill_s:.1f} tokens/s); decode {rate}")
+
+
+def _default_backends(folder) -> list[str]:
+    """Every runner the export folder has an artifact for (trt only where a CUDA GPU can run it)."""
+    import torch
+
+    arts = folder.manifest["artifacts"]
+    names = [runner for art, runner in (("pt2", "pt2"), ("onnx", "ort"), ("aoti", "aoti"), ("trt", "trt"))
+             if art in arts and arts[art].get("weights", folder.manifest["weights"]) is not False]
+    if "trt" in names and not torch.cuda.is_available():
+        names.remove("trt")
+        typer.echo("note: backend trt skipped (no CUDA GPU here)", err=True)
+    return names
 
 
 def _export_folder(export_dir: Path):
@@ -362,7 +332,8 @@ def _export_folder(export_dir: Path):
 @app.command()
 def verify(
     export_dir: Annotated[Path, typer.Argument(help="Export folder (k3x export).")],
-    backends: Annotated[str, typer.Option(help="Comma-separated runners to check against eager.")] = "pt2,ort",
+    backends: Annotated[str, typer.Option(help="Comma-separated runners to check against eager (default: every "
+                                               "backend the export has; trt only with a CUDA GPU).")] = "",
     steps: Annotated[int, typer.Option(min=0, help="Decode steps after the prefill.")] = 8,
     prompt_len: Annotated[int, typer.Option(min=1, help="Prompt length of the prefill.")] = 7,
     batch: Annotated[int, typer.Option(min=1, help="Batch size.")] = 1,
@@ -379,10 +350,10 @@ def verify(
     from .exporter.runners import RunnerError, check_request, make_runner
     from .exporter.verify import run_parity
 
-    names = [b.strip() for b in backends.split(",") if b.strip()]
-    if not names:
-        fail("--backends: name at least one runner")
     folder = _export_folder(export_dir)
+    names = [b.strip() for b in backends.split(",") if b.strip()] or _default_backends(folder)
+    if not names:
+        fail(f"{export_dir}: no runnable artifact (exported with --no-weights?); name runners with --backends")
     options = _runner_options(provider, skip_hash_check, checkpoint)
     try:
         for n in ["eager"] + names:
@@ -395,7 +366,7 @@ def verify(
     except RunnerError as e:
         fail(str(e))
     except Exception as e:  # noqa: BLE001 - e.g. the eager reference failing: one line, no traceback
-        fail(f"verify: {_one_line(e)}")
+        fail(f"verify: {one_line(e)}")
     for r in runners:
         if hasattr(r, "provider"):
             typer.echo(f"{r.name}: provider {r.provider}")

@@ -5,7 +5,6 @@ half-written."""
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 import torch

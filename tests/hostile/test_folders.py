@@ -12,7 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from conftest import k3x
 
 from k3x.exporter import export as export_mod
