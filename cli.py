@@ -9,9 +9,10 @@ from typing import Annotated, Optional
 import typer
 
 from .cli_decode import Chat, MaxNewTokens, PromptIds, PromptText, Seed, Temperature, TopK, TopP
+from .cli_support import App, Progress, fail, load_ids_npy, one_line
 from .exporter.export import DType, KernelChoice, Target
 
-app = typer.Typer(
+app = App(
     name="k3x",
     help="Kimi-K3 compiled graph export: checkpoint -> torch.export / ONNX / TensorRT / AOTInductor, parity proven.",
     no_args_is_help=True,
@@ -23,12 +24,6 @@ app = typer.Typer(
 @app.callback()
 def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(message)s")
-
-
-def fail(message: str) -> None:
-    """Print an error that names the bad input and exit 1."""
-    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(code=1)
 
 
 def parse_ids(text: str, what: str) -> list[int]:
@@ -118,13 +113,22 @@ def generate(
     import torch
 
     from .cli_decode import Printer, Sampling, prepare
+    from .exporter.runners import RunnerError, check_request
     from .model.generate import generate as eager_generate
 
-    model = load_model_or_fail(checkpoint)
-    p = prepare(checkpoint, model.cfg.vocab_size, prompt, prompt_ids, chat,
+    cfg = config_or_fail(None, checkpoint)
+    p = prepare(checkpoint, cfg.vocab_size, prompt, prompt_ids, chat,
                 Sampling(max_new_tokens, temperature, top_k, top_p, seed))
+    try:
+        check_request(cfg, batch=1, prompt_len=len(p.ids), new_tokens=max_new_tokens)
+    except RunnerError as e:
+        fail(str(e))
+    model = load_model_or_fail(checkpoint)
     printer = Printer(p.tokenizer)
-    g = eager_generate(model, torch.tensor([p.ids]), p.options, on_token=printer)
+    try:
+        g = eager_generate(model, torch.tensor([p.ids]), p.options, on_token=printer)
+    except ValueError as e:
+        fail(f"generate: {one_line(e)}")
     printer.finish(g, len(p.ids), "eager, cpu")
 
 
@@ -138,6 +142,7 @@ def logits(
                        ] = "eager",
     export_dir: Annotated[Optional[Path], typer.Option(help="Export folder (backends pt2, ort).")] = None,
     provider: Annotated[str, typer.Option(help="ONNX Runtime provider: auto, cuda, cpu.")] = "auto",
+    skip_hash_check: Annotated[bool, typer.Option("--skip-hash-check", help=SKIP_HASH_HELP)] = False,
 ) -> None:
     """Full-sequence logits, for parity checks by anyone."""
     import numpy as np
@@ -147,22 +152,24 @@ def logits(
 
     if (input_ids is None) == (batch_file is None):
         fail("give exactly one of --input-ids or --batch-file")
-    try:
-        ids = np.array([parse_ids(input_ids, "--input-ids")]) if input_ids else np.load(batch_file)
-    except (OSError, ValueError) as e:
-        fail(f"{batch_file}: cannot read a .npy array ({e})")
-    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-        fail(f"{batch_file}: expected an integer array [B, T], got {ids.dtype} {list(ids.shape)}")
+    ids = np.array([parse_ids(input_ids, "--input-ids")]) if input_ids else load_ids_npy(batch_file)
     if backend != "eager":
-        result = _export_logits(backend, export_dir, torch.from_numpy(ids.astype(np.int64)), provider)
+        result = _export_logits(backend, export_dir, torch.from_numpy(ids.astype(np.int64)),
+                                _runner_options(provider, skip_hash_check))
     else:
+        from .exporter.runners import RunnerError, check_request
+
         if checkpoint is None:
             fail("backend eager needs --checkpoint DIR")
+        try:
+            check_request(config_or_fail(None, checkpoint), batch=ids.shape[0], prompt_len=ids.shape[1], new_tokens=1)
+        except RunnerError as e:
+            fail(str(e))
         model = load_model_or_fail(checkpoint)
         try:
             result = full_logits(model, torch.from_numpy(ids.astype(np.int64)))
-        except ValueError as e:
-            fail(str(e))
+        except Exception as e:  # noqa: BLE001 - one line, no traceback
+            fail(f"eager: {one_line(e)}")
     try:
         save_npy_atomic(out, result.numpy())
     except OSError as e:
@@ -170,18 +177,34 @@ def logits(
     typer.echo(f"wrote logits {list(result.shape)} float32 to {out}")
 
 
-def _export_logits(backend: str, export_dir: Path | None, ids, provider: str):
+def _export_logits(backend: str, export_dir: Path | None, ids, options):
     """Full-sequence logits from an exported artifact (prefill from an empty state)."""
-    from .exporter.runners import RunnerError, RunnerOptions, make_runner, prefill_logits
+    from .exporter.runners import RunnerError, check_request, make_runner, prefill_logits
 
     if export_dir is None:
         fail(f"backend {backend} needs --export-dir DIR")
     folder = _export_folder(export_dir)
     try:
-        runner = make_runner(backend, export_dir, RunnerOptions(provider=provider))
+        check_request(folder.config(), batch=ids.shape[0], prompt_len=ids.shape[1], new_tokens=1,
+                      dims=folder.manifest["dynamic_dims"], backend=backend)
+        runner = make_runner(backend, export_dir, options)
         return prefill_logits(runner, folder.config(), ids, dtype=folder.dtype())
     except (RunnerError, ValueError) as e:
         fail(str(e))
+    except Exception as e:  # noqa: BLE001 - one line, no traceback
+        fail(f"backend {backend}: {one_line(e)}")
+
+
+SKIP_HASH_HELP = "Do not sha256 the artifact files before loading (huge files; paths and sizes are still checked)."
+
+
+def _runner_options(provider: str, skip_hash_check: bool, checkpoint: Path | None = None):
+    from .exporter.runners import RunnerOptions
+
+    if skip_hash_check:
+        typer.echo("note: sha256 check of the artifact files skipped (--skip-hash-check); AOTI packages are "
+                   "still checked", err=True)
+    return RunnerOptions(provider=provider, checkpoint=checkpoint, check_hashes=not skip_hash_check)
 
 
 def save_npy_atomic(path: Path, array) -> None:
@@ -212,16 +235,22 @@ def export(
              "(Triton kernels, CUDA only). Not the runner: that is `k3x run --backend`.")] = KernelChoice.REFERENCE,
 ) -> None:
     """Trace the model once (torch.export) and write the target's artifacts plus manifest.json."""
+    import errno
+
     from .exporter.artifacts import ManifestError
     from .exporter.export import ExportOptions, export as run_export
+    from .exporter.staging import FolderError
 
-    progress = lambda stage, s: typer.echo(f"[{stage}] " + ("..." if s is None else f"done in {s:.1f} s"))  # noqa: E731
     try:
         options = ExportOptions(tuple(target), out, preset, checkpoint, not no_weights, dtype, seed, kernels)
-        result = run_export(options, progress)
-    except (ValueError, FileNotFoundError, ManifestError) as e:  # ConfigError, CheckpointError: name the input
+        with Progress() as progress:
+            result = run_export(options, progress)
+    except (ValueError, FileNotFoundError, ManifestError, FolderError) as e:  # ConfigError, ...: name the input
         fail(str(e))
-    except (OSError, RuntimeError) as e:  # a stage failed; its artifacts were not renamed into place
+    except OSError as e:  # nothing was renamed into place: `out` is as it was
+        what = "no space left on device" if e.errno == errno.ENOSPC else f"{type(e).__name__}: {e}"
+        fail(f"export to {out} failed: {what}; nothing was written")
+    except RuntimeError as e:  # a stage failed; its artifacts were not renamed into place
         fail(f"export to {out} failed: {type(e).__name__}: {e}")
     typer.echo("\n".join(result.notes + [f"manifest: {out / 'manifest.json'}"]))
 
@@ -233,7 +262,8 @@ def build_engine_cmd(
     opt: Annotated[Optional[list[str]], typer.Option("--opt", help="Profile opt, e.g. seq=128.")] = None,
     max_: Annotated[Optional[list[str]], typer.Option("--max", help="Profile max, e.g. batch=8.")] = None,
     sm: Annotated[Optional[int], typer.Option(help="Target SM (default 90 for trt, 89 for trt-rtx).")] = None,
-    runtime: Annotated[str, typer.Option(help="trt (TensorRT 11) | trt-rtx (TensorRT-RTX, builds on CPU).")] = "trt",
+    runtime: Annotated[str, typer.Option(help="auto (trt when TensorRT 11 and a GPU are here, else trt-rtx) | trt "
+                                              "(TensorRT 11) | trt-rtx (TensorRT-RTX, builds on CPU).")] = "auto",
     plugin_path: Annotated[str, typer.Option(help="aot (embedded cubins) | jit (Triton via torch).")] = "aot",
 ) -> None:
     """Build model.engine from the trt-flavour ONNX with the k3 plugins (profiles from DYNAMIC_DIMS)."""
@@ -269,33 +299,53 @@ def run(
     seed: Seed = None,
     provider: Annotated[str, typer.Option(help="ONNX Runtime provider: auto (CUDA if it initialises), cuda, cpu.")
                         ] = "auto",
+    skip_hash_check: Annotated[bool, typer.Option("--skip-hash-check", help=SKIP_HASH_HELP)] = False,
 ) -> None:
     """Decode with an exported artifact: prefill, then decode steps carrying state; greedy by default.
     Prints text as it comes when the export folder has a tokenizer."""
     import torch
 
     from .cli_decode import Printer, Sampling, prepare
-    from .exporter.runners import RunnerError, RunnerOptions, generate as run_generate, make_runner
+    from .exporter.runners import RunnerError, check_request, generate as run_generate, make_runner
 
     folder = _export_folder(export_dir)
     cfg = folder.config()
     p = prepare(export_dir, cfg.vocab_size, prompt, prompt_ids, chat,
                 Sampling(max_new_tokens, temperature, top_k, top_p, seed))
     try:
-        runner = make_runner(backend, export_dir, RunnerOptions(provider=provider))
+        check_request(cfg, batch=1, prompt_len=len(p.ids), new_tokens=max_new_tokens, backend=backend,
+                      dims=None if backend == "eager" else folder.manifest["dynamic_dims"])
+        runner = make_runner(backend, export_dir, _runner_options(provider, skip_hash_check))
         typer.echo(f"backend {backend}" + (f" on {runner.provider}" if hasattr(runner, "provider") else ""))
         printer = Printer(p.tokenizer)
         g = run_generate(runner, cfg, torch.tensor([p.ids]), p.options, dtype=folder.dtype(), on_token=printer)
     except RunnerError as e:
         fail(str(e))
+    except Exception as e:  # noqa: BLE001 - one line, no traceback
+        fail(f"backend {backend}: {one_line(e)}")
     printer.finish(g, len(p.ids), backend)
+
+
+def _default_backends(folder) -> list[str]:
+    """Every runner the export folder has an artifact for (trt only where a CUDA GPU can run it)."""
+    import torch
+
+    arts = folder.manifest["artifacts"]
+    names = [runner for art, runner in (("pt2", "pt2"), ("onnx", "ort"), ("aoti", "aoti"), ("trt", "trt"))
+             if art in arts and arts[art].get("weights", folder.manifest["weights"]) is not False]
+    if "trt" in names and not torch.cuda.is_available():
+        names.remove("trt")
+        typer.echo("note: backend trt skipped (no CUDA GPU here)", err=True)
+    return names
 
 
 def _export_folder(export_dir: Path):
     from .exporter.artifacts import ExportFolder, ManifestError
 
     try:
-        return ExportFolder.open(export_dir)
+        folder = ExportFolder.open(export_dir)
+        folder.config()  # the recorded config must build
+        return folder
     except ManifestError as e:
         fail(f"{export_dir}: not a k3x export folder ({e})")
 
@@ -303,7 +353,8 @@ def _export_folder(export_dir: Path):
 @app.command()
 def verify(
     export_dir: Annotated[Path, typer.Argument(help="Export folder (k3x export).")],
-    backends: Annotated[str, typer.Option(help="Comma-separated runners to check against eager.")] = "pt2,ort",
+    backends: Annotated[str, typer.Option(help="Comma-separated runners to check against eager (default: every "
+                                               "backend the export has; trt only with a CUDA GPU).")] = "",
     steps: Annotated[int, typer.Option(min=0, help="Decode steps after the prefill.")] = 8,
     prompt_len: Annotated[int, typer.Option(min=1, help="Prompt length of the prefill.")] = 7,
     batch: Annotated[int, typer.Option(min=1, help="Batch size.")] = 1,
@@ -312,25 +363,31 @@ def verify(
                           ] = None,
     provider: Annotated[str, typer.Option(help="ONNX Runtime provider: auto, cuda, cpu.")] = "auto",
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the report as JSON.")] = None,
+    skip_hash_check: Annotated[bool, typer.Option("--skip-hash-check", help=SKIP_HASH_HELP)] = False,
 ) -> None:
     """Parity of every backend vs the eager reference over prefill + decode steps; exit 1 on any failure."""
     import json
 
-    from .exporter.runners import RunnerError, RunnerOptions, make_runner
+    from .exporter.runners import RunnerError, check_request, make_runner
     from .exporter.verify import run_parity
 
-    names = [b.strip() for b in backends.split(",") if b.strip()]
-    if not names:
-        fail("--backends: name at least one runner")
     folder = _export_folder(export_dir)
-    options = RunnerOptions(provider=provider, checkpoint=checkpoint)
+    names = [b.strip() for b in backends.split(",") if b.strip()] or _default_backends(folder)
+    if not names:
+        fail(f"{export_dir}: no runnable artifact (exported with --no-weights?); name runners with --backends")
+    options = _runner_options(provider, skip_hash_check, checkpoint)
     try:
+        for n in ["eager"] + names:
+            check_request(folder.config(), batch=batch, prompt_len=prompt_len, new_tokens=steps + 1, backend=n,
+                          dims=None if n == "eager" else folder.manifest["dynamic_dims"])
         reference = make_runner("eager", export_dir, options)
         runners = [make_runner(n, export_dir, options) for n in names]
+        report = run_parity(reference, runners, folder.config(), steps=steps, batch=batch, prompt_len=prompt_len,
+                            dtype=folder.dtype(), seed=seed)
     except RunnerError as e:
         fail(str(e))
-    report = run_parity(reference, runners, folder.config(), steps=steps, batch=batch, prompt_len=prompt_len,
-                        dtype=folder.dtype(), seed=seed)
+    except Exception as e:  # noqa: BLE001 - e.g. the eager reference failing: one line, no traceback
+        fail(f"verify: {one_line(e)}")
     for r in runners:
         if hasattr(r, "provider"):
             typer.echo(f"{r.name}: provider {r.provider}")

@@ -1,6 +1,9 @@
 """Stage: AOTInductor package (`torch._inductor.aoti_compile_and_package`) from the traced program.
 
 Notable choices:
+- An AOTI package is TRUSTED CODE: it holds a compiled shared library that loading dlopens and runs.
+  The runners load one only after its sha256 matches the export's manifest (exporter/trust.py) — a
+  package is exactly as trustworthy as the folder it came from; never load one from an untrusted source.
 - The package embeds the weights, so it needs a program traced with real weights (not `--no-weights`).
 - k3's ops are Python `torch.library.custom_op`s: AOTInductor compiles calls to them, and the package
   runs only in a Python process where they are registered — import k3x (or use `load_aoti`) before

@@ -96,13 +96,23 @@ def _write_json_atomic(path: Path, data: dict) -> None:
 
 
 def read_manifest(out_dir: str | Path) -> dict[str, Any]:
+    """The manifest of `out_dir`, its schema checked (exporter/trust.py); errors name the field."""
+    from .trust import validate_manifest
+
     path = Path(out_dir) / MANIFEST
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_no_constant)
     except FileNotFoundError:
         raise ManifestError(f"{path}: no manifest (run `k3x export` into this folder first)") from None
-    except json.JSONDecodeError as e:
-        raise ManifestError(f"{path}: not valid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, NaN/Infinity, deep nesting
+        raise ManifestError(f"{path}: not valid JSON ({str(e)[:200]})") from None
+    except OSError as e:
+        raise ManifestError(f"{path}: cannot read ({e})") from None
+    return validate_manifest(data, str(path))
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def init_manifest(out_dir: str | Path, cfg: K3Config, *, dtype: torch.dtype, weights: bool,
@@ -193,7 +203,10 @@ class ExportFolder:
         return cls(Path(path), read_manifest(path))
 
     def config(self) -> K3Config:
-        return K3Config.from_dict(self.manifest["config"])
+        try:
+            return K3Config.from_dict(self.manifest["config"])
+        except (TypeError, KeyError, ValueError) as e:  # ConfigError names the field
+            raise ManifestError(f"{self.path / MANIFEST}: config: {str(e)[:300]}") from None
 
     def dtype(self) -> torch.dtype:
         return DTYPES[self.manifest["dtype"]]
@@ -208,7 +221,24 @@ class ExportFolder:
         except KeyError:
             have = sorted(self.manifest["artifacts"])
             raise ManifestError(f"{self.path / MANIFEST}: no artifact {name!r} (have {have})") from None
-        return [self.path / f["path"] for f in entry["files"]]
+        from .trust import confined
+
+        return [confined(self.path, f["path"]) for f in entry["files"]]
+
+    def checked_files(self, name: str, *, check_hash: bool = True) -> list[Path]:
+        """The artifact's files, each confined to the folder, present, of the recorded size and (unless
+        `check_hash` is False) sha256 — the only way runners get a path to load."""
+        entry = self.manifest["artifacts"].get(name)
+        paths = self.files(name)
+        for p, f in zip(paths, entry["files"]):
+            if not p.is_file():
+                raise ManifestError(f"{p}: listed in the manifest but missing")
+            if p.stat().st_size != f["bytes"]:
+                raise ManifestError(f"{p}: {p.stat().st_size} bytes, the manifest records {f['bytes']}: changed "
+                                    "since the export; refused")
+            if check_hash and sha256(p) != f["sha256"]:
+                raise ManifestError(f"{p}: sha256 differs from the manifest: changed since the export; refused")
+        return paths
 
     def artifact(self, name: str) -> Path:
         """The artifact's primary (first listed) file."""
@@ -216,10 +246,12 @@ class ExportFolder:
 
     def verify(self) -> list[str]:
         """Files whose bytes no longer match the recorded sha256 (or are missing)."""
+        from .trust import confined
+
         bad = []
         for entry in self.manifest["artifacts"].values():
             for f in entry["files"]:
-                p = self.path / f["path"]
+                p = confined(self.path, f["path"])
                 if not p.is_file() or sha256(p) != f["sha256"]:
                     bad.append(str(p))
         return bad

@@ -9,6 +9,9 @@ Notable choices:
 - `kernels` (reference | triton) is the k3 custom-op implementation baked into the traced program; it is
   not the runner (`k3x run --backend`).
 - `weights=False` builds on the meta device: any size traces on an ordinary CPU machine.
+- Whole exports (exporter/staging.py): everything is written into a sibling temporary folder
+  (`StageContext.work_dir`) that replaces `out_dir` only once every stage succeeded; `out_dir` must be
+  missing, empty or an earlier k3x export, and is locked against concurrent exports.
 - Every target consumes the one traced `ExportedProgram`. A stage is a plain function
   `stage(ep, ctx) -> str` (a line for the user) that writes its files through
   `artifacts.write_artifact`, so each artifact is renamed into place and listed in the manifest.
@@ -86,6 +89,7 @@ class ExportOptions:
 class StageContext:
     cfg: K3Config
     options: ExportOptions
+    work_dir: Path  # where stages write (renamed to out_dir when the export is complete)
 
     @property
     def out_dir(self) -> Path:
@@ -111,7 +115,7 @@ def stage_pt2(ep: ExportedProgram, ctx: StageContext) -> str:
     from .trace import save_pt2
 
     name = "model.pt2"
-    with artifacts.write_artifact(ctx.out_dir, "pt2", {"weights": ctx.options.weights,
+    with artifacts.write_artifact(ctx.work_dir, "pt2", {"weights": ctx.options.weights,
                                                        "load": "k3x.exporter.trace.load_pt2"}) as tmp:
         save_pt2(ep, tmp / name)
     if ctx.options.weights:
@@ -124,7 +128,7 @@ def stage_aoti(ep: ExportedProgram, ctx: StageContext) -> str:
     from . import artifacts
     from .aoti import PACKAGE, REQUIRES, compile_aoti
 
-    with artifacts.write_artifact(ctx.out_dir, "aoti", {"device": "cpu", "requires": REQUIRES,
+    with artifacts.write_artifact(ctx.work_dir, "aoti", {"device": "cpu", "requires": REQUIRES,
                                                         "load": "k3x.exporter.aoti.load_aoti"}) as tmp:
         compile_aoti(ep, tmp / PACKAGE)
     return f"aoti: {ctx.out_dir / PACKAGE} — runs only in {REQUIRES}"
@@ -133,14 +137,14 @@ def stage_aoti(ep: ExportedProgram, ctx: StageContext) -> str:
 def stage_onnx(ep: ExportedProgram, ctx: StageContext) -> str:
     from .onnx import OnnxOptions, onnx_stage
 
-    art = onnx_stage(ctx.out_dir, ep, ctx.cfg, OnnxOptions(weights=ctx.options.weights))
-    where = ", ".join(f"{flavor} {path}" for flavor, path in art.files.items())
-    data = f", weights in {art.external_data}" if art.external_data else ""
+    art = onnx_stage(ctx.work_dir, ep, ctx.cfg, OnnxOptions(weights=ctx.options.weights))
+    where = ", ".join(f"{flavor} {ctx.out_dir / Path(path).name}" for flavor, path in art.files.items())
+    data = f", weights in {ctx.out_dir / Path(art.external_data).name}" if art.external_data else ""
     if not ctx.options.weights:
         return f"onnx: {where}{data} (weightless: weights are graph inputs; no GenAI package)"
     from .genai import genai_stage  # the ort model wrapped for onnxruntime-genai, beside it
 
-    return f"onnx: {where}{data}\n" + genai_stage(ctx.out_dir, ctx.cfg, art.files["ort"].name)
+    return f"onnx: {where}{data}\n" + genai_stage(ctx.work_dir, ctx.cfg, art.files["ort"].name)
 
 
 def copy_tokenizer(checkpoint: Path, out_dir: Path) -> str:
@@ -234,16 +238,19 @@ def export(options: ExportOptions, progress: Progress | None = None) -> ExportRe
         cfg, build, ckpt_hash = _load(options, dtype)
         # the TensorRT flavor of the ONNX export runs the Triton kernels in its plugins: their limits apply
         cfg.check_ops(kernels=cfg.kernels.value == "triton" or "onnx" in stages)
-    with _timed("model", progress, timings):
-        model = build()
-    with _timed("trace", progress, timings):
-        ep = trace(model)
-    with _timed("manifest", progress, timings):
-        artifacts.init_manifest(options.out_dir, cfg, dtype=dtype, weights=options.weights,
-                                op_counts=op_counts(ep), checkpoint=options.checkpoint, checkpoint_hash=ckpt_hash)
-    ctx = StageContext(cfg, options)
-    notes = [copy_tokenizer(options.checkpoint, options.out_dir)] if options.checkpoint else []
-    for name in stages:
-        with _timed(name, progress, timings):
-            notes.append(str(STAGES[name](ep, ctx)))
+    from .staging import staged_export
+
+    with staged_export(options.out_dir) as work:
+        with _timed("model", progress, timings):
+            model = build()
+        with _timed("trace", progress, timings):
+            ep = trace(model)
+        with _timed("manifest", progress, timings):
+            artifacts.init_manifest(work, cfg, dtype=dtype, weights=options.weights, op_counts=op_counts(ep),
+                                    checkpoint=options.checkpoint, checkpoint_hash=ckpt_hash)
+        ctx = StageContext(cfg, options, work)
+        notes = [copy_tokenizer(options.checkpoint, work)] if options.checkpoint else []
+        for name in stages:
+            with _timed(name, progress, timings):
+                notes.append(str(STAGES[name](ep, ctx)))
     return ExportResult(options.out_dir, artifacts.read_manifest(options.out_dir), timings, notes)

@@ -14,7 +14,7 @@ happen only when such a runner is built, with a clear error when missing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -42,6 +42,7 @@ class RunnerOptions:
     provider: str = "auto"  # ONNX Runtime: auto | cuda | cpu
     checkpoint: Path | None = None  # eager: overrides the checkpoint recorded in the export
     intra_op_threads: int = 0  # ONNX Runtime: 0 = its default
+    check_hashes: bool = True  # False: skip the sha256 of artifact files (sizes and paths still checked)
 
 
 class ModuleRunner:
@@ -84,16 +85,15 @@ def _folder(export_dir: Path):
         raise RunnerError(f"{export_dir}: not a k3x export folder ({e})") from None
 
 
-def _artifact(export_dir: Path, name: str) -> Path:
+def _artifact(export_dir: Path, name: str, options: RunnerOptions) -> list[Path]:
+    """The artifact's files (primary first) after the checks of exporter/trust.py: inside the folder,
+    present, and (unless options.check_hashes is off) with the manifest's sha256. Nothing is loaded before."""
     from .artifacts import ManifestError
 
     try:
-        path = _folder(export_dir).artifact(name)
+        return _folder(export_dir).checked_files(name, check_hash=options.check_hashes)
     except ManifestError as e:
         raise RunnerError(str(e)) from None
-    if not path.is_file():
-        raise RunnerError(f"{path}: listed in the manifest but missing")
-    return path
 
 
 def _eager(export_dir: Path, options: RunnerOptions) -> Runner:
@@ -104,10 +104,11 @@ def _eager(export_dir: Path, options: RunnerOptions) -> Runner:
     if ckpt is None:
         raise RunnerError(f"{export_dir}: the export records no checkpoint; pass --checkpoint for the eager reference")
     recorded = (d.manifest.get("checkpoint") or {}).get("hash")
-    if options.checkpoint is None and recorded and Path(ckpt).is_dir() and checkpoint_hash(ckpt) != recorded:
-        raise RunnerError(f"{ckpt}: changed since the export (sha256 {checkpoint_hash(ckpt)} != {recorded} in "
-                          f"{export_dir}/manifest.json); re-export, or pass --checkpoint to compare anyway")
     try:
+        now = checkpoint_hash(ckpt) if options.checkpoint is None and recorded and Path(ckpt).is_dir() else None
+        if now is not None and now != recorded:
+            raise RunnerError(f"{ckpt}: changed since the export (sha256 {now} != {recorded} in "
+                              f"{export_dir}/manifest.json); re-export, or pass --checkpoint to compare anyway")
         model = load_checkpoint(ckpt, dtype=d.dtype(), device="cpu")
     except (CheckpointError, FileNotFoundError) as e:
         raise RunnerError(f"eager reference: {e}") from None
@@ -118,10 +119,15 @@ def _eager(export_dir: Path, options: RunnerOptions) -> Runner:
 
 def _pt2(export_dir: Path, options: RunnerOptions) -> Runner:
     from .trace import load_pt2
+    from .trust import UnsafeArtifactError, check_pt2_archive
 
-    path = _artifact(export_dir, "pt2")
+    path = _artifact(export_dir, "pt2", options)[0]
     if not _folder(export_dir).manifest.get("weights", True):
         raise RunnerError(f"{path}: weightless program (exported with --no-weights); it cannot run")
+    try:
+        check_pt2_archive(path)
+    except UnsafeArtifactError as e:
+        raise RunnerError(str(e)) from None
     try:
         ep = load_pt2(path)
     except Exception as e:  # noqa: BLE001 - name the file
@@ -132,7 +138,8 @@ def _pt2(export_dir: Path, options: RunnerOptions) -> Runner:
 def _ort(export_dir: Path, options: RunnerOptions) -> Runner:
     from .ort_runner import OrtRunner
 
-    path = _artifact(export_dir, "onnx")  # the artifact exists and its first file is present
+    files = _artifact(export_dir, "onnx", options)  # the model and its external data, all checked
+    path = files[0]
     entry = _folder(export_dir).manifest["artifacts"]["onnx"]
     if entry.get("weights") is False:
         raise RunnerError(f"{path}: weightless ONNX (exported with --no-weights: weights are graph inputs); "
@@ -141,6 +148,8 @@ def _ort(export_dir: Path, options: RunnerOptions) -> Runner:
     if name is None:
         raise RunnerError(f"{export_dir}: the onnx artifact has no ort flavor (flavors: {entry.get('flavors')}); "
                           "re-export with the ort flavor")
+    if name not in {p.name for p in files}:
+        raise RunnerError(f"{export_dir}: the ort flavor {str(name)[:80]!r} is not one of the onnx artifact's files")
     return OrtRunner(Path(export_dir) / name, provider=options.provider,
                      intra_op_threads=options.intra_op_threads)
 
@@ -148,13 +157,16 @@ def _ort(export_dir: Path, options: RunnerOptions) -> Runner:
 def _trt(export_dir: Path, options: RunnerOptions) -> Runner:
     from .trt_runner import TrtRunner  # TensorRT 11 + GPU; imports tensorrt only when built
 
+    _artifact(export_dir, "trt", options)  # the engine is native code: only with the manifest's sha256
     return TrtRunner(export_dir)
 
 
 def _aoti(export_dir: Path, options: RunnerOptions) -> Runner:
     from .aoti import load_aoti
 
-    return ModuleRunner("aoti", load_aoti(_artifact(export_dir, "aoti")), _folder(export_dir).config())
+    # an AOTI package is trusted native code (exporter/aoti.py): loaded only once its sha256 matches
+    path = _artifact(export_dir, "aoti", replace(options, check_hashes=True))[0]
+    return ModuleRunner("aoti", load_aoti(path), _folder(export_dir).config())
 
 
 RUNNERS: dict[str, Callable[[Path, RunnerOptions], Runner]] = {
@@ -167,7 +179,43 @@ def make_runner(backend: str, export_dir: Path, options: RunnerOptions = RunnerO
         factory = RUNNERS[backend]
     except KeyError:
         raise RunnerError(f"backend={backend!r}: choose from {sorted(RUNNERS)}") from None
-    return factory(Path(export_dir), options)
+    from .artifacts import ManifestError
+
+    try:
+        return factory(Path(export_dir), options)
+    except ManifestError as e:  # e.g. the manifest's config does not build
+        raise RunnerError(str(e)) from None
+
+
+def check_request(cfg, *, batch: int, prompt_len: int, new_tokens: int, dims: dict | None = None,
+                  backend: str = "eager", dtype_bytes: int = 4) -> None:
+    """Refuse, before anything runs, a request the model cannot serve: `batch` x `prompt_len` then
+    `new_tokens` - 1 decode steps. Exported backends are bounded by the traced dynamic dims (`dims`, the
+    manifest's `dynamic_dims`); every backend by the config's context length and, for the eager model
+    (which materialises full attention), by an estimate of the prefill's memory against what is free."""
+    if batch < 1 or prompt_len < 1 or new_tokens < 1:
+        raise RunnerError(f"batch={batch}, prompt length={prompt_len}, new tokens={new_tokens}: each must be >= 1")
+    positions = prompt_len + new_tokens - 1  # tokens fed to the model in all
+    if dims is not None:
+        limits = [("batch", batch, "batch"), ("seq", prompt_len, "prompt length"),
+                  ("past_seq", positions - 1, "prompt length + decode steps - 1 (the cache length)")]
+        for dim, value, what in limits:
+            if dim in dims and value > dims[dim]["max"]:
+                raise RunnerError(f"backend {backend}: {what} = {value} is over the exported maximum {dim}="
+                                  f"{dims[dim]['max']} (trace.DYNAMIC_DIMS at export time); use a shorter request")
+    if positions > cfg.max_position_embeddings:
+        raise RunnerError(f"prompt length {prompt_len} + {new_tokens - 1} decode steps = {positions} positions: "
+                          f"over the model's context length (max_position_embeddings={cfg.max_position_embeddings})")
+    if dims is not None:
+        return
+    import psutil
+
+    heads = max(cfg.mla.num_heads, cfg.kda.num_heads)
+    need = batch * prompt_len * (cfg.vocab_size + 16 * cfg.hidden_size) * 4 + batch * heads * prompt_len ** 2 * 4 * 2
+    free = psutil.virtual_memory().available
+    if need > free // 2:
+        raise RunnerError(f"backend {backend}: batch {batch} x prompt length {prompt_len} needs about "
+                          f"{need / 2**30:,.1f} GiB for the prefill, {free / 2**30:,.1f} GiB is free; use a shorter request")
 
 
 def generate(runner: Runner, cfg, prompt: Tensor, options: SamplingOptions, *, dtype: torch.dtype = torch.float32,

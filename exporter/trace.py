@@ -17,6 +17,7 @@ Notable choices:
 from __future__ import annotations
 
 import copy
+import io
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,9 +74,53 @@ def trace(model: K3ForCausalLM, *, dtype: torch.dtype | None = None) -> Exported
         return torch.export.export(model, (ids, past), dynamic_shapes=dynamic_shapes(model.cfg))
 
 
+class _WriteOnce(io.RawIOBase):
+    """A file for torch's zip writer that keeps the first write error and swallows later writes.
+    torch's writer writes its end-of-archive record from a C++ destructor; a write failing there (full
+    disk) is a C++ exception in a destructor, i.e. `terminate` (exit 134). With this sink that last write
+    goes nowhere and the first error is raised in Python instead."""
+
+    def __init__(self, f) -> None:
+        super().__init__()
+        self.f, self.error = f, None
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.f.seek(offset, whence)
+
+    def write(self, data) -> int:
+        if self.error is None:
+            try:
+                return self.f.write(data)
+            except OSError as e:
+                self.error = e
+        return len(data)
+
+    def flush(self) -> None:
+        if self.error is None:
+            self.f.flush()
+
+
 def save_pt2(ep: ExportedProgram, path: str | Path) -> None:
-    """`torch.export.save`; meta-device weights are stored as names, shapes and dtypes only."""
-    torch.export.save(ep, str(path))
+    """`torch.export.save`; meta-device weights are stored as names, shapes and dtypes only. A failed
+    write (full disk) is an OSError naming the file, never a process abort (`_WriteOnce`)."""
+    with open(path, "wb") as f:
+        sink = _WriteOnce(f)
+        try:
+            torch.export.save(ep, sink)
+        except Exception:
+            if sink.error is None:
+                raise
+        if sink.error is not None:
+            raise OSError(sink.error.errno, f"{path}: {sink.error.strerror}") from None
 
 
 def load_pt2(path: str | Path) -> ExportedProgram:

@@ -8,6 +8,13 @@
   no builder precision flags are set.
 - Plugins: IPluginV3 creators from `k3x.plugins`, one path per plugin (AOT cubins for `sm`, or JIT), printed
   and recorded. A timing cache file lives next to the engine and is reused.
+- TensorRT-RTX's ONNX parser dlopens the unversioned `libtensorrt_rtx.so`, which the pip wheel does not
+  ship, and the loader reads LD_LIBRARY_PATH only at process start. `ensure_rtx_library_path` makes the
+  symlinks (in `<venv>/trt-rtx-lib`, as scripts/setup_trt_rtx.sh) and, when that folder is not on
+  LD_LIBRARY_PATH, re-executes the `k3x build-engine` process once with it; anywhere else (a library
+  call) it is one clear error instead of the parser's `terminate` (exit 134).
+- `--runtime auto` (default): TensorRT 11 when `tensorrt` is importable and a CUDA GPU is visible (it
+  builds for the GPU it runs on), else TensorRT-RTX.
 - Output: `model.engine` and `model.engine.json` (TensorRT version, runtime, SM, plugin paths, profile, ONNX
   hash) renamed into place together and recorded as the manifest's `trt` artifact; the runner refuses an engine whose SM or TensorRT version differs.
 """
@@ -42,7 +49,7 @@ class EngineBuildError(RuntimeError):
 
 @dataclass(frozen=True)
 class EngineOptions:
-    runtime: str = "trt"
+    runtime: str = "auto"  # resolved in __post_init__ (resolve_runtime)
     sm: int | None = None  # None: 90 for trt, 89 for trt-rtx
     plugin_path: str = "aot"  # aot | jit (per plugin, where it has that path)
     dims: dict[str, dict[str, int]] = field(default_factory=dict)  # {"batch": {"max": 8}} overrides
@@ -50,6 +57,7 @@ class EngineOptions:
     timing_cache: bool = True
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "runtime", resolve_runtime(self.runtime))
         if self.runtime not in RUNTIMES:
             raise ValueError(f"runtime={self.runtime!r}: choose from {sorted(RUNTIMES)}")
         if self.plugin_path not in ("aot", "jit"):
@@ -66,9 +74,64 @@ class EngineArtifact:
     meta: dict
 
 
+def resolve_runtime(runtime: str) -> str:
+    """`auto` -> "trt" when TensorRT 11 can build here (package importable and a CUDA GPU), else "trt-rtx"."""
+    if runtime != "auto":
+        return runtime
+    import importlib.util
+
+    if importlib.util.find_spec("tensorrt") is not None:
+        import torch
+
+        if torch.cuda.is_available():
+            return "trt"
+    return "trt-rtx"
+
+
+_REEXEC = "K3X_RTX_LIBRARY_PATH_SET"
+
+
+def ensure_rtx_library_path() -> None:
+    """Make `libtensorrt_rtx.so` loadable (module docstring): symlinks, then LD_LIBRARY_PATH by re-exec."""
+    import importlib.util
+    import os
+    import sys
+
+    spec = importlib.util.find_spec("tensorrt_rtx_libs")
+    if spec is None or spec.origin is None:
+        return  # import_trt names the packages to install
+    libs = Path(spec.origin).parent
+    link_dir = Path(sys.prefix) / "trt-rtx-lib"
+    try:
+        link_dir.mkdir(exist_ok=True)
+        for name in ("libtensorrt_rtx.so", "libtensorrt_onnxparser_rtx.so"):
+            link = link_dir / name
+            if not (link.is_symlink() and os.readlink(link) == str(libs / f"{name}.1")):
+                tmp = link_dir / f".{name}.{os.getpid()}"
+                tmp.unlink(missing_ok=True)
+                os.symlink(libs / f"{name}.1", tmp)
+                os.replace(tmp, link)
+    except OSError as e:
+        raise EngineBuildError(f"{link_dir}: cannot create the TensorRT-RTX library links ({e}); run "
+                               "scripts/setup_trt_rtx.sh and export the LD_LIBRARY_PATH it prints") from None
+    path = os.environ.get("LD_LIBRARY_PATH", "")
+    if str(link_dir) in path.split(":"):
+        return
+    if os.environ.get(_REEXEC) or "build-engine" not in sys.orig_argv:
+        raise EngineBuildError(f"TensorRT-RTX needs LD_LIBRARY_PATH to include {link_dir} when the process starts; "
+                               f'export LD_LIBRARY_PATH="{link_dir}:$LD_LIBRARY_PATH"')
+    os.environ["LD_LIBRARY_PATH"] = f"{link_dir}:{path}" if path else str(link_dir)
+    os.environ[_REEXEC] = "1"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+
+
 def import_trt(runtime: str):
     """The TensorRT module for `runtime`, or an error naming the packages to install."""
     names, packages = RUNTIMES[runtime]
+    if runtime == "trt-rtx":
+        ensure_rtx_library_path()
     for name in names:
         try:
             return __import__(name)

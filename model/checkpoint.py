@@ -10,6 +10,12 @@ compressed-tensors MXFP4 pair `weight_packed` + `weight_scale`, dequantised on l
 `...experts.w1`. `A_log` may be stored longer than the head count (K3 stores 128 for 96 heads) or as
 `[1, 1, H, 1]` (Kimi Linear): the first H values are used. A `language_model.` prefix is stripped; vision-tower tensors are ignored.
 Names as transformers 5 writes them are renamed at load (`hf_transformers.WEIGHT_RENAMES`).
+
+A checkpoint folder is not trusted: every shard the index names must resolve (symlinks followed) inside
+the folder; a tensor in two shards, a tensor in a shard that the index does not list, or one the index
+lists in a shard that lacks it is a `CheckpointError` naming tensor and files. Each shard is opened
+once (`_Shards`). `checkpoint_hash` covers exactly the files the weights come from (config.json, the
+index, the shards in use), so any change to them reads as "changed since the export".
 """
 
 from __future__ import annotations
@@ -67,25 +73,58 @@ def _slot(name: str) -> _Slot:
     return _Slot(name, None, "weight")
 
 
-def _tensor_files(path: Path) -> dict[str, Path]:
-    """tensor name -> file, from the index when present, else by reading every shard's header."""
+class _Shards(dict):
+    """Open safetensors handles by file: each shard is opened once, however many tensors it holds."""
+
+    def __missing__(self, f: Path):
+        self[f] = h = _open(f)
+        return h
+
+
+def _inside(path: Path, name: object, where: Path) -> Path:
+    """`path / name` for a shard name from the index, refused unless it resolves inside `path`."""
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise CheckpointError(f"{where}: shard name {str(name)[:80]!r} is not a file name")
+    f = path / name
+    if not f.resolve().is_relative_to(path.resolve()):
+        raise CheckpointError(f"{where}: shard {name[:80]!r} resolves to {f.resolve()}, outside {path}; refused")
+    return f
+
+
+def _tensor_files(path: Path, shards: _Shards | None = None) -> dict[str, Path]:
+    """tensor name -> file, from the index when present (checked against the shards' own headers), else
+    by reading every shard's header (a name in two shards is an error)."""
+    shards = _Shards() if shards is None else shards
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json (not a checkpoint folder)")
     if (path / INDEX).is_file():
         try:
-            weight_map = json.loads((path / INDEX).read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{path / INDEX}: unreadable index ({e})") from None
-        missing = sorted({f for f in weight_map.values() if not (path / f).is_file()})
+            weight_map = json.loads((path / INDEX).read_bytes().decode("utf-8"))["weight_map"]
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            raise CheckpointError(f"{path / INDEX}: unreadable index ({str(e)[:200]})") from None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{path / INDEX}: weight_map must be an object {{tensor: shard file}}")
+        files = {k: _inside(path, f, path / INDEX) for k, f in weight_map.items()}
+        missing = sorted({f.name for f in files.values() if not f.is_file()})
         if missing:
             raise CheckpointError(f"{path / INDEX}: shard file(s) missing: {', '.join(missing)}")
-        return {k: path / f for k, f in weight_map.items()}
-    shards = sorted(path.glob("*.safetensors"))
-    if not shards:
+        for f in sorted(set(files.values())):
+            for k in shards[f].keys():
+                if k not in files:
+                    raise CheckpointError(f"{f}: tensor {k!r} is in this shard but not in {INDEX}")
+                if files[k] != f:
+                    raise CheckpointError(f"{f}: tensor {k!r} is also in this shard; {INDEX} says {files[k].name}")
+        return files
+    found = sorted(path.glob("*.safetensors"))
+    if not found:
         raise CheckpointError(f"{path}: no *.safetensors files")
     out: dict[str, Path] = {}
-    for f in shards:
-        for k in _open(f).keys():
+    for f in found:
+        _inside(path, f.name, path)
+        for k in shards[f].keys():
+            if k in out:
+                raise CheckpointError(f"{path}: tensor {k!r} is in both {out[k].name} and {f.name} (and no {INDEX} "
+                                      "says which to use)")
             out[k] = f
     return out
 
@@ -106,11 +145,10 @@ def _expected_shape(meta: dict[str, torch.Tensor], s: _Slot) -> tuple[int, ...]:
             "weight_shape": (2,)}[s.part]
 
 
-def _validate(cfg: K3Config, files: dict[str, Path]) -> dict[str, tuple[str, Path]]:
+def _validate(cfg: K3Config, files: dict[str, Path], handles: _Shards) -> dict[str, tuple[str, Path]]:
     """Check names/shapes/dtypes against a meta model; return model-name -> (stored name, file)."""
     meta = dict(build_model(cfg, device="meta", seed=None).state_dict())
     plan: dict[str, tuple[str, Path]] = {}
-    handles: dict[Path, object] = {}
     covered: dict[str, set] = {k: set() for k in meta}
     problems: list[str] = []
     for stored, f in sorted(files.items()):
@@ -121,7 +159,7 @@ def _validate(cfg: K3Config, files: dict[str, Path]) -> dict[str, tuple[str, Pat
         if s.param not in meta:
             problems.append(f"unexpected tensor {stored!r} in {f.name}")
             continue
-        h = handles.setdefault(f, _open(f))
+        h = handles[f]
         try:
             sl = h.get_slice(stored)
         except Exception:
@@ -169,22 +207,22 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32, dev
         cfg = dataclasses.replace(K3Config.from_hf(path / "config.json"), kernels=Kernels(kernels))
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
-    plan = _validate(cfg, _tensor_files(path))
+    handles = _Shards()
+    plan = _validate(cfg, _tensor_files(path, handles), handles)
     model = build_model(cfg, device="meta", dtype=dtype, seed=None).to_empty(device=device)
     targets = dict(model.named_parameters()) | dict(model.named_buffers())
-    handles: dict[Path, object] = {}
     for name, (stored, f) in plan.items():
         s = _slot(name)
         if s.part in ("weight_scale", "weight_shape"):
             continue  # consumed with weight_packed / informational
-        h = handles.setdefault(f, _open(f))
+        h = handles[f]
         target = targets[s.param]
         t = h.get_tensor(stored)
         if s.part == "weight_packed":
             sname = name.replace("weight_packed", "weight_scale")
             sstored, sf = plan[sname]
             try:
-                t = mxfp4.dequantize(t, handles.setdefault(sf, _open(sf)).get_tensor(sstored), torch.float32)
+                t = mxfp4.dequantize(t, handles[sf].get_tensor(sstored), torch.float32)
             except ValueError as e:
                 raise CheckpointError(f"{sstored!r} in {sf.name}: {e}") from None
         if s.param.endswith("A_log"):
@@ -249,7 +287,8 @@ def save_checkpoint(model: K3ForCausalLM, path: str | Path, *, expert_format: st
         (tmp / "config.json").write_text(json.dumps(config_to_hf(model.cfg), indent=2))
         for name, data in (extra_files or {}).items():
             (tmp / name).write_bytes(data)
-        normal_permissions(tmp)  # mkdtemp creates 0700
+        for f in [tmp, *tmp.iterdir()]:  # mkdtemp creates 0700, safetensors writes 0600: for everyone to read
+            normal_permissions(f)
         if path.exists():
             path.rmdir()
         os.replace(tmp, path)
@@ -260,10 +299,15 @@ def save_checkpoint(model: K3ForCausalLM, path: str | Path, *, expert_format: st
 
 
 def checkpoint_hash(path: str | Path) -> str:
-    """sha256 over config.json, the index and every shard's bytes (streamed), in name order."""
+    """sha256 over exactly the files the weights come from: config.json, the index when present, and every
+    shard it (or the folder, without an index) uses — streamed, in name order. Shards outside the folder are
+    refused (CheckpointError), never silently left out."""
     path = Path(path)
+    used = {path / "config.json", *set(_tensor_files(path).values())}
+    if (path / INDEX).is_file():
+        used.add(path / INDEX)
     h = hashlib.sha256()
-    for f in sorted(p for p in path.iterdir() if p.suffix in (".json", ".safetensors")):
-        h.update(f.name.encode())
+    for f in sorted(used):
+        h.update(str(f.relative_to(path)).encode())
         sha256(f, h=h)
     return h.hexdigest()[:16]

@@ -7,7 +7,10 @@ Notable choices:
 - The hybrid layout is explicit: `layer_types` ("kda"/"mla") and `mlp_types` ("dense"/"moe"), one
   entry per decoder layer. `from_hf` reads them from the config's own lists, never from a pattern.
 - Presets by exact name in `PRESETS`; variants come from `dataclasses.replace`.
-- Validation in `__post_init__`; every error names the field and the value.
+- Validation in `__post_init__`; every error names the field and the value (cut to 80 characters).
+  Types are checked before values (`_check_types`: ints are ints, never bools or 64.9; floats finite), and
+  sizes have upper bounds (`LIMITS`, generous for any real model) so a hostile config is refused before
+  anything is allocated or built.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -29,9 +33,41 @@ class ConfigError(ValueError):
     """A config field has a value k3x cannot build; the message names field and value."""
 
 
+# upper bounds of sizes (K3 itself: 93 layers, width 7168, 163840 vocab, 96 heads, 896 experts)
+LIMITS: dict[str, int] = {"layers": 1024, "hidden_size": 65536, "vocab_size": 1 << 22, "heads": 1024,
+                          "experts": 4096, "max_position_embeddings": 1 << 24, "other": 1 << 20}
+
+
 def _check(ok: bool, field_name: str, value: Any, why: str) -> None:
     if not ok:
-        raise ConfigError(f"{field_name}={value!r}: {why}")
+        text = repr(value)
+        raise ConfigError(f"{field_name}={text if len(text) <= 80 else text[:80] + '...'}: {why}")
+
+
+def _limit(field_name: str) -> int:
+    leaf = field_name.rsplit(".", 1)[-1]
+    if leaf in LIMITS:
+        return LIMITS[leaf]
+    return LIMITS["heads" if leaf == "num_heads" else "experts" if "experts" in leaf else "other"]
+
+
+def _check_types(obj: Any, prefix: str = "") -> None:
+    """Every int field an int (not a bool) within `LIMITS`, every float finite, every bool a bool."""
+    for f in dataclasses.fields(obj):
+        v, kind, name = getattr(obj, f.name), str(f.type), prefix + f.name
+        if v is None and "None" in kind:
+            continue
+        base = kind.split(" |")[0]
+        if base == "int":
+            _check(isinstance(v, int) and not isinstance(v, bool), name, v, "must be an integer")
+            _check(v <= _limit(name), name, v, f"must be <= {_limit(name)}")
+        elif base == "float":
+            _check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), name, v,
+                   "must be a finite number")
+        elif base == "bool":
+            _check(isinstance(v, bool), name, v, "must be true or false")
+        elif base == "str":
+            _check(isinstance(v, str) and len(v) <= 256, name, v, "must be a string of <= 256 characters")
 
 
 @dataclass(frozen=True)
@@ -43,6 +79,7 @@ class KDAConfig:
     full_rank_output_gate: bool = True  # False = low-rank g_a_proj/g_b_proj (Kimi Linear)
 
     def __post_init__(self) -> None:
+        _check_types(self, "kda.")
         _check(self.num_heads > 0, "kda.num_heads", self.num_heads, "must be > 0")
         _check(self.head_dim > 0, "kda.head_dim", self.head_dim, "must be > 0")  # op limits: check_ops
         _check(self.conv_kernel >= 2, "kda.conv_kernel", self.conv_kernel, "must be >= 2")
@@ -67,6 +104,7 @@ class MLAConfig:
     norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm (K3-HF default; docs/model.md §10.2)
 
     def __post_init__(self) -> None:
+        _check_types(self, "mla.")
         for name in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
             _check(getattr(self, name) > 0, f"mla.{name}", getattr(self, name), "must be > 0")
         _check(self.qk_rope_head_dim >= 0, "mla.qk_rope_head_dim", self.qk_rope_head_dim, "must be >= 0")
@@ -94,6 +132,7 @@ class MoEConfig:
     renormalize: bool = True
 
     def __post_init__(self) -> None:
+        _check_types(self, "moe.")
         _check(self.num_experts > 0, "moe.num_experts", self.num_experts, "must be > 0")
         _check(self.top_k > 0, "moe.top_k", self.top_k, "must be > 0")  # op limits: K3Config.check_ops
         _check(self.intermediate_size > 0, "moe.intermediate_size", self.intermediate_size, "must be > 0")
@@ -113,6 +152,7 @@ class AttnResConfig:
     block_size: int  # counted in decoder layers (K3: 12)
 
     def __post_init__(self) -> None:
+        _check_types(self, "attn_res.")
         _check(self.block_size > 0, "attn_res.block_size", self.block_size, "must be > 0")
 
 
@@ -138,6 +178,12 @@ class K3Config:
     extra: tuple[tuple[str, Any], ...] = field(default=(), compare=False)  # informational only
 
     def __post_init__(self) -> None:
+        _check_types(self)
+        _check(isinstance(self.layer_types, tuple) and len(self.layer_types) <= LIMITS["layers"], "layer_types",
+               len(self.layer_types) if isinstance(self.layer_types, tuple) else self.layer_types,
+               f"must be a tuple of at most {LIMITS['layers']} layers")
+        _check(self.max_position_embeddings > 0, "max_position_embeddings", self.max_position_embeddings,
+               "must be > 0")
         _check(self.hidden_size > 0, "hidden_size", self.hidden_size, "must be > 0")
         _check(self.vocab_size > 0, "vocab_size", self.vocab_size, "must be > 0")
         _check(len(self.layer_types) > 0, "layer_types", self.layer_types, "must name at least one layer")

@@ -5,7 +5,6 @@ half-written."""
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from typer.testing import CliRunner
 
 from k3x.cli import app
 from k3x.exporter.artifacts import ExportFolder
-from k3x.exporter.export import TARGET_STAGES, Target, verify_config
+from k3x.exporter.export import TARGET_STAGES, Target
 from k3x.exporter.trace import load_pt2
 from k3x.model import PRESETS, build_model, preset
 
@@ -114,10 +113,11 @@ def _unsupported_kda_head_dim() -> "K3Config":  # noqa: F821
     return bad
 
 
-def test_verify_config_names_the_field():
-    assert verify_config(preset("k3")) == (True, "")
-    ok, reason = verify_config(_unsupported_kda_head_dim())
-    assert not ok and reason.startswith("kda.head_dim=512")
+def test_op_limits_name_the_field():
+    from k3x.custom_ops.registry import check_config
+
+    assert check_config(preset("k3"), kernels=True) is None
+    assert check_config(_unsupported_kda_head_dim(), kernels=False).startswith("kda.head_dim=512")
 
 
 def test_config_the_ops_cannot_handle_fails_before_tracing(tmp_path, monkeypatch):
@@ -143,5 +143,4 @@ def test_failing_stage_leaves_nothing_half_written(tmp_path, monkeypatch):
     out = tmp_path / "out"
     r = export("--preset", "k3-mini", "--no-weights", "--out", str(out))
     assert r.exit_code == 1 and "export to" in r.output and "RuntimeError: injected: disk full" in r.output
-    assert sorted(p.name for p in out.iterdir()) == ["manifest.json"]  # no model.pt2, no staging folder
-    assert json.loads((out / "manifest.json").read_text())["artifacts"] == {}
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == []  # the whole export or nothing

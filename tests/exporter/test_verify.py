@@ -45,6 +45,9 @@ def test_corrupted_onnx_weights_exit_1(tmp_path):
     init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) + 0.5, init.name))  # a KDA layer's decay only
     onnx.save(model, str(folder / "model.onnx"))
     res = cli.invoke(app, ["verify", str(folder), "--backends", "ort", "--steps", "2", "--provider", "cpu"])
+    assert res.exit_code == 1 and "sha256 differs from the manifest" in res.output, res.output  # refused unloaded
+    res = cli.invoke(app, ["verify", str(folder), "--backends", "ort", "--steps", "2", "--provider", "cpu",
+                           "--skip-hash-check"])  # the parity harness catches it too
     assert res.exit_code == 1, res.output
     assert "FAIL" in res.output
 

@@ -1,0 +1,104 @@
+"""Helpers of the k3x CLI (cli.py): one-line errors, the global-flag position, bounded `.npy` input and
+stage progress with elapsed time.
+
+Notable choices:
+- `fail` cuts messages to MAX_ERROR characters (an error once printed 7.9 MB).
+- `-v` may follow the command (`_App` moves it before the command; click only accepts it there).
+- `load_ids_npy` reads the `.npy` header first: no `.npz`, no pickles, no header promising more bytes than
+  the file holds (a header claiming 8 TiB is refused before numpy allocates).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import typer
+
+
+class App(typer.Typer):
+    """`k3x CMD ... -v` works like `k3x -v CMD ...`: the global flag is moved before the command."""
+
+    def __call__(self, *args, **kwargs):
+        if not args and "args" not in kwargs:
+            kwargs["args"] = hoist_global_flags(sys.argv[1:])
+        return super().__call__(*args, **kwargs)
+
+
+def hoist_global_flags(argv: list[str]) -> list[str]:
+    flags = [a for a in argv if a in ("-v", "--verbose")]
+    return flags + [a for a in argv if a not in ("-v", "--verbose")]
+
+
+MAX_ERROR = 2000
+
+
+def fail(message: str) -> None:
+    """Print an error that names the bad input and exit 1 (cut to MAX_ERROR characters)."""
+    if len(message) > MAX_ERROR:
+        message = message[:MAX_ERROR] + f"... ({len(message)} characters in all)"
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code=1)
+
+
+def one_line(e: BaseException) -> str:
+    """`Type: first line of the message` (a runtime's own errors can be pages long)."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:300] if lines else ''}"
+
+
+def load_ids_npy(path: Path):
+    """A .npy integer array [B, T], its header checked before any data is read (no .npz, no pickles,
+    no header promising more bytes than the file holds)."""
+    import numpy as np
+
+    try:
+        with open(path, "rb") as f:
+            if f.read(4).startswith(b"PK"):
+                fail(f"{path}: a .npz archive; --batch-file takes one .npy array [B, T] (np.save, not np.savez)")
+            f.seek(0)
+            version = np.lib.format.read_magic(f)
+            shape, fortran, dtype = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                                     else np.lib.format.read_array_header_2_0)(f)
+            header_end = f.tell()
+        size = path.stat().st_size
+    except (OSError, ValueError) as e:
+        fail(f"{path}: cannot read a .npy array ({str(e)[:200]})")
+    if len(shape) != 2 or dtype.kind not in "iu":
+        fail(f"{path}: expected an integer array [B, T], got {dtype} {list(shape)}")
+    if shape[0] * shape[1] * dtype.itemsize != size - header_end:
+        fail(f"{path}: the header says {dtype} {list(shape)} ({shape[0] * shape[1] * dtype.itemsize:,} bytes), the "
+             f"file holds {size - header_end:,}")
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        fail(f"{path}: cannot read a .npy array ({str(e)[:200]})")
+
+
+class Progress:
+    """`[stage] ...` / `[stage] done in S s`, plus `[stage] still running, S s` every TICK_S seconds of a long stage."""
+
+    TICK_S = 15.0
+
+    def __call__(self, stage: str, seconds: float | None) -> None:
+        with self.lock:
+            self.stage, self.start = (stage, time.perf_counter()) if seconds is None else (None, 0.0)
+        typer.echo(f"[{stage}] " + ("..." if seconds is None else f"done in {seconds:.1f} s"))
+
+    def _tick(self) -> None:
+        while not self.stop.wait(self.TICK_S):
+            with self.lock:
+                if self.stage is not None:
+                    typer.echo(f"[{self.stage}] still running, {time.perf_counter() - self.start:.0f} s")
+
+    def __enter__(self) -> Progress:
+        self.lock, self.stop, self.stage, self.start = threading.Lock(), threading.Event(), None, 0.0
+        self.thread = threading.Thread(target=self._tick, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()

@@ -1,0 +1,118 @@
+"""Whole exports: a folder is built beside its destination and renamed into place only when complete.
+
+    with staged_export(out) as work:      # locked; leftovers of killed exports swept
+        ...write everything into work...   # on an exception `work` is deleted, `out` untouched
+    # -> `out` is now exactly what was written (an older export there was replaced whole)
+
+Rules (the one rule for every command that writes a folder):
+- `out` may be missing, an empty folder, or a k3x export (a `manifest.json` that reads back); anything
+  else is refused before any work starts (`FolderError`) — nothing of the user's is ever overwritten.
+- A lock (`flock` on `.<name>.k3x-lock` beside `out`) makes concurrent exports to one folder refuse
+  instead of mixing; the kernel drops it when the holder dies, so a killed export never blocks the next.
+- The holder of the lock sweeps `.<name>.k3x-tmp-*` / `.<name>.k3x-old-*` beside `out`: with the lock
+  held, those can only be leftovers of a killed export.
+- Replacing: the old export is renamed aside, the new one renamed in, then the old one deleted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+
+class FolderError(RuntimeError):
+    """A destination folder that k3x must not write (not ours, or being written by another export)."""
+
+
+def _is_export(path: Path) -> bool:
+    from .artifacts import ManifestError, read_manifest
+
+    try:
+        read_manifest(path)
+        return True
+    except ManifestError:
+        return False
+
+
+def check_destination(out: Path) -> None:
+    """Refuse `out` unless it is missing, empty, or a k3x export folder (which will be replaced whole)."""
+    if not out.exists() and not out.is_symlink():
+        return
+    if not out.is_dir():
+        raise FolderError(f"{out}: exists and is not a folder; refusing to replace it")
+    if any(out.iterdir()) and not _is_export(out):
+        raise FolderError(f"{out}: not empty and not a k3x export folder; refusing to write into it "
+                          "(choose another --out, or empty it yourself)")
+
+
+@contextlib.contextmanager
+def _lock(out: Path) -> Iterator[None]:
+    path = out.parent / f".{out.name}.k3x-lock"
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise FolderError(f"{out}: another k3x export is writing this folder right now; "
+                              "wait for it to finish") from None
+        try:  # the file may have been unlinked by the previous holder after we opened it: retry
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        os.close(fd)
+
+
+def sweep(out: Path) -> list[Path]:
+    """Delete leftovers of killed exports beside `out` (call with the lock held); returns what went."""
+    gone = []
+    for p in out.parent.glob(f".{out.name}.k3x-*-*"):
+        if p.name.startswith((f".{out.name}.k3x-tmp-", f".{out.name}.k3x-old-")):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            gone.append(p)
+    return gone
+
+
+@contextlib.contextmanager
+def staged_export(out: str | Path) -> Iterator[Path]:
+    """Yield an empty sibling folder of `out`; on success it replaces `out` whole (module docstring)."""
+    out = Path(out).absolute()
+    check_destination(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _lock(out):
+        sweep(out)
+        work = Path(tempfile.mkdtemp(prefix=f".{out.name}.k3x-tmp-", dir=out.parent))
+        try:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(work, 0o777 & ~umask)  # mkdtemp creates 0700
+            yield work
+            check_destination(out)  # still ours to replace
+            old = None
+            if out.exists():
+                if any(out.iterdir()):
+                    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.k3x-old-", dir=out.parent))
+                    os.replace(out, old)
+                else:
+                    out.rmdir()
+            try:
+                os.replace(work, out)
+            except BaseException:
+                if old is not None:
+                    os.replace(old, out)
+                raise
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
