@@ -210,7 +210,7 @@ def check_request(cfg, *, batch: int, prompt_len: int, new_tokens: int, dims: di
         return
     import psutil
 
-    heads = max(cfg.mla.num_heads, cfg.kda.num_heads)
+    heads = cfg.max_heads
     need = batch * prompt_len * (cfg.vocab_size + 16 * cfg.hidden_size) * 4 + batch * heads * prompt_len ** 2 * 4 * 2
     free = psutil.virtual_memory().available
     if need > free // 2:

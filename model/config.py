@@ -230,6 +230,10 @@ class K3Config:
         return tuple(i for i, t in enumerate(self.mlp_types) if t == "moe")
 
     @property
+    def max_heads(self) -> int:  # the widest attention of any layer (memory estimates)
+        return max(self.mla.num_heads, self.kda.num_heads)
+
+    @property
     def expert_dim(self) -> int:  # width the routed experts work at
         return self.moe.latent_dim or self.hidden_size
 
