@@ -3,24 +3,11 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
-
-from k3x.cli import app
-from k3x.exporter.artifacts import MANIFEST, sha256
-
-cli = CliRunner()
-
-
-def k3x(*args: str):
-    """Run the CLI in-process; (exit code, stdout + stderr)."""
-    r = cli.invoke(app, [str(a) for a in args])
-    crash = "" if r.exception is None or isinstance(r.exception, SystemExit) else f"\nCRASH {r.exception!r}"
-    return r.exit_code, r.output + crash
+from hostile_util import k3x
 
 
 @pytest.fixture(scope="session")
@@ -46,20 +33,3 @@ def ckpt_dir(built, tmp_path) -> Path:
     out = tmp_path / "ckpt"
     shutil.copytree(built / "ckpt", out)
     return out
-
-
-def edit_manifest(folder: Path, change) -> dict:
-    """Apply `change(manifest)` (in place) and write it back as the attacker would."""
-    m = json.loads((folder / MANIFEST).read_text())
-    change(m)
-    (folder / MANIFEST).write_text(json.dumps(m))
-    return m
-
-
-def rehash(folder: Path, artifact: str) -> None:
-    """Record the current bytes of an artifact's files in the manifest (an attacker controls both)."""
-    def change(m):
-        for f in m["artifacts"][artifact]["files"]:
-            p = folder / f["path"]
-            f["bytes"], f["sha256"] = p.stat().st_size, sha256(p)
-    edit_manifest(folder, change)

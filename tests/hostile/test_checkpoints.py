@@ -10,7 +10,7 @@ import shutil
 import stat
 
 import pytest
-from conftest import k3x
+from hostile_util import k3x
 from safetensors.torch import load_file, save_file
 
 from k3x.model import checkpoint as ckpt_mod

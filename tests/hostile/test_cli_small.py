@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from conftest import k3x
+from hostile_util import k3x
 
 from k3x.cli_support import Progress, hoist_global_flags
 

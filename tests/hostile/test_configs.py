@@ -6,7 +6,7 @@ import json
 import time
 
 import pytest
-from conftest import k3x
+from hostile_util import k3x
 
 from k3x.model.config import ConfigError, K3Config, preset
 from k3x.model.hf_config import config_to_hf

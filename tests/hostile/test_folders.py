@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import k3x
+from hostile_util import k3x
 
 from k3x.exporter import export as export_mod
 from k3x.exporter import staging

@@ -7,7 +7,7 @@ import io
 
 import numpy as np
 import pytest
-from conftest import k3x
+from hostile_util import k3x
 
 from k3x.exporter import ort_runner
 

@@ -10,7 +10,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import edit_manifest, k3x, rehash
+from hostile_util import edit_manifest, k3x, rehash
 
 from k3x.exporter.artifacts import ExportFolder, ManifestError
 from k3x.exporter.trust import UnsafeArtifactError, check_pt2_archive

@@ -1,0 +1,37 @@
+"""Helpers of the hostile-input suite: the CLI in-process, and manifest edits as an attacker makes them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from k3x.cli import app
+from k3x.exporter.artifacts import MANIFEST, sha256
+
+cli = CliRunner()
+
+
+def k3x(*args: str):
+    """Run the CLI in-process; (exit code, stdout + stderr)."""
+    r = cli.invoke(app, [str(a) for a in args])
+    crash = "" if r.exception is None or isinstance(r.exception, SystemExit) else f"\nCRASH {r.exception!r}"
+    return r.exit_code, r.output + crash
+
+
+def edit_manifest(folder: Path, change) -> dict:
+    """Apply `change(manifest)` (in place) and write it back as the attacker would."""
+    m = json.loads((folder / MANIFEST).read_text())
+    change(m)
+    (folder / MANIFEST).write_text(json.dumps(m))
+    return m
+
+
+def rehash(folder: Path, artifact: str) -> None:
+    """Record the current bytes of an artifact's files in the manifest (an attacker controls both)."""
+    def change(m):
+        for f in m["artifacts"][artifact]["files"]:
+            p = folder / f["path"]
+            f["bytes"], f["sha256"] = p.stat().st_size, sha256(p)
+    edit_manifest(folder, change)
