@@ -267,7 +267,7 @@ def build_engine_cmd(
     plugin_path: Annotated[str, typer.Option(help="aot (embedded cubins) | jit (Triton via torch).")] = "aot",
 ) -> None:
     """Build model.engine from the trt-flavour ONNX with the k3 plugins (profiles from DYNAMIC_DIMS)."""
-    from .exporter.trt import EngineBuildError, EngineOptions, build_engine
+    from .exporter.engine import EngineBuildError, EngineOptions, build_engine
 
     dims: dict[str, dict[str, int]] = {}
     for key, items in (("min", min_), ("opt", opt), ("max", max_)):
@@ -393,6 +393,8 @@ def verify(
             typer.echo(f"{r.name}: provider {r.provider}")
     typer.echo(report.table())
     if json_out:
-        json_out.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+        from .exporter.artifacts import atomic_write_bytes
+
+        atomic_write_bytes(json_out, (json.dumps(report.to_json(), indent=2) + "\n").encode())
     if not report.ok:
         raise typer.Exit(code=1)

@@ -8,7 +8,7 @@ Adding a runner (e.g. TensorRT) = one class with `name` and `infer`, plus one `R
 factory takes `(export_dir, RunnerOptions)`.
 
 Runners: `ModuleRunner` (eager model, ExportedProgram, AOTInductor package), `OrtRunner`
-(exporter/ort_runner.py), `TrtRunner` (exporter/trt_runner.py). Heavy imports (onnxruntime, tensorrt)
+(exporter/ort_runner.py), `TrtRunner` (exporter/engine_runner.py). Heavy imports (onnxruntime, tensorrt)
 happen only when such a runner is built, with a clear error when missing.
 """
 
@@ -155,7 +155,7 @@ def _ort(export_dir: Path, options: RunnerOptions) -> Runner:
 
 
 def _trt(export_dir: Path, options: RunnerOptions) -> Runner:
-    from .trt_runner import TrtRunner  # TensorRT 11 + GPU; imports tensorrt only when built
+    from .engine_runner import TrtRunner  # TensorRT 11 + GPU; imports tensorrt only when built
 
     _artifact(export_dir, "trt", options)  # the engine is native code: only with the manifest's sha256
     return TrtRunner(export_dir)

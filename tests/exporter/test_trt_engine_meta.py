@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from k3x.exporter.trt import ENGINE_FILE, ENGINE_META, EngineBuildError, check_engine_meta
+from k3x.exporter.engine import ENGINE_FILE, ENGINE_META, EngineBuildError, check_engine_meta
 
 
 @pytest.fixture()

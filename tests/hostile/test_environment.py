@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from k3x.exporter import trt
+from k3x.exporter import engine as trt
 
 
 def test_auto_picks_trt_rtx_without_tensorrt(monkeypatch):

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .runners import RunnerError
-from .trt import ENGINE_FILE, EngineBuildError, check_engine_meta, import_trt
+from .engine import ENGINE_FILE, EngineBuildError, check_engine_meta, import_trt
 
 
 class TrtRunner:
