@@ -144,7 +144,7 @@ def stage_onnx(ep: ExportedProgram, ctx: StageContext) -> str:
         return f"onnx: {where}{data} (weightless: weights are graph inputs; no GenAI package)"
     from .genai import genai_stage  # the ort model wrapped for onnxruntime-genai, beside it
 
-    return f"onnx: {where}{data}\n" + genai_stage(ctx.work_dir, ctx.cfg, art.files["ort"].name)
+    return f"onnx: {where}{data}\n" + genai_stage(ctx.work_dir, ctx.cfg, art.files["ort"].name, ctx.out_dir)
 
 
 def copy_tokenizer(checkpoint: Path, out_dir: Path) -> str:

@@ -145,16 +145,18 @@ def _token_ids(out_dir: Path) -> tuple[int | None, tuple[int, ...]]:
     return bos, tuple(eos)
 
 
-def genai_stage(out_dir: Path, cfg: K3Config, ort_file: str) -> str:
+def genai_stage(out_dir: Path, cfg: K3Config, ort_file: str, final_dir: Path | None = None) -> str:
     """Write `model.genai.onnx` + `genai_config.json` into the export folder as artifact `genai` (after the
-    onnx artifact and the tokenizer files are in place)."""
+    onnx artifact and the tokenizer files are in place). `final_dir`: where the folder will be once the staged
+    export is renamed into place (named in the returned line)."""
     from .artifacts import write_artifact
 
     out_dir = Path(out_dir)
+    shown = Path(final_dir or out_dir)
     half_latent(cfg)  # refuse before reading the model
     bos, eos = _token_ids(out_dir)
     if not eos:  # GenAI refuses a config without an EOS id in the vocabulary
-        return (f"genai: skipped — no EOS id in {out_dir} (export from a checkpoint with a tokenizer or "
+        return (f"genai: skipped — no EOS id in {shown} (export from a checkpoint with a tokenizer or "
                 "generation_config.json to get an onnxruntime-genai package)")
     model = ir.load(out_dir / ort_file)
     wrap_for_genai(model, cfg)
@@ -162,4 +164,4 @@ def genai_stage(out_dir: Path, cfg: K3Config, ort_file: str) -> str:
                         primary=GENAI_CONFIG) as tmp:
         ir.save(model, tmp / GENAI_MODEL)  # external tensors stay references into model.onnx.data
         (tmp / GENAI_CONFIG).write_text(json.dumps(genai_config(cfg, bos, eos), indent=2) + "\n")
-    return f"genai: {out_dir / GENAI_CONFIG} (og.Model({str(out_dir)!r}))"
+    return f"genai: {shown / GENAI_CONFIG} (og.Model({str(shown)!r}))"

@@ -35,6 +35,8 @@ def export_dir(tmp_path_factory):
     assert r.exit_code == 0, r.output
     r = cli.invoke(app, ["export", "--checkpoint", str(root / "ckpt"), "--target", "onnx", "--out", str(root / "out")])
     assert r.exit_code == 0, r.output
+    # every path printed is the final one, never the staging folder the export was built in
+    assert f"genai: {root / 'out' / 'genai_config.json'}" in r.output and "k3x-tmp" not in r.output, r.output
     return root / "out"
 
 
