@@ -7,9 +7,9 @@
     OUT/rank-000/model.pt2     heads / vocab / FFN width divided by tp), its weights inside
     ...
 
-One trace: the rank program is traced once on the meta device (model/rank.py: ranks differ only in
-weights and the two buffers `vocab_start` / `local_experts`); each rank's `.pt2` is that program with the
-rank's weights attached (`trace.with_weights`). Weights come from the checkpoint rank by rank
+One trace: the rank program is traced once, with rank 0's weights (model/rank.py: ranks differ only in
+weights and the two buffers `vocab_start` / `local_experts`); each other rank's `.pt2` is that program with
+its weights swapped in place (`swap_weights`: no graph copy, no re-trace). Weights come from the checkpoint rank by rank
 (model/shard_load.py: each rank's slices only), or for a preset are cut from one random init.
 `--no-weights` writes rank 0's program only (every rank's graph is the same). The whole folder is staged
 and renamed into place like every export (exporter/staging.py).
@@ -59,7 +59,7 @@ def export_ranks(options: ExportOptions, plan: ParallelPlan, progress: Progress 
     from ..model.rank import build_rank_model
     from . import artifacts
     from .staging import staged_export
-    from .trace import op_counts, save_pt2, trace, with_weights
+    from .trace import op_counts, save_pt2, trace
 
     progress = progress or (lambda name, seconds: None)
     if options.stages() != ("pt2",):
@@ -76,22 +76,22 @@ def export_ranks(options: ExportOptions, plan: ParallelPlan, progress: Progress 
 
             ckpt_hash = checkpoint_hash(options.checkpoint)
     with staged_export(options.out_dir) as work:
-        with _timed("trace", progress, timings):
-            program = trace(build_rank_model(cfg, plan, dtype=dtype))
-        counts = op_counts(program) | collective_counts(program)
         full = None
         if options.weights and options.checkpoint is None:
             from ..model import build_model
 
             full = build_model(cfg, dtype=dtype, seed=options.seed).state_dict()
+        with _timed("trace", progress, timings):  # rank 0's module (meta without weights); the others swap in
+            model = _rank_model(options, cfg, plan, 0, dtype, full) if options.weights else \
+                build_rank_model(cfg, plan, dtype=dtype)
+            program = trace(model)
+        counts = op_counts(program) | collective_counts(program)
         ranks: list[dict[str, Any]] = []
         for r in range(plan.world if options.weights else 1):
             with _timed(f"rank {r}", progress, timings):
-                sd = None
-                if options.weights:
-                    sd = _rank_weights(options, cfg, plan, r, dtype, full)
-                ranks.append(_write_rank(work, r, plan, local, dtype, options, counts, ckpt_hash,
-                                         program if sd is None else with_weights(program, sd), save_pt2))
+                if r > 0:
+                    swap_weights(program, _rank_model(options, cfg, plan, r, dtype, full).state_dict())
+                ranks.append(_write_rank(work, r, plan, local, dtype, options, counts, ckpt_hash, program, save_pt2))
         data = artifacts.init_manifest(work, cfg, dtype=dtype, weights=options.weights, op_counts=counts,
                                        checkpoint=options.checkpoint, checkpoint_hash=ckpt_hash)
         for r in ranks:
@@ -103,15 +103,29 @@ def export_ranks(options: ExportOptions, plan: ParallelPlan, progress: Progress 
     return ExportResult(options.out_dir, artifacts.read_manifest(options.out_dir), timings, [note])
 
 
-def _rank_weights(options: ExportOptions, cfg, plan: ParallelPlan, rank: int, dtype: torch.dtype,
-                  full: dict | None) -> dict[str, torch.Tensor]:
-    from ..model.rank import rank_state_dict
+def _rank_model(options: ExportOptions, cfg, plan: ParallelPlan, rank: int, dtype: torch.dtype,
+                full: dict | None) -> torch.nn.Module:
+    """Rank `rank`'s module with its weights: cut from `full` (a preset's random init) or read slice by
+    slice from the checkpoint."""
+    from ..model.rank import build_rank_model, rank_state_dict
     from ..model.shard_load import load_rank
 
-    if full is not None:
-        return rank_state_dict(full, cfg, plan, rank)
-    _, model = load_rank(options.checkpoint, plan, rank, dtype=dtype, kernels=cfg.kernels)
-    return dict(model.state_dict())
+    if full is None:
+        return load_rank(options.checkpoint, plan, rank, dtype=dtype, kernels=cfg.kernels)[1]
+    model = build_rank_model(cfg, plan, dtype=dtype).to_empty(device="cpu")
+    model.load_state_dict(rank_state_dict(full, cfg, plan, rank), strict=True)
+    return model
+
+
+def swap_weights(program, state_dict: dict[str, torch.Tensor]) -> None:
+    """Put another rank's weights into `program` in place (same names, shapes and dtypes: the rank programs
+    are one graph); no copy of the graph, no re-trace."""
+    for name, want in program.state_dict.items():
+        t = state_dict[name]
+        if tuple(t.shape) != tuple(want.shape) or t.dtype != want.dtype:
+            raise ValueError(f"swap_weights: {name} is {tuple(t.shape)} {t.dtype}, the program has "
+                             f"{tuple(want.shape)} {want.dtype}")
+        program.state_dict[name] = torch.nn.Parameter(t, False) if isinstance(want, torch.nn.Parameter) else t
 
 
 def _write_rank(work: Path, rank: int, plan: ParallelPlan, local, dtype, options: ExportOptions,
