@@ -1,5 +1,5 @@
 """Helpers of the k3x CLI (cli.py): one-line errors, the global-flag position, bounded `.npy` input and
-stage progress with elapsed time.
+stage progress with elapsed time, and the export-folder helpers `run` / `verify` share.
 
 Notable choices:
 - `fail` cuts messages to MAX_ERROR characters (an error once printed 7.9 MB).

@@ -133,3 +133,41 @@ def test_sharded_loading_opens_only_the_ranks_experts(tmp_path, monkeypatch):
     load_rank(tmp_path / "ck", plan, 1)
     experts = {int(n.split(".experts.")[1].split(".")[0]) for n in read if ".experts." in n}
     assert experts == {4, 5, 6, 7}
+
+
+def test_budget_per_rank_bytes_collectives_and_fit():
+    from k3x.model.parallel_budget import budget, rank_weight_bytes
+    from k3x.model.summary import summarize
+
+    cfg = preset("k3")
+    whole = summarize(cfg)["bytes_by_storage_format"]
+    one = rank_weight_bytes(cfg, ParallelPlan(1, 1))
+    assert one == whole  # the trivial plan is the checkpoint's own storage
+    b = budget(cfg, ParallelPlan(8, 16), batch=8, context=131072)
+    w = b["weight_bytes_per_rank"]
+    assert w["mxfp4_experts"] == whole["mxfp4_experts"] // 16  # experts split 16 ways
+    assert whole["bf16"] // 8 < w["bf16"] < whole["bf16"] // 2  # heads/FFN/vocab split 8 ways, the rest replicated
+    assert b["experts_per_rank"] == 56 and b["heads_per_rank"] == 12
+    assert b["mla_cache_bytes_per_token"] == 24 * 576 * 2  # 24 MLA layers x (512 + 64) bf16, on every TP rank
+    comm = b["collective_bytes_per_token_per_layer"]
+    assert comm["mixer_tp_all_reduce"]["payload"] == 7168 * 2 and comm["routed_ep_all_reduce"]["payload"] == 3584 * 2
+    assert comm["routed_ep_all_reduce"]["ring_send"] == 2 * 15 * 3584 * 2 // 16
+    fit = b["fit"]
+    assert not fit["H200"]["fits"] and fit["B200"]["fits"] and fit["GB300"]["fits"]
+    with pytest.raises(ParallelError, match="^moe.num_experts=896: not divisible by ep=3"):
+        budget(cfg, ParallelPlan(8, 3), batch=1, context=1)
+
+
+def test_inspect_cli_with_a_plan():
+    import json
+
+    from typer.testing import CliRunner
+
+    from k3x.cli import app
+
+    r = CliRunner().invoke(app, ["inspect", "--preset", "k3", "--tp", "8", "--ep", "16", "--batch", "4", "--json"])
+    assert r.exit_code == 0, r.output
+    b = json.loads(r.output)
+    assert (b["world"], b["batch"], b["context"]) == (128, 4, 131072) and set(b["fit"]) == {"H200", "B200", "GB300"}
+    r = CliRunner().invoke(app, ["inspect", "--preset", "k3-mini", "--tp", "2"])
+    assert r.exit_code == 1 and "kda.num_heads=3: not divisible by tp=2" in r.output
