@@ -84,7 +84,8 @@ def run_sharded(export_dir: Path, prompt, prompt_ids, chat: bool, sampling, skip
 
     from .cli_decode import Printer, prepare
     from .exporter import dist_run
-    from .exporter.runners import generate
+    from .exporter.artifacts import DTYPES
+    from .exporter.runners import RunnerError, check_request, generate
 
     found = _sharded(export_dir)
     if found is None:
@@ -98,8 +99,11 @@ def run_sharded(export_dir: Path, prompt, prompt_ids, chat: bool, sampling, skip
     local = dist_run._folder_cfg(export_dir, data, rank)
     printer = Printer(p.tokenizer if rank == 0 else None)
     try:
-        g = generate(runner, local, torch.tensor([p.ids]), p.options, on_token=printer,
-                     dtype=torch.float32 if data["dtype"] == "fp32" else torch.bfloat16)
+        check_request(cfg, batch=1, prompt_len=len(p.ids), new_tokens=sampling.max_new_tokens, backend="pt2",
+                      dims=data["dynamic_dims"])
+        g = generate(runner, local, torch.tensor([p.ids]), p.options, on_token=printer, dtype=DTYPES[data["dtype"]])
+    except RunnerError as e:
+        fail(f"rank {rank}: {e}")
     except Exception as e:  # noqa: BLE001 - one line per rank, no traceback
         fail(f"rank {rank}: {one_line(e)}")
     if rank == 0:
@@ -118,7 +122,8 @@ def verify_sharded(export_dir: Path, steps: int, prompt_len: int, batch: int, se
     import torch
 
     from .exporter import dist_run
-    from .exporter.runners import RunnerOptions, generate, make_runner
+    from .exporter.artifacts import DTYPES
+    from .exporter.runners import RunnerOptions, check_request, generate, make_runner
     from .exporter.verify import run_parity
     from .model.config import K3Config
     from .model.sampling import SamplingOptions
@@ -129,8 +134,10 @@ def verify_sharded(export_dir: Path, steps: int, prompt_len: int, batch: int, se
     data, plan = found
     rank, tp_pg, runner = _start(export_dir, data, plan, skip_hash_check)
     cfg = K3Config.from_dict(data["config"])
-    dtype = torch.float32 if data["dtype"] == "fp32" else torch.bfloat16
+    dtype = DTYPES[data["dtype"]]
     try:
+        check_request(cfg, batch=batch, prompt_len=prompt_len, new_tokens=steps + 1, backend="pt2",
+                      dims=data["dynamic_dims"])
         reference = make_runner("eager", export_dir, RunnerOptions(checkpoint=checkpoint))
         whole = dist_run.WholeStateRunner(runner, cfg, plan, rank, tp_pg)
         report = run_parity(reference, [whole], cfg, steps=steps, batch=batch, prompt_len=prompt_len, dtype=dtype,

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ..model.parallel import ParallelPlan, merge_states, split_states
 from ..model.state import state_specs
-from .runners import Feeds, ModuleRunner, RunnerError, RunnerOptions, make_runner
+from .runners import Feeds, ModuleRunner, RunnerError, RunnerOptions
 
 TIMEOUT_S = int(os.environ.get("K3X_DIST_TIMEOUT_S", "120"))
 
@@ -67,15 +67,27 @@ def init(plan: ParallelPlan) -> tuple[int, object]:
 
 
 def rank_runner(export_dir: Path, data: dict, rank: int, options: RunnerOptions) -> ModuleRunner:
-    """The pt2 runner of this rank's folder, on this rank's device."""
+    """This rank's program (hash-checked, no pickles) on this rank's device: on CUDA the whole program,
+    devices baked into its graph included, is moved to cuda:LOCAL_RANK (`move_to_device_pass`)."""
+    from torch.export.passes import move_to_device_pass
+
+    from .runners import _artifact
+    from .trace import load_pt2
+    from .trust import UnsafeArtifactError, check_pt2_archive
     from .ranks import rank_folder
 
-    runner = make_runner("pt2", rank_folder(export_dir, data, rank), options)
+    folder = rank_folder(export_dir, data, rank)
+    path = _artifact(folder, "pt2", options)[0]
+    try:
+        check_pt2_archive(path)
+        ep = load_pt2(path)
+    except UnsafeArtifactError as e:
+        raise RunnerError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - name the file
+        raise RunnerError(f"{path}: cannot load the rank program: {e}") from None
     dev = device()
-    if dev.type != "cpu":  # NCCL: the program's weights and inputs on this rank's GPU
-        module = runner.module.to(dev)
-        runner = ModuleRunner(runner.name, _OnDevice(module, dev), _folder_cfg(export_dir, data, rank))
-    return runner
+    module = ep.module() if dev.type == "cpu" else _OnDevice(move_to_device_pass(ep, str(dev)).module(), dev)
+    return ModuleRunner(f"pt2 rank {rank}", module, _folder_cfg(export_dir, data, rank))
 
 
 class _OnDevice:

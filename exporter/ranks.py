@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..model.parallel import ParallelPlan
-from .export import DType, ExportOptions, ExportResult, KernelChoice, Progress, _timed
+from .export import DType, ExportOptions, ExportResult, KernelChoice, Progress, _timed, copy_tokenizer
 
 COLLECTIVE_PREFIX = "_c10d_functional::"
 
@@ -92,15 +92,17 @@ def export_ranks(options: ExportOptions, plan: ParallelPlan, progress: Progress 
                 if r > 0:
                     swap_weights(program, _rank_model(options, cfg, plan, r, dtype, full).state_dict())
                 ranks.append(_write_rank(work, r, plan, local, dtype, options, counts, ckpt_hash, program, save_pt2))
-        data = artifacts.init_manifest(work, cfg, dtype=dtype, weights=options.weights, op_counts=counts,
-                                       checkpoint=options.checkpoint, checkpoint_hash=ckpt_hash)
+        artifacts.init_manifest(work, cfg, dtype=dtype, weights=options.weights, op_counts=counts,
+                                checkpoint=options.checkpoint, checkpoint_hash=ckpt_hash)
+        notes = [copy_tokenizer(options.checkpoint, work)] if options.checkpoint else []
+        data = artifacts.read_manifest(work)
         for r in ranks:
             e = plan.expert_range(cfg, r["rank"])
             r["experts"] = [e.start, e.stop]  # global ids [start, stop) of the rank's experts
         data["parallel"] = {**plan.to_dict(), "ranks": ranks, "rank_config_hash": local.hash()}
         artifacts._write_json_atomic(work / artifacts.MANIFEST, data)
     note = f"ranks: {len(ranks)} rank folder(s) of {plan.world} ranks (tp={plan.tp}, ep={plan.ep}) in {options.out_dir}"
-    return ExportResult(options.out_dir, artifacts.read_manifest(options.out_dir), timings, [note])
+    return ExportResult(options.out_dir, artifacts.read_manifest(options.out_dir), timings, notes + [note])
 
 
 def _rank_model(options: ExportOptions, cfg, plan: ParallelPlan, rank: int, dtype: torch.dtype,
