@@ -142,7 +142,7 @@ def spawn(world: int, argv: list[str]) -> None:
     except ChildFailedError as e:
         first = next(iter(e.failures.values()), None)
         raise RunnerError(f"torch.distributed.run: {len(e.failures)} of {world} ranks failed"
-                          + (f" (rank {first.rank}: exit {first.exitcode})" if first else "")) from None
+                          + (f" (rank {first.local_rank}: exit {first.exitcode})" if first else "")) from None
 
 
 def peak_rss_mib() -> float:
