@@ -38,13 +38,20 @@ def export_sharded(options, tp: int, ep: int, out: Path) -> None:
 
 
 def _sharded(export_dir: Path):
-    from .exporter.artifacts import ManifestError
+    """(top-level manifest, plan) of a sharded export; None for anything else (the single-program path
+    names the problem); a bad `parallel` entry is one line naming it."""
+    from .exporter.artifacts import ManifestError, read_manifest
     from .exporter.ranks import read_parallel
 
     try:
-        return read_parallel(export_dir)
+        if "parallel" not in read_manifest(export_dir):
+            return None
     except ManifestError:
-        return None  # not ours to report: the single-program path names the problem
+        return None
+    try:
+        return read_parallel(export_dir)
+    except ManifestError as e:
+        fail(str(e))
 
 
 def _start(export_dir: Path, data, plan, skip_hash_check: bool):

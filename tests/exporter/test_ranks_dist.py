@@ -98,6 +98,20 @@ def test_sharded_export_layout_and_manifest(tp2ep2):
     assert len(graphs) == 1  # ... the serialised program does not: one trace serves every rank
 
 
+@pytest.mark.parametrize("bad", ["../elsewhere", "rank-000/../../x", 7])
+def test_rank_folders_confined_to_the_export(tp2ep2, tmp_path, bad):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tp2ep2, copy)
+    m = json.loads((copy / "manifest.json").read_text())
+    m["parallel"]["ranks"][1]["dir"] = bad
+    (copy / "manifest.json").write_text(json.dumps(m))
+    r = CliRunner().invoke(app, ["run", str(copy), "--prompt-ids", "1"])
+    assert r.exit_code == 1 and ("parallel" in r.output or "refused" in r.output), r.output
+    assert "Traceback" not in r.output
+
+
 def test_bad_plan_fails_before_anything_is_written(checkpoint, tmp_path):
     r = CliRunner().invoke(app, ["export", "--checkpoint", str(checkpoint), "--tp", "3", "--out", str(tmp_path / "o")])
     assert r.exit_code == 1 and "kda.num_heads=4: not divisible by tp=3" in r.output
