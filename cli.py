@@ -9,7 +9,9 @@ from typing import Annotated, Optional
 import typer
 
 from .cli_decode import Chat, MaxNewTokens, PromptIds, PromptText, Seed, Temperature, TopK, TopP
-from .cli_support import App, Progress, fail, load_ids_npy, one_line
+from .cli_parallel import EP, TP, FitBatch, FitContext, inspect_parallel
+from .cli_support import App, Progress, default_backends as _default_backends, export_folder as _export_folder, \
+    fail, load_ids_npy, one_line
 from .exporter.export import DType, KernelChoice, Target
 
 app = App(
@@ -86,12 +88,16 @@ def inspect(
     preset: Annotated[Optional[str], typer.Option(help="Preset name (k3, kimi-linear-48b, k3-mini, k3-bench).")] = None,
     checkpoint: Annotated[Optional[Path], typer.Option(help="Checkpoint folder (reads its config.json).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    tp: TP = 1, ep: EP = 1, batch: FitBatch = 1, context: FitContext = 131072,
 ) -> None:
-    """Layer plan, total/active parameters, cache sizes, bytes by storage format (meta device: no weights)."""
+    """Layer plan, total/active parameters, cache sizes, bytes by storage format (meta device: no weights);
+    with --tp/--ep: per-rank bytes, collective bytes and the fit on H200 / B200 / GB300."""
     import json
 
     from .model.summary import format_summary, summarize
 
+    if tp * ep > 1:
+        return inspect_parallel(config_or_fail(preset, checkpoint), tp, ep, batch, context, json_out)
     s = summarize(config_or_fail(preset, checkpoint))
     typer.echo(json.dumps(s) if json_out else format_summary(s))
 
@@ -233,16 +239,21 @@ def export(
     kernels: Annotated[KernelChoice, typer.Option(
         help="k3 custom-op implementation traced into the program: reference (PyTorch, any device) or triton "
              "(Triton kernels, CUDA only). Not the runner: that is `k3x run --backend`.")] = KernelChoice.REFERENCE,
+    tp: TP = 1,
+    ep: EP = 1,
 ) -> None:
     """Trace the model once (torch.export) and write the target's artifacts plus manifest.json."""
     import errno
 
     from .exporter.artifacts import ManifestError
+    from .cli_parallel import export_sharded
     from .exporter.export import ExportOptions, export as run_export
     from .exporter.staging import FolderError
 
     try:
         options = ExportOptions(tuple(target), out, preset, checkpoint, not no_weights, dtype, seed, kernels)
+        if tp * ep > 1:  # rank programs (cli_parallel.py); tp = ep = 1 is the single program
+            return export_sharded(options, tp, ep, out)
         with Progress() as progress:
             result = run_export(options, progress)
     except (ValueError, FileNotFoundError, ManifestError, FolderError) as e:  # ConfigError, ...: name the input
@@ -308,10 +319,14 @@ def run(
     from .cli_decode import Printer, Sampling, prepare
     from .exporter.runners import RunnerError, check_request, generate as run_generate, make_runner
 
+    from .cli_parallel import run_sharded
+
+    sampling = Sampling(max_new_tokens, temperature, top_k, top_p, seed)
+    if run_sharded(export_dir, prompt, prompt_ids, chat, sampling, skip_hash_check):
+        return
     folder = _export_folder(export_dir)
     cfg = folder.config()
-    p = prepare(export_dir, cfg.vocab_size, prompt, prompt_ids, chat,
-                Sampling(max_new_tokens, temperature, top_k, top_p, seed))
+    p = prepare(export_dir, cfg.vocab_size, prompt, prompt_ids, chat, sampling)
     try:
         check_request(cfg, batch=1, prompt_len=len(p.ids), new_tokens=max_new_tokens, backend=backend,
                       dims=None if backend == "eager" else folder.manifest["dynamic_dims"])
@@ -324,30 +339,6 @@ def run(
     except Exception as e:  # noqa: BLE001 - one line, no traceback
         fail(f"backend {backend}: {one_line(e)}")
     printer.finish(g, len(p.ids), backend)
-
-
-def _default_backends(folder) -> list[str]:
-    """Every runner the export folder has an artifact for (trt only where a CUDA GPU can run it)."""
-    import torch
-
-    arts = folder.manifest["artifacts"]
-    names = [runner for art, runner in (("pt2", "pt2"), ("onnx", "ort"), ("aoti", "aoti"), ("trt", "trt"))
-             if art in arts and arts[art].get("weights", folder.manifest["weights"]) is not False]
-    if "trt" in names and not torch.cuda.is_available():
-        names.remove("trt")
-        typer.echo("note: backend trt skipped (no CUDA GPU here)", err=True)
-    return names
-
-
-def _export_folder(export_dir: Path):
-    from .exporter.artifacts import ExportFolder, ManifestError
-
-    try:
-        folder = ExportFolder.open(export_dir)
-        folder.config()  # the recorded config must build
-        return folder
-    except ManifestError as e:
-        fail(f"{export_dir}: not a k3x export folder ({e})")
 
 
 @app.command()
@@ -369,8 +360,11 @@ def verify(
     import json
 
     from .exporter.runners import RunnerError, check_request, make_runner
+    from .cli_parallel import verify_sharded
     from .exporter.verify import run_parity
 
+    if verify_sharded(export_dir, steps, prompt_len, batch, seed, checkpoint, json_out, skip_hash_check):
+        return
     folder = _export_folder(export_dir)
     names = [b.strip() for b in backends.split(",") if b.strip()] or _default_backends(folder)
     if not names:

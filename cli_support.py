@@ -1,5 +1,5 @@
 """Helpers of the k3x CLI (cli.py): one-line errors, the global-flag position, bounded `.npy` input and
-stage progress with elapsed time.
+stage progress with elapsed time, and the export-folder helpers `run` / `verify` share.
 
 Notable choices:
 - `fail` cuts messages to MAX_ERROR characters (an error once printed 7.9 MB).
@@ -102,3 +102,27 @@ class Progress:
     def __exit__(self, *exc) -> None:
         self.stop.set()
         self.thread.join()
+
+
+def default_backends(folder) -> list[str]:
+    """Every runner the export folder has an artifact for (trt only where a CUDA GPU can run it)."""
+    import torch
+
+    arts = folder.manifest["artifacts"]
+    names = [runner for art, runner in (("pt2", "pt2"), ("onnx", "ort"), ("aoti", "aoti"), ("trt", "trt"))
+             if art in arts and arts[art].get("weights", folder.manifest["weights"]) is not False]
+    if "trt" in names and not torch.cuda.is_available():
+        names.remove("trt")
+        typer.echo("note: backend trt skipped (no CUDA GPU here)", err=True)
+    return names
+
+
+def export_folder(export_dir: Path):
+    from .exporter.artifacts import ExportFolder, ManifestError
+
+    try:
+        folder = ExportFolder.open(export_dir)
+        folder.config()  # the recorded config must build
+        return folder
+    except ManifestError as e:
+        fail(f"{export_dir}: not a k3x export folder ({e})")

@@ -48,6 +48,9 @@ def test_k3_mini_op_counts(mini_ep):
     _, ep = mini_ep
     assert op_counts(ep) == {"k3::attn_res": 12, "k3::kda": 3, "k3::moe": 5}
     assert k3_targets(ep) == ALLOWED_K3_OPS
+    from k3x.exporter.ranks import collective_counts
+
+    assert collective_counts(ep) == {}  # the single-GPU program has no collectives (rank programs: test_ranks_dist)
 
 
 def test_kimi_linear_48b_on_meta_op_counts():

@@ -1,0 +1,178 @@
+"""Rank programs: `k3x export --tp T --ep E` -> one folder per rank and one top-level manifest.
+
+    OUT/manifest.json          a schema-1 manifest of the whole model (full config, dtype, checkpoint, the
+                               rank program's op counts) plus `parallel`: the plan, the world size, and for
+                               every rank its folder, TP/EP coordinates and files with sha256
+    OUT/rank-000/manifest.json an ordinary export folder of rank 0's program (the rank's local config:
+    OUT/rank-000/model.pt2     heads / vocab / FFN width divided by tp), its weights inside
+    ...
+
+One trace: the rank program is traced once, with rank 0's weights (model/rank.py: ranks differ only in
+weights and the two buffers `vocab_start` / `local_experts`); each other rank's `.pt2` is that program with
+its weights swapped in place (`swap_weights`: no graph copy, no re-trace). Weights come from the checkpoint rank by rank
+(model/shard_load.py: each rank's slices only), or for a preset are cut from one random init.
+`--no-weights` writes rank 0's program only (every rank's graph is the same). The whole folder is staged
+and renamed into place like every export (exporter/staging.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..model.parallel import ParallelPlan
+from .export import DType, ExportOptions, ExportResult, KernelChoice, Progress, _timed, copy_tokenizer
+
+COLLECTIVE_PREFIX = "_c10d_functional::"
+
+
+def rank_dir_name(rank: int) -> str:
+    return f"rank-{rank:03d}"
+
+
+def collective_counts(ep) -> dict[str, int]:
+    """`_c10d_functional::*` node counts of a traced program (wait_tensor excluded)."""
+    c = Counter(n.target.name().split(".")[0] for n in ep.graph.nodes
+                if n.op == "call_function" and hasattr(n.target, "name")
+                and n.target.name().startswith(COLLECTIVE_PREFIX) and "wait_tensor" not in n.target.name())
+    return dict(sorted(c.items()))
+
+
+def _full_config(options: ExportOptions):
+    from ..custom_ops.kernels import Kernels
+    from ..model.config import K3Config, preset
+
+    kernels = Kernels(KernelChoice(options.kernels).value)
+    if options.checkpoint is None:
+        return dataclasses.replace(preset(options.preset), kernels=kernels)
+    return dataclasses.replace(K3Config.from_hf(Path(options.checkpoint) / "config.json"), kernels=kernels)
+
+
+def export_ranks(options: ExportOptions, plan: ParallelPlan, progress: Progress | None = None) -> ExportResult:
+    """Write the rank programs of `plan` for `options` (targets: pt2). ConfigError before anything is built."""
+    from ..model.config import ConfigError
+    from ..model.rank import build_rank_model
+    from . import artifacts
+    from .staging import staged_export
+    from .trace import op_counts, save_pt2, trace
+
+    progress = progress or (lambda name, seconds: None)
+    if options.stages() != ("pt2",):
+        raise ConfigError(f"--tp/--ep: rank programs are written for --target pt2 only (got {list(options.stages())})")
+    dtype = artifacts.DTYPES[DType(options.dtype).value]
+    timings: dict[str, float] = {}
+    with _timed("config", progress, timings):
+        cfg = _full_config(options)
+        plan.check(cfg)
+        local = plan.local_config(cfg)
+        ckpt_hash = None
+        if options.checkpoint is not None and options.weights:
+            from ..model.checkpoint import checkpoint_hash
+
+            ckpt_hash = checkpoint_hash(options.checkpoint)
+    with staged_export(options.out_dir) as work:
+        full = None
+        if options.weights and options.checkpoint is None:
+            from ..model import build_model
+
+            full = build_model(cfg, dtype=dtype, seed=options.seed).state_dict()
+        with _timed("trace", progress, timings):  # rank 0's module (meta without weights); the others swap in
+            model = _rank_model(options, cfg, plan, 0, dtype, full) if options.weights else \
+                build_rank_model(cfg, plan, dtype=dtype)
+            program = trace(model)
+        counts = op_counts(program) | collective_counts(program)
+        ranks: list[dict[str, Any]] = []
+        for r in range(plan.world if options.weights else 1):
+            with _timed(f"rank {r}", progress, timings):
+                if r > 0:
+                    swap_weights(program, _rank_model(options, cfg, plan, r, dtype, full).state_dict())
+                ranks.append(_write_rank(work, r, plan, local, dtype, options, counts, ckpt_hash, program, save_pt2))
+        artifacts.init_manifest(work, cfg, dtype=dtype, weights=options.weights, op_counts=counts,
+                                checkpoint=options.checkpoint, checkpoint_hash=ckpt_hash)
+        notes = [copy_tokenizer(options.checkpoint, work)] if options.checkpoint else []
+        data = artifacts.read_manifest(work)
+        for r in ranks:
+            e = plan.expert_range(cfg, r["rank"])
+            r["experts"] = [e.start, e.stop]  # global ids [start, stop) of the rank's experts
+        data["parallel"] = {**plan.to_dict(), "ranks": ranks, "rank_config_hash": local.hash()}
+        artifacts._write_json_atomic(work / artifacts.MANIFEST, data)
+    note = f"ranks: {len(ranks)} rank folder(s) of {plan.world} ranks (tp={plan.tp}, ep={plan.ep}) in {options.out_dir}"
+    return ExportResult(options.out_dir, artifacts.read_manifest(options.out_dir), timings, notes + [note])
+
+
+def _rank_model(options: ExportOptions, cfg, plan: ParallelPlan, rank: int, dtype: torch.dtype,
+                full: dict | None) -> torch.nn.Module:
+    """Rank `rank`'s module with its weights: cut from `full` (a preset's random init) or read slice by
+    slice from the checkpoint."""
+    from ..model.rank import build_rank_model, rank_state_dict
+    from ..model.shard_load import load_rank
+
+    if full is None:
+        return load_rank(options.checkpoint, plan, rank, dtype=dtype, kernels=cfg.kernels)[1]
+    model = build_rank_model(cfg, plan, dtype=dtype).to_empty(device="cpu")
+    model.load_state_dict(rank_state_dict(full, cfg, plan, rank), strict=True)
+    return model
+
+
+def swap_weights(program, state_dict: dict[str, torch.Tensor]) -> None:
+    """Put another rank's weights into `program` in place (same names, shapes and dtypes: the rank programs
+    are one graph); no copy of the graph, no re-trace."""
+    for name, want in program.state_dict.items():
+        t = state_dict[name]
+        if tuple(t.shape) != tuple(want.shape) or t.dtype != want.dtype:
+            raise ValueError(f"swap_weights: {name} is {tuple(t.shape)} {t.dtype}, the program has "
+                             f"{tuple(want.shape)} {want.dtype}")
+        program.state_dict[name] = torch.nn.Parameter(t, False) if isinstance(want, torch.nn.Parameter) else t
+
+
+def _write_rank(work: Path, rank: int, plan: ParallelPlan, local, dtype, options: ExportOptions,
+                counts: dict[str, int], ckpt_hash: str | None, program, save_pt2) -> dict[str, Any]:
+    from . import artifacts
+
+    d = work / rank_dir_name(rank)
+    artifacts.init_manifest(d, local, dtype=dtype, weights=options.weights, op_counts=counts,
+                            checkpoint=options.checkpoint, checkpoint_hash=ckpt_hash)
+    with artifacts.write_artifact(d, "pt2", {"weights": options.weights, "rank": rank,
+                                             "load": "k3x.exporter.trace.load_pt2"}) as tmp:
+        save_pt2(program, tmp / "model.pt2")
+    files = [{"path": f"{d.name}/{f['path']}", "bytes": f["bytes"], "sha256": f["sha256"]}
+             for f in artifacts.read_manifest(d)["artifacts"]["pt2"]["files"]]
+    return {"rank": rank, "tp_rank": plan.tp_rank(rank), "ep_rank": plan.ep_rank(rank), "dir": d.name,
+            "files": files}
+
+
+def read_parallel(export_dir: str | Path) -> tuple[dict[str, Any], ParallelPlan] | None:
+    """(top-level manifest, plan) of a sharded export, None for a single-program export."""
+    from .artifacts import ManifestError, read_manifest
+    from .trust import confined
+
+    data = read_manifest(export_dir)
+    par = data.get("parallel")
+    if par is None:
+        return None
+    where = Path(export_dir) / "manifest.json"
+    try:
+        plan = ParallelPlan(int(par["tp"]), int(par["ep"]))
+        ranks = par["ranks"]
+        if not isinstance(ranks, list) or [r.get("rank") for r in ranks] != list(range(len(ranks))):
+            raise ValueError("ranks must list rank 0, 1, ... in order")
+        for r in ranks:
+            if not isinstance(r.get("dir"), str):
+                raise ValueError(f"rank {r.get('rank')}: dir must be a folder name")
+            confined(Path(export_dir), r["dir"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ManifestError(f"{where}: parallel: {str(e)[:200]}") from None
+    return data, plan
+
+
+def rank_folder(export_dir: str | Path, data: dict[str, Any], rank: int) -> Path:
+    return Path(export_dir) / data["parallel"]["ranks"][rank]["dir"]
+
+
+def dump_plan(plan: ParallelPlan, cfg) -> str:
+    return json.dumps({n: dataclasses.asdict(s) for n, s in plan.table(cfg).items()}, indent=1)

@@ -1,0 +1,184 @@
+"""One rank's program: the single-GPU K3 model with heads, FFN width and vocab divided by tp, the local
+experts of its EP rank, and collectives as `_c10d_functional.*` graph nodes (model/parallel.py: the plan).
+
+- Column-parallel projections need nothing: they are the local config's smaller layers. Row-parallel
+  `o_proj` / `down_proj` are `RowParallelLinear`: the local matmul, then an all-reduce over TP.
+- `VocabParallelEmbedding`: a masked lookup in the rank's rows, all-reduced over TP (the zeros of the other
+  ranks add exactly, so the embedding is bit-identical). `VocabParallelHead`: local logits all-gathered
+  over TP along the vocab axis.
+- `ExpertParallelMoE`: the router is replicated; every rank routes every token over all E experts in fp32
+  (custom_ops/moe/reference.route), keeps the weights of its own experts and runs them through the one
+  `k3::moe` node, whose own router is then given the result: input logit(p) over an identity gate, so its
+  sigmoid gives back p (-1e4 -> exactly 0 for tokens not routed here), top_k = min(k, E_local), no
+  renormalisation, the scaling factor applied once by the op. The partial latent sums are all-reduced over
+  EP. The op, its kernels and its plugin are unchanged, and the expert tensors it is given are the
+  rank's slice of the expert axis whatever their layout (dense or packed MXFP4). Cost: the op evaluates
+  min(k, E_local) experts per token (zero-weight ones included); an op argument naming the local expert
+  range (the op belongs to custom_ops/moe) would cut that to the tokens' own experts.
+- What differs between ranks is data only, as persistent buffers: `vocab_start` of the embedding and
+  `local_experts` (the global ids of the rank's experts) of every MoE layer. One trace serves all ranks.
+- tp = ep = 1 is never routed here: the single-GPU model stays as it is (no collectives in its graph).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..custom_ops.moe import MoEOptions, moe
+from ..custom_ops.moe.reference import route
+from .config import K3Config
+from .layers import GatedMLP
+from .model import K3ForCausalLM
+from .moe import LatentMoE, StackedExperts
+from .parallel import Group, ParallelPlan
+
+_NEVER = -1.0e4  # logit whose sigmoid is exactly 0 in fp32
+_ALWAYS = 30.0  # logit whose sigmoid is exactly 1 in fp32
+
+
+def all_reduce(x: Tensor, group: Group) -> Tensor:
+    return x if group.size == 1 else funcol.all_reduce(x, "sum", group.name)
+
+
+def all_gather_last(x: Tensor, group: Group) -> Tensor:
+    """[..., n] on each rank -> [..., size * n], rank-major (the group size is explicit, so tracing needs no
+    process group)."""
+    if group.size == 1:
+        return x
+    y = torch.ops._c10d_functional.all_gather_into_tensor(x.movedim(-1, 0).contiguous(), group.size, group.name)
+    return funcol.wait_tensor(y).movedim(0, -1)
+
+
+class RowParallelLinear(nn.Linear):
+    def __init__(self, d_in: int, d_out: int, group: Group) -> None:
+        super().__init__(d_in, d_out, bias=False)
+        self.group = group
+
+    def forward(self, x: Tensor) -> Tensor:
+        return all_reduce(F.linear(x, self.weight), self.group)
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    def __init__(self, rows: int, d: int, group: Group) -> None:
+        super().__init__(rows, d)
+        self.group = group
+        self.register_buffer("vocab_start", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        local = ids - self.vocab_start
+        inside = (local >= 0) & (local < self.num_embeddings)
+        e = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight)
+        return all_reduce(e * inside.unsqueeze(-1).to(e.dtype), self.group)
+
+
+class VocabParallelHead(nn.Linear):
+    def __init__(self, d: int, rows: int, group: Group) -> None:
+        super().__init__(d, rows, bias=False)
+        self.group = group
+
+    def forward(self, h: Tensor) -> Tensor:
+        return all_gather_last(F.linear(h, self.weight), self.group)
+
+
+class ExpertParallelMoE(LatentMoE):
+    """LatentMoE with the rank's `E / ep` experts; router, latent projections and norm replicated, shared
+    experts tensor-parallel."""
+
+    def __init__(self, cfg: K3Config, plan: ParallelPlan) -> None:
+        super().__init__(cfg)
+        c, n = cfg.moe, plan.local_experts(cfg)
+        self.experts = StackedExperts(n, cfg.expert_dim, c.intermediate_size)
+        self.register_buffer("local_experts", torch.arange(n, dtype=torch.int64))
+        self.ep_group = plan.ep_group
+        self.local_options = MoEOptions(min(c.top_k, n), c.routed_scaling_factor, False, cfg.activation,
+                                        cfg.situ_beta, cfg.situ_linear_beta)
+        if self.has_shared:
+            self.shared_experts = rank_mlp(cfg, c.shared_intermediate_size, plan)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, d = x.shape
+        xf = x.reshape(B * T, d)
+        z = self.routed_expert_down_proj(xf) if self.latent else xf
+        o = self.options
+        ids, w = route(xf, self.gate.weight, self.gate.e_score_correction_bias, o.top_k, 1.0, o.renormalize)
+        dense = torch.zeros(xf.shape[0], self.gate.weight.shape[0], dtype=w.dtype, device=x.device)
+        p = dense.scatter(1, ids, w).index_select(1, self.local_experts)  # [N, E_local] weights, 0 = not here
+        logits = torch.logit(p).clamp(_NEVER, _ALWAYS)
+        n = p.shape[1]
+        eye = torch.eye(n, dtype=logits.dtype, device=x.device)
+        e = self.experts
+        u = moe(logits, z, eye, torch.zeros(n, dtype=torch.float32, device=x.device), e.w1, e.w3, e.w2,
+                options=self.local_options, kernels=self.cfg.kernels)  # this rank's share of Σ p_j E_j(z)
+        u = all_reduce(u, self.ep_group)
+        if self.latent_norm:
+            u = self.routed_expert_norm(u)
+        y = self.routed_expert_up_proj(u) if self.latent else u
+        if self.has_shared:
+            y = y + self.shared_experts(xf)
+        return y.view(B, T, d)
+
+
+def rank_mlp(cfg: K3Config, intermediate: int, plan: ParallelPlan) -> GatedMLP:
+    """A GatedMLP with 1/tp of the intermediate width and a row-parallel down projection."""
+    mlp = GatedMLP(cfg, cfg.hidden_size, intermediate // plan.tp)
+    if plan.tp > 1:
+        mlp.down_proj = RowParallelLinear(intermediate // plan.tp, cfg.hidden_size, plan.tp_group)
+    return mlp
+
+
+def build_rank_model(cfg: K3Config, plan: ParallelPlan, *, dtype: torch.dtype = torch.float32) -> K3ForCausalLM:
+    """The rank program's module on the meta device (shapes only; every rank's is the same). Fill it with
+    `to_empty` + a rank's weights (model/shard_load.py), then `set_rank_buffers`."""
+    from .init import build_model
+
+    plan.check(cfg)
+    local = plan.local_config(cfg)
+    model = build_model(local, device="meta", dtype=dtype, seed=None)
+    d, tp = cfg.hidden_size, plan.tp_group
+    with torch.device("meta"):
+        if plan.tp > 1:
+            model.model.embed_tokens = VocabParallelEmbedding(local.vocab_size, d, tp)
+            model.lm_head = VocabParallelHead(d, local.vocab_size, tp)
+        for layer in model.model.layers:
+            if plan.tp > 1:
+                a = layer.self_attn
+                a.o_proj = RowParallelLinear(a.o_proj.in_features, d, tp)
+                if not layer.is_moe:
+                    layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj.in_features, d, tp)
+            if layer.is_moe:
+                layer.block_sparse_moe = ExpertParallelMoE(cfg, plan)
+    model.cfg = model.model.cfg = local
+    return _cast(model, dtype)
+
+
+def _cast(model: K3ForCausalLM, dtype: torch.dtype) -> K3ForCausalLM:
+    fp32_names = ("A_log", "dt_bias", "e_score_correction_bias", "norm.weight")  # as model/init.build_model
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_floating_point() and not name.endswith(fp32_names):
+            t.data = t.data.to(dtype)
+    return model.eval()
+
+
+def set_rank_buffers(model: K3ForCausalLM, cfg: K3Config, plan: ParallelPlan, rank: int) -> None:
+    """Write the data that makes a rank program rank `rank`'s: its vocab offset and its experts' ids."""
+    emb = model.model.embed_tokens
+    if isinstance(emb, VocabParallelEmbedding):
+        emb.vocab_start.fill_(plan.tp_rank(rank) * emb.num_embeddings)
+    ids = torch.tensor(list(plan.expert_range(cfg, rank)), dtype=torch.int64)
+    for name, buf in model.named_buffers():
+        if name.endswith("local_experts"):
+            buf.copy_(ids)
+
+
+def rank_state_dict(full: dict[str, Tensor], cfg: K3Config, plan: ParallelPlan, rank: int) -> dict[str, Tensor]:
+    """A rank's weights cut from a whole single-GPU state dict (presets, tests); checkpoints are read
+    slice by slice instead (model/shard_load.py)."""
+    model = build_rank_model(cfg, plan, dtype=next(iter(full.values())).dtype).to_empty(device="cpu")
+    set_rank_buffers(model, cfg, plan, rank)
+    out = dict(model.state_dict())
+    for name, t in full.items():
+        out[name] = plan.shard(name, t, rank)
+    return out
