@@ -100,7 +100,8 @@ _MOE_ATTRS = {"top_k": 16, "routed_scaling_factor": 1.0, "renormalize": True, "a
 def kda_case(B: int, T: int, *, H: int = 96, K: int = 128, gate_lower_bound: float | None = -5.0) -> Case:
     attrs = {"scale": K ** -0.5, "gate_lower_bound": gate_lower_bound}
     gate = "" if gate_lower_bound is not None else "-unbounded"
-    return Case("kda", f"B{B}-T{T}-H{H}{gate}", {"B": B, "T": T, "H": H, "K": K, "V": K},
+    head = "" if K == 128 else f"-K{K}"
+    return Case("kda", f"B{B}-T{T}-H{H}{head}{gate}", {"B": B, "T": T, "H": H, "K": K, "V": K},
                 ("bf16", "bf16", "bf16", "fp32", "fp32", "fp32"), attrs, _KDA_PORTS)
 
 
@@ -167,7 +168,8 @@ def measure_launch(case: Case, plan, launch, sm: SM) -> Resources:
     """Compile one launch of `case`'s plan for `sm` and read its resources."""
     from k3x.plugins import aot
 
-    key = (case.family, case.name, launch.kernel_name, sm.arch)
+    key = (case.family, case.name, repr(case.dims), launch.kernel_name, repr(sorted(launch.constexprs.items())),
+           launch.num_warps, launch.num_stages, sm.arch)
     if key in _MEASURED:
         return _MEASURED[key]
     r = Resources(case.family, case.name, launch.kernel_name, sm.arch, warps=launch.num_warps,

@@ -29,3 +29,50 @@ def test_registers_round_per_warp():
 def test_markdown_reports_errors_as_rows():
     rows = [kr.Resources("kda", "c", "(plan)", 90, error="KeyError: 'scale'")]
     assert "error: KeyError" in kr.markdown(rows)
+
+
+@pytest.fixture(scope="module")
+def k3_prefill_b1():
+    """KDA's chunked kernels at K3's prefill shape (B=1, T=4096, H=96, K=V=128, bf16, gate >= -5), sm_90a."""
+    rows = kr.measure_case(kr.kda_case(1, 4096), H200)
+    assert not [r.error for r in rows if r.error]
+    return {r.kernel: r for r in rows}
+
+
+def test_kda_chunked_kernels_do_not_spill(k3_prefill_b1):
+    for r in k3_prefill_b1.values():
+        assert not r.spills, f"{r.kernel}: stack {r.stack} B, {r.spill_ld} LDL / {r.spill_st} STL"
+
+
+def test_kda_intra_two_ctas_per_sm_with_pipelined_loads(k3_prefill_b1):
+    r = k3_prefill_b1["_kda_intra_kernel"]
+    assert r.ctas_per_sm >= 2 and r.stages >= 2, (r.regs, r.shared, r.warps, r.stages)
+
+
+def test_kda_state_kernel_one_wave_at_b1_h96(k3_prefill_b1):
+    r = k3_prefill_b1["_kda_state_kernel"]
+    assert r.grid_ctas == 96 * 128 // 32 and r.waves <= 1.0, (r.grid_ctas, r.ctas_per_sm, r.regs, r.shared)
+
+
+def test_kda_launch_tables_match_the_compiled_kernels(k3_prefill_b1):
+    """The resource tables the launch configuration is chosen from are what the compiler produces."""
+    from k3x.custom_ops.kda import triton as kt
+
+    cfg = kt.kda_chunk_launch_config(1, 4096, 96, 128, 128)
+    for kernel, table, key in (
+            ("_kda_intra_kernel", kt.INTRA_RESOURCES_SM90, (cfg["intra"]["BK"], cfg["intra"]["num_warps"],
+                                                            cfg["intra"]["num_stages"])),
+            ("_kda_state_kernel", kt.STATE_RESOURCES_SM90, (cfg["state"]["BV"], cfg["state"]["num_warps"],
+                                                            cfg["state"]["num_stages"]))):
+        r = k3_prefill_b1[kernel]
+        regs, shared, spills = table[key]
+        assert (r.regs, r.shared, r.spills) == (regs, shared, spills), (kernel, key)
+        assert kt.ctas_per_sm(regs, shared, key[1]) == r.ctas_per_sm
+
+
+def test_bounded_gate_compiles_no_fallback():
+    """K3's gate bound selects an intra kernel without the pairwise path: far less code than the unbounded one."""
+    bounded = kr.measure_case(kr.kda_case(1, 4096), H200, kernels=("_kda_intra_kernel",))[0]
+    unbounded = kr.measure_case(kr.kda_case(1, 4096, gate_lower_bound=None), H200, kernels=("_kda_intra_kernel",))[0]
+    assert not bounded.error and not unbounded.error
+    assert bounded.sass < 0.8 * unbounded.sass, (bounded.sass, unbounded.sass)
