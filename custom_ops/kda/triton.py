@@ -8,18 +8,21 @@ Same functions and contract as `reference.py`:
 
 Chunked prefill (docs/model.md §2.4), two kernels:
   1. `_kda_intra_kernel`, grid (NT, B*H), one 64-token chunk split into four 16-token sub-chunks.
-     Within-chunk cumulative decay Γ by `tl.cumsum`.  Score blocks A[r, c] = Σ_d x_r k_c e^{Γ_r − Γ_c}
+     Within-chunk cumulative decay Γ by `tl.cumsum`.  Scores A[r, c] = Σ_d x_r k_c e^{Γ_r − Γ_c}
      (x = k for L, x = q for A^qk) are dense `tl.dot`s after factorising e^{Γ_r − Γ_c} =
      e^{Γ_r − R_i} · e^{R_i − Γ_c} with ONE reference R_i per row sub-chunk i: the cumulative decay just
-     before its first row.  Row factors are <= 1; column factors are <= 1 for earlier sub-chunks and
-     <= e^{span_i} on the diagonal block, span_i = −Σ_{rows of i} g <= 16·5 = 80 for K3's gate >= −5
-     (finite in fp32 and bf16, whose max is e^88.7).  So the 16×16 diagonal blocks use the same dense
-     dot as the off-diagonal ones.  Unbounded gates (Kimi Linear): the kernel checks span_i per
-     (sub-chunk, K-block) at run time and, only where it exceeds 80, computes that diagonal block
-     pairwise with exponents min(Γ_r − Γ_c, 0) — exact for any g <= 0, never clamped, and a branch K3
-     never takes.  Then the UT transform (I + Diag(β) L)^{-1} Diag(β): forward substitution on the four
-     16×16 diagonal blocks and block back-substitution for the six off-diagonal ones (fp32, "ieee"
-     dots), W = T (k e^Γ), U = T v, and the chunk's q e^Γ (scaled), k e^{Γ_C − Γ}, e^{Γ_C}, A^qk.
+     before its first row.  Each row sub-chunk is scored against the whole chunk in one [16, 64]
+     accumulator (four per matrix, spread over the warps, instead of twenty replicated 16×16 blocks).
+     Row factors are <= 1; column factors are <= 1 for earlier sub-chunks, <= e^{span_i} on the diagonal
+     block, span_i = −Σ_{rows of i} g <= 16·5 = 80 for K3's gate >= −5 (finite in fp32 and bf16, whose max
+     is e^88.7), and clamped for later sub-chunks (masked out).  Unbounded gates (Kimi Linear) are a
+     separate variant chosen on the host from the op's `gate_lower_bound` (constexpr SAFE_GATE off): it
+     checks span_i per (sub-chunk, K-block) at run time and, only where it exceeds 80, scores that sub-chunk
+     pairwise with exponents min(Γ_r − Γ_c, 0) — exact for any g <= 0.  K3's variant never compiles it.
+     Then the UT transform (I + Diag(β) L)^{-1} Diag(β): forward substitution on the four 16×16 diagonal
+     blocks at once (stacked with `tl.join`) and block back-substitution for the six off-diagonal ones
+     (fp32, "ieee" dots), assembled into one [64, 64] X; W = X (β k e^Γ) and U = X (β v) are single
+     [64, 64] × [64, B] dots; the chunk's q e^Γ (scaled), k e^{Γ_C − Γ}, e^{Γ_C}, A^qk are stored.
   2. `_kda_state_kernel`, grid (V/BV, B*H), sequential over chunks with the fp32 state in registers:
      V' = U − W S;  O = (q e^Γ) S + A^qk V';  S ← e^{Γ_C} ⊙ S + (k e^{Γ_C − Γ})ᵀ V'.  The output is
      fused into the state pass, so the per-chunk states h are never written to memory.
@@ -30,8 +33,8 @@ Recurrent decode (docs/model.md §2.1): `_kda_recurrent_kernel`, grid (V/BV, B*H
 registers, token loop inside.  `kda_recurrent_` updates a state buffer in place (decode step).
 `kda` picks recurrent for T <= RECURRENT_MAX_T, chunked above.
 
-Launch parameters are pure functions of the shapes (`kda_chunk_launch_config`,
-`kda_recurrent_launch_config`), gathered in one `plan` (custom_ops/launch.py) that the torch launchers below
+Launch parameters are pure functions of the shapes (`kda_chunk_launch_config`, chosen from the kernels'
+compiled sm_90 resources; `kda_recurrent_launch_config`), gathered in one `plan` (custom_ops/launch.py) that the torch launchers below
 run with Triton's JIT and the TensorRT plugin runs from cubins compiled ahead of time.
 No autotune, no block pointers; kernel arguments are tensors, then scalars, then constexprs.
 """
