@@ -76,3 +76,15 @@ def test_bounded_gate_compiles_no_fallback():
     unbounded = kr.measure_case(kr.kda_case(1, 4096, gate_lower_bound=None), H200, kernels=("_kda_intra_kernel",))[0]
     assert not bounded.error and not unbounded.error
     assert bounded.sass < 0.8 * unbounded.sass, (bounded.sass, unbounded.sass)
+
+
+def test_attn_res_double_buffered_keeps_occupancy():
+    """Two [NS, BD] tiles in flight per CTA (prefetch), still no spills and >= 4 CTAs per SM at K3's shape:
+    >= 4 MB of loads in flight over the H200's 132 SMs."""
+    case = next(c for c in kr.cases() if c.family == "attn_res")
+    (r,) = kr.measure_case(case, H200)
+    assert not r.error and not r.spills and r.ctas_per_sm >= 4, (r.regs, r.shared, r.ctas_per_sm)
+    plan = kr.family_plan(case)
+    c = plan.select(case.dims).launches[0].constexprs
+    tile_bytes = (c["N"] + 1) * c["BD"] * 2  # bf16 sources of one tile
+    assert r.ctas_per_sm * H200.sms * 2 * tile_bytes >= 4e6
