@@ -11,9 +11,13 @@ def imports() -> dict:
     """Every k3x module the benchmarks use (torch and triton besides; fla optional, through gpu_check._fla)."""
     from k3x.custom_ops.attn_res import triton as attn_res
     from k3x.custom_ops.kda import triton as kda
+    from k3x.custom_ops.kernels import Kernels
     from k3x.custom_ops.moe import triton as moe
+    from k3x.exporter import cuda_graph, runners, trace
+    from k3x.model import build_model, preset
 
-    return {"kda": kda, "attn_res": attn_res, "moe": moe}
+    return {"kda": kda, "attn_res": attn_res, "moe": moe, "Kernels": Kernels, "cuda_graph": cuda_graph,
+            "runners": runners, "trace": trace, "build_model": build_model, "preset": preset}
 
 
 def bench_ceilings(ctx) -> list:
@@ -155,4 +159,54 @@ def bench_moe(ctx) -> list:
     return [gc.Result(f"moe experts N{N}-k{k}-E{E}-L{L}-I{I}", "bench", None, m, note)]
 
 
-BENCHMARKS = [bench_ceilings, bench_kda, bench_attn_res, bench_moe]
+def bench_decode_graph(ctx) -> list:
+    """Per-token decode latency of the pt2 program (kernels=triton, bf16, B=1) on CUDA with and without
+    CUDA graphs (exporter/cuda_graph.py), greedy tokens compared: k3-mini (hybrid: its MLA cache grows every
+    step, so graphs never apply — the figure shows the limit) and a KDA-only variant (one graph replayed)."""
+    gc = sys.modules[type(ctx).__module__]  # bench/gpu_check.py, run as __main__ or imported
+    if not ctx.bench:
+        return []
+    import dataclasses
+    import time
+
+    import torch
+
+    m = imports()
+    base = m["preset"]("k3-mini")
+    out = []
+    for tag, cfg in (("k3-mini", base), ("k3-mini-kda-only", dataclasses.replace(
+            base, layer_types=("kda",) * len(base.layer_types)))):
+        if ctx.time_left() < 15:
+            out.append(gc.Result(f"decode graph {tag}", "info", None, note="skipped: section budget"))
+            continue
+        cfg = dataclasses.replace(cfg, kernels=m["Kernels"].TRITON)
+        model = m["build_model"](cfg, device="cuda", dtype=torch.bfloat16, seed=0)
+        plain = m["runners"].ModuleRunner("pt2", m["trace"].trace(model).module(), cfg)
+        graphed, how = m["cuda_graph"].maybe_graphed(plain)
+        res, tokens = {}, {}
+        for name, runner in (("eager_launches", plain), ("cuda_graph", graphed)):
+            feeds = {n: t.cuda() for n, t in m["runners"].start_feeds(cfg, torch.ones(1, 16, dtype=torch.long),
+                                                                     torch.bfloat16).items()}
+            o = runner.infer(feeds)
+            toks, steps, t0 = [], 32, 0.0
+            for i in range(steps + 4):  # 4 warm-up steps: Triton compiles, the graph is captured
+                if i == 4:
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                tok = o["logits"][:, -1:].argmax(-1)
+                toks.append(tok)
+                o = runner.infer(m["runners"].next_feeds(cfg, o, tok))
+            torch.cuda.synchronize()
+            res[f"{name}_ms_per_token"] = (time.perf_counter() - t0) * 1e3 / steps
+            tokens[name] = torch.cat(toks, -1).cpu()
+        res["speedup"] = res["eager_launches_ms_per_token"] / res["cuda_graph_ms_per_token"]
+        stats = getattr(graphed, "stats", {})
+        note = f"{how}; {stats}"
+        out.append(gc.Result(f"decode graph {tag} B1", "bench", None, res, note))
+        out.append(gc.Result(f"decode graph {tag} same tokens", "parity",
+                             bool(torch.equal(tokens["eager_launches"], tokens["cuda_graph"])), note=note))
+        del model, plain, graphed
+    return out
+
+
+BENCHMARKS = [bench_ceilings, bench_kda, bench_attn_res, bench_moe, bench_decode_graph]
