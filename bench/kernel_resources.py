@@ -12,7 +12,8 @@ divisibility, warps, stages), then read back:
 - shared memory from Triton's metadata (dynamic) plus the 1 KB the driver reserves per CTA;
 - CTAs per SM from registers (allocated per warp in units of 256), shared memory, warps and the CTA limit of
   the SM; waves = CTAs of the case's grid / (CTAs per SM x SMs);
-- wgmma (`wgmma.mma_async` in the PTX) and TMA (`cp.async.bulk.tensor`) use.
+- wgmma (`wgmma.mma_async` in the PTX, Hopper), tcgen05 (`tcgen05.mma`, Blackwell) and TMA
+  (`cp.async.bulk.tensor`) use.
 
 Which kernels a case runs is the plan's own choice (`Plan.select(dims)`), so the table follows the plan: a
 variant the plan does not pick at a shape is not compiled for it. A case whose plan cannot be built (e.g. a
@@ -78,6 +79,7 @@ class Resources:
     grid_ctas: int = 0
     waves: float = 0.0
     wgmma: bool = False
+    tcgen05: bool = False
     tma: bool = False
     sass: int = 0  # SASS instructions
     error: str = ""
@@ -154,7 +156,7 @@ def read_cubin(cubin: bytes, ptx: str, kernel: str) -> dict:
     ops = [i.split(".")[0] for i in instrs]
     return {"regs": int(m.group(1)), "stack": int(m.group(2)), "spill_ld": ops.count("LDL"),
             "spill_st": ops.count("STL"), "sass": len(instrs), "wgmma": "wgmma.mma_async" in ptx,
-            "tma": "cp.async.bulk.tensor" in ptx}
+            "tcgen05": "tcgen05.mma" in ptx, "tma": "cp.async.bulk.tensor" in ptx}
 
 
 def _types(case: Case, plan, launch) -> dict:
@@ -207,7 +209,7 @@ def measure_case(case: Case, sm: SM, *, kernels: tuple[str, ...] | None = None) 
 
 
 COLUMNS = ("family", "case", "kernel", "sm", "warps", "stages", "regs", "stack", "spill_ld", "spill_st", "shared",
-           "ctas_per_sm", "limited_by", "grid_ctas", "waves", "wgmma", "tma", "sass")
+           "ctas_per_sm", "limited_by", "grid_ctas", "waves", "wgmma", "tcgen05", "tma", "sass")
 
 
 def markdown(rows: list[Resources]) -> str:
