@@ -1,8 +1,19 @@
 """The one prepared script for a GPU machine: kernel parity in bf16 and benchmarks against the anchors.
 
     python bench/gpu_check.py                 # on CUDA: parity + benchmarks, < 5 min; JSON to $OUT/gpu_check.json
+    python bench/gpu_check.py --quick         # fewer shapes and shorter timings: < 4 min
     python bench/gpu_check.py --parity-only   # skip the benchmarks
     TRITON_INTERPRET=1 python bench/gpu_check.py --cpu-selftest   # same parity code path, tiny fp32 shapes, CPU
+
+Always reports: the JSON is rewritten (atomically) before and after every section, with the section in
+progress named, so a run stopped by the device's time limit returns everything measured until then. Each
+section has its own time budget (`BUDGETS_S`, scaled down by --quick) inside the run's total (`--budget`);
+a section checks it between cases and reports what it skipped. The import path needs only torch, triton
+and this repository (the GPU machine has torch 2.11 + triton 3.6 + fla, no onnx, no TensorRT, no network):
+tests/bench/test_gpu_check_imports.py runs every section's imports where onnx/onnxruntime/tensorrt fail.
+fla's autotuners are cut to a few configs (`limit_fla_autotune`) so a fresh machine does not spend its
+budget autotuning ~75 configs per kernel and shape. Decode figures are device time: one CUDA graph of many
+launches replayed and timed with events (`gpu_check_timing.device_time`), not host launch overhead.
 
 Parity: every Triton kernel on bf16 inputs vs the eager references run on the same inputs upcast.  The
 KDA and AttnRes references compute in fp64 when given fp64 inputs: that is their oracle.  The MoE oracle
@@ -31,7 +42,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from gpu_check_timing import FLA_AUTOTUNE_CONFIGS, device_time, limit_fla_autotune  # noqa: E402,F401 (bench/)
+
 ROOT = Path(__file__).resolve().parents[1]
+
+
+# seconds per section (a section stops starting new cases once its budget is spent); --quick scales by QUICK
+BUDGETS_S = {"parity_kda": 45, "parity_attn_res": 20, "parity_moe": 45, "bench_ceilings": 15, "bench_kda": 75,
+             "bench_attn_res": 15, "bench_moe": 45, "bench_decode_graph": 40, "plugin_aot_kernels": 50,
+             "parity_model_end_to_end": 30}
+DEFAULT_BUDGET_S, QUICK_BUDGET_S, QUICK = 285.0, 180.0, 0.6
 
 
 @dataclass
@@ -40,11 +60,22 @@ class Context:
     dtype: object  # torch dtype of kernel inputs: bf16 on CUDA, fp32 in the self-test
     selftest: bool
     bench: bool
+    quick: bool = False
+    budget_s: float = DEFAULT_BUDGET_S  # the whole run
     copy_tbps: float | None = None  # measured copy ceiling, set by bench_ceilings
     t0: float = field(default_factory=time.perf_counter)
+    deadline: float = float("inf")  # of the running section (perf_counter time)
 
-    def time_left(self, budget_s: float = 270.0) -> float:
-        return budget_s - (time.perf_counter() - self.t0)
+    def total_left(self) -> float:
+        return self.budget_s - (time.perf_counter() - self.t0)
+
+    def time_left(self) -> float:
+        """Seconds left to the running section: its own budget, within the run's."""
+        return min(self.deadline - time.perf_counter(), self.total_left())
+
+    def start_section(self, name: str) -> None:
+        budget = BUDGETS_S.get(name, 30.0) * (QUICK if self.quick else 1.0)
+        self.deadline = time.perf_counter() + max(0.0, min(budget, self.total_left()))
 
 
 @dataclass
@@ -89,13 +120,15 @@ def _fla():
         from fla.ops.kda import chunk_kda, fused_recurrent_kda
     except Exception as exc:  # absent wheel or incompatible build: skip with a note
         return None, f"fla-core unavailable ({type(exc).__name__}: {exc})"
-    return (chunk_kda, fused_recurrent_kda), ""
+    limit_fla_autotune()
+    return (chunk_kda, fused_recurrent_kda), f"fla autotune limited to {FLA_AUTOTUNE_CONFIGS} configs per kernel"
 
 
-def _bench(fn) -> float:
+def _bench(fn, ctx: Context | None = None) -> float:
+    """Median ms of `fn` by `triton.testing.do_bench` (warm-up 50 ms, 300 ms of repeats; 100 ms with --quick)."""
     import triton
 
-    return triton.testing.do_bench(fn, warmup=50, rep=300)
+    return triton.testing.do_bench(fn, warmup=50, rep=100 if ctx is not None and ctx.quick else 300)
 
 
 def _kda_inputs(B, T, H, K, V, dtype, device, gate_min=-5.0):
@@ -125,9 +158,12 @@ def parity_kda(ctx: Context) -> list[Result]:
               else [(2, 1000, 8, 128, 128, -5.0), (1, 300, 4, 64, 128, -20.0), (1, 4096, 2, 128, 128, -5.0)])
     out = []
     for B, T, H, K, V, gmin in shapes:
+        if ctx.time_left() < 5:
+            out.append(Result("kda_chunked parity", "info", None, note=f"skipped from B{B}-T{T}: section budget"))
+            break
         q, k, v, g, beta, h0 = _kda_inputs(B, T, H, K, V, ctx.dtype, ctx.device, gmin)
         ro, rs = ref.kda_chunked(*(x.double() for x in (q, k, v, g, beta)), initial_state=h0.double())
-        o, s = kern.kda_chunked(q, k, v, g, beta, initial_state=h0)
+        o, s = kern.kda_chunked(q, k, v, g, beta, initial_state=h0, gate_lower_bound=gmin if gmin >= -5 else None)
         extra = {}
         if fla is not None and gmin >= -5:
             fo, _ = fla[0](q, k, v, g, beta, initial_state=h0, output_final_state=True, safe_gate=True,
@@ -242,13 +278,44 @@ def _make_k3x_importable() -> None:
         sys.path.insert(0, str(link_dir))
 
 
-def run(ctx: Context) -> list[Result]:
-    results = []
+def write_report(path: Path, ctx: Context, env: dict, results: list[Result], running: str | None = None,
+                 complete: bool = False) -> dict:
+    """The JSON report so far, written under a temporary name and renamed (never half a file)."""
+    failed = [r for r in results if r.ok is False]
+    report = {"env": env, "selftest": ctx.selftest, "quick": ctx.quick, "seconds": time.perf_counter() - ctx.t0,
+              "complete": complete, "running": running, "failed": len(failed),
+              "results": [asdict(r) for r in results]}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1, default=str))
+    os.replace(tmp, path)
+    return report
+
+
+def run(ctx: Context, path: Path | None = None, env: dict | None = None) -> list[Result]:
+    """Every check in order, each inside its time budget; the report rewritten before and after each."""
+    results: list[Result] = []
     for fn in CHECKS:
+        name = fn.__name__
+        if ctx.total_left() <= 1.0:
+            results.append(Result(name, "info", None, note="skipped: the run's time budget is spent"))
+            if path is not None:
+                write_report(path, ctx, env or {}, results)
+            continue
+        if path is not None:
+            write_report(path, ctx, env or {}, results, running=name)
+        ctx.start_section(name)
+        t = time.perf_counter()
         try:
-            results.extend(fn(ctx))
+            got = fn(ctx)
         except Exception:
-            results.append(Result(fn.__name__, "error", False, note=traceback.format_exc(limit=8)))
+            got = [Result(name, "error", False, note=traceback.format_exc(limit=8))]
+        results.extend(got)
+        results.append(Result(f"{name} time", "info", None, {"s": time.perf_counter() - t}))
+        for r in got:
+            print(f"{ {True: 'PASS', False: 'FAIL', None: '    '}[r.ok]} {r.kind:6s} {r.name:44s} {_fmt(r.metrics)} "
+                  f"{r.note}".rstrip(), flush=True)
+        if path is not None:
+            write_report(path, ctx, env or {}, results)
     return results
 
 
@@ -260,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cpu-selftest", action="store_true", help="tiny fp32 parity on CPU under TRITON_INTERPRET=1")
     p.add_argument("--parity-only", action="store_true", help="skip the benchmarks")
+    p.add_argument("--quick", action="store_true", help=f"fewer shapes, shorter timings, {QUICK_BUDGET_S:.0f} s budget")
+    p.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default "
+                   f"{DEFAULT_BUDGET_S:.0f}, {QUICK_BUDGET_S:.0f} with --quick)")
     args = p.parse_args(argv)
     if args.cpu_selftest:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
@@ -269,12 +339,14 @@ def main(argv: list[str] | None = None) -> int:
     _make_k3x_importable()
     import torch
 
+    budget = args.budget if args.budget is not None else (QUICK_BUDGET_S if args.quick else DEFAULT_BUDGET_S)
     if args.cpu_selftest:
-        ctx = Context("cpu", torch.float32, selftest=True, bench=False)
+        ctx = Context("cpu", torch.float32, selftest=True, bench=False, quick=args.quick, budget_s=budget)
     elif torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 oracle
         torch.backends.cudnn.allow_tf32 = False
-        ctx = Context("cuda", torch.bfloat16, selftest=False, bench=not args.parity_only)
+        ctx = Context("cuda", torch.bfloat16, selftest=False, bench=not args.parity_only, quick=args.quick,
+                      budget_s=budget)
     else:
         print("no CUDA device: run with --cpu-selftest (and TRITON_INTERPRET=1) on CPU", file=sys.stderr)
         return 2
@@ -283,18 +355,13 @@ def main(argv: list[str] | None = None) -> int:
 
     env = {"torch": torch.__version__, "triton": triton.__version__,
            "device": torch.cuda.get_device_name() if ctx.device == "cuda" else "cpu (interpreter)"}
-    results = run(ctx)
-    for r in results:
-        status = {True: "PASS", False: "FAIL", None: "    "}[r.ok]
-        print(f"{status} {r.kind:6s} {r.name:44s} {_fmt(r.metrics)} {r.note}".rstrip())
-    failed = [r for r in results if r.ok is False]
     out_dir = Path(os.environ.get("OUT", "./out"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    report = {"env": env, "selftest": ctx.selftest, "seconds": time.perf_counter() - ctx.t0,
-              "failed": len(failed), "results": [asdict(r) for r in results]}
-    (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
-    print(f"{len(results)} results, {len(failed)} failed, {report['seconds']:.1f} s -> {out_dir / 'gpu_check.json'}")
-    return 1 if failed else 0
+    path = out_dir / "gpu_check.json"
+    results = run(ctx, path, env)
+    report = write_report(path, ctx, env, results, complete=True)
+    print(f"{len(results)} results, {report['failed']} failed, {report['seconds']:.1f} s -> {path}")
+    return 1 if report["failed"] else 0
 
 
 if __name__ == "__main__":

@@ -7,6 +7,19 @@ from __future__ import annotations
 import sys
 
 
+def imports() -> dict:
+    """Every k3x module the benchmarks use (torch and triton besides; fla optional, through gpu_check._fla)."""
+    from k3x.custom_ops.attn_res import triton as attn_res
+    from k3x.custom_ops.kda import triton as kda
+    from k3x.custom_ops.kernels import Kernels
+    from k3x.custom_ops.moe import triton as moe
+    from k3x.exporter import cuda_graph, runners, trace
+    from k3x.model import build_model, preset
+
+    return {"kda": kda, "attn_res": attn_res, "moe": moe, "Kernels": Kernels, "cuda_graph": cuda_graph,
+            "runners": runners, "trace": trace, "build_model": build_model, "preset": preset}
+
+
 def bench_ceilings(ctx) -> list:
     gc = sys.modules[type(ctx).__module__]  # bench/gpu_check.py, run as __main__ or imported
     if not ctx.bench:
@@ -15,51 +28,62 @@ def bench_ceilings(ctx) -> list:
 
     src = torch.empty(2 ** 29, dtype=torch.bfloat16, device="cuda").normal_()  # 1 GiB
     dst = torch.empty_like(src)
-    t_copy = gc._bench(lambda: dst.copy_(src))
+    t_copy = gc._bench(lambda: dst.copy_(src), ctx)
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    t_mm = gc._bench(lambda: a @ b)
+    t_mm = gc._bench(lambda: a @ b, ctx)
     ctx.copy_tbps = 2 * 2 ** 30 / t_copy / 1e9
     return [gc.Result("copy 1 GiB d2d", "bench", None, {"ms": t_copy, "TB/s": ctx.copy_tbps}),
             gc.Result("bf16 GEMM 8192^3", "bench", None, {"ms": t_mm, "TFLOP/s": 2 * 8192 ** 3 / t_mm / 1e9})]
 
 
 def bench_kda(ctx) -> list:
+    """Prefill (ours with K3's gate bound vs fla's chunk_kda) and decode as device time (CUDA graph of many
+    launches: at B=1 a launch is ~µs, host overhead would dominate a do_bench figure)."""
     gc = sys.modules[type(ctx).__module__]  # bench/gpu_check.py, run as __main__ or imported
     if not ctx.bench:
         return []
     import torch
 
-    from k3x.custom_ops.kda import triton as kern
+    kern = imports()["kda"]
 
     fla, note = gc._fla()
     out = []
-    for H in (64, 96):
-        for T in (4096, 32768):
-            if ctx.time_left() < 60:
-                return out + [gc.Result("kda prefill", "info", None, note="skipped: time budget")]
-            q, k, v, g, beta, h0 = gc._kda_inputs(1, T, H, 128, 128, torch.bfloat16, "cuda")
-            m = {"ours_ms": gc._bench(lambda: kern.kda_chunked(q, k, v, g, beta, initial_state=h0))}
-            if fla is not None:
-                common = dict(initial_state=h0, output_final_state=True, safe_gate=True, lower_bound=-5.0)
-                m["fla_l2norm_ms"] = gc._bench(lambda: fla[0](q, k, v, g, beta, use_qk_l2norm_in_kernel=True, **common))
-                m["fla_ms"] = gc._bench(lambda: fla[0](q, k, v, g, beta, **common))
-                m["speedup_vs_fla"] = m["fla_ms"] / m["ours_ms"]
-                m["speedup_vs_fla_l2norm"] = m["fla_l2norm_ms"] / m["ours_ms"]
-            m["Mtok/s"] = T / m["ours_ms"] / 1e3
-            out.append(gc.Result(f"kda prefill B1-T{T}-H{H}", "bench", None, m, note))
-            del q, k, v, g, beta, h0
+    prefill = [(96, 4096), (96, 32768)] if ctx.quick else [(96, 4096), (96, 32768), (64, 4096), (64, 32768)]
+    for H, T in prefill:
+        if ctx.time_left() < 15:
+            out.append(gc.Result(f"kda prefill B1-T{T}-H{H}", "info", None, note="skipped: section budget"))
+            continue
+        q, k, v, g, beta, h0 = gc._kda_inputs(1, T, H, 128, 128, torch.bfloat16, "cuda")
+        m = {"ours_ms": gc._bench(lambda: kern.kda_chunked(q, k, v, g, beta, initial_state=h0, gate_lower_bound=-5.0),
+                                  ctx)}
+        if fla is not None:
+            common = dict(initial_state=h0, output_final_state=True, safe_gate=True, lower_bound=-5.0)
+            m["fla_ms"] = gc._bench(lambda: fla[0](q, k, v, g, beta, **common), ctx)
+            m["speedup_vs_fla"] = m["fla_ms"] / m["ours_ms"]
+            if not ctx.quick:
+                m["fla_l2norm_ms"] = gc._bench(lambda: fla[0](q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
+                                                               **common), ctx)
+            m["fla_autotune_configs"] = gc.FLA_AUTOTUNE_CONFIGS
+        m["Mtok/s"] = T / m["ours_ms"] / 1e3
+        out.append(gc.Result(f"kda prefill B1-T{T}-H{H}", "bench", None, m, note))
+        del q, k, v, g, beta, h0
     for B in (1, 64):
+        if ctx.time_left() < 5:
+            out.append(gc.Result(f"kda decode B{B}-H96", "info", None, note="skipped: section budget"))
+            continue
         q, k, v, g, beta, h0 = gc._kda_inputs(B, 1, 96, 128, 128, torch.bfloat16, "cuda")
         state = h0.clone()
-        m = {"ours_ms": gc._bench(lambda: kern.kda_recurrent_(q, k, v, g, beta, state))}
+        ms, how = gc.device_time(lambda: kern.kda_recurrent_(q, k, v, g, beta, state))
+        m = {"ours_us": ms * 1e3, "timing": how}
         nbytes = 2 * h0.numel() * 4
-        m["state_TB/s"] = nbytes / m["ours_ms"] / 1e9
+        m["state_TB/s"] = nbytes / ms / 1e9
         if ctx.copy_tbps:
             m["frac_of_copy"] = m["state_TB/s"] / ctx.copy_tbps
         if fla is not None:
-            m["fla_ms"] = gc._bench(lambda: fla[1](q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                                                use_qk_l2norm_in_kernel=True))
+            fms, fhow = gc.device_time(lambda: fla[1](q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                      use_qk_l2norm_in_kernel=True))
+            m |= {"fla_us": fms * 1e3, "fla_timing": fhow}
         out.append(gc.Result(f"kda decode B{B}-H96", "bench", None, m, note))
     return out
 
@@ -70,7 +94,7 @@ def bench_attn_res(ctx) -> list:
         return []
     import torch
 
-    from k3x.custom_ops.attn_res import triton as kern
+    kern = imports()["attn_res"]
 
     out = []
     for R, N in ((8192, 8), (8192, 1)):
@@ -78,7 +102,10 @@ def bench_attn_res(ctx) -> list:
         prefix = torch.randn(R, d, device="cuda", dtype=torch.bfloat16)
         bank = torch.randn(R, N, d, device="cuda", dtype=torch.bfloat16)
         nw, pw = torch.ones(d, device="cuda"), torch.randn(d, device="cuda") * 0.02
-        ms = gc._bench(lambda: kern.attn_res(prefix, bank, nw, pw, 1e-5))
+        if ctx.time_left() < 5:
+            out.append(gc.Result(f"attn_res R{R}-N{N}", "info", None, note="skipped: section budget"))
+            continue
+        ms = gc._bench(lambda: kern.attn_res(prefix, bank, nw, pw, 1e-5), ctx)
         tbps = (N + 2) * R * d * 2 / ms / 1e9
         m = {"ms": ms, "TB/s": tbps}
         if ctx.copy_tbps:
@@ -89,11 +116,11 @@ def bench_attn_res(ctx) -> list:
 
 def bench_moe(ctx) -> list:
     gc = sys.modules[type(ctx).__module__]  # bench/gpu_check.py, run as __main__ or imported
-    if not ctx.bench or ctx.time_left() < 60:
-        return [] if not ctx.bench else [gc.Result("moe", "info", None, note="skipped: time budget")]
+    if not ctx.bench or ctx.time_left() < 20:
+        return [] if not ctx.bench else [gc.Result("moe", "info", None, note="skipped: section budget")]
     import torch
 
-    from k3x.custom_ops.moe import triton as kern
+    kern = imports()["moe"]
 
     N, k, E, L, I = 8192, 16, 896, 3584, 3072  # K3: 131072 pairs over 896 experts (~146 rows each)
     dev, bf = "cuda", torch.bfloat16
@@ -106,9 +133,9 @@ def bench_moe(ctx) -> list:
     sp, be = kern.moe_align(ids, E, cfg["BM"], cfg["P"])
     h = kern.moe_gemm1(z, w1, w3, sp, be, k, cfg, "situ", 4.0, 25.0)
     NK = N * k
-    m = {"gemm1_ms": gc._bench(lambda: kern.moe_gemm1(z, w1, w3, sp, be, k, cfg, "situ", 4.0, 25.0)),
-         "gemm2_ms": gc._bench(lambda: kern.moe_gemm2(h, w2, sp, be, wts, cfg)),
-         "experts_op_ms": gc._bench(lambda: kern.moe_experts(z, ids, wts, w1, w3, w2, "situ", 4.0, 25.0))}
+    m = {"gemm1_ms": gc._bench(lambda: kern.moe_gemm1(z, w1, w3, sp, be, k, cfg, "situ", 4.0, 25.0), ctx),
+         "gemm2_ms": gc._bench(lambda: kern.moe_gemm2(h, w2, sp, be, wts, cfg), ctx),
+         "experts_op_ms": gc._bench(lambda: kern.moe_experts(z, ids, wts, w1, w3, w2, "situ", 4.0, 25.0), ctx)}
     m["gemm1_TFLOP/s"] = 2 * NK * L * 2 * I / m["gemm1_ms"] / 1e9
     m["gemm2_TFLOP/s"] = 2 * NK * I * L / m["gemm2_ms"] / 1e9
     m["gemms_TFLOP/s"] = 2 * NK * L * 3 * I / (m["gemm1_ms"] + m["gemm2_ms"]) / 1e9
@@ -119,9 +146,9 @@ def bench_moe(ctx) -> list:
             order = ids.reshape(-1).argsort()
             a = z[(order // k)]  # [NK, L] rows grouped by expert
             offs = torch.bincount(ids.reshape(-1), minlength=E).cumsum(0).to(torch.int32)
-            t_up = gc._bench(lambda: torch._grouped_mm(a, w1.transpose(1, 2), offs=offs))  # one of gate/up
+            t_up = gc._bench(lambda: torch._grouped_mm(a, w1.transpose(1, 2), offs=offs), ctx)  # one of gate/up
             a2 = torch.randn(N * k, I, device=dev, dtype=bf)
-            t_dn = gc._bench(lambda: torch._grouped_mm(a2, w2.transpose(1, 2), offs=offs))
+            t_dn = gc._bench(lambda: torch._grouped_mm(a2, w2.transpose(1, 2), offs=offs), ctx)
             m["grouped_mm_gate_up_ms"] = 2 * t_up  # gate and up as two calls of the same size
             m["grouped_mm_down_ms"] = t_dn
             m["grouped_mm_TFLOP/s"] = 2 * NK * L * 3 * I / (2 * t_up + t_dn) / 1e9
@@ -132,4 +159,54 @@ def bench_moe(ctx) -> list:
     return [gc.Result(f"moe experts N{N}-k{k}-E{E}-L{L}-I{I}", "bench", None, m, note)]
 
 
-BENCHMARKS = [bench_ceilings, bench_kda, bench_attn_res, bench_moe]
+def bench_decode_graph(ctx) -> list:
+    """Per-token decode latency of the pt2 program (kernels=triton, bf16, B=1) on CUDA with and without
+    CUDA graphs (exporter/cuda_graph.py), greedy tokens compared: k3-mini (hybrid: its MLA cache grows every
+    step, so graphs never apply — the figure shows the limit) and a KDA-only variant (one graph replayed)."""
+    gc = sys.modules[type(ctx).__module__]  # bench/gpu_check.py, run as __main__ or imported
+    if not ctx.bench:
+        return []
+    import dataclasses
+    import time
+
+    import torch
+
+    m = imports()
+    base = m["preset"]("k3-mini")
+    out = []
+    for tag, cfg in (("k3-mini", base), ("k3-mini-kda-only", dataclasses.replace(
+            base, layer_types=("kda",) * len(base.layer_types)))):
+        if ctx.time_left() < 15:
+            out.append(gc.Result(f"decode graph {tag}", "info", None, note="skipped: section budget"))
+            continue
+        cfg = dataclasses.replace(cfg, kernels=m["Kernels"].TRITON)
+        model = m["build_model"](cfg, device="cuda", dtype=torch.bfloat16, seed=0)
+        plain = m["runners"].ModuleRunner("pt2", m["trace"].trace(model).module(), cfg)
+        graphed, how = m["cuda_graph"].maybe_graphed(plain)
+        res, tokens = {}, {}
+        for name, runner in (("eager_launches", plain), ("cuda_graph", graphed)):
+            feeds = {n: t.cuda() for n, t in m["runners"].start_feeds(cfg, torch.ones(1, 16, dtype=torch.long),
+                                                                     torch.bfloat16).items()}
+            o = runner.infer(feeds)
+            toks, steps, t0 = [], 32, 0.0
+            for i in range(steps + 4):  # 4 warm-up steps: Triton compiles, the graph is captured
+                if i == 4:
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                tok = o["logits"][:, -1:].argmax(-1)
+                toks.append(tok)
+                o = runner.infer(m["runners"].next_feeds(cfg, o, tok))
+            torch.cuda.synchronize()
+            res[f"{name}_ms_per_token"] = (time.perf_counter() - t0) * 1e3 / steps
+            tokens[name] = torch.cat(toks, -1).cpu()
+        res["speedup"] = res["eager_launches_ms_per_token"] / res["cuda_graph_ms_per_token"]
+        stats = getattr(graphed, "stats", {})
+        note = f"{how}; {stats}"
+        out.append(gc.Result(f"decode graph {tag} B1", "bench", None, res, note))
+        out.append(gc.Result(f"decode graph {tag} same tokens", "parity",
+                             bool(torch.equal(tokens["eager_launches"], tokens["cuda_graph"])), note=note))
+        del model, plain, graphed
+    return out
+
+
+BENCHMARKS = [bench_ceilings, bench_kda, bench_attn_res, bench_moe, bench_decode_graph]

@@ -43,6 +43,8 @@ class RunnerOptions:
     checkpoint: Path | None = None  # eager: overrides the checkpoint recorded in the export
     intra_op_threads: int = 0  # ONNX Runtime: 0 = its default
     check_hashes: bool = True  # False: skip the sha256 of artifact files (sizes and paths still checked)
+    device: str = "cpu"  # pt2: the device the program's module runs on (cpu | cuda)
+    cuda_graph: bool = False  # torch-module runners on CUDA: decode steps replayed as CUDA graphs (cuda_graph.py)
 
 
 class ModuleRunner:
@@ -132,6 +134,10 @@ def _pt2(export_dir: Path, options: RunnerOptions) -> Runner:
         ep = load_pt2(path)
     except Exception as e:  # noqa: BLE001 - name the file
         raise RunnerError(f"{path}: cannot load the ExportedProgram: {e}") from None
+    if options.device != "cpu":  # weights, constants and the devices named in the graph
+        from torch.export.passes import move_to_device_pass
+
+        ep = move_to_device_pass(ep, {"cpu": options.device})
     return ModuleRunner("pt2", ep.module(), _folder(export_dir).config())
 
 
@@ -182,9 +188,14 @@ def make_runner(backend: str, export_dir: Path, options: RunnerOptions = RunnerO
     from .artifacts import ManifestError
 
     try:
-        return factory(Path(export_dir), options)
+        runner = factory(Path(export_dir), options)
     except ManifestError as e:  # e.g. the manifest's config does not build
         raise RunnerError(str(e)) from None
+    if options.cuda_graph:
+        from .cuda_graph import maybe_graphed
+
+        runner, _ = maybe_graphed(runner)  # unchanged (the reason is in cuda_graph_unavailable) without CUDA
+    return runner
 
 
 def check_request(cfg, *, batch: int, prompt_len: int, new_tokens: int, dims: dict | None = None,

@@ -58,7 +58,8 @@ class KimiDeltaAttention(nn.Module):
         f = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, D)
         g = kda_gate(f, self.A_log, self.dt_bias, self.cfg.kda.gate_lower_bound)  # [B, T, H, D] fp32
         beta = torch.sigmoid(cast(self.b_proj(x), torch.float32))  # [B, T, H]
-        out = kda(q, k, v, g, beta, recurrent_state, scale=D ** -0.5, kernels=self.cfg.kernels)
+        out = kda(q, k, v, g, beta, recurrent_state, scale=D ** -0.5, kernels=self.cfg.kernels,
+                  gate_lower_bound=self.cfg.kda.gate_lower_bound)
         gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
         o = self.o_norm(out.output)  # [B, T, H, D]
         o = o * cast(torch.sigmoid(cast(gate, torch.float32).view(B, T, H, D)), o.dtype)

@@ -18,17 +18,18 @@ NODE = NodeSpec(
     inputs=(("q", "T"), ("k", "T"), ("v", "T"), ("g", "F"), ("beta", "F"), ("initial_state", "S")),
     outputs=(("o", "T"), ("final_state", "S")),
     fields=(("scale", AttrType.FLOAT), ("num_heads", AttrType.INT), ("head_dim", AttrType.INT),
-            ("value_dim", AttrType.INT)),
+            ("value_dim", AttrType.INT), ("gate_lower_bound", AttrType.FLOAT)),
     doc="Kimi Delta Attention (gated delta rule, per-key decay). q, k [B, T, H, K] L2-normalised; "
         "v [B, T, H, V]; g [B, T, H, K] log-decay; beta [B, T, H] post-sigmoid; initial_state [B, H, K, V] "
-        "fp32 -> o [B, T, H, V], final_state [B, H, K, V] fp32. Same contract as torch.ops.k3.kda.",
+        "fp32 -> o [B, T, H, V], final_state [B, H, K, V] fp32. Same contract as torch.ops.k3.kda. "
+        "gate_lower_bound: g >= it everywhere (0 = no bound); selects the kernel, not the math.",
 )
 NODE.register()  # onnx.checker and the exporter need the schema before any node is emitted
 
 
-def translate(q, k, v, g, beta, initial_state, scale: float, kernels: str):
+def translate(q, k, v, g, beta, initial_state, scale: float, kernels: str, gate_lower_bound: float = 0.0):
     return opset().KDA(q, k, v, g, beta, initial_state, scale=float(scale), num_heads=static(q.shape[2], "kda heads"),
-                       head_dim=static(q.shape[3], "kda head_dim"), value_dim=static(v.shape[3], "kda value_dim"),
+                       head_dim=static(q.shape[3], "kda head_dim"), value_dim=static(v.shape[3], "kda value_dim"), gate_lower_bound=float(gate_lower_bound),
                        _outputs=2, **COMMON_ATTRIBUTES)
 
 

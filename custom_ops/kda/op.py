@@ -1,9 +1,12 @@
 """`k3::kda` — schema, fake impl, shape rule, limits and the kernel dispatch. Torch-only; Triton is imported lazily.
 
-    k3::kda(q, k, v, g, beta, initial_state, scale, kernels) -> (o, final_state)
+    k3::kda(q, k, v, g, beta, initial_state, scale, kernels, gate_lower_bound) -> (o, final_state)
     q, k [B, T, H, K] (L2-normalised); v [B, T, H, V]; g [B, T, H, K] log-decay; beta [B, T, H];
     initial_state [B, H, K, V] fp32.  o [B, T, H, V] (v's dtype), final_state [B, H, K, V] fp32.
 Same contract as `reference.kda_recurrent`. Prefill and decode are the same op: T is dynamic.
+`gate_lower_bound` is the caller's promise that g >= it everywhere (K3's safe gate: -5); 0.0 means no bound
+(one encoding for the op, the ONNX attribute and the TensorRT plugin field, since a real bound is < 0). The
+Triton kernels pick the chunked variant compiled without the unbounded-gate fallback from it, on the host.
 """
 
 from __future__ import annotations
@@ -41,18 +44,19 @@ def kda_output_shapes(q_shape, v_shape):
 
 @torch.library.custom_op("k3::kda", mutates_args=())
 def _kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor, scale: float,
-         kernels: str) -> tuple[Tensor, Tensor]:
+         kernels: str, gate_lower_bound: float = 0.0) -> tuple[Tensor, Tensor]:
     if require_kernels("k3::kda", kernels, q, k, v, g, beta, initial_state) is Kernels.TRITON:
         from . import triton
 
-        return triton.kda(q, k, v, g, beta, scale=scale, initial_state=initial_state)
+        return triton.kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                          gate_lower_bound=gate_lower_bound)
     if q.shape[1] == 1:
         return reference.kda_recurrent(q, k, v, g, beta, scale=scale, initial_state=initial_state)
     return reference.kda_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state)
 
 
 @_kda.register_fake
-def _(q, k, v, g, beta, initial_state, scale, kernels):
+def _(q, k, v, g, beta, initial_state, scale, kernels, gate_lower_bound=0.0):
     o_shape, s_shape = kda_output_shapes(q.shape, v.shape)
     return v.new_empty(o_shape), initial_state.new_empty(s_shape, dtype=torch.float32)
 
@@ -64,7 +68,9 @@ class KDAOutput:
 
 
 def kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor, *,
-        scale: float | None = None, kernels: Kernels = Kernels.REFERENCE) -> KDAOutput:
+        scale: float | None = None, kernels: Kernels = Kernels.REFERENCE,
+        gate_lower_bound: float | None = None) -> KDAOutput:
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    o, s = torch.ops.k3.kda(q, k, v, g, beta, initial_state, scale, Kernels(kernels).value)
+    lb = 0.0 if gate_lower_bound is None else float(gate_lower_bound)
+    o, s = torch.ops.k3.kda(q, k, v, g, beta, initial_state, scale, Kernels(kernels).value, lb)
     return KDAOutput(o, s)

@@ -1,7 +1,7 @@
 """`k3::KDA` TensorRT plugin: Kimi Delta Attention over the launch plan of `triton.py`.
 
     KDA(q, k, v [B, T, H, K|V] fp32|fp16|bf16 (one dtype), g [B, T, H, K] fp32, beta [B, T, H] fp32,
-        initial_state [B, H, K, V] fp32; scale, num_heads, head_dim, value_dim) -> (o [B, T, H, V] (v's dtype),
+        initial_state [B, H, K, V] fp32; scale, num_heads, head_dim, value_dim, gate_lower_bound) -> (o [B, T, H, V] (v's dtype),
         final_state [B, H, K, V] fp32).  LINEAR only.  Output shapes: `kda_output_shapes` (op.py).
 
 Kernels per runtime T, as the op runs them (`triton.plan`): T <= RECURRENT_MAX_T -> the recurrent kernel (one
@@ -63,7 +63,7 @@ def register_qdp(trtp, *, sm: int, opt_dims: dict) -> None:
     @trtp.register("k3::KDA")
     def _desc(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDesc, g: trtp.TensorDesc, beta: trtp.TensorDesc,
               initial_state: trtp.TensorDesc, scale: float, num_heads: int, head_dim: int,
-              value_dim: int) -> Tuple[trtp.TensorDesc, trtp.TensorDesc]:
+              value_dim: int, gate_lower_bound: float) -> Tuple[trtp.TensorDesc, trtp.TensorDesc]:
         return qdp.output_descs(trtp, SPEC, [q, k, v, g, beta, initial_state], {})
 
     @trtp.autotune("k3::KDA")
@@ -72,11 +72,12 @@ def register_qdp(trtp, *, sm: int, opt_dims: dict) -> None:
 
     @trtp.impl("k3::KDA")
     def _impl(q, k, v, g, beta, initial_state, scale: float, num_heads: int, head_dim: int, value_dim: int,
-              outputs, stream: int) -> None:
-        qdp.jit(SPEC, [q, k, v, g, beta, initial_state], list(outputs), {"scale": scale}, stream)
+              gate_lower_bound: float, outputs, stream: int) -> None:
+        qdp.jit(SPEC, [q, k, v, g, beta, initial_state], list(outputs),
+                {"scale": scale, "gate_lower_bound": gate_lower_bound}, stream)
 
     @trtp.aot_impl("k3::KDA")
     def _aot(q, k, v, g, beta, initial_state, scale: float, num_heads: int, head_dim: int, value_dim: int,
-             outputs, tactic: int):
+             gate_lower_bound: float, outputs, tactic: int):
         return qdp.aot(trtp, SPEC, [q, k, v, g, beta, initial_state], list(outputs),
-                       {"scale": scale}, sm, opt_dims | {"T": 1})
+                       {"scale": scale, "gate_lower_bound": gate_lower_bound}, sm, opt_dims | {"T": 1})

@@ -8,18 +8,21 @@ Same functions and contract as `reference.py`:
 
 Chunked prefill (docs/model.md §2.4), two kernels:
   1. `_kda_intra_kernel`, grid (NT, B*H), one 64-token chunk split into four 16-token sub-chunks.
-     Within-chunk cumulative decay Γ by `tl.cumsum`.  Score blocks A[r, c] = Σ_d x_r k_c e^{Γ_r − Γ_c}
+     Within-chunk cumulative decay Γ by `tl.cumsum`.  Scores A[r, c] = Σ_d x_r k_c e^{Γ_r − Γ_c}
      (x = k for L, x = q for A^qk) are dense `tl.dot`s after factorising e^{Γ_r − Γ_c} =
      e^{Γ_r − R_i} · e^{R_i − Γ_c} with ONE reference R_i per row sub-chunk i: the cumulative decay just
-     before its first row.  Row factors are <= 1; column factors are <= 1 for earlier sub-chunks and
-     <= e^{span_i} on the diagonal block, span_i = −Σ_{rows of i} g <= 16·5 = 80 for K3's gate >= −5
-     (finite in fp32 and bf16, whose max is e^88.7).  So the 16×16 diagonal blocks use the same dense
-     dot as the off-diagonal ones.  Unbounded gates (Kimi Linear): the kernel checks span_i per
-     (sub-chunk, K-block) at run time and, only where it exceeds 80, computes that diagonal block
-     pairwise with exponents min(Γ_r − Γ_c, 0) — exact for any g <= 0, never clamped, and a branch K3
-     never takes.  Then the UT transform (I + Diag(β) L)^{-1} Diag(β): forward substitution on the four
-     16×16 diagonal blocks and block back-substitution for the six off-diagonal ones (fp32, "ieee"
-     dots), W = T (k e^Γ), U = T v, and the chunk's q e^Γ (scaled), k e^{Γ_C − Γ}, e^{Γ_C}, A^qk.
+     before its first row.  Each row sub-chunk is scored against the whole chunk in one [16, 64]
+     accumulator (four per matrix, spread over the warps, instead of twenty replicated 16×16 blocks).
+     Row factors are <= 1; column factors are <= 1 for earlier sub-chunks, <= e^{span_i} on the diagonal
+     block, span_i = −Σ_{rows of i} g <= 16·5 = 80 for K3's gate >= −5 (finite in fp32 and bf16, whose max
+     is e^88.7), and clamped for later sub-chunks (masked out).  Unbounded gates (Kimi Linear) are a
+     separate variant chosen on the host from the op's `gate_lower_bound` (constexpr SAFE_GATE off): it
+     checks span_i per (sub-chunk, K-block) at run time and, only where it exceeds 80, scores that sub-chunk
+     pairwise with exponents min(Γ_r − Γ_c, 0) — exact for any g <= 0.  K3's variant never compiles it.
+     Then the UT transform (I + Diag(β) L)^{-1} Diag(β): forward substitution on the four 16×16 diagonal
+     blocks at once (stacked with `tl.join`) and block back-substitution for the six off-diagonal ones
+     (fp32, "ieee" dots), assembled into one [64, 64] X; W = X (β k e^Γ) and U = X (β v) are single
+     [64, 64] × [64, B] dots; the chunk's q e^Γ (scaled), k e^{Γ_C − Γ}, e^{Γ_C}, A^qk are stored.
   2. `_kda_state_kernel`, grid (V/BV, B*H), sequential over chunks with the fp32 state in registers:
      V' = U − W S;  O = (q e^Γ) S + A^qk V';  S ← e^{Γ_C} ⊙ S + (k e^{Γ_C − Γ})ᵀ V'.  The output is
      fused into the state pass, so the per-chunk states h are never written to memory.
@@ -30,8 +33,8 @@ Recurrent decode (docs/model.md §2.1): `_kda_recurrent_kernel`, grid (V/BV, B*H
 registers, token loop inside.  `kda_recurrent_` updates a state buffer in place (decode step).
 `kda` picks recurrent for T <= RECURRENT_MAX_T, chunked above.
 
-Launch parameters are pure functions of the shapes (`kda_chunk_launch_config`,
-`kda_recurrent_launch_config`), gathered in one `plan` (custom_ops/launch.py) that the torch launchers below
+Launch parameters are pure functions of the shapes (`kda_chunk_launch_config`, chosen from the kernels'
+compiled sm_90 resources; `kda_recurrent_launch_config`), gathered in one `plan` (custom_ops/launch.py) that the torch launchers below
 run with Triton's JIT and the TensorRT plugin runs from cubins compiled ahead of time.
 No autotune, no block pointers; kernel arguments are tensors, then scalars, then constexprs.
 """
@@ -70,65 +73,109 @@ def _dot32(a, b):
 
 
 @triton.jit
-def _diag_pairwise(x, k, G, BC: tl.constexpr):
-    """Σ_d x_r[d] k_c[d] exp(min(Γ_r[d] − Γ_c[d], 0)) for one 16×16 diagonal block, row by row.
+def _pairwise_rows(x, G, ka, Ga, BC: tl.constexpr, BT: tl.constexpr):
+    """Σ_d x_r[d] k_c[d] exp(min(Γ_r[d] − Γ_c[d], 0)) for one row sub-chunk against the whole chunk, row by row.
 
-    x, k, G [BC, BK] fp32 -> [BC, BC].  Used only where the factorised form could overflow.
-    """
+    x, G [BC, BK] (rows r), ka, Ga [BT, BK] (columns c), fp32 -> [BC, BT]; exact for c <= r whatever the gate.
+    Compiled only into the unbounded-gate variant, run only where the factorised form could overflow."""
     o = tl.arange(0, BC)
-    acc = tl.zeros([BC, BC], dtype=tl.float32)
+    acc = tl.zeros([BC, BT], dtype=tl.float32)
     for r in range(BC):
         sel = o[:, None] == r
         x_r = tl.sum(tl.where(sel, x, 0.0), 0)  # [BK]
         G_r = tl.sum(tl.where(sel, G, 0.0), 0)  # [BK]
-        e = tl.exp(tl.minimum(G_r[None, :] - G, 0.0))  # [BC(c), BK]
-        col = tl.sum(k * e * x_r[None, :], 1)  # [BC(c)]
+        e = tl.exp(tl.minimum(G_r[None, :] - Ga, 0.0))  # [BT(c), BK]
+        col = tl.sum(ka * e * x_r[None, :], 1)  # [BT(c)]
         acc = tl.where(sel, col[None, :], acc)
     return acc
 
 
 @triton.jit
-def _inv_unit_lower(L, BC: tl.constexpr):
-    """(I + L)^{-1} for a strictly lower-triangular fp32 [BC, BC] block, by forward substitution."""
+def _inv_unit_lower4(L0, L1, L2, L3, BC: tl.constexpr):
+    """(I + L_i)^{-1} for four strictly lower-triangular fp32 [BC, BC] blocks at once, by forward substitution.
+
+    The blocks are stacked into one [BC, BC, 2, 2] tensor (`tl.join`), so the BC − 1 dependent steps run once
+    for all four diagonal blocks instead of four times in sequence."""
     o = tl.arange(0, BC)
-    Y = -L  # Y = X − I; row i is final once processed
+    Y = -tl.join(tl.join(L0, L1), tl.join(L2, L3))  # Y = X − I; row i is final once processed
     for i in range(1, BC):
-        sel = o[:, None] == i
-        a = tl.sum(tl.where(sel, Y, 0.0), 0)  # row i of −L (a_j = 0 for j >= i)
-        a = a + tl.sum(a[:, None] * Y, 0)
-        Y = tl.where(sel, a[None, :], Y)
-    return Y + (o[:, None] == o[None, :]).to(tl.float32)
+        sel = (o == i)[:, None, None, None]
+        a = tl.sum(tl.where(sel, Y, 0.0), 0)  # [BC(c), 2, 2]: row i of −L (a_j = 0 for j >= i)
+        a = a + tl.sum(a[:, None, :, :] * Y, 0)
+        Y = tl.where(sel, a[None, :, :, :], Y)
+    Y01, Y23 = tl.split(Y)
+    Y0, Y1 = tl.split(Y01)
+    Y2, Y3 = tl.split(Y23)
+    eye = (o[:, None] == o[None, :]).to(tl.float32)
+    return Y0 + eye, Y1 + eye, Y2 + eye, Y3 + eye
 
 
 @triton.jit
-def _scores(kr, qr, kc, kd, qd, Gd, span, Akk, Aqk, IS_DIAG: tl.constexpr, BC: tl.constexpr,
-            DOT_BF16: tl.constexpr):
-    """Accumulate one (row sub-chunk, column sub-chunk, K-block) contribution to L and A^qk."""
-    kct = tl.trans(kc)
-    if IS_DIAG:
-        if span <= SPAN_MAX:  # factorised form is finite
-            Akk = _mma(kr, kct, Akk, DOT_BF16)
-            Aqk = _mma(qr, kct, Aqk, DOT_BF16)
-        else:  # unbounded gate: pairwise exponents, each factor <= 1
-            Akk += _diag_pairwise(kd, kd, Gd, BC)
-            Aqk += _diag_pairwise(qd, kd, Gd, BC)
-    else:
-        Akk = _mma(kr, kct, Akk, DOT_BF16)
-        Aqk = _mma(qr, kct, Aqk, DOT_BF16)
-    return Akk, Aqk
+def _split4(x, BC: tl.constexpr):
+    """[BC, 4·BC] -> its four [BC, BC] column blocks."""
+    y = tl.permute(tl.reshape(x, [BC, 2, 2, BC]), (0, 3, 1, 2))  # [r, c, a, b]: column block 2a + b
+    y0, y1 = tl.split(y)  # b = 0, 1
+    x0, x2 = tl.split(y0)
+    x1, x3 = tl.split(y1)
+    return x0, x1, x2, x3
 
 
 @triton.jit
-def _load_sub(ptr, rows, o_k, m_k, T, STRIDE: tl.constexpr):
-    """[BC, BK] fp32 tile of rows `rows` (masked past T) and channels o_k."""
+def _cat4(x0, x1, x2, x3, BC: tl.constexpr):
+    """Four [BC, BC] blocks -> [BC, 4·BC] (x_j in columns j·BC ...)."""
+    y = tl.join(tl.join(x0, x2), tl.join(x1, x3))  # [r, c, a, b]: block 2a + b
+    return tl.reshape(tl.permute(y, (0, 2, 3, 1)), [BC, 4 * BC])
+
+
+@triton.jit
+def _cat_rows4(r0, r1, r2, r3, BC: tl.constexpr, BT: tl.constexpr):
+    """Four [BC, BT] row blocks -> [4·BC, BT]."""
+    y = tl.join(tl.join(r0, r2), tl.join(r1, r3))  # [r, c, a, b]: row block 2a + b
+    return tl.reshape(tl.permute(y, (2, 3, 0, 1)), [4 * BC, BT])
+
+
+@triton.jit
+def _load_tile(ptr, rows, o_k, m_k, T, STRIDE: tl.constexpr):
+    """[len(rows), BK] fp32 tile of rows `rows` (masked past T) and channels o_k."""
     m = (rows < T)[:, None] & m_k[None, :]
     return tl.load(ptr + rows[:, None].to(tl.int64) * STRIDE + o_k[None, :], mask=m, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _store_sub(ptr, x, rows, o_k, m_k, T, STRIDE: tl.constexpr):
+def _store_tile(ptr, x, rows, o_k, m_k, T, STRIDE: tl.constexpr):
     m = (rows < T)[:, None] & m_k[None, :]
     tl.store(ptr + rows[:, None].to(tl.int64) * STRIDE + o_k[None, :], x.to(ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _row_scores(k, q, g, ka, Ga, ga, o_t, rows, o_k, m_k, T, scale, Lr, Qr, I: tl.constexpr, H: tl.constexpr,
+                K: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, DOT_BF16: tl.constexpr,
+                SAFE_GATE: tl.constexpr):
+    """One K-block's contribution to row sub-chunk I's scores against the whole chunk: L_I· and A^qk_I· [BC, BT].
+
+    Reference R_I = Γ just before the sub-chunk. Row factors e^{Γ_r − R_I} <= 1; column factors
+    e^{R_I − Γ_c} <= 1 for earlier sub-chunks, <= e^{span_I} on the diagonal block (finite when the gate is
+    bounded: SAFE_GATE), clamped at e^{SPAN_MAX} for later ones (masked out by the caller). Without SAFE_GATE a
+    sub-chunk whose span exceeds SPAN_MAX in this K-block is computed pairwise instead."""
+    R = tl.sum(tl.where((o_t < I * BC)[:, None], ga, 0.0), 0)  # [BK]
+    gr = _load_tile(g, rows, o_k, m_k, T, H * K)
+    Gr = tl.cumsum(gr, 0)  # Γ_r − R_I
+    f = tl.exp(Gr)
+    kr = _load_tile(k, rows, o_k, m_k, T, H * K)
+    qr = _load_tile(q, rows, o_k, m_k, T, H * K) * scale
+    colt = tl.trans(ka * tl.exp(tl.minimum(R[None, :] - Ga, SPAN_MAX)))  # [BK, BT]
+    if SAFE_GATE:
+        Lr = _mma(kr * f, colt, Lr, DOT_BF16)
+        Qr = _mma(qr * f, colt, Qr, DOT_BF16)
+    else:
+        span = tl.max(-tl.sum(gr, 0), 0)
+        if span <= SPAN_MAX:
+            Lr = _mma(kr * f, colt, Lr, DOT_BF16)
+            Qr = _mma(qr * f, colt, Qr, DOT_BF16)
+        else:  # unbounded gate: pairwise exponents, each factor <= 1
+            Lr += _pairwise_rows(kr, Gr + R[None, :], ka, Ga, BC, BT)
+            Qr += _pairwise_rows(qr, Gr + R[None, :], ka, Ga, BC, BT)
+    return Lr, Qr
 
 
 @triton.jit
@@ -138,7 +185,7 @@ def _kda_intra_kernel(
     T, NT,
     scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, DOT_BF16: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, DOT_BF16: tl.constexpr, SAFE_GATE: tl.constexpr,
 ):
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -156,189 +203,88 @@ def _kda_intra_kernel(
     beta += tok0 * H + i_h
     gl += ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K
 
+    o_t = tl.arange(0, BT)
+    rows = i_t * BT + o_t  # the chunk's rows
     o_i = tl.arange(0, BC)
     r0 = i_t * BT + o_i  # rows of the four sub-chunks
     r1 = r0 + BC
     r2 = r0 + 2 * BC
     r3 = r0 + 3 * BC
+    b_all = tl.load(beta + rows.to(tl.int64) * H, mask=rows < T, other=0.0).to(tl.float32)  # [BT]
+
+    # ---- 1. scores of each row sub-chunk against the chunk, L (unscaled by β) and A^qk: [BC, BT] fp32 each
+    L0 = tl.zeros([BC, BT], dtype=tl.float32)
+    L1 = tl.zeros([BC, BT], dtype=tl.float32)
+    L2 = tl.zeros([BC, BT], dtype=tl.float32)
+    L3 = tl.zeros([BC, BT], dtype=tl.float32)
+    Q0 = tl.zeros([BC, BT], dtype=tl.float32)
+    Q1 = tl.zeros([BC, BT], dtype=tl.float32)
+    Q2 = tl.zeros([BC, BT], dtype=tl.float32)
+    Q3 = tl.zeros([BC, BT], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        ka = _load_tile(k, rows, o_k, m_k, T, H * K)  # [BT, BK]
+        ga = _load_tile(g, rows, o_k, m_k, T, H * K)
+        Ga = tl.cumsum(ga, 0)  # Γ (within-chunk cumulative decay)
+        L0, Q0 = _row_scores(k, q, g, ka, Ga, ga, o_t, r0, o_k, m_k, T, scale, L0, Q0, 0, H, K, BC, BT, DOT_BF16,
+                             SAFE_GATE)
+        L1, Q1 = _row_scores(k, q, g, ka, Ga, ga, o_t, r1, o_k, m_k, T, scale, L1, Q1, 1, H, K, BC, BT, DOT_BF16,
+                             SAFE_GATE)
+        L2, Q2 = _row_scores(k, q, g, ka, Ga, ga, o_t, r2, o_k, m_k, T, scale, L2, Q2, 2, H, K, BC, BT, DOT_BF16,
+                             SAFE_GATE)
+        L3, Q3 = _row_scores(k, q, g, ka, Ga, ga, o_t, r3, o_k, m_k, T, scale, L3, Q3, 3, H, K, BC, BT, DOT_BF16,
+                             SAFE_GATE)
+
+    # ---- 2. A^qk (causal incl. diagonal) -> A [.., BT]; entries above the diagonal stored as zeros
+    m_all = o_t < BT
+    _store_tile(A, tl.where(o_t[None, :] <= o_i[:, None], Q0, 0.0), r0, o_t, m_all, T, H * BT)
+    _store_tile(A, tl.where(o_t[None, :] <= o_i[:, None] + BC, Q1, 0.0), r1, o_t, m_all, T, H * BT)
+    _store_tile(A, tl.where(o_t[None, :] <= o_i[:, None] + 2 * BC, Q2, 0.0), r2, o_t, m_all, T, H * BT)
+    _store_tile(A, tl.where(o_t[None, :] <= o_i[:, None] + 3 * BC, Q3, 0.0), r3, o_t, m_all, T, H * BT)
+
+    # ---- 3. UT transform: X = (I + Diag(β) L)^{-1}, block lower-triangular [BT, BT] fp32
     b0 = tl.load(beta + r0.to(tl.int64) * H, mask=r0 < T, other=0.0).to(tl.float32)
     b1 = tl.load(beta + r1.to(tl.int64) * H, mask=r1 < T, other=0.0).to(tl.float32)
     b2 = tl.load(beta + r2.to(tl.int64) * H, mask=r2 < T, other=0.0).to(tl.float32)
     b3 = tl.load(beta + r3.to(tl.int64) * H, mask=r3 < T, other=0.0).to(tl.float32)
-
-    # ---- 1. score blocks L_ij (unscaled by β) and A^qk_ij, accumulated over K-blocks: [BC, BC] fp32 each
-    L00 = tl.zeros([BC, BC], dtype=tl.float32)
-    L10 = tl.zeros([BC, BC], dtype=tl.float32)
-    L11 = tl.zeros([BC, BC], dtype=tl.float32)
-    L20 = tl.zeros([BC, BC], dtype=tl.float32)
-    L21 = tl.zeros([BC, BC], dtype=tl.float32)
-    L22 = tl.zeros([BC, BC], dtype=tl.float32)
-    L30 = tl.zeros([BC, BC], dtype=tl.float32)
-    L31 = tl.zeros([BC, BC], dtype=tl.float32)
-    L32 = tl.zeros([BC, BC], dtype=tl.float32)
-    L33 = tl.zeros([BC, BC], dtype=tl.float32)
-    Q00 = tl.zeros([BC, BC], dtype=tl.float32)
-    Q10 = tl.zeros([BC, BC], dtype=tl.float32)
-    Q11 = tl.zeros([BC, BC], dtype=tl.float32)
-    Q20 = tl.zeros([BC, BC], dtype=tl.float32)
-    Q21 = tl.zeros([BC, BC], dtype=tl.float32)
-    Q22 = tl.zeros([BC, BC], dtype=tl.float32)
-    Q30 = tl.zeros([BC, BC], dtype=tl.float32)
-    Q31 = tl.zeros([BC, BC], dtype=tl.float32)
-    Q32 = tl.zeros([BC, BC], dtype=tl.float32)
-    Q33 = tl.zeros([BC, BC], dtype=tl.float32)
-    for i_k in range(0, tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        k0 = _load_sub(k, r0, o_k, m_k, T, H * K)
-        k1 = _load_sub(k, r1, o_k, m_k, T, H * K)
-        k2 = _load_sub(k, r2, o_k, m_k, T, H * K)
-        k3 = _load_sub(k, r3, o_k, m_k, T, H * K)
-        q0 = _load_sub(q, r0, o_k, m_k, T, H * K) * scale
-        q1 = _load_sub(q, r1, o_k, m_k, T, H * K) * scale
-        q2 = _load_sub(q, r2, o_k, m_k, T, H * K) * scale
-        q3 = _load_sub(q, r3, o_k, m_k, T, H * K) * scale
-        g0 = _load_sub(g, r0, o_k, m_k, T, H * K)
-        g1 = _load_sub(g, r1, o_k, m_k, T, H * K)
-        g2 = _load_sub(g, r2, o_k, m_k, T, H * K)
-        g3 = _load_sub(g, r3, o_k, m_k, T, H * K)
-        # Γ (within-chunk cumulative decay) and the references R_i = Γ before sub-chunk i: [BK]
-        R1 = tl.sum(g0, 0)
-        R2 = R1 + tl.sum(g1, 0)
-        R3 = R2 + tl.sum(g2, 0)
-        RC = R3 + tl.sum(g3, 0)
-        G0 = tl.cumsum(g0, 0)
-        G1 = tl.cumsum(g1, 0) + R1[None, :]
-        G2 = tl.cumsum(g2, 0) + R2[None, :]
-        G3 = tl.cumsum(g3, 0) + R3[None, :]
-        # row factors e^{Γ_r − R_i} <= 1
-        f0 = tl.exp(G0)
-        f1 = tl.exp(G1 - R1[None, :])
-        f2 = tl.exp(G2 - R2[None, :])
-        f3 = tl.exp(G3 - R3[None, :])
-        # spans of the diagonal blocks (largest column factor exponent)
-        s0 = tl.max(-R1, 0)
-        s1 = tl.max(R1 - R2, 0)
-        s2 = tl.max(R2 - R3, 0)
-        s3 = tl.max(R3 - RC, 0)
-        # row sub-chunk 0
-        L00, Q00 = _scores(k0 * f0, q0 * f0, k0 * tl.exp(tl.minimum(-G0, SPAN_MAX)), k0, q0, G0, s0, L00, Q00,
-                           True, BC, DOT_BF16)
-        # row sub-chunk 1, reference R1
-        kr, qr = k1 * f1, q1 * f1
-        L10, Q10 = _scores(kr, qr, k0 * tl.exp(R1[None, :] - G0), k0, q0, G0, s1, L10, Q10, False, BC, DOT_BF16)
-        L11, Q11 = _scores(kr, qr, k1 * tl.exp(tl.minimum(R1[None, :] - G1, SPAN_MAX)), k1, q1, G1, s1, L11, Q11,
-                           True, BC, DOT_BF16)
-        # row sub-chunk 2, reference R2
-        kr, qr = k2 * f2, q2 * f2
-        L20, Q20 = _scores(kr, qr, k0 * tl.exp(R2[None, :] - G0), k0, q0, G0, s2, L20, Q20, False, BC, DOT_BF16)
-        L21, Q21 = _scores(kr, qr, k1 * tl.exp(R2[None, :] - G1), k1, q1, G1, s2, L21, Q21, False, BC, DOT_BF16)
-        L22, Q22 = _scores(kr, qr, k2 * tl.exp(tl.minimum(R2[None, :] - G2, SPAN_MAX)), k2, q2, G2, s2, L22, Q22,
-                           True, BC, DOT_BF16)
-        # row sub-chunk 3, reference R3
-        kr, qr = k3 * f3, q3 * f3
-        L30, Q30 = _scores(kr, qr, k0 * tl.exp(R3[None, :] - G0), k0, q0, G0, s3, L30, Q30, False, BC, DOT_BF16)
-        L31, Q31 = _scores(kr, qr, k1 * tl.exp(R3[None, :] - G1), k1, q1, G1, s3, L31, Q31, False, BC, DOT_BF16)
-        L32, Q32 = _scores(kr, qr, k2 * tl.exp(R3[None, :] - G2), k2, q2, G2, s3, L32, Q32, False, BC, DOT_BF16)
-        L33, Q33 = _scores(kr, qr, k3 * tl.exp(tl.minimum(R3[None, :] - G3, SPAN_MAX)), k3, q3, G3, s3, L33, Q33,
-                           True, BC, DOT_BF16)
-
-    # ---- 2. A^qk (causal incl. diagonal) -> A [.., BT]; upper blocks stored as zeros
-    incl = o_i[:, None] >= o_i[None, :]
+    L00, _x01, _x02, _x03 = _split4(L0 * b0[:, None], BC)
+    L10, L11, _x12, _x13 = _split4(L1 * b1[:, None], BC)
+    L20, L21, L22, _x23 = _split4(L2 * b2[:, None], BC)
+    L30, L31, L32, L33 = _split4(L3 * b3[:, None], BC)
     strict = o_i[:, None] > o_i[None, :]
-    zero = tl.zeros([BC, BC], dtype=tl.float32)
-    m_all = o_i < BC
-    _store_sub(A, tl.where(incl, Q00, 0.0), r0, o_i, m_all, T, H * BT)
-    _store_sub(A + BC, zero, r0, o_i, m_all, T, H * BT)
-    _store_sub(A + 2 * BC, zero, r0, o_i, m_all, T, H * BT)
-    _store_sub(A + 3 * BC, zero, r0, o_i, m_all, T, H * BT)
-    _store_sub(A, Q10, r1, o_i, m_all, T, H * BT)
-    _store_sub(A + BC, tl.where(incl, Q11, 0.0), r1, o_i, m_all, T, H * BT)
-    _store_sub(A + 2 * BC, zero, r1, o_i, m_all, T, H * BT)
-    _store_sub(A + 3 * BC, zero, r1, o_i, m_all, T, H * BT)
-    _store_sub(A, Q20, r2, o_i, m_all, T, H * BT)
-    _store_sub(A + BC, Q21, r2, o_i, m_all, T, H * BT)
-    _store_sub(A + 2 * BC, tl.where(incl, Q22, 0.0), r2, o_i, m_all, T, H * BT)
-    _store_sub(A + 3 * BC, zero, r2, o_i, m_all, T, H * BT)
-    _store_sub(A, Q30, r3, o_i, m_all, T, H * BT)
-    _store_sub(A + BC, Q31, r3, o_i, m_all, T, H * BT)
-    _store_sub(A + 2 * BC, Q32, r3, o_i, m_all, T, H * BT)
-    _store_sub(A + 3 * BC, tl.where(incl, Q33, 0.0), r3, o_i, m_all, T, H * BT)
-
-    # ---- 3. UT transform: X = (I + Diag(β) L)^{-1}, block lower-triangular, fp32
-    X00 = _inv_unit_lower(tl.where(strict, L00 * b0[:, None], 0.0), BC)
-    X11 = _inv_unit_lower(tl.where(strict, L11 * b1[:, None], 0.0), BC)
-    X22 = _inv_unit_lower(tl.where(strict, L22 * b2[:, None], 0.0), BC)
-    X33 = _inv_unit_lower(tl.where(strict, L33 * b3[:, None], 0.0), BC)
-    L10 = L10 * b1[:, None]
-    L20 = L20 * b2[:, None]
-    L21 = L21 * b2[:, None]
-    L30 = L30 * b3[:, None]
-    L31 = L31 * b3[:, None]
-    L32 = L32 * b3[:, None]
+    X00, X11, X22, X33 = _inv_unit_lower4(tl.where(strict, L00, 0.0), tl.where(strict, L11, 0.0),
+                                          tl.where(strict, L22, 0.0), tl.where(strict, L33, 0.0), BC)
     X10 = -_dot32(X11, _dot32(L10, X00))
     X21 = -_dot32(X22, _dot32(L21, X11))
     X20 = -_dot32(X22, _dot32(L20, X00) + _dot32(L21, X10))
     X32 = -_dot32(X33, _dot32(L32, X22))
     X31 = -_dot32(X33, _dot32(L31, X11) + _dot32(L32, X21))
     X30 = -_dot32(X33, _dot32(L30, X00) + _dot32(L31, X10) + _dot32(L32, X20))
+    zero = tl.zeros([BC, BC], dtype=tl.float32)
+    X = _cat_rows4(_cat4(X00, zero, zero, zero, BC), _cat4(X10, X11, zero, zero, BC),
+                   _cat4(X20, X21, X22, zero, BC), _cat4(X30, X31, X32, X33, BC), BC, BT)  # [BT, BT]
 
-    # ---- 4. W = X (β k e^Γ), q e^Γ, k e^{Γ_C − Γ}, e^{Γ_C}, per K-block
+    # ---- 4. W = X (β k e^Γ), q e^Γ (scaled), k e^{Γ_C − Γ}, e^{Γ_C}, per K-block: one [BT, BT] x [BT, BK] dot
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
-        g0 = _load_sub(g, r0, o_k, m_k, T, H * K)
-        g1 = _load_sub(g, r1, o_k, m_k, T, H * K)
-        g2 = _load_sub(g, r2, o_k, m_k, T, H * K)
-        g3 = _load_sub(g, r3, o_k, m_k, T, H * K)
-        R1 = tl.sum(g0, 0)
-        R2 = R1 + tl.sum(g1, 0)
-        R3 = R2 + tl.sum(g2, 0)
-        RC = R3 + tl.sum(g3, 0)
-        G0 = tl.cumsum(g0, 0)
-        G1 = tl.cumsum(g1, 0) + R1[None, :]
-        G2 = tl.cumsum(g2, 0) + R2[None, :]
-        G3 = tl.cumsum(g3, 0) + R3[None, :]
+        ga = _load_tile(g, rows, o_k, m_k, T, H * K)
+        Ga = tl.cumsum(ga, 0)
+        RC = tl.sum(ga, 0)
         tl.store(gl + o_k, tl.exp(RC), mask=m_k)
-        k0 = _load_sub(k, r0, o_k, m_k, T, H * K)
-        k1 = _load_sub(k, r1, o_k, m_k, T, H * K)
-        k2 = _load_sub(k, r2, o_k, m_k, T, H * K)
-        k3 = _load_sub(k, r3, o_k, m_k, T, H * K)
-        _store_sub(kg, k0 * tl.exp(RC[None, :] - G0), r0, o_k, m_k, T, H * K)
-        _store_sub(kg, k1 * tl.exp(RC[None, :] - G1), r1, o_k, m_k, T, H * K)
-        _store_sub(kg, k2 * tl.exp(RC[None, :] - G2), r2, o_k, m_k, T, H * K)
-        _store_sub(kg, k3 * tl.exp(RC[None, :] - G3), r3, o_k, m_k, T, H * K)
-        kb0 = k0 * tl.exp(G0) * b0[:, None]
-        kb1 = k1 * tl.exp(G1) * b1[:, None]
-        kb2 = k2 * tl.exp(G2) * b2[:, None]
-        kb3 = k3 * tl.exp(G3) * b3[:, None]
-        acc = tl.zeros([BC, BK], dtype=tl.float32)
-        _store_sub(w, _mma(X00, kb0, acc, DOT_BF16), r0, o_k, m_k, T, H * K)
-        _store_sub(w, _mma(X11, kb1, _mma(X10, kb0, acc, DOT_BF16), DOT_BF16), r1, o_k, m_k, T, H * K)
-        _store_sub(w, _mma(X22, kb2, _mma(X21, kb1, _mma(X20, kb0, acc, DOT_BF16), DOT_BF16), DOT_BF16),
-                   r2, o_k, m_k, T, H * K)
-        _store_sub(w, _mma(X33, kb3, _mma(X32, kb2, _mma(X31, kb1, _mma(X30, kb0, acc, DOT_BF16), DOT_BF16),
-                                          DOT_BF16), DOT_BF16), r3, o_k, m_k, T, H * K)
-        _store_sub(qg, _load_sub(q, r0, o_k, m_k, T, H * K) * scale * tl.exp(G0), r0, o_k, m_k, T, H * K)
-        _store_sub(qg, _load_sub(q, r1, o_k, m_k, T, H * K) * scale * tl.exp(G1), r1, o_k, m_k, T, H * K)
-        _store_sub(qg, _load_sub(q, r2, o_k, m_k, T, H * K) * scale * tl.exp(G2), r2, o_k, m_k, T, H * K)
-        _store_sub(qg, _load_sub(q, r3, o_k, m_k, T, H * K) * scale * tl.exp(G3), r3, o_k, m_k, T, H * K)
+        ka = _load_tile(k, rows, o_k, m_k, T, H * K)
+        _store_tile(kg, ka * tl.exp(RC[None, :] - Ga), rows, o_k, m_k, T, H * K)
+        kb = ka * tl.exp(Ga) * b_all[:, None]
+        _store_tile(w, _mma(X, kb, tl.zeros([BT, BK], dtype=tl.float32), DOT_BF16), rows, o_k, m_k, T, H * K)
+        _store_tile(qg, _load_tile(q, rows, o_k, m_k, T, H * K) * scale * tl.exp(Ga), rows, o_k, m_k, T, H * K)
 
     # ---- 5. U = X (β v), per V-block
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
-        vb0 = _load_sub(v, r0, o_v, m_v, T, H * V) * b0[:, None]
-        vb1 = _load_sub(v, r1, o_v, m_v, T, H * V) * b1[:, None]
-        vb2 = _load_sub(v, r2, o_v, m_v, T, H * V) * b2[:, None]
-        vb3 = _load_sub(v, r3, o_v, m_v, T, H * V) * b3[:, None]
-        acc = tl.zeros([BC, BV], dtype=tl.float32)
-        _store_sub(u, _mma(X00, vb0, acc, DOT_BF16), r0, o_v, m_v, T, H * V)
-        _store_sub(u, _mma(X11, vb1, _mma(X10, vb0, acc, DOT_BF16), DOT_BF16), r1, o_v, m_v, T, H * V)
-        _store_sub(u, _mma(X22, vb2, _mma(X21, vb1, _mma(X20, vb0, acc, DOT_BF16), DOT_BF16), DOT_BF16),
-                   r2, o_v, m_v, T, H * V)
-        _store_sub(u, _mma(X33, vb3, _mma(X32, vb2, _mma(X31, vb1, _mma(X30, vb0, acc, DOT_BF16), DOT_BF16),
-                                          DOT_BF16), DOT_BF16), r3, o_v, m_v, T, H * V)
+        vb = _load_tile(v, rows, o_v, m_v, T, H * V) * b_all[:, None]
+        _store_tile(u, _mma(X, vb, tl.zeros([BT, BV], dtype=tl.float32), DOT_BF16), rows, o_v, m_v, T, H * V)
 
 
 @triton.jit
@@ -432,21 +378,72 @@ def _np2(x: int) -> int:
     return triton.next_power_of_2(x)
 
 
+SM90_SMS = 132  # H200
+SM90_REGS, SM90_SMEM, SM90_SMEM_RESERVED, SM90_MAX_WARPS = 65536, 233472, 1024, 64
+
+# Compiled resources on sm_90a (triton 3.8, K = V = 128, bf16; `python -m k3x.bench.kernel_resources` and
+# tests/bench/test_kernel_resources.py recompile the chosen entries and hold them to these numbers):
+# (BV, num_warps, num_stages) -> (registers per thread, dynamic shared memory bytes, spills?)
+STATE_RESOURCES_SM90 = {
+    (16, 4, 1): (158, 63488, False), (16, 4, 2): (90, 122880, False), (32, 4, 1): (168, 69632, False),
+    (32, 4, 2): (128, 131072, False), (64, 4, 1): (255, 81920, True), (64, 4, 2): (208, 147456, False),
+    (16, 8, 1): (98, 65536, False), (32, 8, 1): (140, 69632, False), (32, 8, 2): (118, 131072, False),
+    (64, 8, 1): (182, 81920, False), (64, 8, 2): (170, 147456, False),
+}
+# (BK, num_warps, num_stages) -> (registers, shared, spills?) of the intra kernel (bounded gate)
+INTRA_RESOURCES_SM90 = {
+    (16, 4, 1): (247, 16384, False), (16, 4, 2): (246, 24576, False), (32, 4, 1): (255, 16384, False),
+    (32, 4, 2): (255, 33792, True), (16, 8, 1): (141, 16384, False), (16, 8, 2): (183, 24576, False),
+    (32, 8, 1): (175, 16384, False), (32, 8, 2): (228, 33792, False),
+}
+
+
+def ctas_per_sm(regs: int, shared: int, warps: int) -> int:
+    """Co-resident CTAs on one sm_90 SM: registers (allocated per warp in units of 256), shared memory
+    (+ 1 KB reserved per CTA), warps."""
+    per_warp = -(-regs * 32 // 256) * 256
+    return min((SM90_REGS // per_warp) // warps, SM90_SMEM // (shared + SM90_SMEM_RESERVED),
+               SM90_MAX_WARPS // warps)
+
+
+def _pick_state(B: int, H: int, V: int) -> tuple[int, int, int]:
+    """(BV, warps, stages) of the state kernel from its compiled resources: no spills, then the fewest
+    waves x (BV + 32) (a CTA's serial chunk loop does math in proportion to its BV columns plus the loads of
+    the [BT, K] w, qg, kg tiles every CTA makes whatever its BV, worth about 32 columns), then larger BV,
+    then more stages."""
+    def cost(key):
+        BV, warps, stages = key
+        regs, shared, spills = STATE_RESOURCES_SM90[key]
+        grid = B * H * triton.cdiv(V, BV)
+        waves = -(-grid // (ctas_per_sm(regs, shared, warps) * SM90_SMS))
+        return (spills, waves * (BV + 32), -BV, -stages)
+    return min((k for k in STATE_RESOURCES_SM90 if k[0] <= max(16, _np2(V))), key=cost)
+
+
+def _pick_intra() -> tuple[int, int, int]:
+    """(BK, warps, stages) of the intra kernel: no spills, most CTAs per SM (its grid is NT x B*H, many
+    waves), then more stages (pipelined loads), then fewer registers."""
+    def cost(key):
+        regs, shared, spills = INTRA_RESOURCES_SM90[key]
+        return (spills, -ctas_per_sm(regs, shared, key[1]), -key[2], regs)
+    return min(INTRA_RESOURCES_SM90, key=cost)
+
+
 def kda_chunk_launch_config(B: int, T: int, H: int, K: int, V: int) -> dict:
-    """Block sizes and warps of the two chunked kernels (pure function of the shapes).
+    """Block sizes, warps and stages of the two chunked kernels, chosen from their compiled sm_90 resources
+    (tables above, measured at K = V = 128; larger K shrinks BV to keep the [K, BV] fp32 state slice the same
+    size). With the tables: intra BK=16, 4 warps, 2 stages (246 registers, 2 CTAs per SM, no spills); state
+    BV=32, 4 warps, 1 stage (168 registers, 68 KB, 3 CTAs per SM: 384 CTAs in one wave at B=1, H=96).
 
     AOT compilers: give pointers and the K/V-sized int arguments `tt.divisibility=16` as the JIT does
     for such values; without it loads are not vectorised and the state kernel spills."""
     BK_state = _np2(K)
-    # state slice [K, BV] fp32 in registers: 64 columns up to K=128, 32 beyond; smaller if B*H is tiny
-    BV_state = min(_np2(V), 64 if K <= 128 else 32)
-    if B * H * triton.cdiv(V, BV_state) < 264 and BV_state > 16:  # < 2 programs per SM (132 SMs)
-        BV_state //= 2
+    BV_state, w_state, s_state = _pick_state(B, H, V)
+    BV_state = max(16, min(BV_state * 128 // max(BK_state, 128), _np2(V)))
+    BK, w_intra, s_intra = _pick_intra()
     return {
-        # BK=16 / 8 warps: the least register spilling on sm_90 (ptxas -v) for 12 [16, BK] tiles + 20 [16, 16] blocks
-        "intra": {"BK": 16, "BV": min(64, _np2(V)), "num_warps": 8, "num_stages": 1},
-        "state": {"BK": BK_state, "BV": BV_state, "num_warps": 8 if BK_state * BV_state >= 8192 else 4,
-                  "num_stages": 2},
+        "intra": {"BK": BK, "BV": min(64, _np2(V)), "num_warps": w_intra, "num_stages": s_intra},
+        "state": {"BK": BK_state, "BV": BV_state, "num_warps": w_state, "num_stages": s_state},
     }
 
 
@@ -457,6 +454,13 @@ def kda_recurrent_launch_config(B: int, T: int, H: int, K: int, V: int) -> dict:
     while BV > 16 and B * H * triton.cdiv(V, BV) < 1024:
         BV //= 2
     return {"BK": BK, "BV": BV, "num_warps": 4 if BK * BV >= 4096 else 2, "num_stages": 1}
+
+
+def safe_gate(gate_lower_bound: float | None) -> bool:
+    """Whether a gate bounded below by `gate_lower_bound` (log-decay per token; None or 0 = unbounded, the
+    op's encoding) keeps every 16-token diagonal span <= SPAN_MAX, so the intra kernel is compiled without the
+    pairwise fallback (K3: -5 -> spans <= 80)."""
+    return gate_lower_bound is not None and 0.0 < -float(gate_lower_bound) * BC <= SPAN_MAX.value
 
 
 def dims(shapes) -> dict:
@@ -472,6 +476,7 @@ def plan(d: dict, dtypes: list[str], attrs: dict) -> Plan:
     specialised into the code. Ports: q, k, v, g, beta, initial_state -> o, final_state."""
     B, T, H, K, V = d["B"], d["T"], d["H"], d["K"], d["V"]
     scale = float(attrs["scale"])
+    safe = safe_gate(attrs.get("gate_lower_bound"))
     r = kda_recurrent_launch_config(B, max(T, 1), H, K, V)
     recurrent = Launch(_kda_recurrent_kernel, ("q", "k", "v", "g", "beta", "initial_state", "T", "o", "final_state"),
                        {"scale": scale, "H": H, "K": K, "V": V, "BK": r["BK"], "BV": r["BV"], "HAS_H0": True},
@@ -488,7 +493,7 @@ def plan(d: dict, dtypes: list[str], attrs: dict) -> Plan:
     sizes = lambda x: {"T": x["T"], "NT": nt(x)}  # noqa: E731
     intra = Launch(_kda_intra_kernel, ("q", "k", "v", "g", "beta", "w", "u", "qg", "kg", "A", "gl", "T", "NT"),
                    {"scale": scale, "H": H, "K": K, "V": V, "BT": BT, "BC": BC, "BK": ci["BK"], "BV": ci["BV"],
-                    "DOT_BF16": dot_bf16},
+                    "DOT_BF16": dot_bf16, "SAFE_GATE": safe},
                    grid=lambda x: (nt(x), x["B"] * H, 1), scalars=sizes,
                    num_warps=ci["num_warps"], num_stages=ci["num_stages"])
     state = Launch(_kda_state_kernel, ("w", "u", "qg", "kg", "A", "gl", "initial_state", "o", "final_state", "T",
@@ -498,7 +503,8 @@ def plan(d: dict, dtypes: list[str], attrs: dict) -> Plan:
                    grid=lambda x, BV=cs["BV"]: (cdiv(V, BV), x["B"] * H, 1), scalars=sizes,
                    num_warps=cs["num_warps"], num_stages=cs["num_stages"])
     return Plan((Variant("recurrent", (recurrent,), when=lambda x: x["T"] <= RECURRENT_MAX_T),
-                 Variant("chunked", (intra, state), when=lambda x: x["T"] > RECURRENT_MAX_T)), workspace=ws)
+                 Variant("chunked" if safe else "chunked-unbounded-gate", (intra, state),
+                         when=lambda x: x["T"] > RECURRENT_MAX_T)), workspace=ws)
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None) -> None:
@@ -511,8 +517,9 @@ def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_sta
 
 
 def _run(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None, h0: Tensor | None,
-         ht: Tensor | None, variant: str) -> tuple[Tensor, Tensor]:
-    """Execute `plan`'s `variant` on torch tensors: (o, final_state); ht may alias h0 (in-place decode)."""
+         ht: Tensor | None, chunked: bool, gate_lower_bound: float | None = None) -> tuple[Tensor, Tensor]:
+    """Execute `plan`'s recurrent or chunked variant on torch tensors: (o, final_state); ht may alias h0
+    (in-place decode)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else float(scale)
@@ -521,15 +528,18 @@ def _run(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float 
     ht = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32) if ht is None else ht
     o = torch.empty(B, T, H, V, device=q.device, dtype=v.dtype)
     d = dims([q.shape, k.shape, v.shape])
-    p = plan(d, [dtype_name(q.dtype)], {"scale": scale})
-    wanted = next(x for x in p.variants if x.name == variant)
-    run(Plan((Variant(variant, wanted.launches),), p.workspace),
+    p = plan(d, [dtype_name(q.dtype)], {"scale": scale, "gate_lower_bound": gate_lower_bound})
+    wanted = p.variants[1 if chunked else 0]
+    run(Plan((Variant(wanted.name, wanted.launches),), p.workspace),
         {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": h0, "o": o, "final_state": ht}, d)
     return o, ht
 
 
 def kda_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
-                initial_state: Tensor | None = None, chunk_size: int = 64) -> tuple[Tensor, Tensor]:
+                initial_state: Tensor | None = None, chunk_size: int = 64,
+                gate_lower_bound: float | None = None) -> tuple[Tensor, Tensor]:
+    """Chunked prefill. `gate_lower_bound`: the caller's promise that g >= it everywhere (K3: -5); with a bound
+    of at least -SPAN_MAX/16 the intra kernel is the one compiled without the unbounded-gate fallback."""
     _check(q, k, v, g, beta, initial_state)
     if chunk_size != BT:
         raise ValueError(f"kda_chunked (triton): chunk_size={chunk_size}, only {BT} is implemented")
@@ -537,13 +547,13 @@ def kda_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale:
     lo, hi = KERNEL_HEAD_DIM
     if not (lo <= K <= hi and lo <= V <= hi):
         raise ValueError(f"kda_chunked (triton): needs {lo} <= K, V <= {hi}, got K={K}, V={V}")
-    return _run(q, k, v, g, beta, scale, initial_state, None, "chunked")
+    return _run(q, k, v, g, beta, scale, initial_state, None, True, gate_lower_bound)
 
 
 def kda_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
                   initial_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
     _check(q, k, v, g, beta, initial_state)
-    return _run(q, k, v, g, beta, scale, initial_state, None, "recurrent")
+    return _run(q, k, v, g, beta, scale, initial_state, None, False)
 
 
 def kda_recurrent_(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
@@ -554,13 +564,13 @@ def kda_recurrent_(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sta
     _check(q, k, v, g, beta, state)
     if state.dtype != torch.float32 or not state.is_contiguous():
         raise ValueError(f"kda_recurrent_: state must be contiguous fp32, got {state.dtype}")
-    return _run(q, k, v, g, beta, scale, state, state, "recurrent")[0]
+    return _run(q, k, v, g, beta, scale, state, state, False)[0]
 
 
 def kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
-        initial_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        initial_state: Tensor | None = None, gate_lower_bound: float | None = None) -> tuple[Tensor, Tensor]:
     """The plan's variant for this T: recurrent kernel for T <= RECURRENT_MAX_T (decode, short appends),
-    chunked kernels above."""
+    chunked kernels above (the bounded-gate intra kernel when `gate_lower_bound` allows it)."""
     if q.shape[1] <= RECURRENT_MAX_T:
         return kda_recurrent(q, k, v, g, beta, scale=scale, initial_state=initial_state)
-    return kda_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state)
+    return kda_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state, gate_lower_bound=gate_lower_bound)

@@ -55,7 +55,8 @@ def test_kda_body_matches_reference(B, T, H, K, V):
               "beta": torch.sigmoid(torch.randn(B, T, H)), "initial_state": torch.randn(B, H, K, V)}
     scale = 0.3  # not K^-1/2: proves the attribute reaches LinearAttention
     outputs = {"o": (B, T, H, V), "final_state": (B, H, K, V)}
-    model = one_node_model("KDA", inputs, outputs, scale=scale, num_heads=H, head_dim=K, value_dim=V)
+    model = one_node_model("KDA", inputs, outputs, scale=scale, num_heads=H, head_dim=K, value_dim=V,
+                           gate_lower_bound=0.0)
     o, s = run_ort(model, inputs)
     *qkvgb, s0 = inputs.values()
     o_ref, s_ref = kda_recurrent(*qkvgb, scale=scale, initial_state=s0)

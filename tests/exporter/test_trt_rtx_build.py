@@ -84,7 +84,8 @@ def _kda_model(path: Path, *, g_type: int, v_heads: int) -> None:
 
     H, K = 2, 16
     node = helper.make_node("KDA", ["q", "k", "v", "g", "beta", "s"], ["o", "s_out"], domain="k3",
-                            plugin_namespace="k3", scale=0.25, num_heads=H, head_dim=K, value_dim=K)
+                            plugin_namespace="k3", scale=0.25, num_heads=H, head_dim=K, value_dim=K,
+                            gate_lower_bound=-5.0)
     graph = helper.make_graph([node], "kda", [
         inp("q", T.FLOAT, ["batch", "seq", H, K]), inp("k", T.FLOAT, ["batch", "seq", H, K]),
         inp("v", T.FLOAT, ["batch", "seq", v_heads, K]), inp("g", g_type, ["batch", "seq", H, K]),

@@ -61,7 +61,7 @@ def test_formats_enforced():
 
 def test_kda_aot_kernels_sm90():
     spec = SPECS["KDA"]
-    plan = spec.plan(KDA_DIMS[1], KDA_TYPES, {"scale": 0.25})
+    plan = spec.plan(KDA_DIMS[1], KDA_TYPES, {"scale": 0.25, "gate_lower_bound": -5.0})
     kernels = {k.name: k for k in compile_plan(spec, plan, KDA_TYPES, 90, KDA_DIMS)}
     assert set(kernels) == {"_kda_recurrent_kernel", "_kda_intra_kernel", "_kda_state_kernel"}
     rec = kernels["_kda_recurrent_kernel"]  # QDP argument order: inputs, int32 scalars, outputs

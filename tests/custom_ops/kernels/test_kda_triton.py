@@ -47,12 +47,31 @@ CHUNK_CASES = [
 ]
 
 
+def _bounds(gate_min):
+    """The gate lower bounds a case may promise: none (unbounded-gate kernel) and, for K3-like gates, the bound
+    that selects the kernel compiled without the fallback."""
+    return (None, gate_min) if kernels.safe_gate(gate_min) else (None,)
+
+
 @pytest.mark.parametrize("B, T, H, K, V, with_state, gate_min", CHUNK_CASES)
 def test_kda_chunked_matches_reference(B, T, H, K, V, with_state, gate_min, device):
     q, k, v, g, beta, h0 = _inputs(B, T, H, K, V, gate_min=gate_min, with_state=with_state, device=device)
-    out = kernels.kda_chunked(q, k, v, g, beta, initial_state=h0)
-    _check(out, reference.kda_chunked(q, k, v, g, beta, initial_state=h0), torch.float32, "chunked")
-    _check(out, reference.kda_recurrent(q, k, v, g, beta, initial_state=h0), torch.float32, "chunked vs recurrent")
+    for lb in _bounds(gate_min):
+        out = kernels.kda_chunked(q, k, v, g, beta, initial_state=h0, gate_lower_bound=lb)
+        _check(out, reference.kda_chunked(q, k, v, g, beta, initial_state=h0), torch.float32, f"chunked lb={lb}")
+        _check(out, reference.kda_recurrent(q, k, v, g, beta, initial_state=h0), torch.float32,
+               f"chunked vs recurrent lb={lb}")
+
+
+def test_kda_plan_picks_the_gate_variant_on_the_host():
+    """K3's bound compiles the intra kernel without the pairwise fallback; no bound (Kimi Linear) keeps it."""
+    d = {"B": 1, "T": 128, "H": 2, "K": 32, "V": 32}
+    bounded = kernels.plan(d, ["fp32"], {"scale": 0.1, "gate_lower_bound": -5.0}).select(d)
+    unbounded = kernels.plan(d, ["fp32"], {"scale": 0.1}).select(d)
+    too_low = kernels.plan(d, ["fp32"], {"scale": 0.1, "gate_lower_bound": -6.0}).select(d)
+    assert (bounded.name, unbounded.name, too_low.name) == ("chunked", "chunked-unbounded-gate",
+                                                            "chunked-unbounded-gate")
+    assert bounded.launches[0].constexprs["SAFE_GATE"] and not unbounded.launches[0].constexprs["SAFE_GATE"]
 
 
 def test_kda_chunked_mixed_dense_and_pairwise_blocks(device):
@@ -107,8 +126,9 @@ def test_kda_rejects_unsupported_shapes(device):
 def test_kda_chunked_bf16_gpu(B, T, H, K, V, with_state, gate_min, device):
     q, k, v, g, beta, h0 = _inputs(B, T, H, K, V, gate_min=gate_min, with_state=with_state, dtype=torch.bfloat16,
                                    device=device)
-    out = kernels.kda_chunked(q, k, v, g, beta, initial_state=h0)
-    _check(out, reference.kda_chunked(q, k, v, g, beta, initial_state=h0), torch.bfloat16, "bf16 chunked")
+    for lb in _bounds(gate_min):
+        out = kernels.kda_chunked(q, k, v, g, beta, initial_state=h0, gate_lower_bound=lb)
+        _check(out, reference.kda_chunked(q, k, v, g, beta, initial_state=h0), torch.bfloat16, f"bf16 chunked lb={lb}")
 
 
 @pytest.mark.gpu

@@ -1,0 +1,141 @@
+"""bench/gpu_check.py on the GPU machine's stack: no onnx / onnxruntime / tensorrt on any section's import path
+(run where those imports fail, as they do there), a report on disk after every section (a run killed in the
+middle still returns what it measured), per-section time budgets, fla's autotuning cut to a few configs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench"
+
+# makes `import onnx` (and friends) fail as on a machine without them; importlib.util.find_spec says "absent"
+NO_ONNX = r'''
+import importlib.abc, importlib.util, sys
+BLOCKED = {"onnx", "onnxruntime", "onnxscript", "onnx_ir", "tensorrt", "tensorrt_rtx", "tensorrt_bindings"}
+class _Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked: the GPU machine has none)", name=name)
+        return None
+sys.meta_path.insert(0, _Absent())
+_find_spec = importlib.util.find_spec
+importlib.util.find_spec = lambda name, package=None: (
+    None if name.split(".")[0] in BLOCKED else _find_spec(name, package))
+for m in [m for m in sys.modules if m.split(".")[0] in BLOCKED]:
+    del sys.modules[m]
+sys.path.insert(0, "bench")
+'''
+
+
+def _child(code: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", NO_ONNX + code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_blocker_really_blocks():
+    proc = _child("import onnx")
+    assert proc.returncode != 0 and "blocked" in proc.stderr
+
+
+def test_every_section_imports_without_onnx():
+    proc = _child("import gpu_check, gpu_check_bench, gpu_check_plugins\n"
+                  "gpu_check._make_k3x_importable()\n"
+                  "gpu_check_bench.imports(); specs = gpu_check_plugins.launch_specs()\n"
+                  "import k3x.model, k3x.exporter.tolerances\n"
+                  "bad = sorted(m for m in sys.modules if m.split('.')[0] in BLOCKED)\n"
+                  "assert not bad, bad\n"
+                  "print(sorted(specs))\n")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "['AttnRes', 'KDA', 'MoE']" in proc.stdout
+
+
+def test_cpu_selftest_without_onnx(tmp_path):
+    """The parity sections and the model end-to-end section run (CPU interpreter) with onnx absent."""
+    proc = _child("import runpy; sys.argv = ['gpu_check.py', '--cpu-selftest']\n"
+                  "runpy.run_path('bench/gpu_check.py', run_name='__main__')\n",
+                  env={"TRITON_INTERPRET": "1", "OUT": str(tmp_path)})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    parity = [r for r in report["results"] if r["kind"] == "parity"]
+    assert report["failed"] == 0 and report["selftest"] and report["complete"], out
+    assert {r["name"].split()[0] for r in parity} >= {"kda_chunked", "kda_recurrent_", "attn_res", "moe"}, out
+    assert all(r["ok"] for r in parity), out
+
+
+def test_plugin_port_tables_match_the_plugin_specs():
+    sys.path.insert(0, str(BENCH))
+    import gpu_check_plugins
+
+    from k3x.plugins import specs
+
+    real = specs()
+    for name, (_, ins, outs) in gpu_check_plugins.PORTS.items():
+        assert tuple(p.name for p in real[name].inputs) == ins
+        assert tuple(p.name for p in real[name].outputs) == outs
+
+
+def test_report_written_after_every_section_survives_a_kill(tmp_path):
+    """The second section is killed (SIGKILL, as a device time limit would): the first one's results are on disk."""
+    path = tmp_path / "gpu_check.json"
+    proc = _child(
+        "import os, signal, gpu_check as gc\n"
+        "def first(ctx): return [gc.Result('first', 'bench', None, {'ms': 1.5})]\n"
+        "def second(ctx): os.kill(os.getpid(), signal.SIGKILL)\n"
+        "gc.CHECKS[:] = [first, second]\n"
+        "ctx = gc.Context('cpu', None, selftest=True, bench=True)\n"
+        f"gc.run(ctx, gc.Path({str(path)!r}), {{'device': 'test'}})\n")
+    assert proc.returncode != 0
+    report = json.loads(path.read_text())
+    assert report["running"] == "second" and not report["complete"]
+    assert [r["name"] for r in report["results"]][:1] == ["first"] and report["results"][0]["metrics"] == {"ms": 1.5}
+
+
+def test_sections_have_their_own_budget(tmp_path):
+    sys.path.insert(0, str(BENCH))
+    import gpu_check as gc
+
+    seen = {}
+
+    def parity_kda(ctx):  # a name with a budget in BUDGETS_S
+        seen["left"] = ctx.time_left()
+        return []
+
+    def slow(ctx):
+        ctx.deadline = 0.0  # pretend the section outran everything
+        ctx.budget_s = 0.0
+        return []
+
+    def never(ctx):
+        raise AssertionError("runs after the run's budget is spent")
+
+    old = gc.CHECKS[:]
+    try:
+        gc.CHECKS[:] = [parity_kda, slow, never]
+        ctx = gc.Context("cpu", None, selftest=True, bench=False, quick=True)
+        results = gc.run(ctx, tmp_path / "r.json", {})
+    finally:
+        gc.CHECKS[:] = old
+    assert 0 < seen["left"] <= gc.BUDGETS_S["parity_kda"] * gc.QUICK
+    skipped = [r for r in results if r.name == "never"]
+    assert skipped and "budget" in skipped[0].note
+    assert json.loads((tmp_path / "r.json").read_text())["results"][-1]["name"] == "never"
+
+
+def test_fla_autotune_limited():
+    pytest.importorskip("fla.ops.kda")
+    sys.path.insert(0, str(BENCH))
+    from gpu_check_timing import limit_fla_autotune
+    from triton.runtime.autotuner import Autotuner
+
+    limit_fla_autotune(2)
+    tuners = [o for n, m in list(sys.modules.items()) if n.startswith("fla.") and m is not None
+              for o in vars(m).values() if isinstance(o, Autotuner)]
+    assert tuners and max(len(t.configs) for t in tuners) <= 2

@@ -1,0 +1,90 @@
+"""bench/kernel_resources.py: occupancy arithmetic, and the compiled resources of K3's hot kernels (sm_90a,
+compiled on CPU) held against the regressions the H200 issue fixed: no spills in the KDA chunked kernels,
+the intra kernel at >= 2 CTAs per SM, the state kernel in one wave at B=1, H=96, no unbounded-gate fallback
+compiled for K3's bounded gate. Only the kernels checked are compiled (Triton's disk cache keeps reruns fast).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from k3x.bench import kernel_resources as kr
+
+H200 = kr.SMS[90]
+
+
+def test_occupancy_limits():
+    assert kr.occupancy(255, 10240, 8, H200) == (1, "regs")  # 8 warps x 8192 regs fill the register file
+    assert kr.occupancy(128, 10240, 4, H200) == (4, "regs")
+    assert kr.occupancy(64, 131072, 4, H200) == (1, "smem")  # 2 x (128 KB + 1 KB) > 228 KB
+    assert kr.occupancy(16, 0, 1, H200) == (32, "ctas")
+    assert kr.occupancy(16, 0, 16, H200) == (4, "warps")
+
+
+def test_registers_round_per_warp():
+    # 129 registers are allocated as 136 per thread: 4352 per warp -> 15 warps -> 3 CTAs of 4 warps
+    assert kr.occupancy(129, 0, 4, H200) == (3, "regs")
+
+
+def test_markdown_reports_errors_as_rows():
+    rows = [kr.Resources("kda", "c", "(plan)", 90, error="KeyError: 'scale'")]
+    assert "error: KeyError" in kr.markdown(rows)
+
+
+@pytest.fixture(scope="module")
+def k3_prefill_b1():
+    """KDA's chunked kernels at K3's prefill shape (B=1, T=4096, H=96, K=V=128, bf16, gate >= -5), sm_90a."""
+    rows = kr.measure_case(kr.kda_case(1, 4096), H200)
+    assert not [r.error for r in rows if r.error]
+    return {r.kernel: r for r in rows}
+
+
+def test_kda_chunked_kernels_do_not_spill(k3_prefill_b1):
+    for r in k3_prefill_b1.values():
+        assert not r.spills, f"{r.kernel}: stack {r.stack} B, {r.spill_ld} LDL / {r.spill_st} STL"
+
+
+def test_kda_intra_two_ctas_per_sm_with_pipelined_loads(k3_prefill_b1):
+    r = k3_prefill_b1["_kda_intra_kernel"]
+    assert r.ctas_per_sm >= 2 and r.stages >= 2, (r.regs, r.shared, r.warps, r.stages)
+
+
+def test_kda_state_kernel_one_wave_at_b1_h96(k3_prefill_b1):
+    r = k3_prefill_b1["_kda_state_kernel"]
+    assert r.grid_ctas == 96 * 128 // 32 and r.waves <= 1.0, (r.grid_ctas, r.ctas_per_sm, r.regs, r.shared)
+
+
+def test_kda_launch_tables_match_the_compiled_kernels(k3_prefill_b1):
+    """The resource tables the launch configuration is chosen from are what the compiler produces."""
+    from k3x.custom_ops.kda import triton as kt
+
+    cfg = kt.kda_chunk_launch_config(1, 4096, 96, 128, 128)
+    for kernel, table, key in (
+            ("_kda_intra_kernel", kt.INTRA_RESOURCES_SM90, (cfg["intra"]["BK"], cfg["intra"]["num_warps"],
+                                                            cfg["intra"]["num_stages"])),
+            ("_kda_state_kernel", kt.STATE_RESOURCES_SM90, (cfg["state"]["BV"], cfg["state"]["num_warps"],
+                                                            cfg["state"]["num_stages"]))):
+        r = k3_prefill_b1[kernel]
+        regs, shared, spills = table[key]
+        assert (r.regs, r.shared, r.spills) == (regs, shared, spills), (kernel, key)
+        assert kt.ctas_per_sm(regs, shared, key[1]) == r.ctas_per_sm
+
+
+def test_bounded_gate_compiles_no_fallback():
+    """K3's gate bound selects an intra kernel without the pairwise path: far less code than the unbounded one."""
+    bounded = kr.measure_case(kr.kda_case(1, 4096), H200, kernels=("_kda_intra_kernel",))[0]
+    unbounded = kr.measure_case(kr.kda_case(1, 4096, gate_lower_bound=None), H200, kernels=("_kda_intra_kernel",))[0]
+    assert not bounded.error and not unbounded.error
+    assert bounded.sass < 0.8 * unbounded.sass, (bounded.sass, unbounded.sass)
+
+
+def test_attn_res_double_buffered_keeps_occupancy():
+    """Two [NS, BD] tiles in flight per CTA (prefetch), still no spills and >= 4 CTAs per SM at K3's shape:
+    >= 4 MB of loads in flight over the H200's 132 SMs."""
+    case = next(c for c in kr.cases() if c.family == "attn_res")
+    (r,) = kr.measure_case(case, H200)
+    assert not r.error and not r.spills and r.ctas_per_sm >= 4, (r.regs, r.shared, r.ctas_per_sm)
+    plan = kr.family_plan(case)
+    c = plan.select(case.dims).launches[0].constexprs
+    tile_bytes = (c["N"] + 1) * c["BD"] * 2  # bf16 sources of one tile
+    assert r.ctas_per_sm * H200.sms * 2 * tile_bytes >= 4e6
