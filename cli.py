@@ -10,7 +10,7 @@ import typer
 
 from .cli_decode import Chat, MaxNewTokens, PromptIds, PromptText, Seed, Temperature, TopK, TopP
 from .cli_support import App, Progress, fail, load_ids_npy, one_line
-from .exporter.export import DType, KernelChoice, Target
+from .exporter.export import DType, ExpertFormat, KernelChoice, Target
 
 app = App(
     name="k3x",
@@ -233,6 +233,7 @@ def export(
     kernels: Annotated[KernelChoice, typer.Option(
         help="k3 custom-op implementation traced into the program: reference (PyTorch, any device) or triton "
              "(Triton kernels, CUDA only). Not the runner: that is `k3x run --backend`.")] = KernelChoice.REFERENCE,
+    expert_format: Annotated[Optional[ExpertFormat], typer.Option(help="mxfp4 (packed) or dense experts.")] = None,
 ) -> None:
     """Trace the model once (torch.export) and write the target's artifacts plus manifest.json."""
     import errno
@@ -242,7 +243,8 @@ def export(
     from .exporter.staging import FolderError
 
     try:
-        options = ExportOptions(tuple(target), out, preset, checkpoint, not no_weights, dtype, seed, kernels)
+        options = ExportOptions(tuple(target), out, preset, checkpoint, not no_weights, dtype, seed, kernels,
+                                expert_format)
         with Progress() as progress:
             result = run_export(options, progress)
     except (ValueError, FileNotFoundError, ManifestError, FolderError) as e:  # ConfigError, ...: name the input

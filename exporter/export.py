@@ -54,6 +54,11 @@ class KernelChoice(str, Enum):  # the values of custom_ops.kernels.Kernels, impo
     TRITON = "triton"
 
 
+class ExpertFormat(str, Enum):  # model.config.K3Config.expert_format
+    DENSE = "dense"
+    MXFP4 = "mxfp4"
+
+
 def _config_error(message: str) -> Exception:
     from ..model.config import ConfigError
 
@@ -70,6 +75,7 @@ class ExportOptions:
     dtype: DType = DType.FP32
     seed: int = 0  # random init of a preset with weights
     kernels: KernelChoice = KernelChoice.REFERENCE  # k3 custom-op implementation in the traced program
+    expert_format: ExpertFormat | None = None  # routed experts: None = as the checkpoint stores them (presets: dense)
 
     def __post_init__(self) -> None:
         if (self.preset is None) == (self.checkpoint is None):
@@ -203,24 +209,28 @@ def _load(options: ExportOptions, dtype: torch.dtype) -> tuple[K3Config, Callabl
 
     from ..custom_ops.kernels import Kernels
     from ..model import build_model
-    from ..model.config import K3Config, preset
+    from ..model.config import preset
 
     kernels = Kernels(KernelChoice(options.kernels).value)
+    fmt = None if options.expert_format is None else ExpertFormat(options.expert_format).value
 
     if options.checkpoint is None:
-        cfg = dataclasses.replace(preset(options.preset), kernels=kernels)
+        cfg = dataclasses.replace(preset(options.preset), kernels=kernels, expert_format=fmt or "dense")
         if options.weights:
             _check_fits_in_memory(cfg, dtype)
         seed = options.seed if options.weights else None
         device = "cpu" if options.weights else "meta"
         return cfg, lambda: build_model(cfg, device=device, dtype=dtype, seed=seed), None
-    cfg = dataclasses.replace(K3Config.from_hf(Path(options.checkpoint) / "config.json"), kernels=kernels)
+    from ..model.checkpoint import checkpoint_config
+
+    cfg = dataclasses.replace(checkpoint_config(options.checkpoint, fmt), kernels=kernels)
     if not options.weights:  # the graph depends on the config alone; no need to hash the shards
         return cfg, lambda: build_model(cfg, device="meta", dtype=dtype, seed=None), None
     from ..model.checkpoint import checkpoint_hash, load_checkpoint
 
     _check_fits_in_memory(cfg, dtype)
-    return cfg, lambda: load_checkpoint(options.checkpoint, dtype=dtype, device="cpu", kernels=kernels), \
+    return cfg, lambda: load_checkpoint(options.checkpoint, dtype=dtype, device="cpu", kernels=kernels,
+                                        expert_format=cfg.expert_format), \
         checkpoint_hash(options.checkpoint)
 
 

@@ -7,6 +7,7 @@ Active parameters = everything except the routed experts a token does not visit
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from .config import K3Config
@@ -15,7 +16,8 @@ from .state import state_bytes
 
 
 def summarize(cfg: K3Config) -> dict[str, Any]:
-    model = build_model(cfg, device="meta", seed=None)
+    """Counts are of weights (an MXFP4 config is counted as its dense twin); `storage` is the checkpoint's bytes."""
+    model = build_model(dataclasses.replace(cfg, expert_format="dense"), device="meta", seed=None)
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     total = sum(t.numel() for t in tensors.values())
     expert = {n: t.numel() for n, t in tensors.items() if ".experts.w" in n}
