@@ -1,0 +1,105 @@
+"""MXFP4 experts end to end: a packed k3-mini checkpoint exports to pt2 and both ONNX flavors with the experts
+as uint8 nibbles + E8M0 scales (artifact weight bytes within 5% of the checkpoint's tensor bytes), the `ort`
+body decodes exactly (every code, every scale byte) and the pt2 / ONNX Runtime programs match eager."""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from k3x.custom_ops.moe_mxfp4.codec import dequantize
+from k3x.custom_ops.moe_mxfp4.onnx import decode
+from k3x.custom_ops.onnx_node import Body
+
+ort = pytest.importorskip("onnxruntime")
+
+
+def test_body_decode_is_the_codec_bit_for_bit():
+    """Every byte (both nibbles: all 16 codes) against every E8M0 byte 0..254 through the body's decode nodes."""
+    packed = torch.arange(256, dtype=torch.uint8).repeat(255, 1)  # [255, 256]: row r all bytes
+    scale = torch.arange(255, dtype=torch.uint8)[:, None].repeat(1, 16)  # [255, 16]: row r scale byte r
+    b = Body("Decode")
+    out = decode(b, "packed", "scale")
+    graph = helper.make_graph(
+        b.nodes + [helper.make_node("Identity", [out], ["w"])], "decode",
+        [helper.make_tensor_value_info("packed", TensorProto.UINT8, [255, 256]),
+         helper.make_tensor_value_info("scale", TensorProto.UINT8, [255, 16])],
+        [helper.make_tensor_value_info("w", TensorProto.FLOAT, [255, 512])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=10)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (w,) = sess.run(None, {"packed": packed.numpy(), "scale": scale.numpy()})
+    want = dequantize(packed, scale).numpy()
+    assert np.array_equal(w.view(np.uint32), want.view(np.uint32))  # bit patterns: signed zeros, subnormals, inf
+
+
+@functools.lru_cache(maxsize=1)
+def packed_export() -> tuple[Path, Path]:
+    from k3x.exporter.export import ExportOptions, Target, export
+    from k3x.model import build_model, preset
+    from k3x.model.checkpoint import save_checkpoint
+
+    root = Path(tempfile.mkdtemp(prefix="k3x-test-mxfp4-"))
+    ckpt = save_checkpoint(build_model(preset("k3-mini"), seed=2), root / "ckpt")  # MXFP4 experts
+    export(ExportOptions((Target.PT2, Target.ONNX), root / "export", checkpoint=ckpt))
+    return root / "export", ckpt
+
+
+def _tensor_bytes(ckpt: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for f in ckpt.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as h:
+            total += sum(h.get_tensor(k).nbytes for k in h.keys())
+    return total
+
+
+@pytest.mark.parametrize("name, op_type", [("model.onnx", "MoEMXFP4"), ("model.trt.onnx", "MoEMXFP4")])
+def test_onnx_flavors_carry_packed_experts(name, op_type):
+    folder, ckpt = packed_export()
+    model = onnx.load(str(folder / name))
+    inits = {i.name: i for i in model.graph.initializer}
+    nodes = [n for n in model.graph.node if n.domain == "k3" and n.op_type == op_type]
+    assert len(nodes) == 5  # one node per MoE layer of k3-mini
+    for n in nodes:
+        types = [inits[i].data_type for i in n.input[4:]]
+        assert types == [TensorProto.UINT8] * 6, n.name  # w1, w3, w2 packed + three scale tensors
+    assert not any(n.op_type == "MoE" for n in model.graph.node)
+    weights = sum(len(i.raw_data) or onnx.numpy_helper.to_array(i).nbytes for i in inits.values())
+    stored = _tensor_bytes(ckpt)
+    assert abs(weights - stored) <= 0.05 * stored, (weights, stored)
+
+
+def test_pt2_carries_packed_experts_and_the_checkpoint_bytes():
+    folder, ckpt = packed_export()
+    ep = torch.export.load(str(folder / "model.pt2"))
+    sd = ep.state_dict
+    experts = {k: v for k, v in sd.items() if ".experts." in k}
+    assert experts and all(v.dtype == torch.uint8 for v in experts.values())
+    held = sum(v.nbytes for v in sd.values()) + sum(v.nbytes for v in ep.constants.values()
+                                                     if isinstance(v, torch.Tensor))
+    stored = _tensor_bytes(ckpt)
+    assert abs(held - stored) <= 0.05 * stored, (held, stored)
+    counts = __import__("json").loads((folder / "manifest.json").read_text())["op_counts"]
+    assert counts.get("k3::moe_mxfp4") == 5 and not counts.get("k3::moe")
+
+
+def test_pt2_and_ort_match_packed_eager():
+    from k3x.exporter.runners import RunnerOptions, make_runner
+    from k3x.exporter.verify import run_parity
+
+    folder, ckpt = packed_export()
+    eager = make_runner("eager", folder)
+    assert eager.module.cfg.expert_format == "mxfp4"
+    assert eager.module.model.layers[1].block_sparse_moe.experts.w1.dtype == torch.uint8
+    report = run_parity(eager, [make_runner("pt2", folder), make_runner("ort", folder, RunnerOptions(provider="cpu"))],
+                        eager.module.cfg, steps=3, prompt_len=5)
+    assert report.ok, report.table()
+    assert {s.backend for s in report.steps} == {"pt2", "ort"}
