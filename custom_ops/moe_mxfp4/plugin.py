@@ -2,8 +2,9 @@
 plan of `triton.py` (k3::MoE's eight launches with the packed GEMMs).
 
     MoEMXFP4(x [N, d], z [N, L] (one dtype, fp32|fp16|bf16), gate_weight [E, d] (fp32|fp16|bf16), gate_bias [E]
-             fp32, w1, w3 [E, I, L/2] uint8, w2 [E, L, I/2] uint8, w1_scale, w3_scale [E, I, L/32] uint8,
-             w2_scale [E, L, I/32] uint8; k3::MoE's fields) -> u [N, L] (z's dtype).
+             fp32, w1, w3 [E, I, L/2], w2 [E, L, I/2], w1_scale, w3_scale [E, I, L/32], w2_scale [E, L, I/32]
+             (bytes: int8 as TensorRT passes them, which has no UINT8 plugin formats; uint8 for the JIT path);
+             k3::MoE's fields) -> u [N, L] (z's dtype).
 The engine keeps the experts packed (4.25 bits per weight); nothing is decoded outside the GEMM registers.
 LINEAR only; N dynamic, d/L/E/I static. QDP (TensorRT 11): `impl` only, as k3::MoE.
 """
@@ -17,7 +18,7 @@ from . import triton as kt
 from .codec import BLOCK
 from .onnx import NODE
 
-U8 = ("uint8",)
+U8 = ("uint8", "int8")
 INPUTS = ("x", "z", "gate_weight", "gate_bias", "w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale")
 
 

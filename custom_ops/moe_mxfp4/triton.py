@@ -53,9 +53,9 @@ def _load_mxfp4(w, ws, row0, o_n, o_k, K, mask):
     """fp32 [BK, BN] tile: element (k, n) of the expert matrix whose row n (of K packed weights) starts at
     packed row `row0 + n`; `o_k` absolute k offsets [BK], `o_n` [BN]."""
     rows = (row0 + o_n[None, :]).to(tl.int64)
-    byte = tl.load(w + rows * (K // 2) + o_k[:, None] // 2, mask=mask, other=0).to(tl.int32)
+    byte = tl.load(w + rows * (K // 2) + o_k[:, None] // 2, mask=mask, other=0).to(tl.int32) & 255  # u8 or i8
     code = (byte >> ((o_k[:, None] & 1) * 4)) & 15
-    s = tl.load(ws + rows * (K // 32) + o_k[:, None] // 32, mask=mask, other=127).to(tl.int32)
+    s = tl.load(ws + rows * (K // 32) + o_k[:, None] // 32, mask=mask, other=127).to(tl.int32) & 255
     return _e2m1(code) * _e8m0(s)
 
 
@@ -170,8 +170,9 @@ def moe(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tensor
     want = {"w3": (E, I, half), "w2": (E, L, I // 2), "w1_scale": (E, I, L // BLOCK), "w3_scale": (E, I, L // BLOCK),
             "w2_scale": (E, L, I // BLOCK)}
     got = dict(zip(("w3", "w2", "w1_scale", "w3_scale", "w2_scale"), (w3, w2, w1_scale, w3_scale, w2_scale)))
-    bad = [n for n, s in want.items() if tuple(got[n].shape) != s or got[n].dtype != torch.uint8]
-    if bad or w1.dtype != torch.uint8 or z.shape != (x.shape[0], L) or gate_weight.shape != (E, x.shape[-1]):
+    bytes_ = (torch.uint8, torch.int8)  # int8: the same bytes, as TensorRT passes them
+    bad = [n for n, s in want.items() if tuple(got[n].shape) != s or got[n].dtype not in bytes_]
+    if bad or w1.dtype not in bytes_ or z.shape != (x.shape[0], L) or gate_weight.shape != (E, x.shape[-1]):
         raise ValueError(f"moe_mxfp4: x {tuple(x.shape)} z {tuple(z.shape)} gate {tuple(gate_weight.shape)} "
                          f"w1 {tuple(w1.shape)} {w1.dtype} do not fit" + (f" ({', '.join(bad)})" if bad else ""))
     attrs = dense._attrs(top_k, routed_scaling_factor, renormalize, activation, situ_beta, situ_linear_beta)

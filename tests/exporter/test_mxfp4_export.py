@@ -5,6 +5,12 @@ body decodes exactly (every code, every scale byte) and the pt2 / ONNX Runtime p
 from __future__ import annotations
 
 import functools
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -61,16 +67,16 @@ def _tensor_bytes(ckpt: Path) -> int:
     return total
 
 
-@pytest.mark.parametrize("name, op_type", [("model.onnx", "MoEMXFP4"), ("model.trt.onnx", "MoEMXFP4")])
-def test_onnx_flavors_carry_packed_experts(name, op_type):
+@pytest.mark.parametrize("name, byte_type", [("model.onnx", TensorProto.UINT8), ("model.trt.onnx", TensorProto.INT8)])
+def test_onnx_flavors_carry_packed_experts(name, byte_type):
     folder, ckpt = packed_export()
     model = onnx.load(str(folder / name))
     inits = {i.name: i for i in model.graph.initializer}
-    nodes = [n for n in model.graph.node if n.domain == "k3" and n.op_type == op_type]
+    nodes = [n for n in model.graph.node if n.domain == "k3" and n.op_type == "MoEMXFP4"]
     assert len(nodes) == 5  # one node per MoE layer of k3-mini
     for n in nodes:
         types = [inits[i].data_type for i in n.input[4:]]
-        assert types == [TensorProto.UINT8] * 6, n.name  # w1, w3, w2 packed + three scale tensors
+        assert types == [byte_type] * 6, n.name  # w1, w3, w2 packed + three scale tensors (TensorRT: int8)
     assert not any(n.op_type == "MoE" for n in model.graph.node)
     weights = sum(len(i.raw_data) or onnx.numpy_helper.to_array(i).nbytes for i in inits.values())
     stored = _tensor_bytes(ckpt)
@@ -87,7 +93,7 @@ def test_pt2_carries_packed_experts_and_the_checkpoint_bytes():
                                                      if isinstance(v, torch.Tensor))
     stored = _tensor_bytes(ckpt)
     assert abs(held - stored) <= 0.05 * stored, (held, stored)
-    counts = __import__("json").loads((folder / "manifest.json").read_text())["op_counts"]
+    counts = json.loads((folder / "manifest.json").read_text())["op_counts"]
     assert counts.get("k3::moe_mxfp4") == 5 and not counts.get("k3::moe")
 
 
@@ -100,6 +106,26 @@ def test_pt2_and_ort_match_packed_eager():
     assert eager.module.cfg.expert_format == "mxfp4"
     assert eager.module.model.layers[1].block_sparse_moe.experts.w1.dtype == torch.uint8
     report = run_parity(eager, [make_runner("pt2", folder), make_runner("ort", folder, RunnerOptions(provider="cpu"))],
-                        eager.module.cfg, steps=3, prompt_len=5)
+                        eager.module.cfg, steps=2, prompt_len=5)
     assert report.ok, report.table()
     assert {s.backend for s in report.steps} == {"pt2", "ort"}
+
+
+@pytest.mark.trt
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt_rtx_bindings") is None
+                    and importlib.util.find_spec("tensorrt_rtx") is None, reason="TensorRT-RTX not installed")
+def test_trt_rtx_engine_takes_the_packed_plugin_ports(tmp_path):
+    """TensorRT-RTX builds on CPU: the MoEMXFP4 plugin accepts the int8 byte ports (no UINT8 plugin formats)."""
+    folder = shutil.copytree(packed_export()[0], tmp_path / "export")
+    root = Path(__file__).resolve().parents[2]
+    link = subprocess.run([str(root / "scripts/setup_trt_rtx.sh"), "--print-only", sys.prefix], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    env = os.environ | {"LD_LIBRARY_PATH": f"{link}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+    r = subprocess.run([sys.executable, "-c", "from k3x.cli import app; app()", "build-engine", str(folder),
+                        "--runtime", "trt-rtx", "--sm", "89", "--max", "batch=2", "--max", "seq=16", "--opt", "seq=4",
+                        "--max", "past_seq=32", "--opt", "past_seq=8"], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "k3::MoEMXFP4: AOT path (sm_89 cubins)" in r.stderr
+    meta = json.loads((folder / "model.engine.json").read_text())
+    assert "MoEMXFP4" in json.dumps(meta)
