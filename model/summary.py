@@ -31,6 +31,7 @@ def summarize(cfg: K3Config) -> dict[str, Any]:
         "bf16": 2 * (total - n_expert - fp32),
         "fp32": 4 * fp32,
     }
+    artifact = {fmt: _artifact_weight_bytes(dataclasses.replace(cfg, expert_format=fmt)) for fmt in ("mxfp4", "dense")}
     starts = set(cfg.block_starts())
     plan = [{"layer": i, "mixer": cfg.layer_types[i], "ffn": cfg.mlp_types[i], "attn_res_block_start": i in starts}
             for i in range(cfg.num_layers)]
@@ -50,8 +51,18 @@ def summarize(cfg: K3Config) -> dict[str, Any]:
         **state_bytes(cfg),
         "bytes_by_storage_format": storage,
         "checkpoint_bytes": sum(storage.values()),
+        "artifact_weight_bytes": artifact,
         "layers": plan,
     }
+
+
+def _artifact_weight_bytes(cfg: K3Config) -> int:
+    """Weight bytes each artifact (model.pt2, model.onnx, model.trt.onnx, model.engine) holds for a bf16 export
+    of `cfg`: the model's tensors as held (MXFP4 experts packed, gates and norms fp32, the rest bf16)."""
+    import torch
+
+    model = build_model(cfg, device="meta", dtype=torch.bfloat16, seed=None)
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -74,4 +85,6 @@ def format_summary(s: dict[str, Any]) -> str:
         f"KDA state         {s['kda_state_bytes_per_sequence']:,} bytes/sequence (fp32, any length)",
         f"storage           MXFP4 experts {st['mxfp4_experts'] / 1e9:,.2f} GB, bf16 {st['bf16'] / 1e9:,.2f} GB, "
         f"fp32 {st['fp32'] / 1e6:,.2f} MB",
+        f"artifact weights  {s['artifact_weight_bytes']['mxfp4'] / 1e9:,.2f} GB each (pt2, model.onnx, model.trt.onnx, "
+        f"engine; bf16, MXFP4 experts packed); {s['artifact_weight_bytes']['dense'] / 1e9:,.2f} GB with dense experts",
     ])
