@@ -32,6 +32,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors import safe_open
@@ -226,32 +227,26 @@ def checkpoint_config(path: str | Path, expert_format: str | None = None,
         raise CheckpointError(str(e)) from None
 
 
-@torch.no_grad()
-def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                    kernels: Kernels = Kernels.REFERENCE, expert_format: str | None = None) -> K3ForCausalLM:
-    """`expert_format`: None keeps the experts as stored (MXFP4 stays packed), "dense" decodes them to `dtype`,
-    "mxfp4" requires them packed."""
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise CheckpointError(f"{path}: no config.json (not a checkpoint folder)")
-    handles = _Shards()
-    files = _tensor_files(path, handles)
-    cfg = dataclasses.replace(checkpoint_config(path, expert_format, files), kernels=Kernels(kernels))
-    plan = _validate(cfg, files, handles)
-    model = build_model(cfg, device="meta", dtype=dtype, seed=None).to_empty(device=device)
-    targets = dict(model.named_parameters()) | dict(model.named_buffers())
+def _pieces(plan: dict[str, tuple[str, Path]], targets: dict[str, torch.Tensor]) -> dict[str, list]:
+    """model tensor name -> its stored pieces [(slot, stored name, file)] (scales of a packed model fill
+    `...experts.w1_scale`; a dense model decodes `weight_packed` with its scale, looked up in `plan`)."""
+    out: dict[str, list] = {}
     for name, (stored, f) in plan.items():
         s = _slot(name)
         if s.part == "weight_shape" or (s.part == "weight_scale" and targets[s.param].dtype != torch.uint8):
             continue  # informational / consumed with weight_packed when decoding
-        h = handles[f]
-        target = targets[s.param + ("_scale" if s.part == "weight_scale" else "")]
-        t = h.get_tensor(stored)
+        out.setdefault(s.param + ("_scale" if s.part == "weight_scale" else ""), []).append((s, stored, f, name))
+    return out
+
+
+def _fill(target: torch.Tensor, pieces: list, plan: dict, handles: _Shards) -> None:
+    """Read one model tensor's pieces from the memory-mapped shards into `target` (one piece at a time)."""
+    for s, stored, f, name in pieces:
+        t = handles[f].get_tensor(stored)
         if s.part == "weight_scale" and (t == 0xFF).any():
             raise CheckpointError(f"{stored!r} in {f.name}: mxfp4: weight_scale holds 0xFF, the E8M0 NaN encoding")
         if s.part == "weight_packed" and target.dtype != torch.uint8:
-            sname = name.replace("weight_packed", "weight_scale")
-            sstored, sf = plan[sname]
+            sstored, sf = plan[name.replace("weight_packed", "weight_scale")]
             try:
                 t = mxfp4.dequantize(t, handles[sf].get_tensor(sstored), torch.float32)
             except ValueError as e:
@@ -259,7 +254,49 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32, dev
         if s.param.endswith("A_log"):
             t = t.reshape(-1)[: target.shape[0]]
         (target if s.expert is None else target[s.expert]).copy_(t)
+
+
+def _open_checkpoint(path: Path, dtype: torch.dtype, kernels: Kernels, expert_format: str | None):
+    """(config, validated plan, shard handles, meta model) — nothing allocated yet."""
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path}: no config.json (not a checkpoint folder)")
+    handles = _Shards()
+    files = _tensor_files(path, handles)
+    cfg = dataclasses.replace(checkpoint_config(path, expert_format, files), kernels=Kernels(kernels))
+    plan = _validate(cfg, files, handles)
+    return cfg, plan, handles, build_model(cfg, device="meta", dtype=dtype, seed=None)
+
+
+@torch.no_grad()
+def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                    kernels: Kernels = Kernels.REFERENCE, expert_format: str | None = None) -> K3ForCausalLM:
+    """`expert_format`: None keeps the experts as stored (MXFP4 stays packed), "dense" decodes them to `dtype`,
+    "mxfp4" requires them packed."""
+    cfg, plan, handles, model = _open_checkpoint(Path(path), dtype, kernels, expert_format)
+    model = model.to_empty(device=device)
+    targets = dict(model.named_parameters()) | dict(model.named_buffers())
+    for name, pieces in _pieces(plan, targets).items():
+        _fill(targets[name], pieces, plan, handles)
     return model.eval()
+
+
+def stream_tensors(path: str | Path, *, dtype: torch.dtype = torch.float32, expert_format: str | None = None
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's state_dict, one tensor at a time, read from the memory-mapped shards as `load_checkpoint`
+    would (same names, dtypes, packing): an exporter writes each and drops it, so at most one model tensor
+    (one stacked expert tensor at most) is in memory. Validation happens before the first tensor."""
+    cfg, plan, handles, meta = _open_checkpoint(Path(path), dtype, Kernels.REFERENCE, expert_format)
+    state = meta.state_dict()
+    pieces = _pieces(plan, dict(meta.named_parameters()) | dict(meta.named_buffers()))
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        with torch.no_grad():
+            for name, m in state.items():
+                t = torch.empty(m.shape, dtype=m.dtype)
+                _fill(t, pieces[name], plan, handles)
+                yield name, t
+
+    return tensors()
 
 
 def _hf_tensors(model: K3ForCausalLM, expert_format: str):
