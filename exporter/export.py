@@ -196,9 +196,9 @@ def _timed(name: str, progress: Progress, timings: dict[str, float]) -> Iterator
 def _check_fits_in_memory(cfg: K3Config, dtype: torch.dtype) -> None:
     import psutil
 
-    from ..model.summary import summarize
+    from ..model.summary import weight_bytes
 
-    need = summarize(cfg)["total_params"] * dtype.itemsize
+    need = weight_bytes(cfg, dtype)  # MXFP4 experts counted packed
     free = psutil.virtual_memory().available
     if need > free:
         raise _config_error(f"preset={cfg.name!r}: its weights need {need / 2**30:,.0f} GiB, "

@@ -3,8 +3,8 @@
 The program is traced on the meta device (no weights in memory) and exported weightless, so every weight is a
 graph input; `attach_streamed_weights` then takes the checkpoint's tensors one at a time
 (`model.checkpoint.stream_tensors`: memory-mapped shards, stacked experts assembled as the model holds them,
-MXFP4 experts packed), appends each to the external data file (4 KiB-aligned from 1 MiB, so ONNX Runtime can map it; 64 B below)
-and turns its graph input back into an initializer that points there. Peak memory is one tensor (the largest:
+MXFP4 experts packed), appends each to the external data file (4 KiB-aligned from 1 MiB, so ONNX Runtime
+can map it; 64 B below) and turns its graph input back into an initializer that points there. Peak memory is one tensor (the largest:
 one stacked expert tensor) plus the graph; both flavor files reference the one data file.
 """
 

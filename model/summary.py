@@ -31,7 +31,7 @@ def summarize(cfg: K3Config) -> dict[str, Any]:
         "bf16": 2 * (total - n_expert - fp32),
         "fp32": 4 * fp32,
     }
-    artifact = {fmt: _artifact_weight_bytes(dataclasses.replace(cfg, expert_format=fmt)) for fmt in ("mxfp4", "dense")}
+    artifact = {fmt: weight_bytes(dataclasses.replace(cfg, expert_format=fmt)) for fmt in ("mxfp4", "dense")}
     starts = set(cfg.block_starts())
     plan = [{"layer": i, "mixer": cfg.layer_types[i], "ffn": cfg.mlp_types[i], "attn_res_block_start": i in starts}
             for i in range(cfg.num_layers)]
@@ -56,12 +56,12 @@ def summarize(cfg: K3Config) -> dict[str, Any]:
     }
 
 
-def _artifact_weight_bytes(cfg: K3Config) -> int:
-    """Weight bytes each artifact (model.pt2, model.onnx, model.trt.onnx, model.engine) holds for a bf16 export
-    of `cfg`: the model's tensors as held (MXFP4 experts packed, gates and norms fp32, the rest bf16)."""
+def weight_bytes(cfg: K3Config, dtype=None) -> int:
+    """Bytes of the model's tensors as held (MXFP4 experts packed, gates and norms fp32, the rest `dtype`,
+    bf16 by default) = what each artifact (model.pt2, model.onnx, model.trt.onnx, model.engine) stores."""
     import torch
 
-    model = build_model(cfg, device="meta", dtype=torch.bfloat16, seed=None)
+    model = build_model(cfg, device="meta", dtype=dtype or torch.bfloat16, seed=None)
     return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
 
 

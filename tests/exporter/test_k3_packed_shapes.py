@@ -23,7 +23,8 @@ def test_weightless_k3_trace_carries_packed_expert_shapes():
     ep = trace(build_model(k3_layers(2), device="meta", dtype=torch.bfloat16, seed=None))
     sd = ep.state_dict
     e = "model.layers.1.block_sparse_moe.experts"
-    shapes = {k: (list(sd[f"{e}.{k}"].shape), sd[f"{e}.{k}"].dtype) for k in ("w1", "w1_scale", "w3", "w2", "w2_scale")}
+    shapes = {k: (list(sd[f"{e}.{k}"].shape), sd[f"{e}.{k}"].dtype)
+              for k in ("w1", "w1_scale", "w3", "w2", "w2_scale")}
     assert shapes == {"w1": ([896, 3072, 1792], torch.uint8), "w1_scale": ([896, 3072, 112], torch.uint8),
                       "w3": ([896, 3072, 1792], torch.uint8), "w2": ([896, 3584, 1536], torch.uint8),
                       "w2_scale": ([896, 3584, 96], torch.uint8)}
@@ -32,7 +33,8 @@ def test_weightless_k3_trace_carries_packed_expert_shapes():
 
 def test_inspect_reports_artifact_bytes_at_the_checkpoint_size():
     s = summarize(k3_layers(4))
-    packed, dense, ckpt = s["artifact_weight_bytes"]["mxfp4"], s["artifact_weight_bytes"]["dense"], s["checkpoint_bytes"]
+    packed, dense = s["artifact_weight_bytes"]["mxfp4"], s["artifact_weight_bytes"]["dense"]
+    ckpt = s["checkpoint_bytes"]
     assert abs(packed - ckpt) <= 0.05 * ckpt, (packed, ckpt)
     assert dense > 3 * packed  # bf16 experts: 16 bits against 4.25
     assert s["total_params"] == summarize(k3_layers(4, "dense"))["total_params"]  # counts are of weights

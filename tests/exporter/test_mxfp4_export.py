@@ -129,3 +129,27 @@ def test_trt_rtx_engine_takes_the_packed_plugin_ports(tmp_path):
     assert "k3::MoEMXFP4: AOT path (sm_89 cubins)" in r.stderr
     meta = json.loads((folder / "model.engine.json").read_text())
     assert "MoEMXFP4" in json.dumps(meta)
+
+
+def test_onnx_only_export_streams_the_same_weights(tmp_path, monkeypatch):
+    """ONNX alone from a checkpoint never loads the model: traced on meta, weights streamed into model.onnx.data,
+    tensor for tensor equal to the loaded model's export."""
+    from k3x.exporter.export import ExportOptions, Target, export
+    from k3x.model import checkpoint
+
+    folder, ckpt = packed_export()
+
+    def refuse(*a, **k):
+        raise AssertionError("load_checkpoint called: the ONNX-only export must stream")
+
+    monkeypatch.setattr(checkpoint, "load_checkpoint", refuse)
+    export(ExportOptions((Target.ONNX,), tmp_path / "streamed", checkpoint=ckpt))
+    for name in ("model.onnx", "model.trt.onnx"):
+        streamed = onnx.load(str(tmp_path / "streamed" / name))
+        loaded = onnx.load(str(folder / name))
+        assert [n.op_type for n in streamed.graph.node] == [n.op_type for n in loaded.graph.node]
+        a = {i.name: onnx.numpy_helper.to_array(i) for i in streamed.graph.initializer}
+        b = {i.name: onnx.numpy_helper.to_array(i) for i in loaded.graph.initializer}
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a), name
+    data = tmp_path / "streamed" / "model.onnx.data"
+    assert abs(data.stat().st_size - _tensor_bytes(ckpt)) <= 0.05 * _tensor_bytes(ckpt) + 64 * len(a)
