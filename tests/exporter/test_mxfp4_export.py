@@ -46,15 +46,17 @@ def test_body_decode_is_the_codec_bit_for_bit():
 
 
 @functools.lru_cache(maxsize=1)
-def packed_export() -> tuple[Path, Path]:
+def packed_exports() -> tuple[Path, Path, Path]:
+    """(pt2 export, ONNX export, checkpoint): ONNX alone from a checkpoint is the streamed path."""
     from k3x.exporter.export import ExportOptions, Target, export
     from k3x.model import build_model, preset
     from k3x.model.checkpoint import save_checkpoint
 
     root = Path(tempfile.mkdtemp(prefix="k3x-test-mxfp4-"))
     ckpt = save_checkpoint(build_model(preset("k3-mini"), seed=2), root / "ckpt")  # MXFP4 experts
-    export(ExportOptions((Target.PT2, Target.ONNX), root / "export", checkpoint=ckpt))
-    return root / "export", ckpt
+    export(ExportOptions((Target.PT2,), root / "pt2", checkpoint=ckpt))
+    export(ExportOptions((Target.ONNX,), root / "onnx", checkpoint=ckpt))
+    return root / "pt2", root / "onnx", ckpt
 
 
 def _tensor_bytes(ckpt: Path) -> int:
@@ -69,7 +71,7 @@ def _tensor_bytes(ckpt: Path) -> int:
 
 @pytest.mark.parametrize("name, byte_type", [("model.onnx", TensorProto.UINT8), ("model.trt.onnx", TensorProto.INT8)])
 def test_onnx_flavors_carry_packed_experts(name, byte_type):
-    folder, ckpt = packed_export()
+    _, folder, ckpt = packed_exports()
     model = onnx.load(str(folder / name))
     inits = {i.name: i for i in model.graph.initializer}
     nodes = [n for n in model.graph.node if n.domain == "k3" and n.op_type == "MoEMXFP4"]
@@ -84,7 +86,7 @@ def test_onnx_flavors_carry_packed_experts(name, byte_type):
 
 
 def test_pt2_carries_packed_experts_and_the_checkpoint_bytes():
-    folder, ckpt = packed_export()
+    folder, _, ckpt = packed_exports()
     ep = torch.export.load(str(folder / "model.pt2"))
     sd = ep.state_dict
     experts = {k: v for k, v in sd.items() if ".experts." in k}
@@ -101,12 +103,12 @@ def test_pt2_and_ort_match_packed_eager():
     from k3x.exporter.runners import RunnerOptions, make_runner
     from k3x.exporter.verify import run_parity
 
-    folder, ckpt = packed_export()
-    eager = make_runner("eager", folder)
+    pt2, onnx_folder, ckpt = packed_exports()
+    eager = make_runner("eager", pt2)
     assert eager.module.cfg.expert_format == "mxfp4"
     assert eager.module.model.layers[1].block_sparse_moe.experts.w1.dtype == torch.uint8
-    report = run_parity(eager, [make_runner("pt2", folder), make_runner("ort", folder, RunnerOptions(provider="cpu"))],
-                        eager.module.cfg, steps=2, prompt_len=5)
+    ort_runner = make_runner("ort", onnx_folder, RunnerOptions(provider="cpu"))
+    report = run_parity(eager, [make_runner("pt2", pt2), ort_runner], eager.module.cfg, steps=2, prompt_len=5)
     assert report.ok, report.table()
     assert {s.backend for s in report.steps} == {"pt2", "ort"}
 
@@ -116,7 +118,7 @@ def test_pt2_and_ort_match_packed_eager():
                     and importlib.util.find_spec("tensorrt_rtx") is None, reason="TensorRT-RTX not installed")
 def test_trt_rtx_engine_takes_the_packed_plugin_ports(tmp_path):
     """TensorRT-RTX builds on CPU: the MoEMXFP4 plugin accepts the int8 byte ports (no UINT8 plugin formats)."""
-    folder = shutil.copytree(packed_export()[0], tmp_path / "export")
+    folder = shutil.copytree(packed_exports()[1], tmp_path / "export")
     root = Path(__file__).resolve().parents[2]
     link = subprocess.run([str(root / "scripts/setup_trt_rtx.sh"), "--print-only", sys.prefix], check=True,
                           capture_output=True, text=True).stdout.strip()
@@ -131,25 +133,12 @@ def test_trt_rtx_engine_takes_the_packed_plugin_ports(tmp_path):
     assert "MoEMXFP4" in json.dumps(meta)
 
 
-def test_onnx_only_export_streams_the_same_weights(tmp_path, monkeypatch):
-    """ONNX alone from a checkpoint never loads the model: traced on meta, weights streamed into model.onnx.data,
-    tensor for tensor equal to the loaded model's export."""
-    from k3x.exporter.export import ExportOptions, Target, export
-    from k3x.model import checkpoint
-
-    folder, ckpt = packed_export()
-
-    def refuse(*a, **k):
-        raise AssertionError("load_checkpoint called: the ONNX-only export must stream")
-
-    monkeypatch.setattr(checkpoint, "load_checkpoint", refuse)
-    export(ExportOptions((Target.ONNX,), tmp_path / "streamed", checkpoint=ckpt))
-    for name in ("model.onnx", "model.trt.onnx"):
-        streamed = onnx.load(str(tmp_path / "streamed" / name))
-        loaded = onnx.load(str(folder / name))
-        assert [n.op_type for n in streamed.graph.node] == [n.op_type for n in loaded.graph.node]
-        a = {i.name: onnx.numpy_helper.to_array(i) for i in streamed.graph.initializer}
-        b = {i.name: onnx.numpy_helper.to_array(i) for i in loaded.graph.initializer}
-        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a), name
-    data = tmp_path / "streamed" / "model.onnx.data"
-    assert abs(data.stat().st_size - _tensor_bytes(ckpt)) <= 0.05 * _tensor_bytes(ckpt) + 64 * len(a)
+def test_onnx_only_export_streams_the_weights():
+    """ONNX alone from a checkpoint never loads the model: traced on meta, every weight streamed into
+    model.onnx.data (a loaded k3-mini export would keep them inline: it is far under 2 GB)."""
+    _, folder, ckpt = packed_exports()
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    external = [i for i in model.graph.initializer if i.data_location == TensorProto.EXTERNAL]
+    assert len(external) > 100 and all(e.external_data[0].value == "model.onnx.data" for e in external)
+    data = folder / "model.onnx.data"
+    assert abs(data.stat().st_size - _tensor_bytes(ckpt)) <= 0.05 * _tensor_bytes(ckpt) + 64 * len(external)
