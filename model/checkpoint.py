@@ -239,10 +239,17 @@ def _pieces(plan: dict[str, tuple[str, Path]], targets: dict[str, torch.Tensor])
     return out
 
 
-def _fill(target: torch.Tensor, pieces: list, plan: dict, handles: _Shards) -> None:
-    """Read one model tensor's pieces from the memory-mapped shards into `target` (one piece at a time)."""
+def _fill(target: torch.Tensor, pieces: list, plan: dict, handles: _Shards, unmap_every: int | None = None) -> None:
+    """Read one model tensor's pieces from the memory-mapped shards into `target` (one piece at a time).
+    `unmap_every`: close the shard handles (unmapping the pages read, which count as resident memory) after
+    about this many bytes."""
+    read = 0
     for s, stored, f, name in pieces:
         t = handles[f].get_tensor(stored)
+        read += t.nbytes
+        if unmap_every is not None and read >= unmap_every:
+            handles.clear()
+            read = 0
         if s.part == "weight_scale" and (t == 0xFF).any():
             raise CheckpointError(f"{stored!r} in {f.name}: mxfp4: weight_scale holds 0xFF, the E8M0 NaN encoding")
         if s.part == "weight_packed" and target.dtype != torch.uint8:
@@ -284,7 +291,8 @@ def stream_tensors(path: str | Path, *, dtype: torch.dtype = torch.float32, expe
                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's state_dict, one tensor at a time, read from the memory-mapped shards as `load_checkpoint`
     would (same names, dtypes, packing): an exporter writes each and drops it, so at most one model tensor
-    (one stacked expert tensor at most) is in memory. Validation happens before the first tensor."""
+    (one stacked expert tensor at most) plus 256 MiB of mapped shard pages is resident. Validation happens
+    before the first tensor."""
     cfg, plan, handles, meta = _open_checkpoint(Path(path), dtype, Kernels.REFERENCE, expert_format)
     state = meta.state_dict()
     pieces = _pieces(plan, dict(meta.named_parameters()) | dict(meta.named_buffers()))
@@ -293,8 +301,10 @@ def stream_tensors(path: str | Path, *, dtype: torch.dtype = torch.float32, expe
         with torch.no_grad():
             for name, m in state.items():
                 t = torch.empty(m.shape, dtype=m.dtype)
-                _fill(t, pieces[name], plan, handles)
+                _fill(t, pieces[name], plan, handles, unmap_every=256 << 20)
+                handles.clear()  # mapped shard pages count as resident: read what one tensor needs, unmap
                 yield name, t
+                del t  # before the next tensor is allocated
 
     return tensors()
 
