@@ -12,7 +12,7 @@ from .cli_decode import Chat, MaxNewTokens, PromptIds, PromptText, Seed, Tempera
 from .cli_parallel import EP, TP, FitBatch, FitContext, inspect_parallel
 from .cli_support import App, Progress, default_backends as _default_backends, export_folder as _export_folder, \
     fail, load_ids_npy, one_line
-from .exporter.export import DType, KernelChoice, Target
+from .exporter.export import DType, ExpertFormat, KernelChoice, Target
 
 app = App(
     name="k3x",
@@ -241,6 +241,7 @@ def export(
              "(Triton kernels, CUDA only). Not the runner: that is `k3x run --backend`.")] = KernelChoice.REFERENCE,
     tp: TP = 1,
     ep: EP = 1,
+    expert_format: Annotated[Optional[ExpertFormat], typer.Option(help="mxfp4 (packed) or dense experts.")] = None,
 ) -> None:
     """Trace the model once (torch.export) and write the target's artifacts plus manifest.json."""
     import errno
@@ -251,7 +252,8 @@ def export(
     from .exporter.staging import FolderError
 
     try:
-        options = ExportOptions(tuple(target), out, preset, checkpoint, not no_weights, dtype, seed, kernels)
+        options = ExportOptions(tuple(target), out, preset, checkpoint, not no_weights, dtype, seed, kernels,
+                                expert_format)
         if tp * ep > 1:  # rank programs (cli_parallel.py); tp = ep = 1 is the single program
             return export_sharded(options, tp, ep, out)
         with Progress() as progress:

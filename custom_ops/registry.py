@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Iterator
 if TYPE_CHECKING:
     from ..model.config import K3Config
 
-FAMILIES: tuple[str, ...] = ("kda", "attn_res", "moe")
+FAMILIES: tuple[str, ...] = ("kda", "attn_res", "moe", "moe_mxfp4")
 
 
 @dataclass(frozen=True)

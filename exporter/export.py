@@ -54,6 +54,11 @@ class KernelChoice(str, Enum):  # the values of custom_ops.kernels.Kernels, impo
     TRITON = "triton"
 
 
+class ExpertFormat(str, Enum):  # model.config.K3Config.expert_format
+    DENSE = "dense"
+    MXFP4 = "mxfp4"
+
+
 def _config_error(message: str) -> Exception:
     from ..model.config import ConfigError
 
@@ -70,6 +75,7 @@ class ExportOptions:
     dtype: DType = DType.FP32
     seed: int = 0  # random init of a preset with weights
     kernels: KernelChoice = KernelChoice.REFERENCE  # k3 custom-op implementation in the traced program
+    expert_format: ExpertFormat | None = None  # routed experts: None = as the checkpoint stores them (presets: dense)
 
     def __post_init__(self) -> None:
         if (self.preset is None) == (self.checkpoint is None):
@@ -90,6 +96,7 @@ class StageContext:
     cfg: K3Config
     options: ExportOptions
     work_dir: Path  # where stages write (renamed to out_dir when the export is complete)
+    weight_stream: Callable | None = None  # the checkpoint's tensors one by one (a meta-traced program)
 
     @property
     def out_dir(self) -> Path:
@@ -137,7 +144,8 @@ def stage_aoti(ep: ExportedProgram, ctx: StageContext) -> str:
 def stage_onnx(ep: ExportedProgram, ctx: StageContext) -> str:
     from .onnx import OnnxOptions, onnx_stage
 
-    art = onnx_stage(ctx.work_dir, ep, ctx.cfg, OnnxOptions(weights=ctx.options.weights))
+    art = onnx_stage(ctx.work_dir, ep, ctx.cfg, OnnxOptions(weights=ctx.options.weights,
+                                                           weight_stream=ctx.weight_stream))
     where = ", ".join(f"{flavor} {ctx.out_dir / Path(path).name}" for flavor, path in art.files.items())
     data = f", weights in {ctx.out_dir / Path(art.external_data).name}" if art.external_data else ""
     if not ctx.options.weights:
@@ -188,40 +196,54 @@ def _timed(name: str, progress: Progress, timings: dict[str, float]) -> Iterator
 def _check_fits_in_memory(cfg: K3Config, dtype: torch.dtype) -> None:
     import psutil
 
-    from ..model.summary import summarize
+    from ..model.summary import weight_bytes
 
-    need = summarize(cfg)["total_params"] * dtype.itemsize
+    need = weight_bytes(cfg, dtype)  # MXFP4 experts counted packed
     free = psutil.virtual_memory().available
     if need > free:
         raise _config_error(f"preset={cfg.name!r}: its weights need {need / 2**30:,.0f} GiB, "
                             f"{free / 2**30:,.0f} GiB is free; trace it with --no-weights")
 
 
-def _load(options: ExportOptions, dtype: torch.dtype) -> tuple[K3Config, Callable, str | None]:
-    """(config, a function building the model, checkpoint hash) — config first, so it can be checked."""
+def _load(options: ExportOptions, dtype: torch.dtype, *, stream: bool = False
+          ) -> tuple[K3Config, Callable, str | None]:
+    """(config, a function building the model, checkpoint hash) — config first, so it can be checked.
+    `stream`: the weights will be streamed from the checkpoint by the stages, so the model is built on meta."""
     import dataclasses
 
     from ..custom_ops.kernels import Kernels
     from ..model import build_model
-    from ..model.config import K3Config, preset
+    from ..model.config import preset
 
     kernels = Kernels(KernelChoice(options.kernels).value)
+    fmt = None if options.expert_format is None else ExpertFormat(options.expert_format).value
 
     if options.checkpoint is None:
-        cfg = dataclasses.replace(preset(options.preset), kernels=kernels)
+        cfg = dataclasses.replace(preset(options.preset), kernels=kernels, expert_format=fmt or "dense")
         if options.weights:
             _check_fits_in_memory(cfg, dtype)
         seed = options.seed if options.weights else None
         device = "cpu" if options.weights else "meta"
         return cfg, lambda: build_model(cfg, device=device, dtype=dtype, seed=seed), None
-    cfg = dataclasses.replace(K3Config.from_hf(Path(options.checkpoint) / "config.json"), kernels=kernels)
+    from ..model.checkpoint import checkpoint_config
+
+    cfg = dataclasses.replace(checkpoint_config(options.checkpoint, fmt), kernels=kernels)
     if not options.weights:  # the graph depends on the config alone; no need to hash the shards
         return cfg, lambda: build_model(cfg, device="meta", dtype=dtype, seed=None), None
     from ..model.checkpoint import checkpoint_hash, load_checkpoint
 
+    if stream:
+        return cfg, lambda: build_model(cfg, device="meta", dtype=dtype, seed=None), checkpoint_hash(options.checkpoint)
     _check_fits_in_memory(cfg, dtype)
-    return cfg, lambda: load_checkpoint(options.checkpoint, dtype=dtype, device="cpu", kernels=kernels), \
+    return cfg, lambda: load_checkpoint(options.checkpoint, dtype=dtype, device="cpu", kernels=kernels,
+                                        expert_format=cfg.expert_format), \
         checkpoint_hash(options.checkpoint)
+
+
+def _weight_stream(options: ExportOptions, dtype: torch.dtype, cfg: K3Config) -> Callable:
+    from ..model.checkpoint import stream_tensors
+
+    return lambda: stream_tensors(options.checkpoint, dtype=dtype, expert_format=cfg.expert_format)
 
 
 def export(options: ExportOptions, progress: Progress | None = None) -> ExportResult:
@@ -234,8 +256,10 @@ def export(options: ExportOptions, progress: Progress | None = None) -> ExportRe
     stages = options.stages()
     dtype = artifacts.DTYPES[DType(options.dtype).value]
     timings: dict[str, float] = {}
+    # ONNX alone from a checkpoint: traced on meta, weights streamed tensor by tensor (exporter/onnx_weights.py)
+    stream = options.checkpoint is not None and options.weights and set(stages) == {"onnx"}
     with _timed("config", progress, timings):
-        cfg, build, ckpt_hash = _load(options, dtype)
+        cfg, build, ckpt_hash = _load(options, dtype, stream=stream)
         # the TensorRT flavor of the ONNX export runs the Triton kernels in its plugins: their limits apply
         cfg.check_ops(kernels=cfg.kernels.value == "triton" or "onnx" in stages)
     from .staging import staged_export
@@ -248,7 +272,7 @@ def export(options: ExportOptions, progress: Progress | None = None) -> ExportRe
         with _timed("manifest", progress, timings):
             artifacts.init_manifest(work, cfg, dtype=dtype, weights=options.weights, op_counts=op_counts(ep),
                                     checkpoint=options.checkpoint, checkpoint_hash=ckpt_hash)
-        ctx = StageContext(cfg, options, work)
+        ctx = StageContext(cfg, options, work, _weight_stream(options, dtype, cfg) if stream else None)
         notes = [copy_tokenizer(options.checkpoint, work)] if options.checkpoint else []
         for name in stages:
             with _timed(name, progress, timings):

@@ -33,6 +33,7 @@ import warnings
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Iterable
 
 import onnx_ir as ir
 import torch
@@ -56,6 +57,8 @@ class OnnxOptions:
     optimize: bool = False  # onnxscript optimizer; off by default, always off without weights
     external_data: bool | None = None  # None: only when the weights exceed 2 GB
     opset: int = 23  # >= 22 for bfloat16 Conv; ORT 1.31 runs it
+    # weights streamed from a checkpoint (exporter/onnx_weights.py) into a meta-traced program's export
+    weight_stream: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None
 
     def __post_init__(self) -> None:
         bad = [f for f in self.flavors if f not in FLAVOR_FILES]
@@ -234,12 +237,19 @@ def export_onnx(ep: ExportedProgram, cfg: K3Config, out_dir: Path, options: Onnx
     from collections import Counter
 
     out_dir = Path(out_dir)
-    model = to_onnx_ir(ep, cfg, weights=options.weights, optimize=options.optimize, opset=options.opset)
+    streamed = options.weights and options.weight_stream is not None
+    model = to_onnx_ir(ep, cfg, weights=options.weights and not streamed, optimize=options.optimize,
+                       opset=options.opset)
     external = options.external_data
     if external is None:
         external = _weight_bytes(model) > EXTERNAL_DATA_THRESHOLD
     data_path = None
-    if external and options.weights:  # one data file, referenced by every flavor file
+    if streamed:
+        from .onnx_weights import attach_streamed_weights
+
+        data_path = attach_streamed_weights(model, out_dir, EXTERNAL_DATA, options.weight_stream(),
+                                            set(ep.state_dict) | set(ep.constants))
+    elif external and options.weights:  # one data file, referenced by every flavor file
         # small tensors (shape constants ORT must read during shape inference) stay in the graph
         ir.external_data.unload_from_model(model, out_dir, EXTERNAL_DATA, size_threshold_bytes=1024)
         data_path = out_dir / EXTERNAL_DATA

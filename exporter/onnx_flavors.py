@@ -5,6 +5,10 @@
 - `ort`: attaches one FunctionProto per k3 op type the model uses — the family's `onnx.function` body
   (custom_ops/<family>/onnx.py) — so ONNX Runtime inlines them and needs no extra library.
 Neither pass names an op family: both go through the registry.
+
+Byte tensors (packed weights, scale bytes) feeding k3 nodes are UINT8 in the `ort` flavor and INT8 (the same
+bytes) in the `trt` flavor: TensorRT plugins take no UINT8 formats and its ONNX parser widens UINT8
+initializers to INT32 (4x the bytes). An external-data tensor is retyped in place (same file, offset, length).
 """
 
 from __future__ import annotations
@@ -33,18 +37,34 @@ def _check_attributes(nodes: list[ir.Node]) -> None:
             raise ValueError(f"node {n.name!r} (k3::{n.op_type}) lacks attribute(s) {missing}")
 
 
+def retype_bytes(model: ir.Model, dtype: ir.DataType) -> None:
+    """Every UINT8/INT8 initializer feeding a k3 node becomes `dtype`, bytes unchanged."""
+    for v in {v for n in k3_nodes(model) for v in n.inputs if v is not None and v.const_value is not None}:
+        t = v.const_value
+        if t.dtype not in (ir.DataType.UINT8, ir.DataType.INT8) or t.dtype == dtype:
+            continue
+        if isinstance(t, ir.ExternalTensor):
+            v.const_value = ir.ExternalTensor(t.location, t.offset, t.length, dtype, shape=t.shape, name=t.name,
+                                              base_dir=t.base_dir)
+        else:
+            v.const_value = ir.Tensor(t.numpy().view(dtype.numpy()), dtype, name=t.name)
+        v.dtype = dtype
+
+
 def trt_pass(model: ir.Model) -> ir.Model:
-    """Bare plugin nodes: attributes complete, no k3 function bodies."""
+    """Bare plugin nodes: attributes complete, no k3 function bodies, byte tensors INT8."""
     _check_attributes(k3_nodes(model))
+    retype_bytes(model, ir.DataType.INT8)
     for key in [k for k in model.functions if k[0] == DOMAIN]:
         del model.functions[key]
     return model
 
 
 def ort_pass(model: ir.Model) -> ir.Model:
-    """Attach the ONNX Runtime function body of every k3 op type the model uses."""
+    """Attach the ONNX Runtime function body of every k3 op type the model uses; byte tensors UINT8."""
     nodes = k3_nodes(model)
     _check_attributes(nodes)
+    retype_bytes(model, ir.DataType.UINT8)
     opset = model.opset_imports[""]
     if opset < 18:
         raise ValueError(f"ort flavor needs ai.onnx opset >= 18 (ReduceMean axes as input), model has {opset}")

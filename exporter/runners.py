@@ -111,7 +111,7 @@ def _eager(export_dir: Path, options: RunnerOptions) -> Runner:
         if now is not None and now != recorded:
             raise RunnerError(f"{ckpt}: changed since the export (sha256 {now} != {recorded} in "
                               f"{export_dir}/manifest.json); re-export, or pass --checkpoint to compare anyway")
-        model = load_checkpoint(ckpt, dtype=d.dtype(), device="cpu")
+        model = load_checkpoint(ckpt, dtype=d.dtype(), device="cpu", expert_format=d.config().expert_format)
     except (CheckpointError, FileNotFoundError) as e:
         raise RunnerError(f"eager reference: {e}") from None
     if model.cfg.hash() != d.config().hash():

@@ -6,9 +6,12 @@ allocated (missing, unexpected, wrong shape/dtype, unreadable file, config that 
 filled tensor by tensor from memory-mapped files, so two copies of the weights never coexist.
 
 Names: the model's own parameter names, except stacked experts: `...experts.{e}.w1.weight` (or the
-compressed-tensors MXFP4 pair `weight_packed` + `weight_scale`, dequantised on load) fills row e of
-`...experts.w1`. `A_log` may be stored longer than the head count (K3 stores 128 for 96 heads) or as
-`[1, 1, H, 1]` (Kimi Linear): the first H values are used. A `language_model.` prefix is stripped; vision-tower tensors are ignored.
+compressed-tensors MXFP4 pair `weight_packed` + `weight_scale`) fills row e of `...experts.w1`.
+MXFP4 experts are kept packed by default (`expert_format=None` -> "mxfp4" when every expert is stored packed;
+the model then holds `experts.w1` u8 `[E, I, L/2]` + `experts.w1_scale` u8 `[E, I, L/32]`, i.e. about the
+checkpoint's bytes); `expert_format="dense"` decodes them on load into float experts.
+`A_log` may be stored longer than the head count (K3 stores 128 for 96 heads) or as `[1, 1, H, 1]` (Kimi
+Linear): the first H values are used. A `language_model.` prefix is stripped; vision-tower tensors are ignored.
 Names as transformers 5 writes them are renamed at load (`hf_transformers.WEIGHT_RENAMES`).
 
 A checkpoint folder is not trusted: every shard the index names must resolve (symlinks followed) inside
@@ -29,6 +32,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors import safe_open
@@ -141,6 +145,10 @@ def _expected_shape(meta: dict[str, torch.Tensor], s: _Slot) -> tuple[int, ...]:
     if s.expert is None:
         return full
     out, inp = full[1:]
+    if meta[s.param].dtype == torch.uint8:  # a packed model: [E, out, in/2]
+        inp *= 2
+        if s.part == "weight":
+            return ("dense experts cannot fill a packed model (load with expert_format='dense')",)
     return {"weight": (out, inp), "weight_packed": (out, inp // 2), "weight_scale": (out, inp // mxfp4.BLOCK),
             "weight_shape": (2,)}[s.part]
 
@@ -182,6 +190,8 @@ def _validate(cfg: K3Config, files: dict[str, Path], handles: _Shards) -> dict[s
         plan[name] = (stored, f)
     E = cfg.moe.num_experts
     for param, got in covered.items():
+        if ".experts.w" in param and param.endswith("_scale"):
+            continue  # filled by the `weight_scale` parts of `...experts.{e}.w*`
         if ".experts.w" in param:
             for e in range(E):
                 parts = {p for (x, p) in got if x == e}
@@ -197,30 +207,53 @@ def _validate(cfg: K3Config, files: dict[str, Path], handles: _Shards) -> dict[s
     return plan
 
 
-@torch.no_grad()
-def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                    kernels: Kernels = Kernels.REFERENCE) -> K3ForCausalLM:
+def stored_expert_format(files: dict[str, Path]) -> str:
+    """"mxfp4" when the checkpoint stores routed experts and every one of them packed, else "dense"."""
+    parts = {_slot(n).part for n in filter(None, map(_canonical, files)) if _slot(n).expert is not None}
+    return "mxfp4" if parts and "weight" not in parts else "dense"
+
+
+def checkpoint_config(path: str | Path, expert_format: str | None = None,
+                      files: dict[str, Path] | None = None) -> K3Config:
+    """The config a checkpoint loads with: config.json, experts as stored (or as `expert_format` asks)."""
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise CheckpointError(f"{path}: no config.json (not a checkpoint folder)")
+    if expert_format not in (None, "dense", "mxfp4"):
+        raise CheckpointError(f"expert_format={expert_format!r}: expected 'dense', 'mxfp4' or None (as stored)")
     try:
-        cfg = dataclasses.replace(K3Config.from_hf(path / "config.json"), kernels=Kernels(kernels))
+        cfg = K3Config.from_hf(path / "config.json")
+        fmt = expert_format or stored_expert_format(_tensor_files(path) if files is None else files)
+        return dataclasses.replace(cfg, expert_format=fmt)
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
-    handles = _Shards()
-    plan = _validate(cfg, _tensor_files(path, handles), handles)
-    model = build_model(cfg, device="meta", dtype=dtype, seed=None).to_empty(device=device)
-    targets = dict(model.named_parameters()) | dict(model.named_buffers())
+
+
+def _pieces(plan: dict[str, tuple[str, Path]], targets: dict[str, torch.Tensor]) -> dict[str, list]:
+    """model tensor name -> its stored pieces [(slot, stored name, file)] (scales of a packed model fill
+    `...experts.w1_scale`; a dense model decodes `weight_packed` with its scale, looked up in `plan`)."""
+    out: dict[str, list] = {}
     for name, (stored, f) in plan.items():
         s = _slot(name)
-        if s.part in ("weight_scale", "weight_shape"):
-            continue  # consumed with weight_packed / informational
-        h = handles[f]
-        target = targets[s.param]
-        t = h.get_tensor(stored)
-        if s.part == "weight_packed":
-            sname = name.replace("weight_packed", "weight_scale")
-            sstored, sf = plan[sname]
+        if s.part == "weight_shape" or (s.part == "weight_scale" and targets[s.param].dtype != torch.uint8):
+            continue  # informational / consumed with weight_packed when decoding
+        out.setdefault(s.param + ("_scale" if s.part == "weight_scale" else ""), []).append((s, stored, f, name))
+    return out
+
+
+def _fill(target: torch.Tensor, pieces: list, plan: dict, handles: _Shards, unmap_every: int | None = None) -> None:
+    """Read one model tensor's pieces from the memory-mapped shards into `target` (one piece at a time).
+    `unmap_every`: close the shard handles (unmapping the pages read, which count as resident memory) after
+    about this many bytes."""
+    read = 0
+    for s, stored, f, name in pieces:
+        t = handles[f].get_tensor(stored)
+        read += t.nbytes
+        if unmap_every is not None and read >= unmap_every:
+            handles.clear()
+            read = 0
+        if s.part == "weight_scale" and (t == 0xFF).any():
+            raise CheckpointError(f"{stored!r} in {f.name}: mxfp4: weight_scale holds 0xFF, the E8M0 NaN encoding")
+        if s.part == "weight_packed" and target.dtype != torch.uint8:
+            sstored, sf = plan[name.replace("weight_packed", "weight_scale")]
             try:
                 t = mxfp4.dequantize(t, handles[sf].get_tensor(sstored), torch.float32)
             except ValueError as e:
@@ -228,19 +261,73 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32, dev
         if s.param.endswith("A_log"):
             t = t.reshape(-1)[: target.shape[0]]
         (target if s.expert is None else target[s.expert]).copy_(t)
+
+
+def _open_checkpoint(path: Path, dtype: torch.dtype, kernels: Kernels, expert_format: str | None):
+    """(config, validated plan, shard handles, meta model) — nothing allocated yet."""
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path}: no config.json (not a checkpoint folder)")
+    handles = _Shards()
+    files = _tensor_files(path, handles)
+    cfg = dataclasses.replace(checkpoint_config(path, expert_format, files), kernels=Kernels(kernels))
+    plan = _validate(cfg, files, handles)
+    return cfg, plan, handles, build_model(cfg, device="meta", dtype=dtype, seed=None)
+
+
+@torch.no_grad()
+def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                    kernels: Kernels = Kernels.REFERENCE, expert_format: str | None = None) -> K3ForCausalLM:
+    """`expert_format`: None keeps the experts as stored (MXFP4 stays packed), "dense" decodes them to `dtype`,
+    "mxfp4" requires them packed."""
+    cfg, plan, handles, model = _open_checkpoint(Path(path), dtype, kernels, expert_format)
+    model = model.to_empty(device=device)
+    targets = dict(model.named_parameters()) | dict(model.named_buffers())
+    for name, pieces in _pieces(plan, targets).items():
+        _fill(targets[name], pieces, plan, handles)
     return model.eval()
 
 
+def stream_tensors(path: str | Path, *, dtype: torch.dtype = torch.float32, expert_format: str | None = None
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's state_dict, one tensor at a time, read from the memory-mapped shards as `load_checkpoint`
+    would (same names, dtypes, packing): an exporter writes each and drops it, so at most one model tensor
+    (one stacked expert tensor at most) plus 256 MiB of mapped shard pages is resident. Validation happens
+    before the first tensor."""
+    cfg, plan, handles, meta = _open_checkpoint(Path(path), dtype, Kernels.REFERENCE, expert_format)
+    state = meta.state_dict()
+    pieces = _pieces(plan, dict(meta.named_parameters()) | dict(meta.named_buffers()))
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        with torch.no_grad():
+            for name, m in state.items():
+                t = torch.empty(m.shape, dtype=m.dtype)
+                _fill(t, pieces[name], plan, handles, unmap_every=256 << 20)
+                handles.clear()  # mapped shard pages count as resident: read what one tensor needs, unmap
+                yield name, t
+                del t  # before the next tensor is allocated
+
+    return tensors()
+
+
 def _hf_tensors(model: K3ForCausalLM, expert_format: str):
-    """Yield (checkpoint name, tensor) in the on-disk layout."""
-    for name, t in model.state_dict().items():
-        m = re.match(r"^(.*\.experts)\.(w[123])$", name)
+    """Yield (checkpoint name, tensor) in the on-disk layout (a packed model's experts are written as held)."""
+    state = model.state_dict()
+    for name, t in state.items():
+        m = re.match(r"^(.*\.experts)\.(w[123])(_scale)?$", name)
         if not m:
             yield name, t.detach().contiguous()
             continue
+        if m.group(3):
+            continue  # written with its packed weight
         for e in range(t.shape[0]):
             base = f"{m.group(1)}.{e}.{m.group(2)}"
-            if expert_format == "mxfp4":
+            if t.dtype == torch.uint8:
+                if expert_format != "mxfp4":
+                    raise ValueError(f"{name}: the model holds MXFP4 experts; expert_format={expert_format!r} "
+                                     "would need a decode (save with expert_format='mxfp4')")
+                yield f"{base}.weight_packed", t[e].contiguous()
+                yield f"{base}.weight_scale", state[f"{name}_scale"][e].contiguous()
+            elif expert_format == "mxfp4":
                 packed, scale = mxfp4.quantize(t[e])
                 yield f"{base}.weight_packed", packed
                 yield f"{base}.weight_scale", scale

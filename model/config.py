@@ -175,6 +175,7 @@ class K3Config:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 1048576
     kernels: Kernels = Kernels.REFERENCE  # k3 custom-op implementation (not the runner)
+    expert_format: Literal["dense", "mxfp4"] = "dense"  # routed experts held dense or MXFP4-packed (k3::moe_mxfp4)
     extra: tuple[tuple[str, Any], ...] = field(default=(), compare=False)  # informational only
 
     def __post_init__(self) -> None:
@@ -196,6 +197,8 @@ class K3Config:
         _check(self.activation in ("situ", "silu"), "activation", self.activation, "must be 'situ' or 'silu'")
         _check(self.rms_norm_eps > 0, "rms_norm_eps", self.rms_norm_eps, "must be > 0")
         _check(isinstance(self.kernels, Kernels), "kernels", self.kernels, "must be a Kernels")
+        _check(self.expert_format in ("dense", "mxfp4"), "expert_format", self.expert_format,
+               "must be 'dense' or 'mxfp4'")
         _check(not self.tie_word_embeddings, "tie_word_embeddings", self.tie_word_embeddings,
                "k3x models have an untied lm_head (K3 and Kimi Linear do)")
         if self.moe.latent_dim is not None:

@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from . import mxfp4
 from .model import K3ForCausalLM
 
 
@@ -21,9 +22,17 @@ def init_weights(model: K3ForCausalLM, seed: int = 0) -> K3ForCausalLM:
     def normal_(t: torch.Tensor, std: float) -> None:
         t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32) * std)
 
-    for name, p in model.named_parameters():
+    params = dict(model.named_parameters())
+    for name, p in params.items():
         leaf = name.rsplit(".", 1)[-1]
-        if name.endswith(("norm.weight", "layernorm.weight")):
+        if p.dtype == torch.uint8:  # MXFP4-packed experts: N(0, 1/in) weights, quantised (scales with them)
+            if not leaf.endswith("_scale"):
+                E, out, half = p.shape
+                w = torch.randn(E * out, 2 * half, generator=gen) / math.sqrt(2 * half)
+                packed, scale = mxfp4.quantize(w)
+                p.copy_(packed.view(p.shape))
+                params[f"{name}_scale"].copy_(scale.view(params[f"{name}_scale"].shape))
+        elif name.endswith(("norm.weight", "layernorm.weight")):
             p.fill_(1.0)
         elif name.endswith("_res_proj.weight"):
             normal_(p, 0.5 / math.sqrt(p.shape[-1]))
@@ -54,6 +63,6 @@ def build_model(cfg, *, device: str | torch.device = "cpu", dtype: torch.dtype =
         init_weights(model, seed)
     fp32_names = ("A_log", "dt_bias", "e_score_correction_bias", "norm.weight")  # gates, router bias, norms
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if not name.endswith(fp32_names):
+        if not name.endswith(fp32_names) and t.dtype.is_floating_point:  # packed MXFP4 experts stay uint8
             t.data = t.data.to(dtype)
     return model.eval()

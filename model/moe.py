@@ -5,6 +5,10 @@ Axes: N tokens, d model width, L expert width (latent, or d), E experts, I exper
   from unbiased scores; the whole routed computation is one `torch.ops.k3.moe` node.
 - Experts held stacked: w1/w3 `[E, I, L]`, w2 `[E, L, I]`, so a graph's size does not grow with E.
   (Checkpoint names `experts.{e}.w1.weight` are mapped to these in model/checkpoint.py.)
+- `cfg.expert_format == "mxfp4"`: the experts stay packed as the checkpoint stores them (`PackedExperts`:
+  w1/w3 `[E, I, L/2]` u8 nibbles + `w1_scale`/`w3_scale` `[E, I, L/32]` u8 E8M0, w2 `[E, L, I/2]` +
+  `w2_scale` `[E, L, I/32]`, frozen uint8 parameters) and the node is `k3::moe_mxfp4`, which decodes only the
+  experts a call routes to. A model (and every artifact) then holds 4.25 bits per expert weight.
 - LatentMoE: z = W_down x; u = RMSNorm(Σ p_j E_j(z)); y = W_up u. Shared experts on x are added.
 """
 
@@ -14,6 +18,8 @@ import torch
 from torch import Tensor, nn
 
 from ..custom_ops.moe import MoEOptions, moe
+from ..custom_ops.moe_mxfp4 import moe_mxfp4
+from ..custom_ops.moe_mxfp4.codec import BLOCK
 from .config import K3Config
 from .layers import GatedMLP, RMSNorm, linear
 
@@ -33,6 +39,18 @@ class StackedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(E, L, I))  # down
 
 
+class PackedExperts(nn.Module):
+    def __init__(self, E: int, L: int, I: int) -> None:
+        super().__init__()
+
+        def u8(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=torch.uint8), requires_grad=False)
+
+        self.w1, self.w1_scale = u8(E, I, L // 2), u8(E, I, L // BLOCK)  # gate
+        self.w3, self.w3_scale = u8(E, I, L // 2), u8(E, I, L // BLOCK)  # up
+        self.w2, self.w2_scale = u8(E, L, I // 2), u8(E, L, I // BLOCK)  # down
+
+
 class LatentMoE(nn.Module):
     def __init__(self, cfg: K3Config) -> None:
         super().__init__()
@@ -48,7 +66,8 @@ class LatentMoE(nn.Module):
             self.routed_expert_up_proj = linear(L, d)
         if self.latent_norm:
             self.routed_expert_norm = RMSNorm(L, cfg.rms_norm_eps)
-        self.experts = StackedExperts(c.num_experts, L, c.intermediate_size)
+        self.packed = cfg.expert_format == "mxfp4"
+        self.experts = (PackedExperts if self.packed else StackedExperts)(c.num_experts, L, c.intermediate_size)
         self.has_shared = c.num_shared_experts > 0
         if self.has_shared:
             self.shared_experts = GatedMLP(cfg, d, c.shared_intermediate_size)
@@ -58,8 +77,13 @@ class LatentMoE(nn.Module):
         xf = x.reshape(B * T, d)  # [N, d]
         z = self.routed_expert_down_proj(xf) if self.latent else xf  # [N, L]
         e = self.experts
-        u = moe(xf, z, self.gate.weight, self.gate.e_score_correction_bias, e.w1, e.w3, e.w2,
-                options=self.options, kernels=self.cfg.kernels)  # [N, L]
+        g = self.gate
+        if self.packed:
+            u = moe_mxfp4(xf, z, g.weight, g.e_score_correction_bias, e.w1, e.w3, e.w2, e.w1_scale, e.w3_scale,
+                          e.w2_scale, options=self.options, kernels=self.cfg.kernels)  # [N, L]
+        else:
+            u = moe(xf, z, g.weight, g.e_score_correction_bias, e.w1, e.w3, e.w2, options=self.options,
+                    kernels=self.cfg.kernels)  # [N, L]
         if self.latent_norm:
             u = self.routed_expert_norm(u)
         y = self.routed_expert_up_proj(u) if self.latent else u

@@ -5,6 +5,8 @@ HIGH nibble; a code is the index into {0, .5, 1, 1.5, 2, 3, 4, 6} with the sign 
 `weight_scale` uint8 `[out, in/32]` is the E8M0 byte: scale = 2^(byte − 127).
 Scale choice (compressed-tensors `generate_mx_scales`): round the block amax to a power of two at
 E2M1's mantissa precision (add half an ulp, keep sign+exponent), then byte = 127 + exponent − 2.
+Decoding is `custom_ops/moe_mxfp4/codec.dequantize` (the one decoder, shared with the packed-expert op);
+this module adds the checks a checkpoint needs and the encoder.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-BLOCK = 32
-E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+from ..custom_ops.moe_mxfp4.codec import BLOCK, dequantize as _decode
+
 _MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 
 
@@ -24,11 +26,7 @@ def dequantize(packed: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32
         raise ValueError(f"mxfp4: weight_scale {tuple(scale.shape)} does not fit weight_packed {tuple(packed.shape)}")
     if (scale == 0xFF).any():
         raise ValueError("mxfp4: weight_scale holds 0xFF, the E8M0 NaN encoding")
-    p = packed.to(torch.int64)
-    codes = torch.stack([p & 0xF, p >> 4], dim=-1).reshape(out, 2 * half)  # [out, in], low nibble first
-    vals = E2M1.to(packed.device)[codes & 7] * (1 - 2 * (codes >> 3)).float()
-    s = torch.exp2(scale.float() - 127.0).repeat_interleave(BLOCK, dim=1)  # [out, in]
-    return (vals * s).to(dtype)
+    return _decode(packed, scale, dtype)
 
 
 def quantize(w: Tensor) -> tuple[Tensor, Tensor]:

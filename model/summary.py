@@ -7,6 +7,7 @@ Active parameters = everything except the routed experts a token does not visit
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from .config import K3Config
@@ -15,7 +16,8 @@ from .state import state_bytes
 
 
 def summarize(cfg: K3Config) -> dict[str, Any]:
-    model = build_model(cfg, device="meta", seed=None)
+    """Counts are of weights (an MXFP4 config is counted as its dense twin); `storage` is the checkpoint's bytes."""
+    model = build_model(dataclasses.replace(cfg, expert_format="dense"), device="meta", seed=None)
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     total = sum(t.numel() for t in tensors.values())
     expert = {n: t.numel() for n, t in tensors.items() if ".experts.w" in n}
@@ -29,6 +31,7 @@ def summarize(cfg: K3Config) -> dict[str, Any]:
         "bf16": 2 * (total - n_expert - fp32),
         "fp32": 4 * fp32,
     }
+    artifact = {fmt: weight_bytes(dataclasses.replace(cfg, expert_format=fmt)) for fmt in ("mxfp4", "dense")}
     starts = set(cfg.block_starts())
     plan = [{"layer": i, "mixer": cfg.layer_types[i], "ffn": cfg.mlp_types[i], "attn_res_block_start": i in starts}
             for i in range(cfg.num_layers)]
@@ -48,8 +51,18 @@ def summarize(cfg: K3Config) -> dict[str, Any]:
         **state_bytes(cfg),
         "bytes_by_storage_format": storage,
         "checkpoint_bytes": sum(storage.values()),
+        "artifact_weight_bytes": artifact,
         "layers": plan,
     }
+
+
+def weight_bytes(cfg: K3Config, dtype=None) -> int:
+    """Bytes of the model's tensors as held (MXFP4 experts packed, gates and norms fp32, the rest `dtype`,
+    bf16 by default) = what each artifact (model.pt2, model.onnx, model.trt.onnx, model.engine) stores."""
+    import torch
+
+    model = build_model(cfg, device="meta", dtype=dtype or torch.bfloat16, seed=None)
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -72,4 +85,6 @@ def format_summary(s: dict[str, Any]) -> str:
         f"KDA state         {s['kda_state_bytes_per_sequence']:,} bytes/sequence (fp32, any length)",
         f"storage           MXFP4 experts {st['mxfp4_experts'] / 1e9:,.2f} GB, bf16 {st['bf16'] / 1e9:,.2f} GB, "
         f"fp32 {st['fp32'] / 1e6:,.2f} MB",
+        f"artifact weights  {s['artifact_weight_bytes']['mxfp4'] / 1e9:,.2f} GB each (pt2, model.onnx, model.trt.onnx, "
+        f"engine; bf16, MXFP4 experts packed); {s['artifact_weight_bytes']['dense'] / 1e9:,.2f} GB with dense experts",
     ])

@@ -53,8 +53,9 @@ def _guard(default):
         return inner
     return wrap
 PATHS = ("aot", "jit")
-TRT_DTYPE_NAMES = {"FLOAT": "fp32", "HALF": "fp16", "BF16": "bf16", "INT32": "int32", "INT64": "int64"}
-_TYPESTR = {"fp32": "<f4", "fp16": "<f2", "bf16": "<i2", "int32": "<i4", "int64": "<i8"}
+TRT_DTYPE_NAMES = {"FLOAT": "fp32", "HALF": "fp16", "BF16": "bf16", "INT32": "int32", "INT64": "int64",
+                   "UINT8": "uint8", "INT8": "int8"}
+_TYPESTR = {"fp32": "<f4", "fp16": "<f2", "bf16": "<i2", "int32": "<i4", "int64": "<i8", "uint8": "|u1", "int8": "|i1"}
 
 
 def dtype_name(t) -> str:

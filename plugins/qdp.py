@@ -25,7 +25,7 @@ def output_descs(trtp, spec: PluginSpec, descs: list, attrs: dict):
 def autotune(trtp, spec: PluginSpec) -> list:
     """Body of `@trtp.autotune`: one combination per port (its dtypes, LINEAR). Ties (k = q, o = v)
     are not expressible here; in a strongly typed network the ONNX dtypes already fix them."""
-    names = {"fp32": "FP32", "fp16": "FP16", "bf16": "BF16", "int32": "INT32", "int64": "INT64"}
+    names = {"fp32": "FP32", "fp16": "FP16", "bf16": "BF16", "int32": "INT32", "int64": "INT64", "uint8": "UINT8", "int8": "INT8"}
     c = trtp.AutoTuneCombination()
     for i, p in enumerate(spec.ports):
         c.pos(i, "|".join(names[t] for t in p.dtypes))

@@ -86,6 +86,17 @@ def test_non_kernel_files_stay_small():
     assert not big, f"non-kernel files over {MAX_LINES} lines (split them by concern):\n" + "\n".join(big)
 
 
+def test_every_package_is_installed():
+    """A regular (non-editable) install ships exactly the packages pyproject.toml lists: a new op family's
+    folder must be listed there too."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(("k3x", *p.parent.relative_to(ROOT).parts)) for p in ROOT.rglob("__init__.py")
+             if not {".venv", ".git", "tests", "build"} & set(p.relative_to(ROOT).parts)}
+    assert found <= listed, f"packages missing from pyproject.toml: {sorted(found - listed)}"
+
+
 def test_nothing_points_outside_the_repository():
     pattern = re.compile(r"\.\./shared|/work/|spec/k3-architecture|export-toolchain\.md|DESIGN\.md")
     files = [p for p in ROOT.rglob("*") if p.suffix in (".py", ".md", ".sh", ".toml") and p.is_file()

@@ -11,6 +11,8 @@ activation is a string, so it is baked into the body and all MoE nodes of a mode
 
 from __future__ import annotations
 
+from typing import Callable
+
 import onnx
 from onnx import TensorProto, helper
 
@@ -62,17 +64,22 @@ def _glu(b: Body, a: str, u: str, betas: list[str]) -> str:
     return b.op("Mul", left, b.op("Mul", b2, b.op("Tanh", b.op("Div", u, b2))))
 
 
-def _expert_loop_body(z: str, experts: str, starts: str, ends: str, rows: str, weights: str, betas: list[str]
-                      ) -> onnx.GraphProto:
+def dense_weights(b: Body, e: str) -> dict[str, str]:
+    """Expert `e`'s fp32 w1, w3 [I, L] and w2 [L, I] from the function's stacked inputs (Gather, then Cast)."""
+    return {n: b.op("Cast", b.op("Gather", n, e, axis=0), to=FLOAT) for n in ("w1", "w3", "w2")}
+
+
+def _expert_loop_body(name: str, z: str, experts: str, starts: str, ends: str, rows: str, weights: str,
+                      betas: list[str], expert_weights: Callable[[Body, str], dict[str, str]]) -> onnx.GraphProto:
     """Iteration i: expert experts[i] on its segment [starts[i], ends[i]) of the expert-sorted pairs."""
-    b = Body("MoE", "expert")
+    b = Body(name, "expert")
     i, cond, acc = "moe_expert_i", "moe_expert_cond", "moe_expert_acc"
     axis0 = b.ints(0)
     e = b.op("Gather", experts, i, axis=0)  # scalar expert id
     lo, hi = (b.op("Unsqueeze", b.op("Gather", t, i, axis=0), axis0) for t in (starts, ends))
     tok, we = b.op("Slice", rows, lo, hi, axis0), b.op("Slice", weights, lo, hi, axis0)  # [n_e]
     ze = b.op("Gather", z, tok, axis=0)  # [n_e, L]
-    W = {n: b.op("Cast", b.op("Gather", n, e, axis=0), to=FLOAT) for n in ("w1", "w3", "w2")}  # [I, L], [L, I]
+    W = expert_weights(b, e)  # fp32 [I, L], [I, L], [L, I]
     g = _glu(b, b.op("Gemm", ze, W["w1"], transB=1), b.op("Gemm", ze, W["w3"], transB=1), betas)  # [n_e, I]
     y = b.op("Mul", b.op("Gemm", g, W["w2"], transB=1), b.op("Unsqueeze", we, b.ints(1)))  # [n_e, L]
     b.out("ScatterND", [acc, b.op("Unsqueeze", tok, b.ints(1)), y], ["moe_expert_acc_out"],
@@ -87,6 +94,11 @@ def _expert_loop_body(z: str, experts: str, starts: str, ends: str, rows: str, w
 
 
 def function(opset_version: int, nodes: list) -> tuple[onnx.FunctionProto, dict[str, int]]:
+    return moe_function(NODE, opset_version, nodes, dense_weights)
+
+
+def moe_function(spec: NodeSpec, opset_version: int, nodes: list,
+                 expert_weights: Callable[[Body, str], dict[str, str]]) -> tuple[onnx.FunctionProto, dict[str, int]]:
     """k3::MoE, exact (custom_ops/moe/reference.py), O(M·I·L) FLOPs for the M = N·top_k routed pairs.
 
     1. Route in fp32: s = sigmoid(x gate_weightᵀ), ids = TopK(s + gate_bias) [N, k], w = s[ids] renormalised
@@ -100,12 +112,13 @@ def function(opset_version: int, nodes: list) -> tuple[onnx.FunctionProto, dict[
     Each hit expert's weights are read (and copied by its Gather) once per call; transient memory is one
     expert's fp32 weights plus its activations. The SiTU betas are attribute references evaluated in the
     function scope and read by the loop body as outer-scope values (no attribute references in subgraphs).
-    `nodes`: the model's MoE nodes (onnx_ir), whose shared activation is baked in.
+    `nodes`: the model's MoE nodes (onnx_ir), whose shared activation is baked in. `expert_weights(b, e)`
+    builds expert e's fp32 weights inside the loop body (`dense_weights`; the MXFP4 sibling decodes there).
     """
     activations = {n.attributes["activation"].as_string() for n in nodes}
     if len(activations) != 1:
         raise ValueError(f"k3::MoE nodes use activations {sorted(activations)}; the ort body bakes in exactly one")
-    b = Body("MoE", "route")
+    b = Body(spec.op_type, "route")
     x, z, gw, gb = (b.op("Cast", n, to=FLOAT) for n in ("x", "z", "gate_weight", "gate_bias"))
     betas = _activation_constants(b, activations.pop())
     s = b.op("Sigmoid", b.op("MatMul", x, b.op("Transpose", gw, perm=[1, 0])))  # [N, E]
@@ -128,7 +141,7 @@ def function(opset_version: int, nodes: list) -> tuple[onnx.FunctionProto, dict[
     starts = b.op("Sub", ends, counts)
     b.step = "experts"
     acc = b.op("ConstantOfShape", b.op("Shape", z))  # fp32 zeros [N, L]
-    body = _expert_loop_body(z, experts, starts, ends, rows, weights, betas)
+    body = _expert_loop_body(spec.op_type, z, experts, starts, ends, rows, weights, betas, expert_weights)
     u = b.op("Loop", b.op("Size", experts), "", acc, body=body)
     b.out("CastLike", [u, "z"], ["u"])
-    return b.function(NODE, {"": opset_version}), {}
+    return b.function(spec, {"": opset_version}), {}

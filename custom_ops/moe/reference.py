@@ -15,6 +15,8 @@ The latent RMSNorm, the up projection and the shared experts are ordinary layers
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor
 
@@ -53,13 +55,21 @@ def moe(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tensor
         raise ValueError(f"moe: shapes x {tuple(x.shape)} z {tuple(z.shape)} gate {tuple(gate_weight.shape)} "
                          f"w1 {tuple(w1.shape)} w3 {tuple(w3.shape)} w2 {tuple(w2.shape)} do not fit")
     ids, w = route(x, gate_weight, gate_bias, top_k, routed_scaling_factor, renormalize)
+    return routed_experts(z, ids, w, E, lambda e: (w1[e], w3[e], w2[e]), activation, situ_beta, situ_linear_beta)
+
+
+def routed_experts(z: Tensor, ids: Tensor, w: Tensor, E: int, weights: Callable[[int], tuple[Tensor, Tensor, Tensor]],
+                   activation: str, situ_beta: float, situ_linear_beta: float) -> Tensor:
+    """u [N, L] = Σ_j w[n, j] · E_{ids[n, j]}(z[n]); `weights(e)` gives expert e's (w1 [I, L], w3, w2 [L, I]) and
+    is called only for the experts some token is routed to, in ascending order (the accumulation order)."""
     acc = torch.float64 if z.dtype == torch.float64 else torch.float32  # fp64 in: an fp64 oracle
     zf, w = z.to(acc), w.to(acc)
-    out = torch.zeros(z.shape[0], L, dtype=acc, device=z.device)
+    out = torch.zeros(z.shape[0], z.shape[-1], dtype=acc, device=z.device)
     for e in range(E):
         tok, slot = (ids == e).nonzero(as_tuple=True)  # tokens routed to expert e
         if tok.numel() == 0:
             continue
-        h = glu(zf[tok] @ w1[e].to(acc).t(), zf[tok] @ w3[e].to(acc).t(), activation, situ_beta, situ_linear_beta)
-        out.index_add_(0, tok, (h.to(acc) @ w2[e].to(acc).t()) * w[tok, slot, None])
+        w1, w3, w2 = (t.to(acc) for t in weights(e))
+        h = glu(zf[tok] @ w1.t(), zf[tok] @ w3.t(), activation, situ_beta, situ_linear_beta)
+        out.index_add_(0, tok, (h.to(acc) @ w2.t()) * w[tok, slot, None])
     return out.to(z.dtype)

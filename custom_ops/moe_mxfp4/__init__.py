@@ -1,0 +1,3 @@
+from .op import moe_mxfp4
+
+__all__ = ["moe_mxfp4"]

@@ -1,0 +1,58 @@
+"""`k3::moe_mxfp4` — the routed MoE on MXFP4-packed experts: schema, fake impl, shape rule, limits, dispatch.
+
+    k3::moe_mxfp4(x [N, d], z [N, L], gate_weight [E, d], gate_bias [E], w1 [E, I, L/2] u8, w3 [E, I, L/2] u8,
+                  w2 [E, L, I/2] u8, w1_scale [E, I, L/32] u8, w3_scale [E, I, L/32] u8, w2_scale [E, L, I/32] u8,
+                  top_k, routed_scaling_factor, renormalize, activation, situ_beta, situ_linear_beta, kernels)
+        -> u [N, L]
+A sibling of `k3::moe` (same routing and expert math, `custom_ops/moe`), its own family so every stage
+(ONNX node, TensorRT plugin with uint8 ports, op counts) handles it through the registry; still one graph node
+per MoE layer. The model picks it when `K3Config.expert_format == "mxfp4"`. Torch-only; Triton lazily.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..kernels import Kernels, require_kernels
+from ..moe.op import MoEOptions, check_config as _moe_limits, moe_output_shape
+from . import reference
+from .codec import BLOCK
+
+
+def check_config(cfg, *, kernels: bool) -> str | None:
+    """Why k3::moe_mxfp4 cannot run `cfg` (None if it can, or if its experts are dense): k3::moe's limits plus
+    MXFP4's block of 32 along both expert reduction widths."""
+    if getattr(cfg, "expert_format", "dense") != "mxfp4" or not cfg.moe_layers:
+        return None
+    for what, n in (("expert input width (moe latent_dim or hidden_size)", cfg.expert_dim),
+                    ("moe.intermediate_size", cfg.moe.intermediate_size)):
+        if n % BLOCK:
+            return f"{what}={n}: MXFP4 experts need a multiple of {BLOCK} (expert_format='dense' has no such limit)"
+    return _moe_limits(cfg, kernels=kernels)
+
+
+@torch.library.custom_op("k3::moe_mxfp4", mutates_args=())
+def _moe_mxfp4(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
+               w1_scale: Tensor, w3_scale: Tensor, w2_scale: Tensor, top_k: int, routed_scaling_factor: float,
+               renormalize: bool, activation: str, situ_beta: float, situ_linear_beta: float, kernels: str) -> Tensor:
+    args = (x, z, gate_weight, gate_bias, w1, w3, w2, w1_scale, w3_scale, w2_scale, top_k, routed_scaling_factor,
+            renormalize, activation, situ_beta, situ_linear_beta)
+    if require_kernels("k3::moe_mxfp4", kernels, x, z, gate_weight, w1) is Kernels.TRITON:
+        from . import triton
+
+        return triton.moe(*args)
+    return reference.moe(*args)
+
+
+@_moe_mxfp4.register_fake
+def _(x, z, gate_weight, gate_bias, w1, w3, w2, w1_scale, w3_scale, w2_scale, top_k, routed_scaling_factor,
+      renormalize, activation, situ_beta, situ_linear_beta, kernels):
+    return z.new_empty(moe_output_shape(z.shape))
+
+
+def moe_mxfp4(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
+              w1_scale: Tensor, w3_scale: Tensor, w2_scale: Tensor, *, options: MoEOptions,
+              kernels: Kernels = Kernels.REFERENCE) -> Tensor:
+    return torch.ops.k3.moe_mxfp4(x, z, gate_weight, gate_bias, w1, w3, w2, w1_scale, w3_scale, w2_scale,
+                                  *options.args(), Kernels(kernels).value)
