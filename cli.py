@@ -281,6 +281,7 @@ def build_engine_cmd(
 ) -> None:
     """Build model.engine from the trt-flavour ONNX with the k3 plugins (profiles from DYNAMIC_DIMS)."""
     from .exporter.engine import EngineBuildError, EngineOptions, build_engine
+    from .exporter.staging import FolderError
 
     dims: dict[str, dict[str, int]] = {}
     for key, items in (("min", min_), ("opt", opt), ("max", max_)):
@@ -291,7 +292,7 @@ def build_engine_cmd(
             dims.setdefault(name, {})[key] = int(value)
     try:
         art = build_engine(export_dir, EngineOptions(runtime=runtime, sm=sm, plugin_path=plugin_path, dims=dims))
-    except (EngineBuildError, ValueError) as e:
+    except (EngineBuildError, ValueError, FolderError) as e:
         fail(str(e))
     typer.echo(f"{art.path}: {art.meta['bytes'] / 2**20:.1f} MiB, sm_{art.meta['sm']}, "
                f"{art.meta['runtime']} {art.meta['tensorrt_version']}, plugins "

@@ -213,8 +213,20 @@ def _set_target(trt, config, options: EngineOptions) -> None:
 
 
 def build_engine(export_dir: Path, options: EngineOptions = EngineOptions()) -> EngineArtifact:
-    """Build `model.engine` in `export_dir` from its `model.trt.onnx`."""
+    """Build `model.engine` in `export_dir` from its `model.trt.onnx`, holding the folder's writer lock (no
+    export replaces the folder mid-build, no two builds mix) and sweeping what a killed build left."""
+    import shutil
+
+    from .staging import folder_lock
+
     export_dir = Path(export_dir)
+    with folder_lock(export_dir):
+        for leftover in export_dir.glob(".tmp-trt-*"):  # write_artifact's staging folder of a killed build
+            shutil.rmtree(leftover, ignore_errors=True)
+        return _build_engine(export_dir, options)
+
+
+def _build_engine(export_dir: Path, options: EngineOptions) -> EngineArtifact:
     onnx_path = export_dir / ONNX_FILE
     if not onnx_path.is_file():
         raise EngineBuildError(f"{onnx_path}: missing; run `k3x export` with the trt flavour first")

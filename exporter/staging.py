@@ -24,6 +24,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from ..fileio import normal_permissions
+
 
 class FolderError(RuntimeError):
     """A destination folder that k3x must not write (not ours, or being written by another export)."""
@@ -51,7 +53,10 @@ def check_destination(out: Path) -> None:
 
 
 @contextlib.contextmanager
-def _lock(out: Path) -> Iterator[None]:
+def folder_lock(out: Path) -> Iterator[None]:
+    """The one writer lock of an export folder (`k3x export` and `k3x build-engine` both hold it): a flock on
+    `.<name>.k3x-lock` beside the folder, dropped by the kernel if the holder dies."""
+    out = Path(out).absolute()
     path = out.parent / f".{out.name}.k3x-lock"
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -59,7 +64,7 @@ def _lock(out: Path) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise FolderError(f"{out}: another k3x export is writing this folder right now; "
+            raise FolderError(f"{out}: another k3x export or engine build is writing this folder right now; "
                               "wait for it to finish") from None
         try:  # the file may have been unlinked by the previous holder after we opened it: retry
             if os.fstat(fd).st_ino == os.stat(path).st_ino:
@@ -90,13 +95,11 @@ def staged_export(out: str | Path) -> Iterator[Path]:
     out = Path(out).absolute()
     check_destination(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with _lock(out):
+    with folder_lock(out):
         sweep(out)
         work = Path(tempfile.mkdtemp(prefix=f".{out.name}.k3x-tmp-", dir=out.parent))
         try:
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(work, 0o777 & ~umask)  # mkdtemp creates 0700
+            normal_permissions(work)  # mkdtemp creates 0700
             yield work
             check_destination(out)  # still ours to replace
             old = None

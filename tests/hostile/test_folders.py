@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from hostile_util import k3x
 
 from k3x.exporter import export as export_mod
@@ -107,10 +108,30 @@ def test_a_killed_export_leaves_the_destination_as_it_was(export_dir):
 
 def test_concurrent_export_into_one_folder_is_refused(export_dir):
     before = json.loads((export_dir / "manifest.json").read_text())
-    with staging._lock(export_dir.absolute()):
+    with staging.folder_lock(export_dir):
         code, text = quick_export(export_dir)
-    assert code == 1 and "another k3x export is writing this folder" in text, text
+    assert code == 1 and "another k3x export or engine build is writing this folder" in text, text
     assert json.loads((export_dir / "manifest.json").read_text()) == before
+
+
+def test_engine_build_takes_the_folder_lock_and_sweeps_a_killed_build(export_dir, monkeypatch):
+    """build-engine holds the same lock as export (refused while another writer holds it, nothing touched)
+    and removes the staging folder a killed build left inside the export."""
+    from k3x.exporter import engine
+
+    leftover = export_dir / ".tmp-trt-killed"
+    leftover.mkdir()
+    (leftover / "model.engine").write_bytes(b"half")
+    with staging.folder_lock(export_dir):
+        with pytest.raises(staging.FolderError, match="engine build is writing this folder"):
+            engine.build_engine(export_dir)
+        code, text = k3x("build-engine", export_dir, "--runtime", "trt-rtx")  # the CLI: one line, exit 1
+        assert code == 1 and "engine build is writing this folder" in text and "Traceback" not in text, text
+    assert leftover.is_dir()  # refused before touching anything
+    seen = {}
+    monkeypatch.setattr(engine, "_build_engine", lambda d, o: seen.setdefault("leftover", leftover.exists()))
+    engine.build_engine(export_dir)
+    assert seen == {"leftover": False} and not leftover.exists()
 
 
 def test_main_job_never_deletes_a_users_folder(tmp_path):
