@@ -1,6 +1,6 @@
 """The registry of op families: the one list every stage iterates instead of naming ops.
 
-    FAMILIES = ("kda", "attn_res", "moe")      # one line per family: its folder under custom_ops/
+    FAMILIES = ("kda", "attn_res", "moe", ...)      # one entry per family: its folder under custom_ops/
 
 A family folder `custom_ops/<name>/` has fixed roles (docs/architecture.md):
     op.py         torch.library schema `k3::<name>`, fake impl, output-shape rule, `check_config` (limits)
