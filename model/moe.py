@@ -76,17 +76,19 @@ class LatentMoE(nn.Module):
         B, T, d = x.shape
         xf = x.reshape(B * T, d)  # [N, d]
         z = self.routed_expert_down_proj(xf) if self.latent else xf  # [N, L]
-        e = self.experts
-        g = self.gate
-        if self.packed:
-            u = moe_mxfp4(xf, z, g.weight, g.e_score_correction_bias, e.w1, e.w3, e.w2, e.w1_scale, e.w3_scale,
-                          e.w2_scale, options=self.options, kernels=self.cfg.kernels)  # [N, L]
-        else:
-            u = moe(xf, z, g.weight, g.e_score_correction_bias, e.w1, e.w3, e.w2, options=self.options,
-                    kernels=self.cfg.kernels)  # [N, L]
+        u = self.routed(xf, z)  # [N, L]
         if self.latent_norm:
             u = self.routed_expert_norm(u)
         y = self.routed_expert_up_proj(u) if self.latent else u
         if self.has_shared:
             y = y + self.shared_experts(xf)
         return y.view(B, T, d)
+
+    def routed(self, xf: Tensor, z: Tensor) -> Tensor:
+        """u = Σ_j p_j E_j(z) [N, L]: routing on the full-width xf [N, d], experts on z [N, L] (one k3 op)."""
+        e, g = self.experts, self.gate
+        if self.packed:
+            return moe_mxfp4(xf, z, g.weight, g.e_score_correction_bias, e.w1, e.w3, e.w2, e.w1_scale, e.w3_scale,
+                             e.w2_scale, options=self.options, kernels=self.cfg.kernels)
+        return moe(xf, z, g.weight, g.e_score_correction_bias, e.w1, e.w3, e.w2, options=self.options,
+                   kernels=self.cfg.kernels)

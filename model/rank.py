@@ -98,27 +98,19 @@ class ExpertParallelMoE(LatentMoE):
         if self.has_shared:
             self.shared_experts = rank_mlp(cfg, c.shared_intermediate_size, plan)
 
-    def forward(self, x: Tensor) -> Tensor:
-        B, T, d = x.shape
-        xf = x.reshape(B * T, d)
-        z = self.routed_expert_down_proj(xf) if self.latent else xf
+    def routed(self, xf: Tensor, z: Tensor) -> Tensor:
+        """This rank's share of Σ p_j E_j(z) over its local experts, all-reduced over the EP group."""
         o = self.options
         ids, w = route(xf, self.gate.weight, self.gate.e_score_correction_bias, o.top_k, 1.0, o.renormalize)
-        dense = torch.zeros(xf.shape[0], self.gate.weight.shape[0], dtype=w.dtype, device=x.device)
+        dense = torch.zeros(xf.shape[0], self.gate.weight.shape[0], dtype=w.dtype, device=xf.device)
         p = dense.scatter(1, ids, w).index_select(1, self.local_experts)  # [N, E_local] weights, 0 = not here
         logits = torch.logit(p).clamp(_NEVER, _ALWAYS)
         n = p.shape[1]
-        eye = torch.eye(n, dtype=logits.dtype, device=x.device)
+        eye = torch.eye(n, dtype=logits.dtype, device=xf.device)
         e = self.experts
-        u = moe(logits, z, eye, torch.zeros(n, dtype=torch.float32, device=x.device), e.w1, e.w3, e.w2,
+        u = moe(logits, z, eye, torch.zeros(n, dtype=torch.float32, device=xf.device), e.w1, e.w3, e.w2,
                 options=self.local_options, kernels=self.cfg.kernels)  # this rank's share of Σ p_j E_j(z)
-        u = all_reduce(u, self.ep_group)
-        if self.latent_norm:
-            u = self.routed_expert_norm(u)
-        y = self.routed_expert_up_proj(u) if self.latent else u
-        if self.has_shared:
-            y = y + self.shared_experts(xf)
-        return y.view(B, T, d)
+        return all_reduce(u, self.ep_group)
 
 
 def rank_mlp(cfg: K3Config, intermediate: int, plan: ParallelPlan) -> GatedMLP:
