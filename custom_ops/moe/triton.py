@@ -59,6 +59,17 @@ def _tanh(x):
 
 
 @triton.jit
+def _glu(acc1, acc3, beta1, beta2, ACT: tl.constexpr):
+    """The gate+up epilogue of both grouped GEMM1s (dense and MXFP4), fp32: SiTU-GLU (ACT 1)
+    [β1 tanh(a/β1) σ(a)] ⊙ [β2 tanh(b/β2)], or SiLU-GLU (ACT 0) a σ(a) ⊙ b."""
+    if ACT == 1:
+        out = beta1 * _tanh(acc1 / beta1) * tl.sigmoid(acc1) * (beta2 * _tanh(acc3 / beta2))
+    else:
+        out = acc1 * tl.sigmoid(acc1) * acc3
+    return out
+
+
+@triton.jit
 def _router_kernel(
     x, wg, s,  # [N, D], [E, D], scores out [N, E] fp32
     N, E, D,
@@ -222,10 +233,7 @@ def _moe_gemm1_kernel(
         b3 = tl.load(w3 + w_off + k0, mask=m_k[:, None] & m_n[None, :], other=0.0)
         acc1 = _mma(a, b1, acc1, IEEE)
         acc3 = _mma(a, b3, acc3, IEEE)
-    if ACT == 1:  # SiTU-GLU: [β1 tanh(a/β1) σ(a)] ⊙ [β2 tanh(b/β2)]
-        out = beta1 * _tanh(acc1 / beta1) * tl.sigmoid(acc1) * (beta2 * _tanh(acc3 / beta2))
-    else:  # SiLU-GLU
-        out = acc1 * tl.sigmoid(acc1) * acc3
+    out = _glu(acc1, acc3, beta1, beta2, ACT)
     tl.store(h + o_m[:, None].to(tl.int64) * I + o_n[None, :], out.to(h.dtype.element_ty), mask=m_n[None, :])
 
 

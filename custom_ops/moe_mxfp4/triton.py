@@ -26,7 +26,7 @@ from torch import Tensor
 from ..dtypes import dtype_name
 from ..launch import Launch, Plan, Variant, run
 from ..moe import triton as dense
-from ..moe.triton import _block_coords, _mma, _tanh
+from ..moe.triton import _block_coords, _glu, _mma
 from .codec import BLOCK
 
 PORTS = ("x", "z", "gate_weight", "gate_bias", "w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale")
@@ -90,10 +90,7 @@ def _moe_mxfp4_gemm1_kernel(
         b3 = _load_mxfp4(w3, w3s, e * I, o_n, k0 + o_k, L, m_b).to(a.dtype)
         acc1 = _mma(a, b1, acc1, IEEE)
         acc3 = _mma(a, b3, acc3, IEEE)
-    if ACT == 1:  # SiTU-GLU: [β1 tanh(a/β1) σ(a)] ⊙ [β2 tanh(b/β2)]
-        out = beta1 * _tanh(acc1 / beta1) * tl.sigmoid(acc1) * (beta2 * _tanh(acc3 / beta2))
-    else:  # SiLU-GLU
-        out = acc1 * tl.sigmoid(acc1) * acc3
+    out = _glu(acc1, acc3, beta1, beta2, ACT)
     tl.store(h + o_m[:, None].to(tl.int64) * I + o_n[None, :], out.to(h.dtype.element_ty), mask=m_n[None, :])
 
 
