@@ -94,6 +94,8 @@ _KDA_PORTS = {"q": "bf16", "k": "bf16", "v": "bf16", "g": "fp32", "beta": "fp32"
               "o": "bf16", "final_state": "fp32"}
 _MOE_PORTS = {"x": "bf16", "z": "bf16", "gate_weight": "bf16", "gate_bias": "fp32", "w1": "bf16", "w3": "bf16",
               "w2": "bf16", "u": "bf16"}
+_MXFP4_PORTS = {n: ("uint8" if n.startswith("w") else t) for n, t in _MOE_PORTS.items()} | {
+    f"w{i}_scale": "uint8" for i in (1, 3, 2)}
 _AR_PORTS = {"prefix": "bf16", "bank": "bf16", "norm_weight": "fp32", "proj_weight": "fp32", "out": "bf16"}
 _MOE_ATTRS = {"top_k": 16, "routed_scaling_factor": 1.0, "renormalize": True, "activation": "situ",
               "situ_beta": 4.0, "situ_linear_beta": 25.0}
@@ -107,17 +109,30 @@ def kda_case(B: int, T: int, *, H: int = 96, K: int = 128, gate_lower_bound: flo
                 ("bf16", "bf16", "bf16", "fp32", "fp32", "fp32"), attrs, _KDA_PORTS)
 
 
+MOE_TOKENS = (1, 16, 64, 4096)  # decode batches and a prefill chunk
+
+
+def moe_case(N: int, *, packed: bool = False) -> Case:
+    """K3's latent MoE at N tokens: top-16 of 896 experts, latent L = 3584, intermediate I = 3072, bf16
+    activations; experts bf16 (`moe`) or MXFP4 bytes (`moe_mxfp4`)."""
+    dims = {"N": N, "d": 7168, "L": 3584, "E": 896, "I": 3072}
+    if packed:
+        return Case("moe_mxfp4", f"N{N}-k16-E896-L3584-I3072", dims,
+                    ("bf16", "bf16", "bf16", "fp32") + ("uint8",) * 6 + ("bf16",), _MOE_ATTRS, _MXFP4_PORTS)
+    return Case("moe", f"N{N}-k16-E896-L3584-I3072", dims, ("bf16", "bf16", "bf16", "fp32", "bf16", "bf16", "bf16"),
+                _MOE_ATTRS, _MOE_PORTS)
+
+
 def cases() -> list[Case]:
     """K3's shapes: KDA decode and prefill (B = 1 and 64, H = 96, K = V = 128, bf16, K3's gate bound), the
     unbounded-gate variant for reference, AttnRes over 8 bank entries at d = 7168, the latent MoE's experts
-    (8192 tokens x top-16 over 896 experts, latent 3584, intermediate 3072)."""
+    dense and MXFP4 at `MOE_TOKENS` tokens (top-16 over 896 experts, latent 3584, intermediate 3072)."""
     return [
         kda_case(1, 1), kda_case(64, 1), kda_case(1, 4096), kda_case(64, 4096),
         kda_case(1, 4096, gate_lower_bound=None),
         Case("attn_res", "R4096-N8-d7168", {"R": 4096, "N": 8, "d": 7168}, ("bf16", "bf16", "fp32", "fp32"),
              {"eps": 1e-6}, _AR_PORTS),
-        Case("moe", "N8192-k16-E896-L3584-I3072", {"N": 8192, "d": 7168, "L": 3584, "E": 896, "I": 3072},
-             ("bf16", "bf16", "bf16", "fp32", "bf16", "bf16", "bf16"), _MOE_ATTRS, _MOE_PORTS),
+        *(moe_case(N, packed=p) for p in (False, True) for N in MOE_TOKENS),
     ]
 
 
@@ -228,10 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sm", type=int, nargs="+", default=[90, 100], choices=sorted(SMS))
     ap.add_argument("--family", nargs="+", default=None, help="only these families (default: all)")
+    ap.add_argument("--kernel", default=None, help="only kernels whose name contains this (e.g. gemm)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
     a = ap.parse_args(argv)
     rows = [r for sm in a.sm for c in cases() if a.family is None or c.family in a.family
-            for r in measure_case(c, SMS[sm])]
+            for r in measure_case(c, SMS[sm]) if a.kernel is None or a.kernel in r.kernel or r.error]
     print(markdown(rows))
     if a.json is not None:
         a.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
