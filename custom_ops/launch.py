@@ -74,6 +74,18 @@ class Plan:
         raise PlanError(f"no kernel variant covers dims {dims}")
 
 
+SM90_SMS = 132  # H200: the SM count launch configurations are sized for
+SM90_REGS, SM90_SMEM, SM90_SMEM_RESERVED, SM90_MAX_WARPS = 65536, 233472, 1024, 64
+
+
+def ctas_per_sm(regs: int, shared: int, warps: int) -> int:
+    """Co-resident CTAs on one sm_90 SM: registers (allocated per warp in units of 256), shared memory
+    (+ 1 KB reserved per CTA), warps."""
+    per_warp = -(-regs * 32 // 256) * 256
+    return min((SM90_REGS // per_warp) // warps, SM90_SMEM // (shared + SM90_SMEM_RESERVED),
+               SM90_MAX_WARPS // warps)
+
+
 def cdiv(a, b):
     """Ceil division on ints and on symbolic shape expressions alike."""
     return (a + b - 1) // b

@@ -24,9 +24,9 @@ import triton.language as tl
 from torch import Tensor
 
 from ..dtypes import dtype_name
-from ..launch import Launch, Plan, Variant, run
+from ..launch import Plan, run
 from ..moe import triton as dense
-from ..moe.triton import _block_coords, _glu, _mma
+from ..moe.triton import _store_h, _store_y, _tile, _tile_acc, _tile_dot, _tile_out
 from .codec import BLOCK
 
 PORTS = ("x", "z", "gate_weight", "gate_bias", "w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale")
@@ -49,13 +49,12 @@ def _e8m0(s):
 
 
 @triton.jit
-def _load_mxfp4(w, ws, row0, o_n, o_k, K, mask):
-    """fp32 [BK, BN] tile: element (k, n) of the expert matrix whose row n (of K packed weights) starts at
-    packed row `row0 + n`; `o_k` absolute k offsets [BK], `o_n` [BN]."""
-    rows = (row0 + o_n[None, :]).to(tl.int64)
-    byte = tl.load(w + rows * (K // 2) + o_k[:, None] // 2, mask=mask, other=0).to(tl.int32) & 255  # u8 or i8
-    code = (byte >> ((o_k[:, None] & 1) * 4)) & 15
-    s = tl.load(ws + rows * (K // 32) + o_k[:, None] // 32, mask=mask, other=127).to(tl.int32) & 255
+def _load_mxfp4(w, ws, rows, o_k, K, mask):
+    """fp32 [R, BK] tile: element (r, k) = weight k of packed expert row `rows[r]` (int64 [R, 1], rows of K
+    weights); `w`, `ws` the byte and scale bases (scalars or [R, 1]); `o_k` absolute k offsets [1, BK]."""
+    byte = tl.load(w + rows * (K // 2) + o_k // 2, mask=mask, other=0).to(tl.int32) & 255  # u8 or i8
+    code = (byte >> ((o_k & 1) * 4)) & 15
+    s = tl.load(ws + rows * (K // 32) + o_k // 32, mask=mask, other=127).to(tl.int32) & 255
     return _e2m1(code) * _e8m0(s)
 
 
@@ -66,61 +65,58 @@ def _moe_mxfp4_gemm1_kernel(
     NK, I, L, num_m,
     beta1, beta2,
     TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    ACT: tl.constexpr, IEEE: tl.constexpr,
+    ACT: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr,
 ):
-    pid_m, pid_n = _block_coords(num_m, tl.cdiv(I, BN), GROUP_M)
-    e = tl.load(block_expert + pid_m).to(tl.int64)
-    if e < 0:
-        return
-    o_m = pid_m * BM + tl.arange(0, BM)
-    pair = tl.load(sorted_pair + o_m)
-    valid = pair < NK
-    tok = (pair // TOPK).to(tl.int64)
-    o_n = pid_n * BN + tl.arange(0, BN)
-    m_n = o_n < I
+    num_n = tl.cdiv(I, BN)
+    o_j = tl.arange(0, 2 * BN)  # wide operand row j: gate (w1, even j) or up (w3, odd j) of unit j // 2
     o_k = tl.arange(0, BK)
-    a_ptr = z + tok[:, None] * L + o_k[None, :]
-    acc1 = tl.zeros([BM, BN], dtype=tl.float32)
-    acc3 = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, L, BK):
-        m_k = o_k < L - k0
-        a = tl.load(a_ptr + k0, mask=valid[:, None] & m_k[None, :], other=0.0)
-        m_b = m_k[:, None] & m_n[None, :]
-        b1 = _load_mxfp4(w1, w1s, e * I, o_n, k0 + o_k, L, m_b).to(a.dtype)
-        b3 = _load_mxfp4(w3, w3s, e * I, o_n, k0 + o_k, L, m_b).to(a.dtype)
-        acc1 = _mma(a, b1, acc1, IEEE)
-        acc3 = _mma(a, b3, acc3, IEEE)
-    out = _glu(acc1, acc3, beta1, beta2, ACT)
-    tl.store(h + o_m[:, None].to(tl.int64) * I + o_n[None, :], out.to(h.dtype.element_ty), mask=m_n[None, :])
+    gate = o_j[:, None] % 2 == 0
+    w, ws = tl.where(gate, w1, w3), tl.where(gate, w1s, w3s)
+    for t in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):  # persistent: tiles in a loop
+        pid_m, pid_n, e = _tile(t, num_m, num_n, block_expert, GROUP_M)
+        if e >= 0:
+            o_m = pid_m * BM + tl.arange(0, BM)
+            pair = tl.load(sorted_pair + o_m)
+            valid = pair < NK
+            a_ptr = z + (pair // TOPK).to(tl.int64)[:, None] * L + o_k[None, :]
+            o_n = pid_n * BN + o_j[:, None] // 2
+            rows = e.to(tl.int64) * I + o_n
+            acc = _tile_acc(2 * BN, BM, SWAP)
+            for k0 in range(0, L, BK):
+                m_k = o_k[None, :] < L - k0
+                a = tl.load(a_ptr + k0, mask=valid[:, None] & m_k, other=0.0)
+                b = _load_mxfp4(w, ws, rows, k0 + o_k[None, :], L, (o_n < I) & m_k).to(a.dtype)  # [2·BN, BK]
+                acc = _tile_dot(a, b, acc, SWAP, IEEE)
+            _store_h(h, _tile_out(acc, SWAP), o_m, pid_n, I, beta1, beta2, BM, BN, ACT)
 
 
 @triton.jit
 def _moe_mxfp4_gemm2_kernel(
     h, w2, w2s, sorted_pair, block_expert, topk_w,  # [P, I], [E, L, I/2] u8, [E, L, I/32] u8, [P], [P/BM], [NK]
-    y,  # out [NK, L] fp32, rows in pair order
+    y,  # out [NK, L] (z's dtype), rows in pair order
     NK, I, L, num_m,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr,
+    SWAP: tl.constexpr,
 ):
-    pid_m, pid_n = _block_coords(num_m, tl.cdiv(L, BN), GROUP_M)
-    e = tl.load(block_expert + pid_m).to(tl.int64)
-    if e < 0:
-        return
-    o_m = pid_m * BM + tl.arange(0, BM)
-    pair = tl.load(sorted_pair + o_m)
-    valid = pair < NK
-    o_n = pid_n * BN + tl.arange(0, BN)
-    m_n = o_n < L
+    num_n = tl.cdiv(L, BN)
+    o_j = tl.arange(0, BN)
     o_k = tl.arange(0, BK)
-    a_ptr = h + o_m[:, None].to(tl.int64) * I + o_k[None, :]
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, I, BK):
-        m_k = o_k < I - k0
-        a = tl.load(a_ptr + k0, mask=valid[:, None] & m_k[None, :], other=0.0)
-        b = _load_mxfp4(w2, w2s, e * L, o_n, k0 + o_k, I, m_k[:, None] & m_n[None, :]).to(a.dtype)
-        acc = _mma(a, b, acc, IEEE)
-    wt = tl.load(topk_w + pair, mask=valid, other=0.0)
-    tl.store(y + pair[:, None].to(tl.int64) * L + o_n[None, :], acc * wt[:, None],
-             mask=valid[:, None] & m_n[None, :])
+    for t in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
+        pid_m, pid_n, e = _tile(t, num_m, num_n, block_expert, GROUP_M)
+        if e >= 0:
+            o_m = pid_m * BM + tl.arange(0, BM)
+            pair = tl.load(sorted_pair + o_m)
+            valid = pair < NK
+            a_ptr = h + o_m[:, None].to(tl.int64) * I + o_k[None, :]
+            o_n = pid_n * BN + o_j[:, None]
+            rows = e.to(tl.int64) * L + o_n
+            acc = _tile_acc(BN, BM, SWAP)
+            for k0 in range(0, I, BK):
+                m_k = o_k[None, :] < I - k0
+                a = tl.load(a_ptr + k0, mask=valid[:, None] & m_k, other=0.0)
+                b = _load_mxfp4(w2, w2s, rows, k0 + o_k[None, :], I, (o_n < L) & m_k).to(a.dtype)  # [BN, BK]
+                acc = _tile_dot(a, b, acc, SWAP, IEEE)
+            _store_y(y, _tile_out(acc, SWAP), topk_w, pair, valid, pid_n, L, BN)
 
 
 def dims(shapes) -> dict:
@@ -140,22 +136,13 @@ PACKED_GEMMS = {
 
 
 def plan(d: dict, dtypes: list[str], attrs: dict) -> Plan:
-    """k3::moe's plan (custom_ops/moe/triton.plan: eight launches, same workspace) with the packed GEMMs.
-    Ports: x, z, gate_weight, gate_bias, w1, w3, w2 (u8), w1_scale, w3_scale, w2_scale (u8) -> u. The decoded
-    weights take z's dtype, so the dense plan is built as if the experts were stored in z's dtype."""
+    """k3::moe's plan (custom_ops/moe/triton.build_plan: eight launches, same workspace) with the packed GEMMs
+    and their tiles. Ports: x, z, gate_weight, gate_bias, w1, w3, w2 (u8), w1_scale, w3_scale, w2_scale (u8)
+    -> u. The decoded weights take z's dtype, so the plan is built as if the experts were stored in z's dtype."""
     if d["L"] % BLOCK or d["I"] % BLOCK:
         raise ValueError(f"k3::moe_mxfp4: L={d['L']} and I={d['I']} must be multiples of {BLOCK}")
-    base = dense.plan(d, [dtypes[0], dtypes[1], dtypes[2], dtypes[3], dtypes[1], dtypes[1], dtypes[1],
-                          dtypes[-1]], attrs)
-    (variant,) = base.variants
-    launches = []
-    for x in variant.launches:
-        if x.kernel_name in PACKED_GEMMS:
-            kernel, args = PACKED_GEMMS[x.kernel_name]
-            x = Launch(kernel, args, x.constexprs, grid=x.grid, scalars=x.scalars, num_warps=x.num_warps,
-                       num_stages=x.num_stages, divisible=tuple(a for a in x.divisible if a in args))
-        launches.append(x)
-    return Plan((Variant(variant.name, tuple(launches)),), workspace=base.workspace)
+    return dense.build_plan(d, [dtypes[0], dtypes[1], dtypes[2], dtypes[3], dtypes[1], dtypes[1], dtypes[1],
+                                dtypes[-1]], attrs, PACKED_GEMMS, packed=True)
 
 
 def moe(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,

@@ -44,6 +44,35 @@ def test_moe_matches_reference(N, d, L, I, E, k, act, hot, renorm, device):
     assert_close(out, reference.moe(*args), torch.float32, what="u")
 
 
+def run_with(module, args: list, names: tuple[str, ...], overrides: dict) -> torch.Tensor:
+    """The family's whole plan with `overrides` in its attrs (block_m: rows per block, hence swap-AB below 64;
+    gemm_programs: the persistent GEMMs' grid) -> u."""
+    from k3x.custom_ops.launch import run
+    from k3x.custom_ops.dtypes import dtype_name
+
+    tensors = dict(zip(names, (t.contiguous() for t in args[:len(names)])))
+    z = tensors["z"]
+    tensors["u"] = torch.empty(z.shape[0], z.shape[1], dtype=z.dtype, device=z.device)
+    attrs = kernels._attrs(*args[len(names):]) | overrides
+    d = module.dims([t.shape for t in tensors.values()])
+    plan = module.plan(d, [dtype_name(t.dtype) for t in tensors.values()], attrs)
+    gemms = [x for x in plan.select(d).launches if "gemm" in x.kernel_name]
+    assert [x.constexprs["SWAP"] for x in gemms] == [overrides["block_m"] < kernels.SWAP_BELOW] * 2
+    assert all(x.grid(d)[0] <= overrides["gemm_programs"] for x in gemms)
+    run(plan, tensors, d)
+    return tensors["u"]
+
+
+@pytest.mark.parametrize("block_m, programs", [(16, 1), (16, 3), (64, 2), (128, 5)])
+def test_moe_gemm_orientations_and_persistent_grid(block_m, programs, device):
+    """Swap-AB (BM < 64) and plain tiles, each with a persistent grid smaller than the tile count (every program
+    walks several tiles, including the unused tail blocks), agree with the reference; y in z's dtype."""
+    args = _inputs(70, 16, 72, 40, 5, hot=1, device=device) + [2, 1.5, True, "situ", 4.0, 25.0]
+    names = ("x", "z", "gate_weight", "gate_bias", "w1", "w3", "w2")
+    out = run_with(kernels, args, names, {"block_m": block_m, "gemm_programs": programs})
+    assert_close(out, reference.moe(*args), torch.float32, what=f"u BM={block_m}")
+
+
 @pytest.mark.parametrize("k, renorm", [(1, True), (4, True), (4, False), (9, True)])
 def test_route_matches_reference(k, renorm, device):
     x, _, gw, gb, *_ = _inputs(11, 40, 8, 8, 9, device=device)
