@@ -204,6 +204,16 @@ def _tile(t, num_m, num_n, block_expert, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _offset_to(p, q):
+    """q − p in elements of p's type, declared a multiple of 16 bytes (both are 16-byte aligned: the AOT launcher
+    refuses other pointers, `moe` copies misaligned experts). GEMM1's wide operand addresses w3's rows as
+    w1 + this: an offset times the row's parity, not a `where` on pointers, which loses the contiguity the
+    vectorised, cp.async-pipelined loads need (scalar 2-byte loads and 235 registers at K3 decode otherwise)."""
+    ELEM: tl.constexpr = p.dtype.element_ty.primitive_bitwidth // 8
+    return tl.multiple_of((q.to(tl.int64) - p.to(tl.int64)) // ELEM, 16 // ELEM)
+
+
+@triton.jit
 def _tile_dot(a, b, acc, SWAP: tl.constexpr, IEEE: tl.constexpr):
     """One k step of a grouped GEMM tile: a [BM, BK] activation rows, b [R, BK] weight rows (both k-contiguous,
     as loaded). SWAP: acc [R, BM] += b aᵀ (weight rows on the MMA's wide M side, few tokens on its N side);
@@ -263,21 +273,22 @@ def _moe_gemm1_kernel(
     num_n = tl.cdiv(I, BN)
     o_j = tl.arange(0, 2 * BN)  # wide operand row j: gate (w1, even j) or up (w3, odd j) of unit j // 2
     o_k = tl.arange(0, BK)
+    d3 = _offset_to(w1, w3)
     for t in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):  # persistent: tiles in a loop
         pid_m, pid_n, e = _tile(t, num_m, num_n, block_expert, GROUP_M)
         if e >= 0:
             o_m = pid_m * BM + tl.arange(0, BM)
             pair = tl.load(sorted_pair + o_m)
             valid = pair < NK
-            a_ptr = z + (pair // TOPK).to(tl.int64)[:, None] * L + o_k[None, :]  # gathered rows [BM, BK]
+            a_row = z + (pair // TOPK).to(tl.int64)[:, None] * L  # gathered rows [BM, 1]
             o_n = pid_n * BN + o_j // 2
             m_n = o_n < I
-            b_ptr = tl.where(o_j[:, None] % 2 == 0, w1, w3) + (e.to(tl.int64) * I + o_n[:, None]) * L + o_k[None, :]
+            b_row = w1 + ((e.to(tl.int64) * I + o_n[:, None]) * L + (o_j[:, None] % 2) * d3)  # [2·BN, 1]
             acc = _tile_acc(2 * BN, BM, SWAP)
             for k0 in range(0, L, BK):
                 m_k = o_k < L - k0
-                a = tl.load(a_ptr + k0, mask=valid[:, None] & m_k[None, :], other=0.0)
-                b = tl.load(b_ptr + k0, mask=m_n[:, None] & m_k[None, :], other=0.0)  # [2·BN, BK]
+                a = tl.load(a_row + (k0 + o_k)[None, :], mask=valid[:, None] & m_k[None, :], other=0.0)
+                b = tl.load(b_row + (k0 + o_k)[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)  # [2·BN, BK]
                 acc = _tile_dot(a, b, acc, SWAP, IEEE)
             _store_h(h, _tile_out(acc, SWAP), o_m, pid_n, I, beta1, beta2, BM, BN, ACT)
 
@@ -358,8 +369,9 @@ def gemm_config(BM: int, L: int, I: int, elem_bytes: int, packed: bool) -> dict:
     BK = 64 if elem_bytes <= 2 else 32
     np2 = triton.next_power_of_2
     if BM < SWAP_BELOW:
-        g1 = {"BN": min(64, max(16, np2(I))), "num_warps": 4}
-        g2 = {"BN": min(128, max(16, np2(L))), "num_warps": 4}
+        rows = 64 if packed else 128
+        g1 = {"BN": min(rows // 2, max(16, np2(I))), "num_warps": 4}
+        g2 = {"BN": min(rows, max(16, np2(L))), "num_warps": 4}
     else:
         wide = 64 if packed else 128
         g1 = {"BN": min(wide, max(16, np2(I))), "num_warps": 8}
@@ -492,6 +504,12 @@ ROUTE = ("_router_kernel", "_topk_kernel")
 ALIGN = ("_moe_align_count_kernel", "_moe_align_scan_kernel", "_moe_align_scatter_kernel")
 
 
+def aligned(t: Tensor) -> Tensor:
+    """`t` contiguous and 16-byte aligned (copied if not): GEMM1 addresses w3 from w1's base (`_offset_to`)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def _attrs(top_k, routed_scaling_factor, renormalize, activation, situ_beta, situ_linear_beta) -> dict:
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r}: expected one of {sorted(ACTIVATIONS)}")
@@ -540,7 +558,7 @@ def moe(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tensor
                          f"w1 {tuple(w1.shape)} w3 {tuple(w3.shape)} w2 {tuple(w2.shape)} do not fit")
     attrs = _attrs(top_k, routed_scaling_factor, renormalize, activation, situ_beta, situ_linear_beta)
     tensors = dict(zip(("x", "z", "gate_weight", "gate_bias", "w1", "w3", "w2"),
-                       (t.contiguous() for t in (x, z, gate_weight, gate_bias, w1, w3, w2))))
+                       (aligned(t) for t in (x, z, gate_weight, gate_bias, w1, w3, w2))))
     tensors["u"] = torch.empty(z.shape[0], L, device=z.device, dtype=z.dtype)
     d = dims([t.shape for t in tensors.values()])
     run(plan(d, [dtype_name(t.dtype) for t in tensors.values()], attrs), tensors, d)

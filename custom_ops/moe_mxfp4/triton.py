@@ -26,7 +26,7 @@ from torch import Tensor
 from ..dtypes import dtype_name
 from ..launch import Plan, run
 from ..moe import triton as dense
-from ..moe.triton import _store_h, _store_y, _tile, _tile_acc, _tile_dot, _tile_out
+from ..moe.triton import _offset_to, _store_h, _store_y, _tile, _tile_acc, _tile_dot, _tile_out
 from .codec import BLOCK
 
 PORTS = ("x", "z", "gate_weight", "gate_bias", "w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale")
@@ -49,13 +49,19 @@ def _e8m0(s):
 
 
 @triton.jit
-def _load_mxfp4(w, ws, rows, o_k, K, mask):
-    """fp32 [R, BK] tile: element (r, k) = weight k of packed expert row `rows[r]` (int64 [R, 1], rows of K
-    weights); `w`, `ws` the byte and scale bases (scalars or [R, 1]); `o_k` absolute k offsets [1, BK]."""
-    byte = tl.load(w + rows * (K // 2) + o_k // 2, mask=mask, other=0).to(tl.int32) & 255  # u8 or i8
-    code = (byte >> ((o_k & 1) * 4)) & 15
-    s = tl.load(ws + rows * (K // 32) + o_k // 32, mask=mask, other=127).to(tl.int32) & 255
-    return _e2m1(code) * _e8m0(s)
+def _load_mxfp4(w, ws, rows, k0, K, m_row, R: tl.constexpr, BK: tl.constexpr):
+    """fp32 [R, BK] tile: weights k0 .. k0 + BK − 1 of the packed expert rows `rows` (int64 [R, 1], rows of K
+    weights, `m_row` [R, 1] which exist); `w`, `ws` the byte and scale bases. Loads [R, BK/2] bytes and
+    [R, BK/32] scales once each (contiguous, vectorised), decodes the low and high nibbles as two [R, BK/2]
+    halves and interleaves them (k = 2i + high): no per-element index or pointer math for the compiler to
+    carry into the MMA operand's layout."""
+    o_b = tl.arange(0, BK // 2)[None, :]
+    o_s = tl.arange(0, BK // 32)[None, :]
+    byte = tl.load(w + rows * (K // 2) + k0 // 2 + o_b, mask=m_row & (o_b < (K - k0) // 2), other=0)
+    byte = byte.to(tl.int32) & 255  # u8 or i8
+    s = tl.load(ws + rows * (K // 32) + k0 // 32 + o_s, mask=m_row & (o_s < (K - k0) // 32), other=127)
+    scale = tl.reshape(tl.broadcast_to(_e8m0(s.to(tl.int32) & 255)[:, :, None], [R, BK // 32, 16]), [R, BK // 2])
+    return tl.reshape(tl.join(_e2m1(byte & 15) * scale, _e2m1(byte >> 4) * scale), [R, BK])
 
 
 @triton.jit
@@ -70,8 +76,8 @@ def _moe_mxfp4_gemm1_kernel(
     num_n = tl.cdiv(I, BN)
     o_j = tl.arange(0, 2 * BN)  # wide operand row j: gate (w1, even j) or up (w3, odd j) of unit j // 2
     o_k = tl.arange(0, BK)
-    gate = o_j[:, None] % 2 == 0
-    w, ws = tl.where(gate, w1, w3), tl.where(gate, w1s, w3s)
+    up = o_j[:, None] % 2  # w3's rows are addressed from w1's base (see moe.triton._offset_to)
+    d3, ds3 = up * _offset_to(w1, w3), up * _offset_to(w1s, w3s)
     for t in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):  # persistent: tiles in a loop
         pid_m, pid_n, e = _tile(t, num_m, num_n, block_expert, GROUP_M)
         if e >= 0:
@@ -83,9 +89,8 @@ def _moe_mxfp4_gemm1_kernel(
             rows = e.to(tl.int64) * I + o_n
             acc = _tile_acc(2 * BN, BM, SWAP)
             for k0 in range(0, L, BK):
-                m_k = o_k[None, :] < L - k0
-                a = tl.load(a_ptr + k0, mask=valid[:, None] & m_k, other=0.0)
-                b = _load_mxfp4(w, ws, rows, k0 + o_k[None, :], L, (o_n < I) & m_k).to(a.dtype)  # [2·BN, BK]
+                a = tl.load(a_ptr + k0, mask=valid[:, None] & (o_k[None, :] < L - k0), other=0.0)
+                b = _load_mxfp4(w1 + d3, w1s + ds3, rows, k0, L, o_n < I, 2 * BN, BK).to(a.dtype)
                 acc = _tile_dot(a, b, acc, SWAP, IEEE)
             _store_h(h, _tile_out(acc, SWAP), o_m, pid_n, I, beta1, beta2, BM, BN, ACT)
 
@@ -112,9 +117,8 @@ def _moe_mxfp4_gemm2_kernel(
             rows = e.to(tl.int64) * L + o_n
             acc = _tile_acc(BN, BM, SWAP)
             for k0 in range(0, I, BK):
-                m_k = o_k[None, :] < I - k0
-                a = tl.load(a_ptr + k0, mask=valid[:, None] & m_k, other=0.0)
-                b = _load_mxfp4(w2, w2s, rows, k0 + o_k[None, :], I, (o_n < L) & m_k).to(a.dtype)  # [BN, BK]
+                a = tl.load(a_ptr + k0, mask=valid[:, None] & (o_k[None, :] < I - k0), other=0.0)
+                b = _load_mxfp4(w2, w2s, rows, k0, I, o_n < L, BN, BK).to(a.dtype)  # [BN, BK]
                 acc = _tile_dot(a, b, acc, SWAP, IEEE)
             _store_y(y, _tile_out(acc, SWAP), topk_w, pair, valid, pid_n, L, BN)
 
@@ -160,7 +164,7 @@ def moe(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tensor
         raise ValueError(f"moe_mxfp4: x {tuple(x.shape)} z {tuple(z.shape)} gate {tuple(gate_weight.shape)} "
                          f"w1 {tuple(w1.shape)} {w1.dtype} do not fit" + (f" ({', '.join(bad)})" if bad else ""))
     attrs = dense._attrs(top_k, routed_scaling_factor, renormalize, activation, situ_beta, situ_linear_beta)
-    tensors = dict(zip(PORTS, (t.contiguous() for t in (x, z, gate_weight, gate_bias, w1, w3, w2, w1_scale,
+    tensors = dict(zip(PORTS, (dense.aligned(t) for t in (x, z, gate_weight, gate_bias, w1, w3, w2, w1_scale,
                                                           w3_scale, w2_scale))))
     tensors["u"] = torch.empty(z.shape[0], L, device=z.device, dtype=z.dtype)
     d = dims([t.shape for t in tensors.values()])

@@ -73,6 +73,17 @@ def test_moe_gemm_orientations_and_persistent_grid(block_m, programs, device):
     assert_close(out, reference.moe(*args), torch.float32, what=f"u BM={block_m}")
 
 
+def test_moe_misaligned_experts(device):
+    """w3 4 bytes off a 16-byte boundary (a view into a larger buffer): GEMM1 addresses w3's rows from w1's base
+    with an offset declared 16-byte aligned, so the launcher copies such tensors first."""
+    args = _inputs(13, 24, 40, 24, 6, device=device) + [2, 1.5, True, "situ", 4.0, 25.0]
+    buf = torch.empty(args[5].numel() + 1, device=device)
+    buf[1:] = args[5].reshape(-1)
+    args[5] = buf[1:].view_as(args[5])
+    assert args[5].data_ptr() % 16 == 4
+    assert_close(kernels.moe(*args), reference.moe(*args), torch.float32, what="u")
+
+
 @pytest.mark.parametrize("k, renorm", [(1, True), (4, True), (4, False), (9, True)])
 def test_route_matches_reference(k, renorm, device):
     x, _, gw, gb, *_ = _inputs(11, 40, 8, 8, 9, device=device)
