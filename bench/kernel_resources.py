@@ -12,8 +12,9 @@ divisibility, warps, stages), then read back:
 - shared memory from Triton's metadata (dynamic) plus the 1 KB the driver reserves per CTA;
 - CTAs per SM from registers (allocated per warp in units of 256), shared memory, warps and the CTA limit of
   the SM; waves = CTAs of the case's grid / (CTAs per SM x SMs);
-- wgmma (`wgmma.mma_async` in the PTX, Hopper), tcgen05 (`tcgen05.mma`, Blackwell) and TMA
-  (`cp.async.bulk.tensor`) use.
+- wgmma (`wgmma.mma_async` in the PTX, Hopper), tcgen05 (`tcgen05.mma`, Blackwell), block-scaled MMAs
+  (`block_scale`: MXFP4/MXFP8 operands with E8M0 scales in the tensor core) and TMA (`cp.async.bulk.tensor`)
+  use.
 
 Which kernels a case runs is the plan's own choice (`Plan.select(dims)`), so the table follows the plan: a
 variant the plan does not pick at a shape is not compiled for it. A case whose plan cannot be built (e.g. a
@@ -80,6 +81,7 @@ class Resources:
     waves: float = 0.0
     wgmma: bool = False
     tcgen05: bool = False
+    mx_mma: bool = False  # block-scaled MMA (tcgen05 kind::mxf*, E8M0 scales applied by the tensor core)
     tma: bool = False
     sass: int = 0  # SASS instructions
     error: str = ""
@@ -171,7 +173,7 @@ def read_cubin(cubin: bytes, ptx: str, kernel: str) -> dict:
     ops = [i.split(".")[0] for i in instrs]
     return {"regs": int(m.group(1)), "stack": int(m.group(2)), "spill_ld": ops.count("LDL"),
             "spill_st": ops.count("STL"), "sass": len(instrs), "wgmma": "wgmma.mma_async" in ptx,
-            "tcgen05": "tcgen05.mma" in ptx, "tma": "cp.async.bulk.tensor" in ptx}
+            "tcgen05": "tcgen05.mma" in ptx, "mx_mma": "block_scale" in ptx, "tma": "cp.async.bulk.tensor" in ptx}
 
 
 def _types(case: Case, plan, launch) -> dict:
@@ -206,17 +208,18 @@ def measure_launch(case: Case, plan, launch, sm: SM) -> Resources:
     return r
 
 
-def family_plan(case: Case):
+def family_plan(case: Case, sm: int = 90):
+    """The family's plan at the case's dims for target `sm` (attrs["sm"], as the TensorRT plugin passes it)."""
     import importlib
 
     mod = importlib.import_module(f"k3x.custom_ops.{case.family}.triton")
-    return mod.plan(dict(case.dims), list(case.dtypes), dict(case.attrs))
+    return mod.plan(dict(case.dims), list(case.dtypes), dict(case.attrs) | {"sm": sm})
 
 
 def measure_case(case: Case, sm: SM, *, kernels: tuple[str, ...] | None = None) -> list[Resources]:
     """Every launch the plan picks at `case.dims` (or only those named in `kernels`)."""
     try:
-        plan = family_plan(case)
+        plan = family_plan(case, sm.arch)
         launches = plan.select(case.dims).launches
     except Exception as e:  # noqa: BLE001
         return [Resources(case.family, case.name, "(plan)", sm.arch, error=f"{type(e).__name__}: {e}"[:200])]
@@ -224,7 +227,8 @@ def measure_case(case: Case, sm: SM, *, kernels: tuple[str, ...] | None = None) 
 
 
 COLUMNS = ("family", "case", "kernel", "sm", "warps", "stages", "regs", "stack", "spill_ld", "spill_st", "shared",
-           "ctas_per_sm", "limited_by", "grid_ctas", "waves", "wgmma", "tcgen05", "tma", "sass")
+           "ctas_per_sm", "limited_by", "grid_ctas", "waves", "wgmma", "tcgen05", "mx_mma", "tma",
+           "sass")
 
 
 def markdown(rows: list[Resources]) -> str:

@@ -86,6 +86,17 @@ def ctas_per_sm(regs: int, shared: int, warps: int) -> int:
                SM90_MAX_WARPS // warps)
 
 
+def device_sm(device) -> int:
+    """The SM of a CUDA device as 10·major + minor (90, 100, ...); 90 elsewhere (the interpreter). Plans take it
+    as attrs["sm"] where a kernel choice depends on the target."""
+    import torch
+
+    if getattr(device, "type", str(device)) != "cuda":
+        return 90
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
 def cdiv(a, b):
     """Ceil division on ints and on symbolic shape expressions alike."""
     return (a + b - 1) // b

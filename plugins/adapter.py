@@ -6,7 +6,8 @@
 - qdp.py holds the bodies of the `tensorrt.plugin` (QDP) decorator functions (TensorRT 11 only).
 
 Paths (`path=`), fixed per engine build and recorded in the manifest — never chosen by timing:
-- "aot": at build time (`configure_plugin`) the plan's Triton kernels are compiled to cubins for `sm` and
+- "aot": at build time (`configure_plugin`) the plan's Triton kernels are compiled to cubins for `sm` (the plan
+  gets it as attrs["sm"]: target-dependent kernel choices, e.g. native FP4 MMAs from sm_100) and
   serialised into the engine as the plugin field `k3_kernels`; `enqueue` launches them through the CUDA
   driver (aot.CudaDriver) — several kernels per plugin are fine. Needs the Python plugin module at load,
   but no Triton compiler and no torch.
@@ -235,7 +236,7 @@ def creator(trt, spec: PluginSpec, *, sm: int, path: str = "aot"):
             dims = [spec.dims(s) for s in (lo, opt, hi)]
             self.config = {"opt": dims[1], "min": dims[0], "max": dims[2], "dtypes": dtypes, "sm": sm, "path": path}
             if path == "aot":
-                plan = spec.plan(dims[1], dtypes, self.attrs)
+                plan = spec.plan(dims[1], dtypes, self.attrs | {"sm": sm})
                 kernels = compile_plan(spec, plan, dtypes, sm, dims)
                 self.kernels_blob = aot.pack(kernels, {"plugin": f"{spec.namespace}::{spec.name}", "sm": sm})
                 log.debug("k3::%s: %d AOT kernels for sm_%d: %s", spec.name, len(kernels), sm,
@@ -245,7 +246,7 @@ def creator(trt, spec: PluginSpec, *, sm: int, path: str = "aot"):
         def get_workspace_size(self, inp, out):
             if path != "aot" or not self.config:
                 return 0
-            plan = spec.plan(self.config["opt"], self.config["dtypes"], self.attrs)
+            plan = spec.plan(self.config["opt"], self.config["dtypes"], self.attrs | {"sm": sm})
             return workspace_layout(plan.workspace, spec.dims([tuple(d.max) for d in inp]))[1]
 
         def get_valid_tactics(self):
@@ -284,7 +285,7 @@ def creator(trt, spec: PluginSpec, *, sm: int, path: str = "aot"):
                 return
             if self._runtime is None:
                 meta, kernels = aot.unpack(self.kernels_blob)
-                plan = spec.plan(self.config["opt"], self.config["dtypes"], self.attrs)
+                plan = spec.plan(self.config["opt"], self.config["dtypes"], self.attrs | {"sm": self.config["sm"]})
                 self._runtime = (plan, kernels, aot.CudaDriver())
             plan, kernels, driver = self._runtime
             run_plan(spec, plan, kernels, driver, shapes, dtypes, ptrs, workspace, stream, self.config["sm"])

@@ -427,8 +427,9 @@ def plan(d: dict, dtypes: list[str], attrs: dict) -> Plan:
     """The eight launches of k3::moe, block sizes (BM included) chosen at dims `d`; grids and int32 sizes
     follow the runtime N, the weight dims d, L, E, I are static (checked at every launch). Ports: x, z,
     gate_weight, gate_bias, w1, w3, w2 -> u. `attrs`: the op's hyper-parameters (top_k, routed_scaling_factor,
-    renormalize, activation, situ_beta, situ_linear_beta), specialised into the code; `block_m` overrides BM,
-    `gemm_programs` the persistent GEMMs' grid size (tests). Workspace: s [N, E] fp32, ids [N·k] int64, wts [N·k]
+    renormalize, activation, situ_beta, situ_linear_beta), specialised into the code; `sm`: the target (90 if
+    absent; the MXFP4 GEMMs use native FP4 MMAs from 100); `block_m` overrides BM, `gemm_programs` the
+    persistent GEMMs' grid size (tests). Workspace: s [N, E] fp32, ids [N·k] int64, wts [N·k]
     fp32, counts/offsets [NB, E] int32, sorted_pair [P] int32, block_expert [P/BM] int32, h [P, I] and
     y [N·k, L] (z's dtype), P = padded_rows(N·k, E, BM)."""
     return build_plan(d, dtypes, attrs, {n: (globals()[n], a) for n, a in GEMM_ARGS.items()}, packed=False)
@@ -438,6 +439,7 @@ def build_plan(d: dict, dtypes: list[str], attrs: dict, gemms: dict, *, packed: 
     """`plan` with the two grouped GEMMs given as {dense kernel name: (kernel, args)} (the MXFP4 family passes
     its packed ones; `packed` picks their tiles). `dtypes` as the dense op's (experts in w1's dtype)."""
     E, I, L, D, k = d["E"], d["I"], d["L"], d["d"], int(attrs["top_k"])
+    sm = int(attrs.get("sm") or 90)
     BM = int(attrs.get("block_m") or block_m(max(int(d["N"]), 1), k, E))
     c = moe_launch_config(max(int(d["N"]), 1), k, E, L, I, ITEMSIZE[dtypes[1]], packed) | gemm_config(
         BM, L, I, ITEMSIZE[dtypes[1]], packed)
@@ -464,6 +466,8 @@ def build_plan(d: dict, dtypes: list[str], attrs: dict, gemms: dict, *, packed: 
         kernel, args = gemms[name]
         ctas = int(attrs.get("gemm_programs") or persistent_ctas(kernel.fn.__name__, BM, g))
         tiles = lambda x: num_m(x) * cdiv(cols, g["BN"])  # noqa: E731
+        if packed:  # native MXFP4 MMA (tl.dot_scaled) on sm_100+ with 16-bit activations; decode in registers else
+            constexprs = constexprs | {"SCALED": sm >= 100 and z_t in ("bf16", "fp16"), "AFMT": z_t}
         return launch(kernel, args, constexprs | {"BM": BM, "BN": g["BN"], "BK": g["BK"], "GROUP_M": g["GROUP_M"],
                                                   "SWAP": g["SWAP"], "IEEE": _ieee(z_t, w_t)},
                       lambda x: (min(tiles(x), ctas), 1, 1), g)

@@ -24,7 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..dtypes import dtype_name
-from ..launch import Plan, run
+from ..launch import Plan, device_sm, run
 from ..moe import triton as dense
 from ..moe.triton import _offset_to, _store_h, _store_y, _tile, _tile_acc, _tile_dot, _tile_out
 from .codec import BLOCK
@@ -49,19 +49,35 @@ def _e8m0(s):
 
 
 @triton.jit
-def _load_mxfp4(w, ws, rows, k0, K, m_row, R: tl.constexpr, BK: tl.constexpr):
-    """fp32 [R, BK] tile: weights k0 .. k0 + BK − 1 of the packed expert rows `rows` (int64 [R, 1], rows of K
-    weights, `m_row` [R, 1] which exist); `w`, `ws` the byte and scale bases. Loads [R, BK/2] bytes and
-    [R, BK/32] scales once each (contiguous, vectorised), decodes the low and high nibbles as two [R, BK/2]
-    halves and interleaves them (k = 2i + high): no per-element index or pointer math for the compiler to
-    carry into the MMA operand's layout."""
+def _load_packed(w, ws, rows, k0, K, m_row, BK: tl.constexpr):
+    """Bytes [R, BK/2] and E8M0 scales [R, BK/32] (uint8, as stored) of weights k0 .. k0 + BK − 1 of the packed
+    expert rows `rows` (int64 [R, 1], rows of K weights; `m_row` [R, 1] which exist); `w`, `ws` the bases.
+    Contiguous and loaded once each (vectorised)."""
     o_b = tl.arange(0, BK // 2)[None, :]
     o_s = tl.arange(0, BK // 32)[None, :]
     byte = tl.load(w + rows * (K // 2) + k0 // 2 + o_b, mask=m_row & (o_b < (K - k0) // 2), other=0)
-    byte = byte.to(tl.int32) & 255  # u8 or i8
     s = tl.load(ws + rows * (K // 32) + k0 // 32 + o_s, mask=m_row & (o_s < (K - k0) // 32), other=127)
-    scale = tl.reshape(tl.broadcast_to(_e8m0(s.to(tl.int32) & 255)[:, :, None], [R, BK // 32, 16]), [R, BK // 2])
-    return tl.reshape(tl.join(_e2m1(byte & 15) * scale, _e2m1(byte >> 4) * scale), [R, BK])
+    return byte.to(tl.uint8, bitcast=True), s.to(tl.uint8, bitcast=True)  # TensorRT passes int8
+
+
+@triton.jit
+def _packed_dot(a, byte, s, acc, R: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr, IEEE: tl.constexpr,
+                SCALED: tl.constexpr, AFMT: tl.constexpr):
+    """One k step against a packed [R, BK] weight tile (see `_tile_dot` for a, acc and SWAP). SCALED (sm_100+,
+    16-bit a): `tl.dot_scaled`, E2M1 codes with their E8M0 scales against a in AFMT. Else (Hopper, fp32):
+    decode in registers — the low and high nibbles as two [R, BK/2] halves interleaved (k = 2i + high), no
+    per-element index math for the compiler to carry into the MMA operand's layout — and a plain dot."""
+    if SCALED:
+        if SWAP:
+            acc = tl.dot_scaled(byte, s, "e2m1", tl.trans(a), None, AFMT, acc)
+        else:
+            acc = tl.dot_scaled(a, None, AFMT, tl.trans(byte), s, "e2m1", acc)
+    else:
+        code = byte.to(tl.int32)
+        scale = tl.reshape(tl.broadcast_to(_e8m0(s.to(tl.int32))[:, :, None], [R, BK // 32, 16]), [R, BK // 2])
+        b = tl.reshape(tl.join(_e2m1(code & 15) * scale, _e2m1(code >> 4) * scale), [R, BK])
+        acc = _tile_dot(a, b.to(a.dtype), acc, SWAP, IEEE)
+    return acc
 
 
 @triton.jit
@@ -71,7 +87,7 @@ def _moe_mxfp4_gemm1_kernel(
     NK, I, L, num_m,
     beta1, beta2,
     TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    ACT: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr,
+    ACT: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr, SCALED: tl.constexpr, AFMT: tl.constexpr,
 ):
     num_n = tl.cdiv(I, BN)
     o_j = tl.arange(0, 2 * BN)  # wide operand row j: gate (w1, even j) or up (w3, odd j) of unit j // 2
@@ -90,8 +106,8 @@ def _moe_mxfp4_gemm1_kernel(
             acc = _tile_acc(2 * BN, BM, SWAP)
             for k0 in range(0, L, BK):
                 a = tl.load(a_ptr + k0, mask=valid[:, None] & (o_k[None, :] < L - k0), other=0.0)
-                b = _load_mxfp4(w1 + d3, w1s + ds3, rows, k0, L, o_n < I, 2 * BN, BK).to(a.dtype)
-                acc = _tile_dot(a, b, acc, SWAP, IEEE)
+                byte, s = _load_packed(w1 + d3, w1s + ds3, rows, k0, L, o_n < I, BK)  # [2·BN, BK/2], [2·BN, BK/32]
+                acc = _packed_dot(a, byte, s, acc, 2 * BN, BK, SWAP, IEEE, SCALED, AFMT)
             _store_h(h, _tile_out(acc, SWAP), o_m, pid_n, I, beta1, beta2, BM, BN, ACT)
 
 
@@ -101,7 +117,7 @@ def _moe_mxfp4_gemm2_kernel(
     y,  # out [NK, L] (z's dtype), rows in pair order
     NK, I, L, num_m,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr,
-    SWAP: tl.constexpr,
+    SWAP: tl.constexpr, SCALED: tl.constexpr, AFMT: tl.constexpr,
 ):
     num_n = tl.cdiv(L, BN)
     o_j = tl.arange(0, BN)
@@ -118,8 +134,8 @@ def _moe_mxfp4_gemm2_kernel(
             acc = _tile_acc(BN, BM, SWAP)
             for k0 in range(0, I, BK):
                 a = tl.load(a_ptr + k0, mask=valid[:, None] & (o_k[None, :] < I - k0), other=0.0)
-                b = _load_mxfp4(w2, w2s, rows, k0, I, o_n < L, BN, BK).to(a.dtype)  # [BN, BK]
-                acc = _tile_dot(a, b, acc, SWAP, IEEE)
+                byte, s = _load_packed(w2, w2s, rows, k0, I, o_n < L, BK)
+                acc = _packed_dot(a, byte, s, acc, BN, BK, SWAP, IEEE, SCALED, AFMT)
             _store_y(y, _tile_out(acc, SWAP), topk_w, pair, valid, pid_n, L, BN)
 
 
@@ -163,7 +179,7 @@ def moe(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tensor
     if bad or w1.dtype not in bytes_ or z.shape != (x.shape[0], L) or gate_weight.shape != (E, x.shape[-1]):
         raise ValueError(f"moe_mxfp4: x {tuple(x.shape)} z {tuple(z.shape)} gate {tuple(gate_weight.shape)} "
                          f"w1 {tuple(w1.shape)} {w1.dtype} do not fit" + (f" ({', '.join(bad)})" if bad else ""))
-    attrs = dense._attrs(top_k, routed_scaling_factor, renormalize, activation, situ_beta, situ_linear_beta)
+    attrs = dense._attrs(top_k, routed_scaling_factor, renormalize, activation, situ_beta, situ_linear_beta) | {"sm": device_sm(z.device)}
     tensors = dict(zip(PORTS, (dense.aligned(t) for t in (x, z, gate_weight, gate_bias, w1, w3, w2, w1_scale,
                                                           w3_scale, w2_scale))))
     tensors["u"] = torch.empty(z.shape[0], L, device=z.device, dtype=z.dtype)

@@ -64,5 +64,29 @@ def test_decode_tile_is_the_codec(device):
         kernels._moe_mxfp4_gemm2_kernel[(1,)](
             h.to(device), packed.to(device), scale.to(device), sorted_pair.to(device), block_expert.to(device),
             torch.ones(1, device=device), y, 1, I, L, 1,
-            BM=16, BN=32, BK=32, GROUP_M=1, IEEE=True, SWAP=swap)
+            BM=16, BN=32, BK=32, GROUP_M=1, IEEE=True, SWAP=swap, SCALED=False, AFMT="fp32")
         assert torch.equal(y.cpu()[0], want[:, i]), f"column {i}, swap {swap}"
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_dot_scaled_tile_is_the_codec(swap, device):
+    """The sm_100+ path (`tl.dot_scaled`: E2M1 codes and E8M0 scales straight into the MMA, bf16 activations) on
+    every code byte and scale bytes 1 .. 252, one-hot h: each output column is the decoded weight, bit for bit
+    (every decoded value has at most two significant bits, so bf16 holds it exactly)."""
+    from k3x.custom_ops.moe_mxfp4.codec import dequantize
+
+    E, L, I = 1, 32, 256
+    packed = torch.arange(256, dtype=torch.uint8).repeat(L, 1)[:, : I // 2][None].contiguous()
+    scale = (torch.arange(L * I // 32) % 252 + 1).to(torch.uint8).reshape(1, L, I // 32)
+    want = dequantize(packed, scale)[0]  # [L, I]
+    for i in (0, 77, 255):
+        h = torch.zeros(16, I, dtype=torch.bfloat16)
+        h[0, i] = 1.0
+        y = torch.empty(1, L, dtype=torch.bfloat16, device=device)
+        kernels._moe_mxfp4_gemm2_kernel[(1,)](
+            h.to(device), packed.to(device), scale.to(device),
+            torch.tensor([0] + [1] * 15, dtype=torch.int32, device=device), torch.zeros(1, dtype=torch.int32,
+                                                                                        device=device),
+            torch.ones(1, device=device), y, 1, I, L, 1,
+            BM=16, BN=32, BK=64, GROUP_M=1, IEEE=False, SWAP=swap, SCALED=True, AFMT="bf16")
+        assert torch.equal(y.cpu()[0].float(), want[:, i]), f"column {i}"
