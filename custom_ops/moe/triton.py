@@ -358,7 +358,14 @@ SWAP_BELOW = 64  # rows per block below which the grouped GEMMs swap A and B (we
 # tests/bench/test_kernel_resources.py recompiles them and holds them to these numbers):
 # (kernel, BM, BN, BK, warps, stages) -> (registers per thread, dynamic shared memory bytes). The persistent
 # grid is SM90_SMS × the CTAs per SM these allow; a configuration not listed gets one CTA per SM.
-GEMM_RESOURCES_SM90: dict[tuple, tuple[int, int]] = {}
+GEMM_RESOURCES_SM90: dict[tuple, tuple[int, int]] = {
+    ("_moe_gemm1_kernel", 16, 64, 64, 4, 3): (72, 55296), ("_moe_gemm2_kernel", 16, 128, 64, 4, 3): (77, 55296),
+    ("_moe_gemm1_kernel", 64, 128, 64, 8, 3): (128, 122880), ("_moe_gemm2_kernel", 64, 128, 64, 4, 3): (142, 73728),
+    ("_moe_mxfp4_gemm1_kernel", 16, 32, 64, 4, 3): (161, 8192),
+    ("_moe_mxfp4_gemm2_kernel", 16, 64, 64, 4, 3): (86, 10368),
+    ("_moe_mxfp4_gemm1_kernel", 64, 64, 64, 8, 3): (214, 40960),
+    ("_moe_mxfp4_gemm2_kernel", 64, 64, 64, 4, 3): (140, 36864),
+}
 
 
 def gemm_config(BM: int, L: int, I: int, elem_bytes: int, packed: bool) -> dict:

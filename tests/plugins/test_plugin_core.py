@@ -143,7 +143,7 @@ def test_moe_aot_kernels_sm90():
                                          ("*bf16",) * 3 + ("*i32",) * 2 + ("*bf16",) + ("i32",) * 4)
     assert args["_moe_gemm2_kernel"][0] == ("h", "w2", "sorted_pair", "block_expert", "wts", "y", "NK", "I", "L",
                                             "num_m")
-    assert args["_moe_sum_kernel"] == (("y", "u", "L"), ("*fp32", "*bf16", "i32"))
+    assert args["_moe_sum_kernel"] == (("y", "u", "L"), ("*bf16", "*bf16", "i32"))  # y in z's dtype
     for k in ks.values():  # routing factor, betas, top_k and tiles are specialised: no float arguments
         assert k.sm == 90 and k.cubin[:4] == b"\x7fELF" and k.n_params == len(k.arg_names) + 2
         assert set(k.arg_types) <= {"*bf16", "*fp32", "*i32", "*i64", "i32"}
