@@ -17,17 +17,26 @@ Pipeline of `moe`:
      padding) and `block_expert [P/BM]` (expert id, or -1 for unused tail blocks, which exit at once).
      P = `padded_rows(NK, E, BM)` is the worst case NK + min(E, NK)·(BM − 1), so grids depend on shapes
      only (CUDA graphs, TensorRT AOT plugins).
-  3. `_moe_gemm1_kernel`: grouped GEMM over blocks, A rows gathered from z by token id; gate (w1) and
-     up (w3) tiles of the same expert in one kernel with two accumulators; SiTU-GLU or SiLU-GLU in the
-     fp32 epilogue; h [P, I] in z's dtype.  GROUP_M swizzle so the blocks of a few experts run together
-     and each weight tile is read from HBM about once.
-  4. `_moe_gemm2_kernel`: h @ w2ᵀ per block, epilogue × routing weight (fp32), rows scattered to
-     y [NK, L] fp32 by pair id (un-permute).
+  3. `_moe_gemm1_kernel`: grouped GEMM over tiles (row block × column block), A rows gathered from z by token
+     id; gate (w1) and up (w3) rows of the same expert interleaved into one [2·BN, BK] operand (w3's rows
+     addressed from w1's base, `_offset_to`), so each k step is one wide dot; SiTU-GLU or SiLU-GLU on each
+     (gate, up) column pair in the fp32 epilogue; h [P, I] in z's dtype.
+  4. `_moe_gemm2_kernel`: h @ w2ᵀ per tile, epilogue × routing weight (fp32), rows scattered to y [NK, L] in
+     z's dtype by pair id (un-permute).
   5. `_moe_sum_kernel`: u[n] = Σ_j y[n·k + j] in fp32, in slot order j = 0..k−1, cast to z's dtype once.
+Both GEMMs: persistent (min(tiles, 132 × CTAs per SM) programs, CTAs per SM from the compiled sm_90a resources
+in `GEMM_RESOURCES_SM90`, each program walking tiles t = pid, pid + grid, ... in GROUP_M swizzle order; tiles of
+unused tail blocks are skipped), and swap-AB below `SWAP_BELOW` rows per block (decode: the tile is R weight
+rows × BM tokens, so the weight rows fill the MMA's 64-wide M side and 16 tokens its N side; wgmma on sm_90a
+instead of 16-row mma.sync). Loads are plain pointer loads pipelined by Triton (cp.async); no TMA: see
+`build_plan`.
+Precision of the down projection: each routed expert's weighted row is rounded once to z's dtype in y (bf16:
+relative 2^-9 per term) before the fp32 slot-order sum — y was an fp32 [NK, L] buffer (1.9 GB at K3's prefill
+of 8192 tokens), now half that in bf16, and bit-identical to before in fp32.
 Deterministic: no atomics anywhere; every y row is written by exactly one program and summed in fixed order.
 Experts with no tokens get no blocks; one expert with every token gets NK/BM blocks.  Matmuls take
 16-bit operands as they are and fp32 operands with input_precision="ieee".  Launch parameters are pure
-functions of the shapes (`moe_launch_config`); no autotune, no block pointers.
+functions of the shapes (`moe_launch_config`, `gemm_config`); no autotune, no block pointers.
 """
 
 from __future__ import annotations

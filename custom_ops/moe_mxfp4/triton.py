@@ -1,19 +1,25 @@
-"""Routed MoE on MXFP4-packed experts: Triton grouped GEMMs that read the packed nibbles and E8M0 scales and
-decode in registers before the dot. Never imports `reference.py`.
+"""Routed MoE on MXFP4-packed experts: Triton grouped GEMMs that read the packed nibbles and E8M0 scales, decode
+them in registers (Hopper) or hand them to `tl.dot_scaled` (sm_100+). Never imports `reference.py`.
 
-The plan is `custom_ops/moe/triton.plan` (router, top-k, align, GEMM1, GEMM2, sum; same workspace, grids and
-block sizes) with its two GEMM launches swapped for the packed ones below; the routing, alignment and sum
+The plan is `custom_ops/moe/triton.build_plan` (router, top-k, align, GEMM1, GEMM2, sum; same workspace and
+grid rules) with its two GEMM launches swapped for the packed ones below and their own tiles; the routing, alignment and sum
 kernels are shared. Axes as there: L expert width, I expert intermediate, E experts, BM/BN/BK the tiles.
 
-Weight tiles: the [BK, BN] view of w[e]ᵀ (element (k, n) = w[e, n, k]) is loaded as bytes w[e, n, k // 2]
-(each byte feeds two neighbouring k of one column: HBM traffic is the packed bytes, 4.25 bits per weight with
-the scales), the nibble `(byte >> 4·(k & 1)) & 15` is turned into an fp32 by bit construction (`_e2m1`:
-sign bit 3 -> bit 31, E2M1's exponent/mantissa -> fp32's; 0.5 and 0 are the subnormal codes) and multiplied
-by 2^(scale − 127) (`_e8m0`: the byte is fp32's exponent field; byte 0 is the subnormal 2^-127). Both are
-exact, so a tile equals `codec.dequantize` bit for bit; it is cast to z's dtype (exact for bf16/fp16 too,
-save scales below their normal range) and goes to the same `_mma` as the dense kernels: 16-bit operands on
-tensor cores, fp32 operands as IEEE dots. Native FP4 (`tl.dot_scaled`, sm_100+) is not used yet: on sm_90
-the decode-in-registers path is the only one.
+Weight tiles: R expert rows × BK weights, loaded as [R, BK/2] bytes w[e, n, k // 2] (each byte holds k = 2i in
+its low and 2i + 1 in its high nibble: HBM traffic is the packed bytes, 4.25 bits per weight with the scales)
+and [R, BK/32] E8M0 scale bytes, both contiguous (vectorised loads). Two ways into the MMA, chosen by target
+in the plan (attrs["sm"]):
+- sm_100+ with 16-bit activations: `tl.dot_scaled` takes the codes and scales as they are. Triton 3.8 lowers
+  E2M1 × bf16 by upcasting the E2M1 operand to bf16 itself (tcgen05 kind::f16, not the block-scaled
+  kind::mxf8f6f4, which needs both operands in FP8/FP6/FP4): exact, and the compiler's own decode;
+- otherwise (Hopper, and fp32): decode in registers. Each nibble half becomes an fp32 by bit construction
+  (`_e2m1`: sign bit 3 -> bit 31, E2M1's exponent/mantissa -> fp32's; 0.5 and 0 are the subnormal codes),
+  times 2^(scale − 127) (`_e8m0`: the byte is fp32's exponent field; byte 0 is the subnormal 2^-127), the two
+  halves interleaved back to [R, BK]. Both are exact, so a tile equals `codec.dequantize` bit for bit; it is
+  cast to z's dtype (exact for bf16/fp16 too, save scales below their normal range) and goes to the same
+  `_tile_dot` as the dense kernels: 16-bit operands on tensor cores, fp32 operands as IEEE dots.
+Swap-AB, the interleaved gate/up operand and the persistent grid are the dense kernels' (`moe.triton`); packed
+tiles are half as wide (the decoded [R, BK] fp32 values live in registers).
 """
 
 from __future__ import annotations
