@@ -2,8 +2,9 @@
 them in registers (Hopper) or hand them to `tl.dot_scaled` (sm_100+). Never imports `reference.py`.
 
 The plan is `custom_ops/moe/triton.build_plan` (router, top-k, align, GEMM1, GEMM2, sum; same workspace and
-grid rules) with its two GEMM launches swapped for the packed ones below and their own tiles; the routing, alignment and sum
-kernels are shared. Axes as there: L expert width, I expert intermediate, E experts, BM/BN/BK the tiles.
+grid rules) with its two GEMM launches swapped for the packed ones below and their own tiles; the routing,
+alignment and sum kernels are shared. Axes as there: L expert width, I expert intermediate, E experts, BM/BN/BK
+the tiles.
 
 Weight tiles: R expert rows × BK weights, loaded as [R, BK/2] bytes w[e, n, k // 2] (each byte holds k = 2i in
 its low and 2i + 1 in its high nibble: HBM traffic is the packed bytes, 4.25 bits per weight with the scales)
@@ -185,7 +186,8 @@ def moe(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tensor
     if bad or w1.dtype not in bytes_ or z.shape != (x.shape[0], L) or gate_weight.shape != (E, x.shape[-1]):
         raise ValueError(f"moe_mxfp4: x {tuple(x.shape)} z {tuple(z.shape)} gate {tuple(gate_weight.shape)} "
                          f"w1 {tuple(w1.shape)} {w1.dtype} do not fit" + (f" ({', '.join(bad)})" if bad else ""))
-    attrs = dense._attrs(top_k, routed_scaling_factor, renormalize, activation, situ_beta, situ_linear_beta) | {"sm": device_sm(z.device)}
+    attrs = dense._attrs(top_k, routed_scaling_factor, renormalize, activation, situ_beta, situ_linear_beta)
+    attrs["sm"] = device_sm(z.device)  # sm_100+: tl.dot_scaled
     tensors = dict(zip(PORTS, (dense.aligned(t) for t in (x, z, gate_weight, gate_bias, w1, w3, w2, w1_scale,
                                                           w3_scale, w2_scale))))
     tensors["u"] = torch.empty(z.shape[0], L, device=z.device, dtype=z.dtype)

@@ -75,7 +75,7 @@ def test_dot_scaled_tile_is_the_codec(swap, device):
     (every decoded value has at most two significant bits, so bf16 holds it exactly)."""
     from k3x.custom_ops.moe_mxfp4.codec import dequantize
 
-    E, L, I = 1, 32, 256
+    L, I = 32, 256  # one expert
     packed = torch.arange(256, dtype=torch.uint8).repeat(L, 1)[:, : I // 2][None].contiguous()
     scale = (torch.arange(L * I // 32) % 252 + 1).to(torch.uint8).reshape(1, L, I // 32)
     want = dequantize(packed, scale)[0]  # [L, I]
