@@ -90,3 +90,10 @@ def test_dot_scaled_tile_is_the_codec(swap, device):
             torch.ones(1, device=device), y, 1, I, L, 1,
             BM=16, BN=32, BK=64, GROUP_M=1, IEEE=False, SWAP=swap, SCALED=True, AFMT="bf16")
         assert torch.equal(y.cpu()[0].float(), want[:, i]), f"column {i}"
+
+
+def test_int8_bytes_as_tensorrt_passes_them(device):
+    """TensorRT hands the packed ports over as int8: the same bytes give the same result, bit for bit."""
+    args = _inputs(13, 24, 64, 32, 6, device=device) + [2, 1.5, True, "situ", 4.0, 25.0]
+    signed = [a.view(torch.int8) if torch.is_tensor(a) and a.dtype == torch.uint8 else a for a in args]
+    assert torch.equal(kernels.moe(*signed), kernels.moe(*args))
