@@ -151,3 +151,20 @@ def test_moe_bf16_gpu(N, E, k, device):
     out = kernels.moe(*args)
     assert out.dtype == torch.bfloat16
     assert_close(out, reference.moe(*args), torch.bfloat16, what="bf16 u")
+
+
+def test_gpu_check_moe_steps_run_the_plan(device):
+    """bench/gpu_check's MoE benchmark times the plan's own steps (align, GEMM1, GEMM2, sum) on fixed routing:
+    what it times computes the routed experts."""
+    from k3x.bench.gpu_check_bench import moe_steps
+
+    N, L, I, E, k = 21, 40, 24, 6, 3
+    _, z, _, _, w1, w3, w2 = _inputs(N, 16, L, I, E, device=device)
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(N)]).to(device)
+    wts = torch.rand(N, k, device=device)
+    steps = moe_steps(kernels, z, ids, wts, w1, w3, w2, sm=90)
+    env = steps["experts"]()
+    want = reference.routed_experts(z, ids, wts, E, lambda e: (w1[e], w3[e], w2[e]), "situ", 4.0, 25.0)
+    assert_close(env["u"], want, torch.float32, what="u")
+    for name in ("gemm1", "gemm2"):
+        steps[name]()
