@@ -111,6 +111,17 @@ def workspace_layout(buffers: Sequence[Buffer], dims: dict, align: int = 256) ->
     return offsets, total
 
 
+def _scratch_allocator(device) -> None:
+    """Kernels that build TMA descriptors on the device need global scratch, which Triton's JIT allocates through
+    `triton.set_allocator` (a context variable, unset in a fresh thread): torch bytes on `device` unless set."""
+    import torch
+    import triton
+    from triton.runtime import _allocation
+
+    if _allocation._allocator.get() is getattr(_allocation, "_NULL_ALLOCATOR", None):
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device))
+
+
 def run(plan: Plan, tensors: dict, dims: dict, *, only: Sequence[str] | None = None) -> dict:
     """Execute the variant of `plan` for `dims` with Triton's JIT on torch tensors; returns every tensor by
     name (ports and workspace). `only`: run just the launches of these kernel names (a step of a plan, e.g.
@@ -120,6 +131,8 @@ def run(plan: Plan, tensors: dict, dims: dict, *, only: Sequence[str] | None = N
     launches = [x for x in plan.select(dims).launches if only is None or x.kernel_name in only]
     used = {a for x in launches for a in x.args}
     device = next(iter(tensors.values())).device
+    if device.type == "cuda":
+        _scratch_allocator(device)
     env = dict(tensors)
     for b in plan.workspace:
         if b.name in used and b.name not in env:

@@ -128,20 +128,30 @@ def _cuda_tensor(ptr: int, shape: tuple[int, ...], dtype: str):
     return t.view(torch.bfloat16) if dtype == "bf16" else t
 
 
+def _launches(spec: PluginSpec, plan, kernels: dict, dtypes: list[str], dims: dict, sm: int):
+    """(launch, its compiled kernel, int32 scalars) of the variant of `plan` for `dims`, in order."""
+    types = dict(zip([p.name for p in spec.ports], dtypes)) | {b.name: b.dtype for b in plan.workspace}
+    for launch in plan.select(dims).launches:
+        sc = launch.scalars(dims)
+        yield launch, kernels[aot.launch_key(launch, aot.signature(launch, types | {k: "i32" for k in sc}), sm)], sc
+
+
+def scratch_size(spec: PluginSpec, plan, kernels: dict, dtypes: list[str], dims: dict, sm: int) -> int:
+    """Global scratch (device-side TMA descriptors) the launches at `dims` need: the largest one's, since they
+    run one after another on the stream; it follows the plan's workspace in TensorRT's allocation."""
+    return max((aot.scratch_bytes(k, x.grid(dims)) for x, k, _ in _launches(spec, plan, kernels, dtypes, dims, sm)),
+               default=0)
+
+
 def run_plan(spec: PluginSpec, plan, kernels: dict, driver, shapes: list, dtypes: list[str], ptrs: list[int],
              workspace: int, stream: int, sm: int) -> None:
     """Launch the variant of `plan` matching `shapes` with the compiled `kernels` (AOT path)."""
     dims = spec.dims(shapes[:len(spec.inputs)])
-    variant = plan.select(dims)
-    offsets, _ = workspace_layout(plan.workspace, dims)
+    offsets, total = workspace_layout(plan.workspace, dims)
     values = {p.name: ptr for p, ptr in zip(spec.ports, ptrs)}
     values |= {b.name: workspace + off for b, off in zip(plan.workspace, offsets)}
-    types = dict(zip([p.name for p in spec.ports], dtypes)) | {b.name: b.dtype for b in plan.workspace}
-    for launch in variant.launches:
-        sc = launch.scalars(dims)
-        sig = aot.signature(launch, types | {k: "i32" for k in sc})
-        k = kernels[aot.launch_key(launch, sig, sm)]
-        driver.launch(k, launch.grid(dims), values | sc, stream)
+    for launch, k, sc in _launches(spec, plan, kernels, dtypes, dims, sm):
+        driver.launch(k, launch.grid(dims), values | sc, stream, scratch=workspace + total if k.scratch else 0)
 
 
 def compile_plan(spec: PluginSpec, plan, dtypes: list[str], sm: int, dims_list: list[dict]) -> list:
@@ -247,7 +257,10 @@ def creator(trt, spec: PluginSpec, *, sm: int, path: str = "aot"):
             if path != "aot" or not self.config:
                 return 0
             plan = spec.plan(self.config["opt"], self.config["dtypes"], self.attrs | {"sm": sm})
-            return workspace_layout(plan.workspace, spec.dims([tuple(d.max) for d in inp]))[1]
+            hi = spec.dims([tuple(d.max) for d in inp])
+            kernels = aot.unpack(self.kernels_blob)[1] if self.kernels_blob else {}
+            scratch = scratch_size(spec, plan, kernels, self.config["dtypes"], hi, sm) if kernels else 0
+            return workspace_layout(plan.workspace, hi)[1] + scratch
 
         def get_valid_tactics(self):
             return [1]

@@ -28,8 +28,11 @@ Both GEMMs: persistent (min(tiles, 132 × CTAs per SM) programs, CTAs per SM fro
 in `GEMM_RESOURCES_SM90`, each program walking tiles t = pid, pid + grid, ... in GROUP_M swizzle order; tiles of
 unused tail blocks are skipped), and swap-AB below `SWAP_BELOW` rows per block (decode: the tile is R weight
 rows × BM tokens, so the weight rows fill the MMA's 64-wide M side and 16 tokens its N side; wgmma on sm_90a
-instead of 16-row mma.sync). Loads are plain pointer loads pipelined by Triton (cp.async); no TMA: see
-`build_plan`.
+instead of 16-row mma.sync). GEMM2's weight tiles come through a TMA descriptor built on the device (sm_90+,
+rows of w2 16-byte multiples; 128 B of global scratch per program, which the AOT plugin carves out of its
+workspace: plugins/adapter.run_plan); everything else is pointer loads pipelined by Triton (cp.async): the
+activation rows are gathered by token (no TMA gather before sm_100) and GEMM1's interleaved gate/up operand is
+two tensors' rows, not one TMA box.
 Precision of the down projection: each routed expert's weighted row is rounded once to z's dtype in y (bf16:
 relative 2^-9 per term) before the fp32 slot-order sum — y was an fp32 [NK, L] buffer (1.9 GB at K3's prefill
 of 8192 tokens), now half that in bf16, and bit-identical to before in fp32.
@@ -306,13 +309,15 @@ def _moe_gemm1_kernel(
 def _moe_gemm2_kernel(
     h, w2, sorted_pair, block_expert, topk_w,  # [P, I], [E, L, I], [P], [P/BM], [NK] fp32
     y,  # out [NK, L] (z's dtype), rows in pair order
-    NK, I, L, num_m,
+    NK, I, L, E, num_m,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr,
-    SWAP: tl.constexpr,
+    SWAP: tl.constexpr, TMA: tl.constexpr,
 ):
     num_n = tl.cdiv(L, BN)
     o_j = tl.arange(0, BN)
     o_k = tl.arange(0, BK)
+    if TMA:  # w2 as [E·L, I] rows: TMA boxes of [BN, BK] (rows past an expert's L are read but never stored)
+        w2_desc = tl.make_tensor_descriptor(w2, shape=[E * L, I], strides=[I, 1], block_shape=[BN, BK])
     for t in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
         pid_m, pid_n, e = _tile(t, num_m, num_n, block_expert, GROUP_M)
         if e >= 0:
@@ -327,7 +332,10 @@ def _moe_gemm2_kernel(
             for k0 in range(0, I, BK):
                 m_k = o_k < I - k0
                 a = tl.load(a_ptr + k0, mask=valid[:, None] & m_k[None, :], other=0.0)
-                b = tl.load(b_ptr + k0, mask=m_n[:, None] & m_k[None, :], other=0.0)
+                if TMA:
+                    b = w2_desc.load([e * L + pid_n * BN, k0])
+                else:
+                    b = tl.load(b_ptr + k0, mask=m_n[:, None] & m_k[None, :], other=0.0)
                 acc = _tile_dot(a, b, acc, SWAP, IEEE)
             _store_y(y, _tile_out(acc, SWAP), topk_w, pair, valid, pid_n, L, BN)
 
@@ -368,12 +376,12 @@ SWAP_BELOW = 64  # rows per block below which the grouped GEMMs swap A and B (we
 # (kernel, BM, BN, BK, warps, stages) -> (registers per thread, dynamic shared memory bytes). The persistent
 # grid is SM90_SMS × the CTAs per SM these allow; a configuration not listed gets one CTA per SM.
 GEMM_RESOURCES_SM90: dict[tuple, tuple[int, int]] = {
-    ("_moe_gemm1_kernel", 16, 64, 64, 4, 3): (72, 55296), ("_moe_gemm2_kernel", 16, 128, 64, 4, 3): (77, 55296),
-    ("_moe_gemm1_kernel", 64, 128, 64, 8, 3): (128, 122880), ("_moe_gemm2_kernel", 64, 128, 64, 4, 3): (142, 73728),
+    ("_moe_gemm1_kernel", 16, 64, 64, 4, 3): (72, 55296), ("_moe_gemm2_kernel", 16, 128, 64, 4, 3): (47, 55320),
+    ("_moe_gemm1_kernel", 64, 128, 64, 8, 3): (128, 122880), ("_moe_gemm2_kernel", 64, 128, 64, 4, 3): (124, 73752),
     ("_moe_mxfp4_gemm1_kernel", 16, 32, 64, 4, 3): (161, 8192),
-    ("_moe_mxfp4_gemm2_kernel", 16, 64, 64, 4, 3): (86, 10368),
+    ("_moe_mxfp4_gemm2_kernel", 16, 64, 64, 4, 3): (78, 10384),
     ("_moe_mxfp4_gemm1_kernel", 64, 64, 64, 8, 3): (214, 40960),
-    ("_moe_mxfp4_gemm2_kernel", 64, 64, 64, 4, 3): (140, 36864),
+    ("_moe_mxfp4_gemm2_kernel", 64, 64, 64, 4, 3): (104, 36880),
 }
 
 
@@ -435,7 +443,7 @@ def _ieee(*dtypes: str) -> bool:
 
 GEMM_ARGS = {
     "_moe_gemm1_kernel": ("z", "w1", "w3", "sorted_pair", "block_expert", "h", "NK", "I", "L", "num_m"),
-    "_moe_gemm2_kernel": ("h", "w2", "sorted_pair", "block_expert", "wts", "y", "NK", "I", "L", "num_m"),
+    "_moe_gemm2_kernel": ("h", "w2", "sorted_pair", "block_expert", "wts", "y", "NK", "I", "L", "E", "num_m"),
 }
 
 
@@ -482,8 +490,13 @@ def build_plan(d: dict, dtypes: list[str], attrs: dict, gemms: dict, *, packed: 
         kernel, args = gemms[name]
         ctas = int(attrs.get("gemm_programs") or persistent_ctas(kernel.fn.__name__, BM, g))
         tiles = lambda x: num_m(x) * cdiv(cols, g["BN"])  # noqa: E731
+        scaled = packed and sm >= 100 and z_t in ("bf16", "fp16")
         if packed:  # native MXFP4 MMA (tl.dot_scaled) on sm_100+ with 16-bit activations; decode in registers else
-            constexprs = constexprs | {"SCALED": sm >= 100 and z_t in ("bf16", "fp16"), "AFMT": z_t}
+            constexprs = constexprs | {"SCALED": scaled, "AFMT": z_t}
+        if "TMA" in kernel.arg_names:  # GEMM2's weights: rows of I elements (I/2 bytes packed), 16-byte strides;
+            # not with dot_scaled (8 B of spills at K3's prefill on sm_100a)
+            row_bytes = I // 2 if packed else I * ITEMSIZE[w_t]
+            constexprs = constexprs | {"TMA": sm >= 90 and row_bytes % 16 == 0 and not scaled}
         return launch(kernel, args, constexprs | {"BM": BM, "BN": g["BN"], "BK": g["BK"], "GROUP_M": g["GROUP_M"],
                                                   "SWAP": g["SWAP"], "IEEE": _ieee(z_t, w_t)},
                       lambda x: (min(tiles(x), ctas), 1, 1), g)

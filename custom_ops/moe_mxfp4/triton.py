@@ -61,10 +61,16 @@ def _load_packed(w, ws, rows, k0, K, m_row, BK: tl.constexpr):
     expert rows `rows` (int64 [R, 1], rows of K weights; `m_row` [R, 1] which exist); `w`, `ws` the bases.
     Contiguous and loaded once each (vectorised)."""
     o_b = tl.arange(0, BK // 2)[None, :]
-    o_s = tl.arange(0, BK // 32)[None, :]
     byte = tl.load(w + rows * (K // 2) + k0 // 2 + o_b, mask=m_row & (o_b < (K - k0) // 2), other=0)
+    return byte.to(tl.uint8, bitcast=True), _load_scales(ws, rows, k0, K, m_row, BK)  # TensorRT passes int8
+
+
+@triton.jit
+def _load_scales(ws, rows, k0, K, m_row, BK: tl.constexpr):
+    """The E8M0 scale bytes [R, BK/32] of `_load_packed`'s tile."""
+    o_s = tl.arange(0, BK // 32)[None, :]
     s = tl.load(ws + rows * (K // 32) + k0 // 32 + o_s, mask=m_row & (o_s < (K - k0) // 32), other=127)
-    return byte.to(tl.uint8, bitcast=True), s.to(tl.uint8, bitcast=True)  # TensorRT passes int8
+    return s.to(tl.uint8, bitcast=True)
 
 
 @triton.jit
@@ -122,13 +128,17 @@ def _moe_mxfp4_gemm1_kernel(
 def _moe_mxfp4_gemm2_kernel(
     h, w2, w2s, sorted_pair, block_expert, topk_w,  # [P, I], [E, L, I/2] u8, [E, L, I/32] u8, [P], [P/BM], [NK]
     y,  # out [NK, L] (z's dtype), rows in pair order
-    NK, I, L, num_m,
+    NK, I, L, E, num_m,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr,
-    SWAP: tl.constexpr, SCALED: tl.constexpr, AFMT: tl.constexpr,
+    SWAP: tl.constexpr, SCALED: tl.constexpr, AFMT: tl.constexpr, TMA: tl.constexpr,
 ):
     num_n = tl.cdiv(L, BN)
     o_j = tl.arange(0, BN)
     o_k = tl.arange(0, BK)
+    if TMA:  # the code bytes as [E·L, I/2] rows, TMA boxes of [BN, BK/2] (the scales' 2-byte rows are below
+        # TMA's 16-byte box minimum: pointer loads)
+        w2_desc = tl.make_tensor_descriptor(w2, shape=[E * L, I // 2], strides=[I // 2, 1],
+                                            block_shape=[BN, BK // 2])
     for t in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
         pid_m, pid_n, e = _tile(t, num_m, num_n, block_expert, GROUP_M)
         if e >= 0:
@@ -141,7 +151,11 @@ def _moe_mxfp4_gemm2_kernel(
             acc = _tile_acc(BN, BM, SWAP)
             for k0 in range(0, I, BK):
                 a = tl.load(a_ptr + k0, mask=valid[:, None] & (o_k[None, :] < I - k0), other=0.0)
-                byte, s = _load_packed(w2, w2s, rows, k0, I, o_n < L, BK)
+                if TMA:
+                    byte = w2_desc.load([e * L + pid_n * BN, k0 // 2]).to(tl.uint8, bitcast=True)
+                    s = _load_scales(w2s, rows, k0, I, o_n < L, BK)
+                else:
+                    byte, s = _load_packed(w2, w2s, rows, k0, I, o_n < L, BK)
                 acc = _packed_dot(a, byte, s, acc, BN, BK, SWAP, IEEE, SCALED, AFMT)
             _store_y(y, _tile_out(acc, SWAP), topk_w, pair, valid, pid_n, L, BN)
 
@@ -157,7 +171,7 @@ PACKED_GEMMS = {
                           ("z", "w1", "w3", "w1_scale", "w3_scale", "sorted_pair", "block_expert", "h", "NK", "I",
                            "L", "num_m")),
     "_moe_gemm2_kernel": (_moe_mxfp4_gemm2_kernel,
-                          ("h", "w2", "w2_scale", "sorted_pair", "block_expert", "wts", "y", "NK", "I", "L",
+                          ("h", "w2", "w2_scale", "sorted_pair", "block_expert", "wts", "y", "NK", "I", "L", "E",
                            "num_m")),
 }
 

@@ -114,6 +114,13 @@ def test_moe_gemms_spill_free_on_wgmma(k3_moe_gemms):
         assert r.wgmma, f"{kernel} @ N={N}: no wgmma"
 
 
+def test_down_projection_weights_through_tma(k3_moe_gemms):
+    """GEMM2 (dense w2, MXFP4 code bytes) loads its weight tiles with TMA (cp.async.bulk.tensor) on sm_90a."""
+    for N in (1, 64, 4096):
+        for kernel in ("_moe_gemm2_kernel", "_moe_mxfp4_gemm2_kernel"):
+            assert k3_moe_gemms[(N, kernel)].tma, (kernel, N)
+
+
 def test_packed_prefill_gemms_below_255_registers(k3_moe_gemms):
     for kernel in MOE_GEMMS[2:]:
         r = k3_moe_gemms[(4096, kernel)]

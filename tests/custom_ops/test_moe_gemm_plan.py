@@ -80,3 +80,20 @@ def test_dot_scaled_chosen_by_target(sm, dtypes, scaled):
         assert [x.constexprs["SCALED"] for x in gemms] == [scaled, scaled]
     _, gemms, _ = _gemms("moe", 1, sm)
     assert all("SCALED" not in x.constexprs for x in gemms)
+
+
+@pytest.mark.parametrize("family, sm, dtypes, I, tma", [
+    ("moe", 90, DENSE, 3072, True),  # w2 rows of 6144 bytes: TMA boxes
+    ("moe", 89, DENSE, 3072, False),  # no TMA before Hopper
+    ("moe", 90, ["fp32"] * 8, 18, False),  # rows of 72 bytes: not 16-byte strides
+    ("moe_mxfp4", 90, PACKED, 3072, True),  # code bytes, I/2 per row
+    ("moe_mxfp4", 100, PACKED, 3072, False),  # dot_scaled keeps pointer loads
+])
+def test_tma_for_the_down_projection_weights(family, sm, dtypes, I, tma):
+    """GEMM2 reads w2 (the MXFP4 codes) through a TMA descriptor where its rows allow; GEMM1's interleaved
+    gate/up operand is not one TMA box and stays on pointer loads."""
+    mod = dense if family == "moe" else packed
+    d = dict(K3, N=4096, I=I)
+    plan = mod.plan(d, dtypes, ATTRS | {"sm": sm})
+    gemm1, gemm2 = [x for x in plan.select(d).launches if "gemm" in x.kernel_name]
+    assert gemm2.constexprs["TMA"] is tma and "TMA" not in gemm1.constexprs

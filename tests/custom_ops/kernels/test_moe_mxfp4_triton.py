@@ -55,7 +55,7 @@ def test_decode_tile_is_the_codec(device):
     packed = torch.arange(256, dtype=torch.uint8).repeat(L, I // 2 // 256 + 1)[:, : I // 2][None].contiguous()
     scale = (torch.arange(L * I // 32) % 253).to(torch.uint8).reshape(1, L, I // 32)
     want = dequantize(packed, scale)[0]  # [L, I]
-    for i, swap in ((0, False), (77, True), (255, False), (255, True)):  # one-hot h rows pick weight column i
+    for i, swap in ((0, False), (77, True), (255, False), (255, True)):  # one-hot h: weight column i (TMA = swap)
         sorted_pair = torch.tensor([0] + [1] * 15, dtype=torch.int32)  # pair 0, then padding (NK = 1)
         block_expert = torch.tensor([0], dtype=torch.int32)
         h = torch.zeros(16, I)
@@ -63,8 +63,8 @@ def test_decode_tile_is_the_codec(device):
         y = torch.empty(1, L, device=device)
         kernels._moe_mxfp4_gemm2_kernel[(1,)](
             h.to(device), packed.to(device), scale.to(device), sorted_pair.to(device), block_expert.to(device),
-            torch.ones(1, device=device), y, 1, I, L, 1,
-            BM=16, BN=32, BK=32, GROUP_M=1, IEEE=True, SWAP=swap, SCALED=False, AFMT="fp32")
+            torch.ones(1, device=device), y, 1, I, L, 1, 1,
+            BM=16, BN=32, BK=32, GROUP_M=1, IEEE=True, SWAP=swap, SCALED=False, AFMT="fp32", TMA=swap)
         assert torch.equal(y.cpu()[0], want[:, i]), f"column {i}, swap {swap}"
 
 
@@ -87,8 +87,8 @@ def test_dot_scaled_tile_is_the_codec(swap, device):
             h.to(device), packed.to(device), scale.to(device),
             torch.tensor([0] + [1] * 15, dtype=torch.int32, device=device), torch.zeros(1, dtype=torch.int32,
                                                                                         device=device),
-            torch.ones(1, device=device), y, 1, I, L, 1,
-            BM=16, BN=32, BK=64, GROUP_M=1, IEEE=False, SWAP=swap, SCALED=True, AFMT="bf16")
+            torch.ones(1, device=device), y, 1, I, L, 1, 1,
+            BM=16, BN=32, BK=64, GROUP_M=1, IEEE=False, SWAP=swap, SCALED=True, AFMT="bf16", TMA=not swap)
         assert torch.equal(y.cpu()[0].float(), want[:, i]), f"column {i}"
 
 

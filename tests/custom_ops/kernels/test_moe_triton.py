@@ -36,6 +36,7 @@ def _case(N, d, L, I, E, k, act, hot=None, renorm=True):
     _case(5, 24, 20, 36, 12, 3, "situ"),  # more experts than pairs: most experts empty
     _case(7, 16, 20, 24, 6, 6, "silu"),  # top_k = E: every expert sees every token
     _case(3, 16, 72, 40, 4, 2, "situ"),  # L and I above one 64-wide tile, masked tails
+    _case(11, 16, 24, 18, 5, 2, "situ"),  # w2 rows of 72 bytes: GEMM2 on pointer loads, not TMA
 ])
 def test_moe_matches_reference(N, d, L, I, E, k, act, hot, renorm, device):
     args = _inputs(N, d, L, I, E, hot=hot, device=device) + [k, 1.5, renorm, act, 4.0, 25.0]
