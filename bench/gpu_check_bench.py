@@ -114,11 +114,35 @@ def bench_attn_res(ctx) -> list:
     return out
 
 
+def moe_steps(kern, z, ids, wts, w1, w3, w2, sm: int) -> dict:
+    """The plan's own steps for fixed routing (ids [N, k], weights [N, k] fp32): align once, then closures that
+    run GEMM1, GEMM2 and everything after routing (align, both GEMMs, slot sum) with the plan's tiles and grids."""
+    import torch
+
+    from k3x.custom_ops.dtypes import dtype_name
+    from k3x.custom_ops.launch import run
+
+    N, k = ids.shape
+    E, I, L = w1.shape
+    d = {"N": N, "d": 16, "L": L, "E": E, "I": I}
+    t = dtype_name(z.dtype)
+    attrs = {"top_k": k, "activation": "situ", "situ_beta": 4.0, "situ_linear_beta": 25.0, "sm": sm}
+    plan = kern.plan(d, [t, t, t, "fp32", t, t, t, t], attrs)
+    env = {"z": z, "w1": w1, "w3": w3, "w2": w2, "ids": ids.reshape(-1).contiguous(),
+           "wts": wts.reshape(-1).float().contiguous(), "u": torch.empty_like(z)}
+    env = run(plan, env, d, only=kern.ALIGN + ("_moe_gemm1_kernel", "_moe_gemm2_kernel"))  # every buffer, once
+    steps = {"gemm1": ("_moe_gemm1_kernel",), "gemm2": ("_moe_gemm2_kernel",),
+             "experts": kern.ALIGN + ("_moe_gemm1_kernel", "_moe_gemm2_kernel", "_moe_sum_kernel")}
+    return {name: (lambda only=only: run(plan, env, d, only=only)) for name, only in steps.items()} | {"env": env}
+
+
 def bench_moe(ctx) -> list:
     gc = sys.modules[type(ctx).__module__]  # bench/gpu_check.py, run as __main__ or imported
     if not ctx.bench or ctx.time_left() < 20:
         return [] if not ctx.bench else [gc.Result("moe", "info", None, note="skipped: section budget")]
     import torch
+
+    from k3x.custom_ops.launch import device_sm
 
     kern = imports()["moe"]
 
@@ -129,13 +153,10 @@ def bench_moe(ctx) -> list:
     w2 = torch.empty(E, L, I, device=dev, dtype=bf).normal_(std=I ** -0.5)
     ids = torch.rand(N, E, device=dev).topk(k, dim=-1).indices  # ~uniform load
     wts = torch.rand(N, k, device=dev)
-    cfg = kern.moe_launch_config(N, k, E, L, I)
-    sp, be = kern.moe_align(ids, E, cfg["BM"], cfg["P"])
-    h = kern.moe_gemm1(z, w1, w3, sp, be, k, cfg, "situ", 4.0, 25.0)
+    steps = moe_steps(kern, z, ids, wts, w1, w3, w2, device_sm(z.device))
     NK = N * k
-    m = {"gemm1_ms": gc._bench(lambda: kern.moe_gemm1(z, w1, w3, sp, be, k, cfg, "situ", 4.0, 25.0), ctx),
-         "gemm2_ms": gc._bench(lambda: kern.moe_gemm2(h, w2, sp, be, wts, cfg), ctx),
-         "experts_op_ms": gc._bench(lambda: kern.moe_experts(z, ids, wts, w1, w3, w2, "situ", 4.0, 25.0), ctx)}
+    m = {"gemm1_ms": gc._bench(steps["gemm1"], ctx), "gemm2_ms": gc._bench(steps["gemm2"], ctx),
+         "experts_op_ms": gc._bench(steps["experts"], ctx)}
     m["gemm1_TFLOP/s"] = 2 * NK * L * 2 * I / m["gemm1_ms"] / 1e9
     m["gemm2_TFLOP/s"] = 2 * NK * I * L / m["gemm2_ms"] / 1e9
     m["gemms_TFLOP/s"] = 2 * NK * L * 3 * I / (m["gemm1_ms"] + m["gemm2_ms"]) / 1e9

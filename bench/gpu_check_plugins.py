@@ -6,7 +6,8 @@ For each plugin's AOT plan (KDA decode, KDA chunked prefill, AttnRes, MoE's eigh
   2. compile the plan for this GPU's SM with `plugins.adapter.compile_plan`, `aot.pack` -> `aot.unpack`
      (the bytes the engine stores in the `k3_kernels` field);
   3. launch through `plugins.adapter.run_plan` + `aot.CudaDriver` (libcuda cuModuleLoadData / cuLaunchKernel)
-     with torch-allocated I/O and a workspace of `workspace_layout` size — the code `enqueue` runs;
+     with torch-allocated I/O and a workspace of `workspace_layout` size plus the TMA scratch (`scratch_size`)
+     — the code `enqueue` runs;
   4. compare with the fp32 eager reference under tests/tolerances.py (MoE: also bitwise equal over two runs —
      no atomics in its output path).
 Registered in bench/gpu_check.py's `CHECKS`; skipped (info) in the CPU self-test, which has no driver.
@@ -50,11 +51,12 @@ def imports() -> dict:
     from k3x.custom_ops.kda import reference as kda_ref
     from k3x.custom_ops.moe import reference as moe_ref
     from k3x.plugins import aot
-    from k3x.plugins.adapter import compile_plan, run_plan
+    from k3x.plugins.adapter import compile_plan, run_plan, scratch_size
     from k3x.plugins.core import Port, workspace_layout
 
     return dict(ar_ref=ar_ref, kda_ref=kda_ref, moe_ref=moe_ref, aot=aot, compile_plan=compile_plan,
-                run_plan=run_plan, workspace_layout=workspace_layout, dtype_name=dtype_name, Port=Port, FLOAT=FLOAT)
+                run_plan=run_plan, scratch_size=scratch_size, workspace_layout=workspace_layout,
+                dtype_name=dtype_name, Port=Port, FLOAT=FLOAT)
 
 
 def launch_specs() -> dict[str, LaunchSpec]:
@@ -85,10 +87,12 @@ def plugin_aot_kernels(ctx) -> list:
         dtypes = [dtype_name(t.dtype) for t in tensors]
         shapes = [tuple(t.shape) for t in tensors]
         run_dims = spec.dims(shapes[:len(spec.inputs)])
-        plan = spec.plan(opt_dims, dtypes, attrs)
+        plan = spec.plan(opt_dims, dtypes, attrs | {"sm": sm})  # as the plugin plans for its target
         kernels = compile_plan(spec, plan, dtypes, sm, [opt_dims, run_dims])
         _, embedded = aot.unpack(aot.pack(kernels, {"sm": sm}))
-        ws = torch.empty(max(workspace_layout(plan.workspace, run_dims)[1], 256), dtype=torch.uint8, device="cuda")
+        size = workspace_layout(plan.workspace, run_dims)[1] + m["scratch_size"](spec, plan, embedded, dtypes,
+                                                                                 run_dims, sm)  # + TMA scratch
+        ws = torch.empty(max(size, 256), dtype=torch.uint8, device="cuda")
         stream = torch.cuda.current_stream().cuda_stream
         run_plan(spec, plan, embedded, driver, shapes, dtypes, [t.data_ptr() for t in tensors], ws.data_ptr(),
                  stream, sm)

@@ -12,8 +12,9 @@ divisibility, warps, stages), then read back:
 - shared memory from Triton's metadata (dynamic) plus the 1 KB the driver reserves per CTA;
 - CTAs per SM from registers (allocated per warp in units of 256), shared memory, warps and the CTA limit of
   the SM; waves = CTAs of the case's grid / (CTAs per SM x SMs);
-- wgmma (`wgmma.mma_async` in the PTX, Hopper), tcgen05 (`tcgen05.mma`, Blackwell) and TMA
-  (`cp.async.bulk.tensor`) use.
+- wgmma (`wgmma.mma_async` in the PTX, Hopper), tcgen05 (`tcgen05.mma`, Blackwell), block-scaled MMAs
+  (`block_scale`: MXFP4/MXFP8 operands with E8M0 scales in the tensor core) and TMA (`cp.async.bulk.tensor`)
+  use.
 
 Which kernels a case runs is the plan's own choice (`Plan.select(dims)`), so the table follows the plan: a
 variant the plan does not pick at a shape is not compiled for it. A case whose plan cannot be built (e.g. a
@@ -80,6 +81,7 @@ class Resources:
     waves: float = 0.0
     wgmma: bool = False
     tcgen05: bool = False
+    mx_mma: bool = False  # block-scaled MMA (tcgen05 kind::mxf*, E8M0 scales applied by the tensor core)
     tma: bool = False
     sass: int = 0  # SASS instructions
     error: str = ""
@@ -94,6 +96,8 @@ _KDA_PORTS = {"q": "bf16", "k": "bf16", "v": "bf16", "g": "fp32", "beta": "fp32"
               "o": "bf16", "final_state": "fp32"}
 _MOE_PORTS = {"x": "bf16", "z": "bf16", "gate_weight": "bf16", "gate_bias": "fp32", "w1": "bf16", "w3": "bf16",
               "w2": "bf16", "u": "bf16"}
+_MXFP4_PORTS = {n: ("uint8" if n.startswith("w") else t) for n, t in _MOE_PORTS.items()} | {
+    f"w{i}_scale": "uint8" for i in (1, 3, 2)}
 _AR_PORTS = {"prefix": "bf16", "bank": "bf16", "norm_weight": "fp32", "proj_weight": "fp32", "out": "bf16"}
 _MOE_ATTRS = {"top_k": 16, "routed_scaling_factor": 1.0, "renormalize": True, "activation": "situ",
               "situ_beta": 4.0, "situ_linear_beta": 25.0}
@@ -107,17 +111,30 @@ def kda_case(B: int, T: int, *, H: int = 96, K: int = 128, gate_lower_bound: flo
                 ("bf16", "bf16", "bf16", "fp32", "fp32", "fp32"), attrs, _KDA_PORTS)
 
 
+MOE_TOKENS = (1, 16, 64, 4096)  # decode batches and a prefill chunk
+
+
+def moe_case(N: int, *, packed: bool = False) -> Case:
+    """K3's latent MoE at N tokens: top-16 of 896 experts, latent L = 3584, intermediate I = 3072, bf16
+    activations; experts bf16 (`moe`) or MXFP4 bytes (`moe_mxfp4`)."""
+    dims = {"N": N, "d": 7168, "L": 3584, "E": 896, "I": 3072}
+    if packed:
+        return Case("moe_mxfp4", f"N{N}-k16-E896-L3584-I3072", dims,
+                    ("bf16", "bf16", "bf16", "fp32") + ("uint8",) * 6 + ("bf16",), _MOE_ATTRS, _MXFP4_PORTS)
+    return Case("moe", f"N{N}-k16-E896-L3584-I3072", dims, ("bf16", "bf16", "bf16", "fp32", "bf16", "bf16", "bf16"),
+                _MOE_ATTRS, _MOE_PORTS)
+
+
 def cases() -> list[Case]:
     """K3's shapes: KDA decode and prefill (B = 1 and 64, H = 96, K = V = 128, bf16, K3's gate bound), the
     unbounded-gate variant for reference, AttnRes over 8 bank entries at d = 7168, the latent MoE's experts
-    (8192 tokens x top-16 over 896 experts, latent 3584, intermediate 3072)."""
+    dense and MXFP4 at `MOE_TOKENS` tokens (top-16 over 896 experts, latent 3584, intermediate 3072)."""
     return [
         kda_case(1, 1), kda_case(64, 1), kda_case(1, 4096), kda_case(64, 4096),
         kda_case(1, 4096, gate_lower_bound=None),
         Case("attn_res", "R4096-N8-d7168", {"R": 4096, "N": 8, "d": 7168}, ("bf16", "bf16", "fp32", "fp32"),
              {"eps": 1e-6}, _AR_PORTS),
-        Case("moe", "N8192-k16-E896-L3584-I3072", {"N": 8192, "d": 7168, "L": 3584, "E": 896, "I": 3072},
-             ("bf16", "bf16", "bf16", "fp32", "bf16", "bf16", "bf16"), _MOE_ATTRS, _MOE_PORTS),
+        *(moe_case(N, packed=p) for p in (False, True) for N in MOE_TOKENS),
     ]
 
 
@@ -156,7 +173,7 @@ def read_cubin(cubin: bytes, ptx: str, kernel: str) -> dict:
     ops = [i.split(".")[0] for i in instrs]
     return {"regs": int(m.group(1)), "stack": int(m.group(2)), "spill_ld": ops.count("LDL"),
             "spill_st": ops.count("STL"), "sass": len(instrs), "wgmma": "wgmma.mma_async" in ptx,
-            "tcgen05": "tcgen05.mma" in ptx, "tma": "cp.async.bulk.tensor" in ptx}
+            "tcgen05": "tcgen05.mma" in ptx, "mx_mma": "block_scale" in ptx, "tma": "cp.async.bulk.tensor" in ptx}
 
 
 def _types(case: Case, plan, launch) -> dict:
@@ -191,17 +208,18 @@ def measure_launch(case: Case, plan, launch, sm: SM) -> Resources:
     return r
 
 
-def family_plan(case: Case):
+def family_plan(case: Case, sm: int = 90):
+    """The family's plan at the case's dims for target `sm` (attrs["sm"], as the TensorRT plugin passes it)."""
     import importlib
 
     mod = importlib.import_module(f"k3x.custom_ops.{case.family}.triton")
-    return mod.plan(dict(case.dims), list(case.dtypes), dict(case.attrs))
+    return mod.plan(dict(case.dims), list(case.dtypes), dict(case.attrs) | {"sm": sm})
 
 
 def measure_case(case: Case, sm: SM, *, kernels: tuple[str, ...] | None = None) -> list[Resources]:
     """Every launch the plan picks at `case.dims` (or only those named in `kernels`)."""
     try:
-        plan = family_plan(case)
+        plan = family_plan(case, sm.arch)
         launches = plan.select(case.dims).launches
     except Exception as e:  # noqa: BLE001
         return [Resources(case.family, case.name, "(plan)", sm.arch, error=f"{type(e).__name__}: {e}"[:200])]
@@ -209,7 +227,8 @@ def measure_case(case: Case, sm: SM, *, kernels: tuple[str, ...] | None = None) 
 
 
 COLUMNS = ("family", "case", "kernel", "sm", "warps", "stages", "regs", "stack", "spill_ld", "spill_st", "shared",
-           "ctas_per_sm", "limited_by", "grid_ctas", "waves", "wgmma", "tcgen05", "tma", "sass")
+           "ctas_per_sm", "limited_by", "grid_ctas", "waves", "wgmma", "tcgen05", "mx_mma", "tma",
+           "sass")
 
 
 def markdown(rows: list[Resources]) -> str:
@@ -228,10 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sm", type=int, nargs="+", default=[90, 100], choices=sorted(SMS))
     ap.add_argument("--family", nargs="+", default=None, help="only these families (default: all)")
+    ap.add_argument("--kernel", default=None, help="only kernels whose name contains this (e.g. gemm)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
     a = ap.parse_args(argv)
     rows = [r for sm in a.sm for c in cases() if a.family is None or c.family in a.family
-            for r in measure_case(c, SMS[sm])]
+            for r in measure_case(c, SMS[sm]) if a.kernel is None or a.kernel in r.kernel or r.error]
     print(markdown(rows))
     if a.json is not None:
         a.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))

@@ -60,13 +60,13 @@ def main() -> None:
         for fam, wtype, nw in (("moe_mxfp4", "uint8", 6), ("moe", a.dtype, 3)):
             spec = Family(fam).plugin.SPEC
             dtypes = [a.dtype, a.dtype, a.dtype, "fp32"] + [wtype] * nw + [a.dtype]
-            plan = Family(fam).triton.plan(dims, dtypes, {"top_k": K3["top_k"], "activation": "situ"})
-            types = dict(zip([p.name for p in spec.ports], dtypes)) | {b.name: b.dtype for b in plan.workspace}
-            for launch in plan.variants[0].launches:
-                if "gemm" not in launch.kernel_name:
-                    continue
-                sig = aot.signature(launch, types | {n: "i32" for n in launch.scalars(dims)})
-                for sm, arch in ((90, "sm_90a"), (100, "sm_100a")):
+            for sm, arch in ((90, "sm_90a"), (100, "sm_100a")):
+                plan = Family(fam).triton.plan(dims, dtypes, {"top_k": K3["top_k"], "activation": "situ", "sm": sm})
+                types = dict(zip([p.name for p in spec.ports], dtypes)) | {b.name: b.dtype for b in plan.workspace}
+                for launch in plan.variants[0].launches:
+                    if "gemm" not in launch.kernel_name:
+                        continue
+                    sig = aot.signature(launch, types | {n: "i32" for n in launch.scalars(dims)})
                     src = ASTSource(fn=launch.kernel, signature=sig, constexprs=dict(launch.constexprs),
                                     attrs=aot.divisibility_attrs(launch, sig))
                     ck = triton.compile(src, target=GPUTarget("cuda", sm, 32),

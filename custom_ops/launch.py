@@ -74,6 +74,29 @@ class Plan:
         raise PlanError(f"no kernel variant covers dims {dims}")
 
 
+SM90_SMS = 132  # H200: the SM count launch configurations are sized for
+SM90_REGS, SM90_SMEM, SM90_SMEM_RESERVED, SM90_MAX_WARPS = 65536, 233472, 1024, 64
+
+
+def ctas_per_sm(regs: int, shared: int, warps: int) -> int:
+    """Co-resident CTAs on one sm_90 SM: registers (allocated per warp in units of 256), shared memory
+    (+ 1 KB reserved per CTA), warps."""
+    per_warp = -(-regs * 32 // 256) * 256
+    return min((SM90_REGS // per_warp) // warps, SM90_SMEM // (shared + SM90_SMEM_RESERVED),
+               SM90_MAX_WARPS // warps)
+
+
+def device_sm(device) -> int:
+    """The SM of a CUDA device as 10·major + minor (90, 100, ...); 90 elsewhere (the interpreter). Plans take it
+    as attrs["sm"] where a kernel choice depends on the target."""
+    import torch
+
+    if getattr(device, "type", str(device)) != "cuda":
+        return 90
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
 def cdiv(a, b):
     """Ceil division on ints and on symbolic shape expressions alike."""
     return (a + b - 1) // b
@@ -88,6 +111,17 @@ def workspace_layout(buffers: Sequence[Buffer], dims: dict, align: int = 256) ->
     return offsets, total
 
 
+def _scratch_allocator(device) -> None:
+    """Kernels that build TMA descriptors on the device need global scratch, which Triton's JIT allocates through
+    `triton.set_allocator` (a context variable, unset in a fresh thread): torch bytes on `device` unless set."""
+    import torch
+    import triton
+    from triton.runtime import _allocation
+
+    if _allocation._allocator.get() is getattr(_allocation, "_NULL_ALLOCATOR", None):
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device))
+
+
 def run(plan: Plan, tensors: dict, dims: dict, *, only: Sequence[str] | None = None) -> dict:
     """Execute the variant of `plan` for `dims` with Triton's JIT on torch tensors; returns every tensor by
     name (ports and workspace). `only`: run just the launches of these kernel names (a step of a plan, e.g.
@@ -97,6 +131,8 @@ def run(plan: Plan, tensors: dict, dims: dict, *, only: Sequence[str] | None = N
     launches = [x for x in plan.select(dims).launches if only is None or x.kernel_name in only]
     used = {a for x in launches for a in x.args}
     device = next(iter(tensors.values())).device
+    if device.type == "cuda":
+        _scratch_allocator(device)
     env = dict(tensors)
     for b in plan.workspace:
         if b.name in used and b.name not in env:

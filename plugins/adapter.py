@@ -6,7 +6,8 @@
 - qdp.py holds the bodies of the `tensorrt.plugin` (QDP) decorator functions (TensorRT 11 only).
 
 Paths (`path=`), fixed per engine build and recorded in the manifest — never chosen by timing:
-- "aot": at build time (`configure_plugin`) the plan's Triton kernels are compiled to cubins for `sm` and
+- "aot": at build time (`configure_plugin`) the plan's Triton kernels are compiled to cubins for `sm` (the plan
+  gets it as attrs["sm"]: target-dependent kernel choices, e.g. native FP4 MMAs from sm_100) and
   serialised into the engine as the plugin field `k3_kernels`; `enqueue` launches them through the CUDA
   driver (aot.CudaDriver) — several kernels per plugin are fine. Needs the Python plugin module at load,
   but no Triton compiler and no torch.
@@ -127,20 +128,30 @@ def _cuda_tensor(ptr: int, shape: tuple[int, ...], dtype: str):
     return t.view(torch.bfloat16) if dtype == "bf16" else t
 
 
+def _launches(spec: PluginSpec, plan, kernels: dict, dtypes: list[str], dims: dict, sm: int):
+    """(launch, its compiled kernel, int32 scalars) of the variant of `plan` for `dims`, in order."""
+    types = dict(zip([p.name for p in spec.ports], dtypes)) | {b.name: b.dtype for b in plan.workspace}
+    for launch in plan.select(dims).launches:
+        sc = launch.scalars(dims)
+        yield launch, kernels[aot.launch_key(launch, aot.signature(launch, types | {k: "i32" for k in sc}), sm)], sc
+
+
+def scratch_size(spec: PluginSpec, plan, kernels: dict, dtypes: list[str], dims: dict, sm: int) -> int:
+    """Global scratch (device-side TMA descriptors) the launches at `dims` need: the largest one's, since they
+    run one after another on the stream; it follows the plan's workspace in TensorRT's allocation."""
+    return max((aot.scratch_bytes(k, x.grid(dims)) for x, k, _ in _launches(spec, plan, kernels, dtypes, dims, sm)),
+               default=0)
+
+
 def run_plan(spec: PluginSpec, plan, kernels: dict, driver, shapes: list, dtypes: list[str], ptrs: list[int],
              workspace: int, stream: int, sm: int) -> None:
     """Launch the variant of `plan` matching `shapes` with the compiled `kernels` (AOT path)."""
     dims = spec.dims(shapes[:len(spec.inputs)])
-    variant = plan.select(dims)
-    offsets, _ = workspace_layout(plan.workspace, dims)
+    offsets, total = workspace_layout(plan.workspace, dims)
     values = {p.name: ptr for p, ptr in zip(spec.ports, ptrs)}
     values |= {b.name: workspace + off for b, off in zip(plan.workspace, offsets)}
-    types = dict(zip([p.name for p in spec.ports], dtypes)) | {b.name: b.dtype for b in plan.workspace}
-    for launch in variant.launches:
-        sc = launch.scalars(dims)
-        sig = aot.signature(launch, types | {k: "i32" for k in sc})
-        k = kernels[aot.launch_key(launch, sig, sm)]
-        driver.launch(k, launch.grid(dims), values | sc, stream)
+    for launch, k, sc in _launches(spec, plan, kernels, dtypes, dims, sm):
+        driver.launch(k, launch.grid(dims), values | sc, stream, scratch=workspace + total if k.scratch else 0)
 
 
 def compile_plan(spec: PluginSpec, plan, dtypes: list[str], sm: int, dims_list: list[dict]) -> list:
@@ -235,7 +246,7 @@ def creator(trt, spec: PluginSpec, *, sm: int, path: str = "aot"):
             dims = [spec.dims(s) for s in (lo, opt, hi)]
             self.config = {"opt": dims[1], "min": dims[0], "max": dims[2], "dtypes": dtypes, "sm": sm, "path": path}
             if path == "aot":
-                plan = spec.plan(dims[1], dtypes, self.attrs)
+                plan = spec.plan(dims[1], dtypes, self.attrs | {"sm": sm})
                 kernels = compile_plan(spec, plan, dtypes, sm, dims)
                 self.kernels_blob = aot.pack(kernels, {"plugin": f"{spec.namespace}::{spec.name}", "sm": sm})
                 log.debug("k3::%s: %d AOT kernels for sm_%d: %s", spec.name, len(kernels), sm,
@@ -245,8 +256,11 @@ def creator(trt, spec: PluginSpec, *, sm: int, path: str = "aot"):
         def get_workspace_size(self, inp, out):
             if path != "aot" or not self.config:
                 return 0
-            plan = spec.plan(self.config["opt"], self.config["dtypes"], self.attrs)
-            return workspace_layout(plan.workspace, spec.dims([tuple(d.max) for d in inp]))[1]
+            plan = spec.plan(self.config["opt"], self.config["dtypes"], self.attrs | {"sm": sm})
+            hi = spec.dims([tuple(d.max) for d in inp])
+            kernels = aot.unpack(self.kernels_blob)[1] if self.kernels_blob else {}
+            scratch = scratch_size(spec, plan, kernels, self.config["dtypes"], hi, sm) if kernels else 0
+            return workspace_layout(plan.workspace, hi)[1] + scratch
 
         def get_valid_tactics(self):
             return [1]
@@ -284,7 +298,7 @@ def creator(trt, spec: PluginSpec, *, sm: int, path: str = "aot"):
                 return
             if self._runtime is None:
                 meta, kernels = aot.unpack(self.kernels_blob)
-                plan = spec.plan(self.config["opt"], self.config["dtypes"], self.attrs)
+                plan = spec.plan(self.config["opt"], self.config["dtypes"], self.attrs | {"sm": self.config["sm"]})
                 self._runtime = (plan, kernels, aot.CudaDriver())
             plan, kernels, driver = self._runtime
             run_plan(spec, plan, kernels, driver, shapes, dtypes, ptrs, workspace, stream, self.config["sm"])

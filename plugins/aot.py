@@ -7,8 +7,10 @@ Specialised arguments (`Launch.constexprs` naming a non-constexpr parameter, e.g
 into the code. Like Triton's JIT, every pointer and every int32 the plan declares a multiple of 16
 (`Launch.divisible`) is compiled with `tt.divisibility=16` (without it loads are not vectorised, `cp.async`
 pipelining is off and the MoE GEMMs spill); `CudaDriver.launch` refuses values that break the promise.
-The PTX entry of Triton >= 3.3 kernels has trailing scratch-pointer parameters (global/profile scratch); we
-pass null pointers and refuse kernels that need global scratch.
+The PTX entry of Triton >= 3.3 kernels has trailing scratch-pointer parameters (global, profile scratch): a
+kernel that creates TMA descriptors on the device (`tl.make_tensor_descriptor`) needs `scratch` bytes of global
+memory per program, which the plugin carves out of its TensorRT workspace (adapter.run_plan) and passes as the
+first; profile scratch is always null (kernels needing it are refused).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class CompiledKernel:
     cubin: bytes
     ptx: str = ""
     divisible: tuple[str, ...] = ()  # runtime args compiled as multiples of 16 (bytes for pointers)
+    scratch: int = 0  # bytes of global scratch per program (device-side TMA descriptors), 128-byte aligned
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -118,18 +121,33 @@ def compile_launch(launch: Launch, types: dict[str, str], sm: int, *, keep_ptx: 
     ck = triton.compile(src, target=GPUTarget("cuda", sm, 32),
                         options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
     md = ck.metadata
-    if getattr(md, "global_scratch_size", 0):
-        raise PluginError(f"{launch.kernel_name}: needs {md.global_scratch_size} B of global scratch, "
-                          "which the plugin launcher does not provide")
+    scratch = int(getattr(md, "global_scratch_size", 0) or 0)
+    if scratch and int(getattr(md, "global_scratch_align", 1)) > SCRATCH_ALIGN:
+        raise PluginError(f"{launch.kernel_name}: global scratch aligned to {md.global_scratch_align} B, the "
+                          f"launcher gives {SCRATCH_ALIGN}")
+    if getattr(md, "profile_scratch_size", 0):
+        raise PluginError(f"{launch.kernel_name}: needs profile scratch, which the plugin launcher does not provide")
     ptx = ck.asm["ptx"]
     entry = re.search(r"\.entry\s+" + re.escape(md.name) + r"\((.*?)\)", ptx, re.S)
     n_params = entry.group(1).count(".param") if entry else len(launch.args)
     out = CompiledKernel(key=key, name=md.name, sm=sm, arg_names=launch.args,
                          arg_types=tuple(sig[p] for p in launch.kernel.arg_names if p not in launch.constexprs), n_params=n_params,
                          num_warps=md.num_warps, shared=md.shared, cubin=bytes(ck.asm["cubin"]),
-                         ptx=ptx if keep_ptx else "", divisible=divisible_args(launch, sig))
+                         ptx=ptx if keep_ptx else "", divisible=divisible_args(launch, sig), scratch=scratch)
     _CACHE[key] = out
     return out
+
+
+SCRATCH_ALIGN = 128  # Triton's global scratch alignment (device-side TMA descriptors: 128 B per program)
+
+
+def scratch_bytes(k: CompiledKernel, grid) -> int:
+    """Global scratch a launch of `k` on `grid` needs: one `k.scratch` slot per program, as Triton's launcher
+    allocates it (the kernel indexes it by its linear program id)."""
+    n = 1
+    for g in grid:
+        n *= int(g)
+    return k.scratch * n
 
 
 # ------------------------------------------------------------------------------------- engine-embedded bundle
@@ -157,7 +175,7 @@ def unpack(data: bytes) -> tuple[dict, dict[str, CompiledKernel]]:
         kernels[h["key"]] = CompiledKernel(key=h["key"], name=h["name"], sm=h["sm"], arg_names=tuple(h["arg_names"]),
                                            arg_types=tuple(h["arg_types"]), n_params=h["n_params"],
                                            num_warps=h["num_warps"], shared=h["shared"], cubin=cubin,
-                                           divisible=tuple(h.get("divisible", ())))
+                                           divisible=tuple(h.get("divisible", ())), scratch=h.get("scratch", 0))
     return header["meta"], kernels
 
 
@@ -190,15 +208,19 @@ class CudaDriver:
             self._functions[k.key] = fn
         return self._functions[k.key]
 
-    def launch(self, k: CompiledKernel, grid: tuple, values: dict[str, int], stream: int) -> None:
-        """`values`: device pointers (ints) for tensor args, ints for i32 scalars, by argument name."""
+    def launch(self, k: CompiledKernel, grid: tuple, values: dict[str, int], stream: int, scratch: int = 0) -> None:
+        """`values`: device pointers (ints) for tensor args, ints for i32 scalars, by argument name; `scratch`:
+        device pointer to `scratch_bytes(k, grid)` bytes (SCRATCH_ALIGN-aligned) when `k.scratch`."""
         grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
         if min(grid) <= 0:
             return  # empty tensor: nothing to do
         check_divisible(k, values)
+        if k.scratch and (not scratch or scratch % SCRATCH_ALIGN):
+            raise PluginError(f"{k.name}: needs {k.scratch} B of global scratch per program, got {scratch:#x}")
         cargs = [ctypes.c_int32(int(values[a])) if t == "i32" else ctypes.c_uint64(int(values[a]))
                  for a, t in zip(k.arg_names, k.arg_types)]
-        cargs += [ctypes.c_uint64(0)] * (k.n_params - len(cargs))  # Triton scratch pointers
+        n_trailing = k.n_params - len(cargs)  # Triton's global and profile scratch pointers
+        cargs += [ctypes.c_uint64(p) for p in ([scratch if k.scratch else 0] + [0] * n_trailing)[:n_trailing]]
         params = (ctypes.c_void_p * len(cargs))(*[ctypes.cast(ctypes.pointer(c), ctypes.c_void_p) for c in cargs])
         self._check(self.lib.cuLaunchKernel(self.function(k), *grid, *k.block, k.shared, ctypes.c_void_p(stream),
                                             params, None), f"cuLaunchKernel({k.name}, grid={grid})")

@@ -47,7 +47,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..dtypes import dtype_name
-from ..launch import Buffer, Launch, Plan, Variant, cdiv, run
+from ..launch import SM90_SMS, Buffer, Launch, Plan, Variant, cdiv, ctas_per_sm, run
 from .op import KERNEL_HEAD_DIM
 
 BT = 64  # chunk size
@@ -378,8 +378,6 @@ def _np2(x: int) -> int:
     return triton.next_power_of_2(x)
 
 
-SM90_SMS = 132  # H200
-SM90_REGS, SM90_SMEM, SM90_SMEM_RESERVED, SM90_MAX_WARPS = 65536, 233472, 1024, 64
 
 # Compiled resources on sm_90a (triton 3.8, K = V = 128, bf16; `python -m k3x.bench.kernel_resources` and
 # tests/bench/test_kernel_resources.py recompile the chosen entries and hold them to these numbers):
@@ -396,14 +394,6 @@ INTRA_RESOURCES_SM90 = {
     (32, 4, 2): (255, 33792, True), (16, 8, 1): (141, 16384, False), (16, 8, 2): (183, 24576, False),
     (32, 8, 1): (175, 16384, False), (32, 8, 2): (228, 33792, False),
 }
-
-
-def ctas_per_sm(regs: int, shared: int, warps: int) -> int:
-    """Co-resident CTAs on one sm_90 SM: registers (allocated per warp in units of 256), shared memory
-    (+ 1 KB reserved per CTA), warps."""
-    per_warp = -(-regs * 32 // 256) * 256
-    return min((SM90_REGS // per_warp) // warps, SM90_SMEM // (shared + SM90_SMEM_RESERVED),
-               SM90_MAX_WARPS // warps)
 
 
 def _pick_state(B: int, H: int, V: int) -> tuple[int, int, int]:

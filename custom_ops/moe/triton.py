@@ -17,17 +17,29 @@ Pipeline of `moe`:
      padding) and `block_expert [P/BM]` (expert id, or -1 for unused tail blocks, which exit at once).
      P = `padded_rows(NK, E, BM)` is the worst case NK + min(E, NK)·(BM − 1), so grids depend on shapes
      only (CUDA graphs, TensorRT AOT plugins).
-  3. `_moe_gemm1_kernel`: grouped GEMM over blocks, A rows gathered from z by token id; gate (w1) and
-     up (w3) tiles of the same expert in one kernel with two accumulators; SiTU-GLU or SiLU-GLU in the
-     fp32 epilogue; h [P, I] in z's dtype.  GROUP_M swizzle so the blocks of a few experts run together
-     and each weight tile is read from HBM about once.
-  4. `_moe_gemm2_kernel`: h @ w2ᵀ per block, epilogue × routing weight (fp32), rows scattered to
-     y [NK, L] fp32 by pair id (un-permute).
+  3. `_moe_gemm1_kernel`: grouped GEMM over tiles (row block × column block), A rows gathered from z by token
+     id; gate (w1) and up (w3) rows of the same expert interleaved into one [2·BN, BK] operand (w3's rows
+     addressed from w1's base, `_offset_to`), so each k step is one wide dot; SiTU-GLU or SiLU-GLU on each
+     (gate, up) column pair in the fp32 epilogue; h [P, I] in z's dtype.
+  4. `_moe_gemm2_kernel`: h @ w2ᵀ per tile, epilogue × routing weight (fp32), rows scattered to y [NK, L] in
+     z's dtype by pair id (un-permute).
   5. `_moe_sum_kernel`: u[n] = Σ_j y[n·k + j] in fp32, in slot order j = 0..k−1, cast to z's dtype once.
+Both GEMMs: persistent (min(tiles, 132 × CTAs per SM) programs, CTAs per SM from the compiled sm_90a resources
+in `GEMM_RESOURCES_SM90`, each program walking tiles t = pid, pid + grid, ... in GROUP_M swizzle order; tiles of
+unused tail blocks are skipped), and swap-AB below `SWAP_BELOW` rows per block (decode: the tile is R weight
+rows × BM tokens, so the weight rows fill the MMA's 64-wide M side and 16 tokens its N side; wgmma on sm_90a
+instead of 16-row mma.sync). GEMM2's weight tiles come through a TMA descriptor built on the device (sm_90+,
+rows of w2 16-byte multiples; 128 B of global scratch per program, which the AOT plugin carves out of its
+workspace: plugins/adapter.run_plan); everything else is pointer loads pipelined by Triton (cp.async): the
+activation rows are gathered by token (no TMA gather before sm_100) and GEMM1's interleaved gate/up operand is
+two tensors' rows, not one TMA box.
+Precision of the down projection: each routed expert's weighted row is rounded once to z's dtype in y (bf16:
+relative 2^-9 per term) before the fp32 slot-order sum — y was an fp32 [NK, L] buffer (1.9 GB at K3's prefill
+of 8192 tokens), now half that in bf16, and bit-identical to before in fp32.
 Deterministic: no atomics anywhere; every y row is written by exactly one program and summed in fixed order.
 Experts with no tokens get no blocks; one expert with every token gets NK/BM blocks.  Matmuls take
 16-bit operands as they are and fp32 operands with input_precision="ieee".  Launch parameters are pure
-functions of the shapes (`moe_launch_config`); no autotune, no block pointers.
+functions of the shapes (`moe_launch_config`, `gemm_config`); no autotune, no block pointers.
 """
 
 from __future__ import annotations
@@ -38,7 +50,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..dtypes import ITEMSIZE, dtype_name
-from ..launch import Buffer, Launch, Plan, PlanError, Variant, cdiv, run
+from ..launch import SM90_SMS, Buffer, Launch, Plan, PlanError, Variant, cdiv, ctas_per_sm, run
 
 ACTIVATIONS = {"silu": 0, "situ": 1}
 ALIGN_BLOCK = 256  # pairs per program of the align count / scatter kernels
@@ -193,13 +205,72 @@ def _moe_align_scatter_kernel(
 
 
 @triton.jit
-def _block_coords(num_m, num_n, GROUP_M: tl.constexpr):
-    """GROUP_M swizzle: (pid_m, pid_n) so GROUP_M consecutive row blocks sweep all column blocks together."""
-    pid = tl.program_id(0)
+def _tile(t, num_m, num_n, block_expert, GROUP_M: tl.constexpr):
+    """Tile t of a grouped GEMM -> (row block, column block, expert or -1). GROUP_M swizzle: GROUP_M
+    consecutive row blocks sweep all column blocks together, so each weight tile is read from HBM about once."""
     in_group = GROUP_M * num_n
-    first_m = (pid // in_group) * GROUP_M
+    first_m = (t // in_group) * GROUP_M
     size_m = tl.minimum(num_m - first_m, GROUP_M)
-    return first_m + (pid % in_group) % size_m, (pid % in_group) // size_m
+    pid_m = first_m + (t % in_group) % size_m
+    return pid_m, (t % in_group) // size_m, tl.load(block_expert + pid_m)
+
+
+@triton.jit
+def _offset_to(p, q):
+    """q − p in elements of p's type, declared a multiple of 16 bytes (both are 16-byte aligned: the AOT launcher
+    refuses other pointers, `moe` copies misaligned experts). GEMM1's wide operand addresses w3's rows as
+    w1 + this: an offset times the row's parity, not a `where` on pointers, which loses the contiguity the
+    vectorised, cp.async-pipelined loads need (scalar 2-byte loads and 235 registers at K3 decode otherwise)."""
+    ELEM: tl.constexpr = p.dtype.element_ty.primitive_bitwidth // 8
+    return tl.multiple_of((q.to(tl.int64) - p.to(tl.int64)) // ELEM, 16 // ELEM)
+
+
+@triton.jit
+def _tile_dot(a, b, acc, SWAP: tl.constexpr, IEEE: tl.constexpr):
+    """One k step of a grouped GEMM tile: a [BM, BK] activation rows, b [R, BK] weight rows (both k-contiguous,
+    as loaded). SWAP: acc [R, BM] += b aᵀ (weight rows on the MMA's wide M side, few tokens on its N side);
+    else acc [BM, R] += a bᵀ."""
+    if SWAP:
+        acc = _mma(b, tl.trans(a), acc, IEEE)
+    else:
+        acc = _mma(a, tl.trans(b), acc, IEEE)
+    return acc
+
+
+@triton.jit
+def _tile_acc(R: tl.constexpr, BM: tl.constexpr, SWAP: tl.constexpr):
+    if SWAP:
+        acc = tl.zeros([R, BM], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BM, R], dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _tile_out(acc, SWAP: tl.constexpr):
+    """The accumulator as [BM, R] whatever the MMA orientation."""
+    if SWAP:
+        acc = tl.trans(acc)
+    return acc
+
+
+@triton.jit
+def _store_h(h, acc, o_m, pid_n, I, beta1, beta2, BM: tl.constexpr, BN: tl.constexpr, ACT: tl.constexpr):
+    """GEMM1 epilogue: acc [BM, 2·BN] holds gate (even) and up (odd) columns of BN intermediate units; the GLU of
+    each pair is stored to h [P, I] in h's dtype."""
+    acc1, acc3 = tl.split(tl.reshape(acc, [BM, BN, 2]))
+    o_n = pid_n * BN + tl.arange(0, BN)
+    out = _glu(acc1, acc3, beta1, beta2, ACT)
+    tl.store(h + o_m[:, None].to(tl.int64) * I + o_n[None, :], out.to(h.dtype.element_ty), mask=o_n[None, :] < I)
+
+
+@triton.jit
+def _store_y(y, acc, topk_w, pair, valid, pid_n, L, BN: tl.constexpr):
+    """GEMM2 epilogue: acc [BM, BN] × routing weight, rows scattered to y [NK, L] (pair order, y's dtype)."""
+    o_n = pid_n * BN + tl.arange(0, BN)
+    wt = tl.load(topk_w + pair, mask=valid, other=0.0)
+    tl.store(y + pair[:, None].to(tl.int64) * L + o_n[None, :], (acc * wt[:, None]).to(y.dtype.element_ty),
+             mask=valid[:, None] & (o_n[None, :] < L))
 
 
 @triton.jit
@@ -209,67 +280,69 @@ def _moe_gemm1_kernel(
     NK, I, L, num_m,
     beta1, beta2,
     TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    ACT: tl.constexpr, IEEE: tl.constexpr,
+    ACT: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr,
 ):
-    pid_m, pid_n = _block_coords(num_m, tl.cdiv(I, BN), GROUP_M)
-    e = tl.load(block_expert + pid_m).to(tl.int64)
-    if e < 0:
-        return
-    o_m = pid_m * BM + tl.arange(0, BM)
-    pair = tl.load(sorted_pair + o_m)
-    valid = pair < NK
-    tok = (pair // TOPK).to(tl.int64)
-    o_n = pid_n * BN + tl.arange(0, BN)
-    m_n = o_n < I
+    num_n = tl.cdiv(I, BN)
+    o_j = tl.arange(0, 2 * BN)  # wide operand row j: gate (w1, even j) or up (w3, odd j) of unit j // 2
     o_k = tl.arange(0, BK)
-    a_ptr = z + tok[:, None] * L + o_k[None, :]  # gathered rows [BM, BK]
-    w_off = e * I * L + o_n[None, :].to(tl.int64) * L + o_k[:, None]  # [BK, BN] view of w[e]ᵀ
-    acc1 = tl.zeros([BM, BN], dtype=tl.float32)
-    acc3 = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, L, BK):
-        m_k = o_k < L - k0
-        a = tl.load(a_ptr + k0, mask=valid[:, None] & m_k[None, :], other=0.0)
-        b1 = tl.load(w1 + w_off + k0, mask=m_k[:, None] & m_n[None, :], other=0.0)
-        b3 = tl.load(w3 + w_off + k0, mask=m_k[:, None] & m_n[None, :], other=0.0)
-        acc1 = _mma(a, b1, acc1, IEEE)
-        acc3 = _mma(a, b3, acc3, IEEE)
-    out = _glu(acc1, acc3, beta1, beta2, ACT)
-    tl.store(h + o_m[:, None].to(tl.int64) * I + o_n[None, :], out.to(h.dtype.element_ty), mask=m_n[None, :])
+    d3 = _offset_to(w1, w3)
+    for t in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):  # persistent: tiles in a loop
+        pid_m, pid_n, e = _tile(t, num_m, num_n, block_expert, GROUP_M)
+        if e >= 0:
+            o_m = pid_m * BM + tl.arange(0, BM)
+            pair = tl.load(sorted_pair + o_m)
+            valid = pair < NK
+            a_row = z + (pair // TOPK).to(tl.int64)[:, None] * L  # gathered rows [BM, 1]
+            o_n = pid_n * BN + o_j // 2
+            m_n = o_n < I
+            b_row = w1 + ((e.to(tl.int64) * I + o_n[:, None]) * L + (o_j[:, None] % 2) * d3)  # [2·BN, 1]
+            acc = _tile_acc(2 * BN, BM, SWAP)
+            for k0 in range(0, L, BK):
+                m_k = o_k < L - k0
+                a = tl.load(a_row + (k0 + o_k)[None, :], mask=valid[:, None] & m_k[None, :], other=0.0)
+                b = tl.load(b_row + (k0 + o_k)[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)  # [2·BN, BK]
+                acc = _tile_dot(a, b, acc, SWAP, IEEE)
+            _store_h(h, _tile_out(acc, SWAP), o_m, pid_n, I, beta1, beta2, BM, BN, ACT)
 
 
 @triton.jit
 def _moe_gemm2_kernel(
     h, w2, sorted_pair, block_expert, topk_w,  # [P, I], [E, L, I], [P], [P/BM], [NK] fp32
-    y,  # out [NK, L] fp32, rows in pair order
-    NK, I, L, num_m,
+    y,  # out [NK, L] (z's dtype), rows in pair order
+    NK, I, L, E, num_m,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr,
+    SWAP: tl.constexpr, TMA: tl.constexpr,
 ):
-    pid_m, pid_n = _block_coords(num_m, tl.cdiv(L, BN), GROUP_M)
-    e = tl.load(block_expert + pid_m).to(tl.int64)
-    if e < 0:
-        return
-    o_m = pid_m * BM + tl.arange(0, BM)
-    pair = tl.load(sorted_pair + o_m)
-    valid = pair < NK
-    o_n = pid_n * BN + tl.arange(0, BN)
-    m_n = o_n < L
+    num_n = tl.cdiv(L, BN)
+    o_j = tl.arange(0, BN)
     o_k = tl.arange(0, BK)
-    a_ptr = h + o_m[:, None].to(tl.int64) * I + o_k[None, :]
-    w_off = e * L * I + o_n[None, :].to(tl.int64) * I + o_k[:, None]  # [BK, BN] view of w2[e]ᵀ
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, I, BK):
-        m_k = o_k < I - k0
-        a = tl.load(a_ptr + k0, mask=valid[:, None] & m_k[None, :], other=0.0)
-        b = tl.load(w2 + w_off + k0, mask=m_k[:, None] & m_n[None, :], other=0.0)
-        acc = _mma(a, b, acc, IEEE)
-    wt = tl.load(topk_w + pair, mask=valid, other=0.0)
-    tl.store(y + pair[:, None].to(tl.int64) * L + o_n[None, :], acc * wt[:, None],
-             mask=valid[:, None] & m_n[None, :])
+    if TMA:  # w2 as [E·L, I] rows: TMA boxes of [BN, BK] (rows past an expert's L are read but never stored)
+        w2_desc = tl.make_tensor_descriptor(w2, shape=[E * L, I], strides=[I, 1], block_shape=[BN, BK])
+    for t in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
+        pid_m, pid_n, e = _tile(t, num_m, num_n, block_expert, GROUP_M)
+        if e >= 0:
+            o_m = pid_m * BM + tl.arange(0, BM)
+            pair = tl.load(sorted_pair + o_m)
+            valid = pair < NK
+            a_ptr = h + o_m[:, None].to(tl.int64) * I + o_k[None, :]
+            o_n = pid_n * BN + o_j
+            m_n = o_n < L
+            b_ptr = w2 + (e.to(tl.int64) * L + o_n[:, None]) * I + o_k[None, :]  # rows of w2[e] [BN, BK]
+            acc = _tile_acc(BN, BM, SWAP)
+            for k0 in range(0, I, BK):
+                m_k = o_k < I - k0
+                a = tl.load(a_ptr + k0, mask=valid[:, None] & m_k[None, :], other=0.0)
+                if TMA:
+                    b = w2_desc.load([e * L + pid_n * BN, k0])
+                else:
+                    b = tl.load(b_ptr + k0, mask=m_n[:, None] & m_k[None, :], other=0.0)
+                acc = _tile_dot(a, b, acc, SWAP, IEEE)
+            _store_y(y, _tile_out(acc, SWAP), topk_w, pair, valid, pid_n, L, BN)
 
 
 @triton.jit
 def _moe_sum_kernel(
-    y, u,  # [N * TOPK, L] fp32, [N, L]
+    y, u,  # [N * TOPK, L] (z's dtype), [N, L]
     L,
     TOPK: tl.constexpr, BL: tl.constexpr,
 ):
@@ -278,7 +351,7 @@ def _moe_sum_kernel(
     m_l = o_l < L
     acc = tl.zeros([BL], dtype=tl.float32)
     for j in range(TOPK):
-        acc += tl.load(y + (row * TOPK + j) * L + o_l, mask=m_l, other=0.0)
+        acc += tl.load(y + (row * TOPK + j) * L + o_l, mask=m_l, other=0.0).to(tl.float32)
     tl.store(u + row * L + o_l, acc.to(u.dtype.element_ty), mask=m_l)
 
 
@@ -296,7 +369,48 @@ def padded_rows(NK: int, E: int, BM: int) -> int:
     return (NK + min(E, NK) * (BM - 1) + BM - 1) // BM * BM
 
 
-def moe_launch_config(N: int, top_k: int, E: int, L: int, I: int, elem_bytes: int = 2) -> dict:
+SWAP_BELOW = 64  # rows per block below which the grouped GEMMs swap A and B (weight rows on the MMA's M side)
+
+# Compiled resources of the grouped GEMMs on sm_90a at K3's configurations (triton 3.8, bf16 activations;
+# tests/bench/test_kernel_resources.py recompiles them and holds them to these numbers):
+# (kernel, BM, BN, BK, warps, stages) -> (registers per thread, dynamic shared memory bytes). The persistent
+# grid is SM90_SMS × the CTAs per SM these allow; a configuration not listed gets one CTA per SM.
+GEMM_RESOURCES_SM90: dict[tuple, tuple[int, int]] = {
+    ("_moe_gemm1_kernel", 16, 64, 64, 4, 3): (72, 55296), ("_moe_gemm2_kernel", 16, 128, 64, 4, 3): (47, 55320),
+    ("_moe_gemm1_kernel", 64, 128, 64, 8, 3): (128, 122880), ("_moe_gemm2_kernel", 64, 128, 64, 4, 3): (124, 73752),
+    ("_moe_mxfp4_gemm1_kernel", 16, 32, 64, 4, 3): (161, 8192),
+    ("_moe_mxfp4_gemm2_kernel", 16, 64, 64, 4, 3): (78, 10384),
+    ("_moe_mxfp4_gemm1_kernel", 64, 64, 64, 8, 3): (214, 40960),
+    ("_moe_mxfp4_gemm2_kernel", 64, 64, 64, 4, 3): (104, 36880),
+}
+
+
+def gemm_config(BM: int, L: int, I: int, elem_bytes: int, packed: bool) -> dict:
+    """Tiles of the two grouped GEMMs at BM rows per block. Swap-AB below `SWAP_BELOW` rows (decode): the tile
+    is R weight rows × BM tokens, GEMM1's R = 2·BN gate and up rows interleaved (one wide dot), 4 warps.
+    Otherwise BM × R with GEMM1's R = 2·BN columns; MXFP4 tiles are half as wide (their weights are decoded in
+    registers, [BK, R] fp32 values per step)."""
+    BK = 64 if elem_bytes <= 2 else 32
+    np2 = triton.next_power_of_2
+    if BM < SWAP_BELOW:
+        rows = 64 if packed else 128
+        g1 = {"BN": min(rows // 2, max(16, np2(I))), "num_warps": 4}
+        g2 = {"BN": min(rows, max(16, np2(L))), "num_warps": 4}
+    else:
+        wide = 64 if packed else 128
+        g1 = {"BN": min(wide, max(16, np2(I))), "num_warps": 8}
+        g2 = {"BN": min(wide, max(16, np2(L))), "num_warps": 8 if BM >= 128 else 4}
+    common = {"BK": BK, "GROUP_M": 8, "num_stages": 3, "SWAP": BM < SWAP_BELOW}
+    return {"gemm1": g1 | common, "gemm2": g2 | common}
+
+
+def persistent_ctas(kernel: str, BM: int, g: dict) -> int:
+    """Programs of a persistent grouped GEMM: SM90_SMS × its CTAs per SM from `GEMM_RESOURCES_SM90`."""
+    res = GEMM_RESOURCES_SM90.get((kernel, BM, g["BN"], g["BK"], g["num_warps"], g["num_stages"]))
+    return SM90_SMS * (ctas_per_sm(*res, g["num_warps"]) if res else 1)
+
+
+def moe_launch_config(N: int, top_k: int, E: int, L: int, I: int, elem_bytes: int = 2, packed: bool = False) -> dict:
     """Block sizes of every MoE kernel (pure function of the shapes and operand width).
 
     AOT compilers: give pointers and L/I/E/D `tt.divisibility=16` (as the JIT does); without it the
@@ -311,10 +425,7 @@ def moe_launch_config(N: int, top_k: int, E: int, L: int, I: int, elem_bytes: in
                  "num_stages": 1},
         "align": {"BLOCK": ALIGN_BLOCK, "BE": min(64, EP), "BJ": 32, "EP": EP, "BB": max(1, 4096 // EP), "BP": 1024,
                   "num_warps": 4 if EP <= 1024 else 8, "num_stages": 1},
-        "gemm1": {"BN": min(128, max(16, triton.next_power_of_2(I))), "BK": BK, "GROUP_M": 8,
-                  "num_warps": 8 if BM >= 64 else 4, "num_stages": 3},
-        "gemm2": {"BN": min(128, max(16, triton.next_power_of_2(L))), "BK": BK, "GROUP_M": 8,
-                  "num_warps": 8 if BM >= 128 else 4, "num_stages": 3},
+        **gemm_config(BM, L, I, elem_bytes, packed),
         "sum": {"BL": min(1024, triton.next_power_of_2(L)), "num_warps": 4, "num_stages": 1},
     }
 
@@ -330,16 +441,32 @@ def _ieee(*dtypes: str) -> bool:
     return not (len(set(dtypes)) == 1 and dtypes[0] in ("fp16", "bf16"))
 
 
+GEMM_ARGS = {
+    "_moe_gemm1_kernel": ("z", "w1", "w3", "sorted_pair", "block_expert", "h", "NK", "I", "L", "num_m"),
+    "_moe_gemm2_kernel": ("h", "w2", "sorted_pair", "block_expert", "wts", "y", "NK", "I", "L", "E", "num_m"),
+}
+
+
 def plan(d: dict, dtypes: list[str], attrs: dict) -> Plan:
     """The eight launches of k3::moe, block sizes (BM included) chosen at dims `d`; grids and int32 sizes
     follow the runtime N, the weight dims d, L, E, I are static (checked at every launch). Ports: x, z,
     gate_weight, gate_bias, w1, w3, w2 -> u. `attrs`: the op's hyper-parameters (top_k, routed_scaling_factor,
-    renormalize, activation, situ_beta, situ_linear_beta), specialised into the code; `block_m` overrides BM.
-    Workspace: s [N, E] fp32, ids [N·k] int64, wts [N·k] fp32, counts/offsets [NB, E] int32, sorted_pair [P]
-    int32, block_expert [P/BM] int32, h [P, I] (z's dtype), y [N·k, L] fp32, P = padded_rows(N·k, E, BM)."""
+    renormalize, activation, situ_beta, situ_linear_beta), specialised into the code; `sm`: the target (90 if
+    absent; the MXFP4 GEMMs use native FP4 MMAs from 100); `block_m` overrides BM, `gemm_programs` the
+    persistent GEMMs' grid size (tests). Workspace: s [N, E] fp32, ids [N·k] int64, wts [N·k]
+    fp32, counts/offsets [NB, E] int32, sorted_pair [P] int32, block_expert [P/BM] int32, h [P, I] and
+    y [N·k, L] (z's dtype), P = padded_rows(N·k, E, BM)."""
+    return build_plan(d, dtypes, attrs, {n: (globals()[n], a) for n, a in GEMM_ARGS.items()}, packed=False)
+
+
+def build_plan(d: dict, dtypes: list[str], attrs: dict, gemms: dict, *, packed: bool) -> Plan:
+    """`plan` with the two grouped GEMMs given as {dense kernel name: (kernel, args)} (the MXFP4 family passes
+    its packed ones; `packed` picks their tiles). `dtypes` as the dense op's (experts in w1's dtype)."""
     E, I, L, D, k = d["E"], d["I"], d["L"], d["d"], int(attrs["top_k"])
-    c = moe_launch_config(max(int(d["N"]), 1), k, E, L, I, ITEMSIZE[dtypes[1]])
-    BM = int(attrs.get("block_m") or c["BM"])
+    sm = int(attrs.get("sm") or 90)
+    BM = int(attrs.get("block_m") or block_m(max(int(d["N"]), 1), k, E))
+    c = moe_launch_config(max(int(d["N"]), 1), k, E, L, I, ITEMSIZE[dtypes[1]], packed) | gemm_config(
+        BM, L, I, ITEMSIZE[dtypes[1]], packed)
     r, t, a, g1, g2, su = c["router"], c["topk"], c["align"], c["gemm1"], c["gemm2"], c["sum"]
     static = {"d": D, "L": L, "E": E, "I": I}
 
@@ -358,6 +485,22 @@ def plan(d: dict, dtypes: list[str], attrs: dict) -> Plan:
         return Launch(kernel, args, constexprs, grid=grid, scalars=sizes, num_warps=cfg["num_warps"],
                       num_stages=cfg["num_stages"], divisible=tuple(n for n in args if n in div16))
 
+    def gemm(name: str, cols: int, g: dict, constexprs: dict) -> Launch:
+        """A persistent grouped GEMM: min(tiles, SMs × CTAs per SM) programs walking the tiles."""
+        kernel, args = gemms[name]
+        ctas = int(attrs.get("gemm_programs") or persistent_ctas(kernel.fn.__name__, BM, g))
+        tiles = lambda x: num_m(x) * cdiv(cols, g["BN"])  # noqa: E731
+        scaled = packed and sm >= 100 and z_t in ("bf16", "fp16")
+        if packed:  # native MXFP4 MMA (tl.dot_scaled) on sm_100+ with 16-bit activations; decode in registers else
+            constexprs = constexprs | {"SCALED": scaled, "AFMT": z_t}
+        if "TMA" in kernel.arg_names:  # GEMM2's weights: rows of I elements (I/2 bytes packed), 16-byte strides;
+            # not with dot_scaled (8 B of spills at K3's prefill on sm_100a)
+            row_bytes = I // 2 if packed else I * ITEMSIZE[w_t]
+            constexprs = constexprs | {"TMA": sm >= 90 and row_bytes % 16 == 0 and not scaled}
+        return launch(kernel, args, constexprs | {"BM": BM, "BN": g["BN"], "BK": g["BK"], "GROUP_M": g["GROUP_M"],
+                                                  "SWAP": g["SWAP"], "IEEE": _ieee(z_t, w_t)},
+                      lambda x: (min(tiles(x), ctas), 1, 1), g)
+
     num_m = lambda x: sizes(x)["num_m"]  # noqa: E731
     nb = lambda x: sizes(x)["NB"]  # noqa: E731
     x_t, z_t, gw_t, w_t = dtypes[0], dtypes[1], dtypes[2], dtypes[4]
@@ -375,14 +518,10 @@ def plan(d: dict, dtypes: list[str], attrs: dict) -> Plan:
                {"BM": BM, "EP": a["EP"], "BB": a["BB"], "BP": a["BP"]}, lambda x: (1, 1, 1), a),
         launch(_moe_align_scatter_kernel, ("ids", "offsets", "sorted_pair", "NK", "E"),
                {"BLOCK": a["BLOCK"], "BJ": a["BJ"]}, lambda x: (nb(x), 1, 1), a),
-        launch(_moe_gemm1_kernel, ("z", "w1", "w3", "sorted_pair", "block_expert", "h", "NK", "I", "L", "num_m"),
-               {"beta1": float(attrs.get("situ_beta", 4.0)), "beta2": float(attrs.get("situ_linear_beta", 25.0)),
-                "TOPK": k, "BM": BM, "BN": g1["BN"], "BK": g1["BK"], "GROUP_M": g1["GROUP_M"],
-                "ACT": ACTIVATIONS[act], "IEEE": _ieee(z_t, w_t)},
-               lambda x: (num_m(x) * cdiv(I, g1["BN"]), 1, 1), g1),
-        launch(_moe_gemm2_kernel, ("h", "w2", "sorted_pair", "block_expert", "wts", "y", "NK", "I", "L", "num_m"),
-               {"BM": BM, "BN": g2["BN"], "BK": g2["BK"], "GROUP_M": g2["GROUP_M"], "IEEE": _ieee(z_t, w_t)},
-               lambda x: (num_m(x) * cdiv(L, g2["BN"]), 1, 1), g2),
+        gemm("_moe_gemm1_kernel", I, g1,
+             {"beta1": float(attrs.get("situ_beta", 4.0)), "beta2": float(attrs.get("situ_linear_beta", 25.0)),
+              "TOPK": k, "ACT": ACTIVATIONS[act]}),
+        gemm("_moe_gemm2_kernel", L, g2, {}),
         launch(_moe_sum_kernel, ("y", "u", "L"), {"TOPK": k, "BL": su["BL"]},
                lambda x: (x["N"], cdiv(L, su["BL"]), 1), su),
     )
@@ -390,12 +529,18 @@ def plan(d: dict, dtypes: list[str], attrs: dict) -> Plan:
           Buffer("wts", "fp32", lambda x: x["N"] * k), Buffer("counts", "int32", lambda x: nb(x) * E),
           Buffer("offsets", "int32", lambda x: nb(x) * E),
           Buffer("sorted_pair", "int32", lambda x: sizes(x)["P"]), Buffer("block_expert", "int32", num_m),
-          Buffer("h", z_t, lambda x: sizes(x)["P"] * I), Buffer("y", "fp32", lambda x: x["N"] * k * L))
+          Buffer("h", z_t, lambda x: sizes(x)["P"] * I), Buffer("y", z_t, lambda x: x["N"] * k * L))
     return Plan((Variant("experts", launches),), workspace=ws)
 
 
 ROUTE = ("_router_kernel", "_topk_kernel")
 ALIGN = ("_moe_align_count_kernel", "_moe_align_scan_kernel", "_moe_align_scatter_kernel")
+
+
+def aligned(t: Tensor) -> Tensor:
+    """`t` contiguous and 16-byte aligned (copied if not): GEMM1 addresses w3 from w1's base (`_offset_to`)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 def _attrs(top_k, routed_scaling_factor, renormalize, activation, situ_beta, situ_linear_beta) -> dict:
@@ -446,7 +591,7 @@ def moe(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tensor
                          f"w1 {tuple(w1.shape)} w3 {tuple(w3.shape)} w2 {tuple(w2.shape)} do not fit")
     attrs = _attrs(top_k, routed_scaling_factor, renormalize, activation, situ_beta, situ_linear_beta)
     tensors = dict(zip(("x", "z", "gate_weight", "gate_bias", "w1", "w3", "w2"),
-                       (t.contiguous() for t in (x, z, gate_weight, gate_bias, w1, w3, w2))))
+                       (aligned(t) for t in (x, z, gate_weight, gate_bias, w1, w3, w2))))
     tensors["u"] = torch.empty(z.shape[0], L, device=z.device, dtype=z.dtype)
     d = dims([t.shape for t in tensors.values()])
     run(plan(d, [dtype_name(t.dtype) for t in tensors.values()], attrs), tensors, d)

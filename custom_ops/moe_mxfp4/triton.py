@@ -1,19 +1,26 @@
-"""Routed MoE on MXFP4-packed experts: Triton grouped GEMMs that read the packed nibbles and E8M0 scales and
-decode in registers before the dot. Never imports `reference.py`.
+"""Routed MoE on MXFP4-packed experts: Triton grouped GEMMs that read the packed nibbles and E8M0 scales, decode
+them in registers (Hopper) or hand them to `tl.dot_scaled` (sm_100+). Never imports `reference.py`.
 
-The plan is `custom_ops/moe/triton.plan` (router, top-k, align, GEMM1, GEMM2, sum; same workspace, grids and
-block sizes) with its two GEMM launches swapped for the packed ones below; the routing, alignment and sum
-kernels are shared. Axes as there: L expert width, I expert intermediate, E experts, BM/BN/BK the tiles.
+The plan is `custom_ops/moe/triton.build_plan` (router, top-k, align, GEMM1, GEMM2, sum; same workspace and
+grid rules) with its two GEMM launches swapped for the packed ones below and their own tiles; the routing,
+alignment and sum kernels are shared. Axes as there: L expert width, I expert intermediate, E experts, BM/BN/BK
+the tiles.
 
-Weight tiles: the [BK, BN] view of w[e]ᵀ (element (k, n) = w[e, n, k]) is loaded as bytes w[e, n, k // 2]
-(each byte feeds two neighbouring k of one column: HBM traffic is the packed bytes, 4.25 bits per weight with
-the scales), the nibble `(byte >> 4·(k & 1)) & 15` is turned into an fp32 by bit construction (`_e2m1`:
-sign bit 3 -> bit 31, E2M1's exponent/mantissa -> fp32's; 0.5 and 0 are the subnormal codes) and multiplied
-by 2^(scale − 127) (`_e8m0`: the byte is fp32's exponent field; byte 0 is the subnormal 2^-127). Both are
-exact, so a tile equals `codec.dequantize` bit for bit; it is cast to z's dtype (exact for bf16/fp16 too,
-save scales below their normal range) and goes to the same `_mma` as the dense kernels: 16-bit operands on
-tensor cores, fp32 operands as IEEE dots. Native FP4 (`tl.dot_scaled`, sm_100+) is not used yet: on sm_90
-the decode-in-registers path is the only one.
+Weight tiles: R expert rows × BK weights, loaded as [R, BK/2] bytes w[e, n, k // 2] (each byte holds k = 2i in
+its low and 2i + 1 in its high nibble: HBM traffic is the packed bytes, 4.25 bits per weight with the scales)
+and [R, BK/32] E8M0 scale bytes, both contiguous (vectorised loads). Two ways into the MMA, chosen by target
+in the plan (attrs["sm"]):
+- sm_100+ with 16-bit activations: `tl.dot_scaled` takes the codes and scales as they are. Triton 3.8 lowers
+  E2M1 × bf16 by upcasting the E2M1 operand to bf16 itself (tcgen05 kind::f16, not the block-scaled
+  kind::mxf8f6f4, which needs both operands in FP8/FP6/FP4): exact, and the compiler's own decode;
+- otherwise (Hopper, and fp32): decode in registers. Each nibble half becomes an fp32 by bit construction
+  (`_e2m1`: sign bit 3 -> bit 31, E2M1's exponent/mantissa -> fp32's; 0.5 and 0 are the subnormal codes),
+  times 2^(scale − 127) (`_e8m0`: the byte is fp32's exponent field; byte 0 is the subnormal 2^-127), the two
+  halves interleaved back to [R, BK]. Both are exact, so a tile equals `codec.dequantize` bit for bit; it is
+  cast to z's dtype (exact for bf16/fp16 too, save scales below their normal range) and goes to the same
+  `_tile_dot` as the dense kernels: 16-bit operands on tensor cores, fp32 operands as IEEE dots.
+Swap-AB, the interleaved gate/up operand and the persistent grid are the dense kernels' (`moe.triton`); packed
+tiles are half as wide (the decoded [R, BK] fp32 values live in registers).
 """
 
 from __future__ import annotations
@@ -24,9 +31,9 @@ import triton.language as tl
 from torch import Tensor
 
 from ..dtypes import dtype_name
-from ..launch import Launch, Plan, Variant, run
+from ..launch import Plan, device_sm, run
 from ..moe import triton as dense
-from ..moe.triton import _block_coords, _glu, _mma
+from ..moe.triton import _offset_to, _store_h, _store_y, _tile, _tile_acc, _tile_dot, _tile_out
 from .codec import BLOCK
 
 PORTS = ("x", "z", "gate_weight", "gate_bias", "w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale")
@@ -49,14 +56,41 @@ def _e8m0(s):
 
 
 @triton.jit
-def _load_mxfp4(w, ws, row0, o_n, o_k, K, mask):
-    """fp32 [BK, BN] tile: element (k, n) of the expert matrix whose row n (of K packed weights) starts at
-    packed row `row0 + n`; `o_k` absolute k offsets [BK], `o_n` [BN]."""
-    rows = (row0 + o_n[None, :]).to(tl.int64)
-    byte = tl.load(w + rows * (K // 2) + o_k[:, None] // 2, mask=mask, other=0).to(tl.int32) & 255  # u8 or i8
-    code = (byte >> ((o_k[:, None] & 1) * 4)) & 15
-    s = tl.load(ws + rows * (K // 32) + o_k[:, None] // 32, mask=mask, other=127).to(tl.int32) & 255
-    return _e2m1(code) * _e8m0(s)
+def _load_packed(w, ws, rows, k0, K, m_row, BK: tl.constexpr):
+    """Bytes [R, BK/2] and E8M0 scales [R, BK/32] (uint8, as stored) of weights k0 .. k0 + BK − 1 of the packed
+    expert rows `rows` (int64 [R, 1], rows of K weights; `m_row` [R, 1] which exist); `w`, `ws` the bases.
+    Contiguous and loaded once each (vectorised)."""
+    o_b = tl.arange(0, BK // 2)[None, :]
+    byte = tl.load(w + rows * (K // 2) + k0 // 2 + o_b, mask=m_row & (o_b < (K - k0) // 2), other=0)
+    return byte.to(tl.uint8, bitcast=True), _load_scales(ws, rows, k0, K, m_row, BK)  # TensorRT passes int8
+
+
+@triton.jit
+def _load_scales(ws, rows, k0, K, m_row, BK: tl.constexpr):
+    """The E8M0 scale bytes [R, BK/32] of `_load_packed`'s tile."""
+    o_s = tl.arange(0, BK // 32)[None, :]
+    s = tl.load(ws + rows * (K // 32) + k0 // 32 + o_s, mask=m_row & (o_s < (K - k0) // 32), other=127)
+    return s.to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def _packed_dot(a, byte, s, acc, R: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr, IEEE: tl.constexpr,
+                SCALED: tl.constexpr, AFMT: tl.constexpr):
+    """One k step against a packed [R, BK] weight tile (see `_tile_dot` for a, acc and SWAP). SCALED (sm_100+,
+    16-bit a): `tl.dot_scaled`, E2M1 codes with their E8M0 scales against a in AFMT. Else (Hopper, fp32):
+    decode in registers — the low and high nibbles as two [R, BK/2] halves interleaved (k = 2i + high), no
+    per-element index math for the compiler to carry into the MMA operand's layout — and a plain dot."""
+    if SCALED:
+        if SWAP:
+            acc = tl.dot_scaled(byte, s, "e2m1", tl.trans(a), None, AFMT, acc)
+        else:
+            acc = tl.dot_scaled(a, None, AFMT, tl.trans(byte), s, "e2m1", acc)
+    else:
+        code = byte.to(tl.int32)
+        scale = tl.reshape(tl.broadcast_to(_e8m0(s.to(tl.int32))[:, :, None], [R, BK // 32, 16]), [R, BK // 2])
+        b = tl.reshape(tl.join(_e2m1(code & 15) * scale, _e2m1(code >> 4) * scale), [R, BK])
+        acc = _tile_dot(a, b.to(a.dtype), acc, SWAP, IEEE)
+    return acc
 
 
 @triton.jit
@@ -66,61 +100,64 @@ def _moe_mxfp4_gemm1_kernel(
     NK, I, L, num_m,
     beta1, beta2,
     TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    ACT: tl.constexpr, IEEE: tl.constexpr,
+    ACT: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr, SCALED: tl.constexpr, AFMT: tl.constexpr,
 ):
-    pid_m, pid_n = _block_coords(num_m, tl.cdiv(I, BN), GROUP_M)
-    e = tl.load(block_expert + pid_m).to(tl.int64)
-    if e < 0:
-        return
-    o_m = pid_m * BM + tl.arange(0, BM)
-    pair = tl.load(sorted_pair + o_m)
-    valid = pair < NK
-    tok = (pair // TOPK).to(tl.int64)
-    o_n = pid_n * BN + tl.arange(0, BN)
-    m_n = o_n < I
+    num_n = tl.cdiv(I, BN)
+    o_j = tl.arange(0, 2 * BN)  # wide operand row j: gate (w1, even j) or up (w3, odd j) of unit j // 2
     o_k = tl.arange(0, BK)
-    a_ptr = z + tok[:, None] * L + o_k[None, :]
-    acc1 = tl.zeros([BM, BN], dtype=tl.float32)
-    acc3 = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, L, BK):
-        m_k = o_k < L - k0
-        a = tl.load(a_ptr + k0, mask=valid[:, None] & m_k[None, :], other=0.0)
-        m_b = m_k[:, None] & m_n[None, :]
-        b1 = _load_mxfp4(w1, w1s, e * I, o_n, k0 + o_k, L, m_b).to(a.dtype)
-        b3 = _load_mxfp4(w3, w3s, e * I, o_n, k0 + o_k, L, m_b).to(a.dtype)
-        acc1 = _mma(a, b1, acc1, IEEE)
-        acc3 = _mma(a, b3, acc3, IEEE)
-    out = _glu(acc1, acc3, beta1, beta2, ACT)
-    tl.store(h + o_m[:, None].to(tl.int64) * I + o_n[None, :], out.to(h.dtype.element_ty), mask=m_n[None, :])
+    up = o_j[:, None] % 2  # w3's rows are addressed from w1's base (see moe.triton._offset_to)
+    d3, ds3 = up * _offset_to(w1, w3), up * _offset_to(w1s, w3s)
+    for t in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):  # persistent: tiles in a loop
+        pid_m, pid_n, e = _tile(t, num_m, num_n, block_expert, GROUP_M)
+        if e >= 0:
+            o_m = pid_m * BM + tl.arange(0, BM)
+            pair = tl.load(sorted_pair + o_m)
+            valid = pair < NK
+            a_ptr = z + (pair // TOPK).to(tl.int64)[:, None] * L + o_k[None, :]
+            o_n = pid_n * BN + o_j[:, None] // 2
+            rows = e.to(tl.int64) * I + o_n
+            acc = _tile_acc(2 * BN, BM, SWAP)
+            for k0 in range(0, L, BK):
+                a = tl.load(a_ptr + k0, mask=valid[:, None] & (o_k[None, :] < L - k0), other=0.0)
+                byte, s = _load_packed(w1 + d3, w1s + ds3, rows, k0, L, o_n < I, BK)  # [2·BN, BK/2], [2·BN, BK/32]
+                acc = _packed_dot(a, byte, s, acc, 2 * BN, BK, SWAP, IEEE, SCALED, AFMT)
+            _store_h(h, _tile_out(acc, SWAP), o_m, pid_n, I, beta1, beta2, BM, BN, ACT)
 
 
 @triton.jit
 def _moe_mxfp4_gemm2_kernel(
     h, w2, w2s, sorted_pair, block_expert, topk_w,  # [P, I], [E, L, I/2] u8, [E, L, I/32] u8, [P], [P/BM], [NK]
-    y,  # out [NK, L] fp32, rows in pair order
-    NK, I, L, num_m,
+    y,  # out [NK, L] (z's dtype), rows in pair order
+    NK, I, L, E, num_m,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr,
+    SWAP: tl.constexpr, SCALED: tl.constexpr, AFMT: tl.constexpr, TMA: tl.constexpr,
 ):
-    pid_m, pid_n = _block_coords(num_m, tl.cdiv(L, BN), GROUP_M)
-    e = tl.load(block_expert + pid_m).to(tl.int64)
-    if e < 0:
-        return
-    o_m = pid_m * BM + tl.arange(0, BM)
-    pair = tl.load(sorted_pair + o_m)
-    valid = pair < NK
-    o_n = pid_n * BN + tl.arange(0, BN)
-    m_n = o_n < L
+    num_n = tl.cdiv(L, BN)
+    o_j = tl.arange(0, BN)
     o_k = tl.arange(0, BK)
-    a_ptr = h + o_m[:, None].to(tl.int64) * I + o_k[None, :]
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, I, BK):
-        m_k = o_k < I - k0
-        a = tl.load(a_ptr + k0, mask=valid[:, None] & m_k[None, :], other=0.0)
-        b = _load_mxfp4(w2, w2s, e * L, o_n, k0 + o_k, I, m_k[:, None] & m_n[None, :]).to(a.dtype)
-        acc = _mma(a, b, acc, IEEE)
-    wt = tl.load(topk_w + pair, mask=valid, other=0.0)
-    tl.store(y + pair[:, None].to(tl.int64) * L + o_n[None, :], acc * wt[:, None],
-             mask=valid[:, None] & m_n[None, :])
+    if TMA:  # the code bytes as [E·L, I/2] rows, TMA boxes of [BN, BK/2] (the scales' 2-byte rows are below
+        # TMA's 16-byte box minimum: pointer loads)
+        w2_desc = tl.make_tensor_descriptor(w2, shape=[E * L, I // 2], strides=[I // 2, 1],
+                                            block_shape=[BN, BK // 2])
+    for t in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
+        pid_m, pid_n, e = _tile(t, num_m, num_n, block_expert, GROUP_M)
+        if e >= 0:
+            o_m = pid_m * BM + tl.arange(0, BM)
+            pair = tl.load(sorted_pair + o_m)
+            valid = pair < NK
+            a_ptr = h + o_m[:, None].to(tl.int64) * I + o_k[None, :]
+            o_n = pid_n * BN + o_j[:, None]
+            rows = e.to(tl.int64) * L + o_n
+            acc = _tile_acc(BN, BM, SWAP)
+            for k0 in range(0, I, BK):
+                a = tl.load(a_ptr + k0, mask=valid[:, None] & (o_k[None, :] < I - k0), other=0.0)
+                if TMA:
+                    byte = w2_desc.load([e * L + pid_n * BN, k0 // 2]).to(tl.uint8, bitcast=True)
+                    s = _load_scales(w2s, rows, k0, I, o_n < L, BK)
+                else:
+                    byte, s = _load_packed(w2, w2s, rows, k0, I, o_n < L, BK)
+                acc = _packed_dot(a, byte, s, acc, BN, BK, SWAP, IEEE, SCALED, AFMT)
+            _store_y(y, _tile_out(acc, SWAP), topk_w, pair, valid, pid_n, L, BN)
 
 
 def dims(shapes) -> dict:
@@ -134,28 +171,19 @@ PACKED_GEMMS = {
                           ("z", "w1", "w3", "w1_scale", "w3_scale", "sorted_pair", "block_expert", "h", "NK", "I",
                            "L", "num_m")),
     "_moe_gemm2_kernel": (_moe_mxfp4_gemm2_kernel,
-                          ("h", "w2", "w2_scale", "sorted_pair", "block_expert", "wts", "y", "NK", "I", "L",
+                          ("h", "w2", "w2_scale", "sorted_pair", "block_expert", "wts", "y", "NK", "I", "L", "E",
                            "num_m")),
 }
 
 
 def plan(d: dict, dtypes: list[str], attrs: dict) -> Plan:
-    """k3::moe's plan (custom_ops/moe/triton.plan: eight launches, same workspace) with the packed GEMMs.
-    Ports: x, z, gate_weight, gate_bias, w1, w3, w2 (u8), w1_scale, w3_scale, w2_scale (u8) -> u. The decoded
-    weights take z's dtype, so the dense plan is built as if the experts were stored in z's dtype."""
+    """k3::moe's plan (custom_ops/moe/triton.build_plan: eight launches, same workspace) with the packed GEMMs
+    and their tiles. Ports: x, z, gate_weight, gate_bias, w1, w3, w2 (u8), w1_scale, w3_scale, w2_scale (u8)
+    -> u. The decoded weights take z's dtype, so the plan is built as if the experts were stored in z's dtype."""
     if d["L"] % BLOCK or d["I"] % BLOCK:
         raise ValueError(f"k3::moe_mxfp4: L={d['L']} and I={d['I']} must be multiples of {BLOCK}")
-    base = dense.plan(d, [dtypes[0], dtypes[1], dtypes[2], dtypes[3], dtypes[1], dtypes[1], dtypes[1],
-                          dtypes[-1]], attrs)
-    (variant,) = base.variants
-    launches = []
-    for x in variant.launches:
-        if x.kernel_name in PACKED_GEMMS:
-            kernel, args = PACKED_GEMMS[x.kernel_name]
-            x = Launch(kernel, args, x.constexprs, grid=x.grid, scalars=x.scalars, num_warps=x.num_warps,
-                       num_stages=x.num_stages, divisible=tuple(a for a in x.divisible if a in args))
-        launches.append(x)
-    return Plan((Variant(variant.name, tuple(launches)),), workspace=base.workspace)
+    return dense.build_plan(d, [dtypes[0], dtypes[1], dtypes[2], dtypes[3], dtypes[1], dtypes[1], dtypes[1],
+                                dtypes[-1]], attrs, PACKED_GEMMS, packed=True)
 
 
 def moe(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
@@ -173,7 +201,8 @@ def moe(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tensor
         raise ValueError(f"moe_mxfp4: x {tuple(x.shape)} z {tuple(z.shape)} gate {tuple(gate_weight.shape)} "
                          f"w1 {tuple(w1.shape)} {w1.dtype} do not fit" + (f" ({', '.join(bad)})" if bad else ""))
     attrs = dense._attrs(top_k, routed_scaling_factor, renormalize, activation, situ_beta, situ_linear_beta)
-    tensors = dict(zip(PORTS, (t.contiguous() for t in (x, z, gate_weight, gate_bias, w1, w3, w2, w1_scale,
+    attrs["sm"] = device_sm(z.device)  # sm_100+: tl.dot_scaled
+    tensors = dict(zip(PORTS, (dense.aligned(t) for t in (x, z, gate_weight, gate_bias, w1, w3, w2, w1_scale,
                                                           w3_scale, w2_scale))))
     tensors["u"] = torch.empty(z.shape[0], L, device=z.device, dtype=z.dtype)
     d = dims([t.shape for t in tensors.values()])

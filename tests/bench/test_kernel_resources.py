@@ -88,3 +88,64 @@ def test_attn_res_double_buffered_keeps_occupancy():
     c = plan.select(case.dims).launches[0].constexprs
     tile_bytes = (c["N"] + 1) * c["BD"] * 2  # bf16 sources of one tile
     assert r.ctas_per_sm * H200.sms * 2 * tile_bytes >= 4e6
+
+
+MOE_GEMMS = ("_moe_gemm1_kernel", "_moe_gemm2_kernel", "_moe_mxfp4_gemm1_kernel", "_moe_mxfp4_gemm2_kernel")
+
+
+@pytest.fixture(scope="module")
+def k3_moe_gemms():
+    """The grouped GEMMs (dense bf16 and MXFP4) at K3's decode (N = 1, 64) and prefill (N = 4096) shapes, sm_90a."""
+    rows = {}
+    for packed in (False, True):
+        for N in (1, 64, 4096):
+            for r in kr.measure_case(kr.moe_case(N, packed=packed), H200, kernels=MOE_GEMMS):
+                assert not r.error, (r.case, r.kernel, r.error)
+                rows[(N, r.kernel)] = r
+    assert len(rows) == 12
+    return rows
+
+
+def test_moe_gemms_spill_free_on_wgmma(k3_moe_gemms):
+    """No spills anywhere; decode tiles (16 token rows) run on wgmma too, because swap-AB puts 64–128 weight rows
+    on the MMA's M side (16-row tiles compiled to mma.sync before)."""
+    for (N, kernel), r in k3_moe_gemms.items():
+        assert not r.spills, f"{kernel} @ N={N}: stack {r.stack} B, {r.spill_ld} LDL / {r.spill_st} STL"
+        assert r.wgmma, f"{kernel} @ N={N}: no wgmma"
+
+
+def test_down_projection_weights_through_tma(k3_moe_gemms):
+    """GEMM2 (dense w2, MXFP4 code bytes) loads its weight tiles with TMA (cp.async.bulk.tensor) on sm_90a."""
+    for N in (1, 64, 4096):
+        for kernel in ("_moe_gemm2_kernel", "_moe_mxfp4_gemm2_kernel"):
+            assert k3_moe_gemms[(N, kernel)].tma, (kernel, N)
+
+
+def test_packed_prefill_gemms_below_255_registers(k3_moe_gemms):
+    for kernel in MOE_GEMMS[2:]:
+        r = k3_moe_gemms[(4096, kernel)]
+        assert r.regs < 255, (kernel, r.regs)
+
+
+def test_moe_gemms_persistent_in_one_wave(k3_moe_gemms):
+    """Persistent grids: at most SMs × CTAs per SM programs (prefill was 45,744–53,368 CTAs in 135–350 waves)."""
+    for (N, kernel), r in k3_moe_gemms.items():
+        assert r.grid_ctas <= H200.sms * r.ctas_per_sm and r.waves <= 1.0, (kernel, N, r.grid_ctas, r.ctas_per_sm)
+    for kernel in MOE_GEMMS:
+        r = k3_moe_gemms[(4096, kernel)]
+        assert r.grid_ctas == H200.sms * r.ctas_per_sm, (kernel, r.grid_ctas, r.ctas_per_sm)
+
+
+def test_moe_gemm_resource_table_matches_the_compiler(k3_moe_gemms):
+    """The table the persistent grids are sized from is what the compiler produces at K3's configurations."""
+    from k3x.custom_ops.moe import triton as mt
+
+    for N, packed in ((1, False), (4096, False), (1, True), (4096, True)):
+        case = kr.moe_case(N, packed=packed)
+        for x in kr.family_plan(case).select(case.dims).launches:
+            if x.kernel_name not in MOE_GEMMS:
+                continue
+            c = x.constexprs
+            r = k3_moe_gemms[(N, x.kernel_name)]
+            assert mt.GEMM_RESOURCES_SM90[(x.kernel_name, c["BM"], c["BN"], c["BK"], x.num_warps, x.num_stages)] == (
+                r.regs, r.shared), (x.kernel_name, N)

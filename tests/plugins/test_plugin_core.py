@@ -142,8 +142,8 @@ def test_moe_aot_kernels_sm90():
     assert args["_moe_gemm1_kernel"] == (("z", "w1", "w3", "sorted_pair", "block_expert", "h", "NK", "I", "L", "num_m"),
                                          ("*bf16",) * 3 + ("*i32",) * 2 + ("*bf16",) + ("i32",) * 4)
     assert args["_moe_gemm2_kernel"][0] == ("h", "w2", "sorted_pair", "block_expert", "wts", "y", "NK", "I", "L",
-                                            "num_m")
-    assert args["_moe_sum_kernel"] == (("y", "u", "L"), ("*fp32", "*bf16", "i32"))
+                                            "E", "num_m")
+    assert args["_moe_sum_kernel"] == (("y", "u", "L"), ("*bf16", "*bf16", "i32"))  # y in z's dtype
     for k in ks.values():  # routing factor, betas, top_k and tiles are specialised: no float arguments
         assert k.sm == 90 and k.cubin[:4] == b"\x7fELF" and k.n_params == len(k.arg_names) + 2
         assert set(k.arg_types) <= {"*bf16", "*fp32", "*i32", "*i64", "i32"}
@@ -151,6 +151,36 @@ def test_moe_aot_kernels_sm90():
     assert ks["_moe_gemm1_kernel"].divisible == ("z", "w1", "w3", "sorted_pair", "block_expert", "h", "I", "L")
     assert ks["_router_kernel"].divisible == ("x", "gate_weight", "s", "d")
     assert "P" in ks["_moe_align_scan_kernel"].divisible
+
+
+def test_moe_tma_scratch_carved_from_the_workspace():
+    """GEMM2 reads w2 through a TMA descriptor built on the device: 128 B of global scratch per program, which
+    run_plan passes right after the plan's workspace and get_workspace_size counts at the max shape."""
+    from k3x.plugins.adapter import run_plan, scratch_size
+
+    spec = SPECS["MoE"]
+    plan = spec.plan(MOE_DIMS[1], MOE_TYPES, spec.attrs(MOE_ATTRS) | {"sm": 90})
+    kernels = {k.key: k for k in compile_plan(spec, plan, MOE_TYPES, 90, MOE_DIMS)}
+    assert {k.name: k.scratch for k in kernels.values()}["_moe_gemm2_kernel"] == 128
+    assert sum(k.scratch for k in kernels.values()) == 128  # only GEMM2
+    assert aot.unpack(aot.pack(list(kernels.values()), {}))[1][next(
+        k.key for k in kernels.values() if k.scratch)].scratch == 128  # travels in the engine
+    hi = MOE_DIMS[2]
+    gemm2 = next(x for x in plan.variants[0].launches if x.kernel_name == "_moe_gemm2_kernel")
+    assert scratch_size(spec, plan, kernels, MOE_TYPES, hi, 90) == 128 * gemm2.grid(hi)[0]
+
+    class Recorder:
+        calls: list = []
+
+        def launch(self, k, grid, values, stream, scratch=0):
+            self.calls.append((k.name, scratch))
+
+    ptrs = [0x10000 * (i + 1) for i in range(len(spec.ports))]
+    shapes = [(37, 64), (37, 64), (8, 64), (8,), (8, 32, 64), (8, 32, 64), (8, 64, 32), (37, 64)]
+    run_plan(spec, plan, kernels, Recorder(), shapes, MOE_TYPES, ptrs, 0x7F0000000000, 0, 90)
+    end = 0x7F0000000000 + workspace_layout(plan.workspace, spec.dims(shapes[:7]))[1]
+    assert dict(Recorder.calls) == {n: (end if n == "_moe_gemm2_kernel" else 0) for n, _ in Recorder.calls}
+    assert len(Recorder.calls) == 8
 
 
 def test_moe_grids_and_scalars_follow_runtime_n():

@@ -54,8 +54,10 @@ class _InterpretedDriver:
         n = (self.ws.numel() - off) // dt.itemsize
         return self.ws[off:off + n * dt.itemsize].view(dt)
 
-    def launch(self, k, grid, values: dict, stream: int) -> None:
+    def launch(self, k, grid, values: dict, stream: int, scratch: int = 0) -> None:
         from k3x.plugins import aot
+
+        assert bool(scratch) == bool(k.scratch), (k.name, scratch)  # the interpreter makes its own descriptors
 
         grid = tuple(int(g) for g in grid)
         if min(grid) <= 0:

@@ -7,6 +7,7 @@ import torch
 
 from k3x.custom_ops.moe_mxfp4 import reference
 from k3x.custom_ops.moe_mxfp4 import triton as kernels
+from k3x.custom_ops.moe_mxfp4.triton import PORTS
 from tolerances import assert_close
 
 
@@ -35,6 +36,16 @@ def test_packed_moe_matches_reference(N, d, L, I, E, k, act, hot, device):
     assert_close(out, reference.moe(*args), torch.float32, what="u")
 
 
+@pytest.mark.parametrize("block_m, programs", [(16, 2), (64, 3), (128, 1)])
+def test_packed_gemm_orientations_and_persistent_grid(block_m, programs, device):
+    """Swap-AB and plain packed tiles, persistent grids smaller than the tile count, against the reference."""
+    from test_moe_triton import run_with
+
+    args = _inputs(37, 16, 96, 64, 5, hot=2, device=device) + [2, 1.5, True, "silu", 4.0, 25.0]
+    out = run_with(kernels, args, PORTS, {"block_m": block_m, "gemm_programs": programs})
+    assert_close(out, reference.moe(*args), torch.float32, what=f"u BM={block_m}")
+
+
 def test_decode_tile_is_the_codec(device):
     """Every code and scale byte 0 (subnormal 2^-127) .. 252 (6·2^125 still finite) through the packed GEMM2 with
     a one-hot activation: column n of the output is row n of the decoded expert, bit for bit."""
@@ -44,7 +55,7 @@ def test_decode_tile_is_the_codec(device):
     packed = torch.arange(256, dtype=torch.uint8).repeat(L, I // 2 // 256 + 1)[:, : I // 2][None].contiguous()
     scale = (torch.arange(L * I // 32) % 253).to(torch.uint8).reshape(1, L, I // 32)
     want = dequantize(packed, scale)[0]  # [L, I]
-    for i in (0, 77, 255):  # one-hot h rows pick weight column i of every row
+    for i, swap in ((0, False), (77, True), (255, False), (255, True)):  # one-hot h: weight column i (TMA = swap)
         sorted_pair = torch.tensor([0] + [1] * 15, dtype=torch.int32)  # pair 0, then padding (NK = 1)
         block_expert = torch.tensor([0], dtype=torch.int32)
         h = torch.zeros(16, I)
@@ -52,6 +63,37 @@ def test_decode_tile_is_the_codec(device):
         y = torch.empty(1, L, device=device)
         kernels._moe_mxfp4_gemm2_kernel[(1,)](
             h.to(device), packed.to(device), scale.to(device), sorted_pair.to(device), block_expert.to(device),
-            torch.ones(1, device=device), y, 1, I, L, 1,
-            BM=16, BN=32, BK=32, GROUP_M=1, IEEE=True)
-        assert torch.equal(y.cpu()[0], want[:, i]), f"column {i}"
+            torch.ones(1, device=device), y, 1, I, L, 1, 1,
+            BM=16, BN=32, BK=32, GROUP_M=1, IEEE=True, SWAP=swap, SCALED=False, AFMT="fp32", TMA=swap)
+        assert torch.equal(y.cpu()[0], want[:, i]), f"column {i}, swap {swap}"
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_dot_scaled_tile_is_the_codec(swap, device):
+    """The sm_100+ path (`tl.dot_scaled`: E2M1 codes and E8M0 scales straight into the MMA, bf16 activations) on
+    every code byte and scale bytes 1 .. 252, one-hot h: each output column is the decoded weight, bit for bit
+    (every decoded value has at most two significant bits, so bf16 holds it exactly)."""
+    from k3x.custom_ops.moe_mxfp4.codec import dequantize
+
+    L, I = 32, 256  # one expert
+    packed = torch.arange(256, dtype=torch.uint8).repeat(L, 1)[:, : I // 2][None].contiguous()
+    scale = (torch.arange(L * I // 32) % 252 + 1).to(torch.uint8).reshape(1, L, I // 32)
+    want = dequantize(packed, scale)[0]  # [L, I]
+    for i in (0, 77, 255):
+        h = torch.zeros(16, I, dtype=torch.bfloat16)
+        h[0, i] = 1.0
+        y = torch.empty(1, L, dtype=torch.bfloat16, device=device)
+        kernels._moe_mxfp4_gemm2_kernel[(1,)](
+            h.to(device), packed.to(device), scale.to(device),
+            torch.tensor([0] + [1] * 15, dtype=torch.int32, device=device), torch.zeros(1, dtype=torch.int32,
+                                                                                        device=device),
+            torch.ones(1, device=device), y, 1, I, L, 1, 1,
+            BM=16, BN=32, BK=64, GROUP_M=1, IEEE=False, SWAP=swap, SCALED=True, AFMT="bf16", TMA=not swap)
+        assert torch.equal(y.cpu()[0].float(), want[:, i]), f"column {i}"
+
+
+def test_int8_bytes_as_tensorrt_passes_them(device):
+    """TensorRT hands the packed ports over as int8: the same bytes give the same result, bit for bit."""
+    args = _inputs(13, 24, 64, 32, 6, device=device) + [2, 1.5, True, "situ", 4.0, 25.0]
+    signed = [a.view(torch.int8) if torch.is_tensor(a) and a.dtype == torch.uint8 else a for a in args]
+    assert torch.equal(kernels.moe(*signed), kernels.moe(*args))

@@ -36,12 +36,53 @@ def _case(N, d, L, I, E, k, act, hot=None, renorm=True):
     _case(5, 24, 20, 36, 12, 3, "situ"),  # more experts than pairs: most experts empty
     _case(7, 16, 20, 24, 6, 6, "silu"),  # top_k = E: every expert sees every token
     _case(3, 16, 72, 40, 4, 2, "situ"),  # L and I above one 64-wide tile, masked tails
+    _case(11, 16, 24, 18, 5, 2, "situ"),  # w2 rows of 72 bytes: GEMM2 on pointer loads, not TMA
 ])
 def test_moe_matches_reference(N, d, L, I, E, k, act, hot, renorm, device):
     args = _inputs(N, d, L, I, E, hot=hot, device=device) + [k, 1.5, renorm, act, 4.0, 25.0]
     out = kernels.moe(*args)
     assert out.shape == (N, L) and out.dtype == args[1].dtype
     assert_close(out, reference.moe(*args), torch.float32, what="u")
+
+
+def run_with(module, args: list, names: tuple[str, ...], overrides: dict) -> torch.Tensor:
+    """The family's whole plan with `overrides` in its attrs (block_m: rows per block, hence swap-AB below 64;
+    gemm_programs: the persistent GEMMs' grid) -> u."""
+    from k3x.custom_ops.launch import run
+    from k3x.custom_ops.dtypes import dtype_name
+
+    tensors = dict(zip(names, (t.contiguous() for t in args[:len(names)])))
+    z = tensors["z"]
+    tensors["u"] = torch.empty(z.shape[0], z.shape[1], dtype=z.dtype, device=z.device)
+    attrs = kernels._attrs(*args[len(names):]) | overrides
+    d = module.dims([t.shape for t in tensors.values()])
+    plan = module.plan(d, [dtype_name(t.dtype) for t in tensors.values()], attrs)
+    gemms = [x for x in plan.select(d).launches if "gemm" in x.kernel_name]
+    assert [x.constexprs["SWAP"] for x in gemms] == [overrides["block_m"] < kernels.SWAP_BELOW] * 2
+    assert all(x.grid(d)[0] <= overrides["gemm_programs"] for x in gemms)
+    run(plan, tensors, d)
+    return tensors["u"]
+
+
+@pytest.mark.parametrize("block_m, programs", [(16, 1), (16, 3), (64, 2), (128, 5)])
+def test_moe_gemm_orientations_and_persistent_grid(block_m, programs, device):
+    """Swap-AB (BM < 64) and plain tiles, each with a persistent grid smaller than the tile count (every program
+    walks several tiles, including the unused tail blocks), agree with the reference; y in z's dtype."""
+    args = _inputs(70, 16, 72, 40, 5, hot=1, device=device) + [2, 1.5, True, "situ", 4.0, 25.0]
+    names = ("x", "z", "gate_weight", "gate_bias", "w1", "w3", "w2")
+    out = run_with(kernels, args, names, {"block_m": block_m, "gemm_programs": programs})
+    assert_close(out, reference.moe(*args), torch.float32, what=f"u BM={block_m}")
+
+
+def test_moe_misaligned_experts(device):
+    """w3 4 bytes off a 16-byte boundary (a view into a larger buffer): GEMM1 addresses w3's rows from w1's base
+    with an offset declared 16-byte aligned, so the launcher copies such tensors first."""
+    args = _inputs(13, 24, 40, 24, 6, device=device) + [2, 1.5, True, "situ", 4.0, 25.0]
+    buf = torch.empty(args[5].numel() + 1, device=device)
+    buf[1:] = args[5].reshape(-1)
+    args[5] = buf[1:].view_as(args[5])
+    assert args[5].data_ptr() % 16 == 4
+    assert_close(kernels.moe(*args), reference.moe(*args), torch.float32, what="u")
 
 
 @pytest.mark.parametrize("k, renorm", [(1, True), (4, True), (4, False), (9, True)])
@@ -111,3 +152,20 @@ def test_moe_bf16_gpu(N, E, k, device):
     out = kernels.moe(*args)
     assert out.dtype == torch.bfloat16
     assert_close(out, reference.moe(*args), torch.bfloat16, what="bf16 u")
+
+
+def test_gpu_check_moe_steps_run_the_plan(device):
+    """bench/gpu_check's MoE benchmark times the plan's own steps (align, GEMM1, GEMM2, sum) on fixed routing:
+    what it times computes the routed experts."""
+    from k3x.bench.gpu_check_bench import moe_steps
+
+    N, L, I, E, k = 21, 40, 24, 6, 3
+    _, z, _, _, w1, w3, w2 = _inputs(N, 16, L, I, E, device=device)
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(N)]).to(device)
+    wts = torch.rand(N, k, device=device)
+    steps = moe_steps(kernels, z, ids, wts, w1, w3, w2, sm=90)
+    env = steps["experts"]()
+    want = reference.routed_experts(z, ids, wts, E, lambda e: (w1[e], w3[e], w2[e]), "situ", 4.0, 25.0)
+    assert_close(env["u"], want, torch.float32, what="u")
+    for name in ("gemm1", "gemm2"):
+        steps[name]()
