@@ -57,5 +57,6 @@ def eager_generate(model, prompt, options, on_token, cuda_graph: bool):
 
     cfg = dataclasses.replace(model.cfg, max_context=min(prompt.shape[1] + options.max_new_tokens,
                                                          model.cfg.max_position_embeddings))
-    runner = require_cuda_graph(ModuleRunner("eager", model.to("cuda"), cfg, "cuda"), "generate")
+    runner = require_cuda_graph(ModuleRunner("eager", model, cfg, "cuda"), "generate")  # refused without CUDA
+    model.to("cuda")
     return generate(runner, cfg, prompt, options, dtype=model.model.embed_tokens.weight.dtype, on_token=on_token)

@@ -1,0 +1,76 @@
+"""`k3x export --max-context N` (static MLA latent cache) end to end on k3-mini: the manifest states it, the ONNX
+graph has fixed-size latent caches and a `past_length` scalar (ScatterElements writes the new positions),
+`k3x verify` passes for pt2 and ONNX Runtime over prefill + 8 decode steps, requests beyond the capacity are
+refused in one line, GenAI is skipped with its reason, and TensorRT-RTX parses and builds the trt flavor."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import onnx
+import pytest
+from typer.testing import CliRunner
+
+from k3x.cli import app
+from k3x.exporter.artifacts import ExportFolder
+
+runner = CliRunner()
+C = 24
+
+
+@pytest.fixture(scope="module")
+def static_export(tmp_path_factory):
+    from k3x.model import build_model, preset
+    from k3x.model.checkpoint import save_checkpoint
+
+    root = tmp_path_factory.mktemp("static")
+    save_checkpoint(build_model(preset("k3-mini"), seed=0), root / "ckpt", expert_format="dense")
+    r = runner.invoke(app, ["export", "--checkpoint", str(root / "ckpt"), "--out", str(root / "ex"), "--target",
+                            "pt2", "--target", "onnx", "--max-context", str(C)])
+    assert r.exit_code == 0, r.output
+    return root / "ex", r.output
+
+
+def test_manifest_and_onnx_interface(static_export):
+    folder, output = static_export
+    m = ExportFolder.open(folder).manifest
+    assert m["static_cache"] == {"max_context": C, "length_input": "past_length"}
+    assert m["config"]["max_context"] == C and m["io"]["inputs"][-1] == "past_length"
+    assert m["state"][-1] == {"input": "past_length", "output": "present_length", "layer": -1, "kind": "length",
+                              "dims": [], "dtype": "int64"}
+    assert "genai: skipped — a static latent cache (--max-context)" in output and "genai" not in m["artifacts"]
+    g = onnx.load(folder / "model.onnx", load_external_data=False).graph
+    dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in [*g.input, *g.output]}
+    assert dims["past_key_values.2.latent"] == dims["present.2.latent"] == ["batch", C, 32]
+    assert dims["past_length"] == dims["present_length"] == []
+    assert sum(n.op_type == "ScatterElements" for n in g.node) == 3  # one per MLA layer
+
+
+def test_verify_passes_and_long_requests_are_refused(static_export, tmp_path):
+    folder, _ = static_export
+    r = runner.invoke(app, ["verify", str(folder), "--backends", "pt2,ort", "--json", str(tmp_path / "v.json")])
+    assert r.exit_code == 0 and "PASS" in r.output, r.output
+    report = json.loads((tmp_path / "v.json").read_text())
+    assert report["ok"] is True
+    assert {(s["backend"], s["step"]) for s in report["steps"]} == {(b, i) for b in ("pt2", "ort") for i in range(9)}
+    assert all("present_length" in s["outputs"] and "present.5.latent" in s["outputs"] for s in report["steps"])
+    r = runner.invoke(app, ["verify", str(folder), "--backends", "pt2", "--prompt-len", "20", "--steps", "5"])
+    assert r.exit_code == 1
+    assert r.output.strip().splitlines()[-1] == (
+        f"error: prompt length 20 + 5 decode steps = 25 positions: over the static latent cache (max_context={C}, "
+        "set at export); use a shorter request or re-export with a larger --max-context")
+
+
+@pytest.mark.trt
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt_rtx_bindings") is None
+                    and importlib.util.find_spec("tensorrt_rtx") is None, reason="TensorRT-RTX not installed")
+def test_trt_rtx_builds_the_static_cache_engine(static_export):
+    from test_trt_rtx_build import _build
+
+    folder, _ = static_export
+    r = _build(folder)
+    assert r.returncode == 0, r.stdout + r.stderr
+    shapes = json.loads((folder / "model.engine.json").read_text())["input_shapes"]
+    assert shapes["past_length"] == [[], [], []]
+    assert shapes["past_key_values.5.latent"] == [[1, C, 32], [1, C, 32], [64, C, 32]]
