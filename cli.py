@@ -241,6 +241,8 @@ def export(
     from .exporter.export import ExportOptions, export as run_export
     from .exporter.staging import FolderError
 
+    if tp * ep > 1 and max_context is not None:
+        fail("--max-context: the static latent cache is not available for rank programs (--tp/--ep > 1)")
     try:
         options = ExportOptions(tuple(target), out, preset, checkpoint, not no_weights, dtype, seed, kernels,
                                 expert_format, max_context)

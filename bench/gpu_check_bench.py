@@ -194,10 +194,28 @@ def decode_tokens(runners, runner, cfg, dtype, device: str) -> tuple[float, obje
     return (time.perf_counter() - t0) * 1e3 / STEPS, torch.cat(toks, -1).cpu()
 
 
+def _graph_runners(m, ctx, cfg, model):
+    """(name, plain runner) pairs of one case: the pt2 program on CUDA, and with a static cache outside --quick
+    an AOTInductor package compiled for CUDA (the aoti runner's graph path; compiling takes ~30-60 s)."""
+    import tempfile
+    from pathlib import Path
+
+    ep = m["trace"].trace(model)
+    yield "pt2", m["runners"].ModuleRunner("pt2", ep.module(), cfg, "cuda")
+    if cfg.max_context is None or ctx.quick or ctx.time_left() < 60:
+        return
+    from k3x.exporter.aoti import compile_aoti, load_aoti
+
+    with tempfile.TemporaryDirectory() as tmp:
+        package = compile_aoti(ep, Path(tmp) / "model.aoti.pt2")
+        yield "aoti", m["runners"].ModuleRunner("aoti", load_aoti(package), cfg, "cuda")
+
+
 def bench_decode_graph(ctx) -> list:
-    """Per-token decode latency of the pt2 program (kernels=triton, bf16, B=1) on CUDA with and without
-    CUDA graphs (exporter/cuda_graph.py), greedy tokens compared, for the cases of `decode_graph_cases`;
-    with the static cache the section also checks that one graph was captured and replayed every step."""
+    """Per-token decode latency (kernels=triton, bf16, B=1) on CUDA with and without CUDA graphs
+    (exporter/cuda_graph.py), greedy tokens compared, for the cases of `decode_graph_cases` and the runners of
+    `_graph_runners`; with the static cache the section also checks that one graph was captured and replayed
+    every step."""
     gc = sys.modules[type(ctx).__module__]  # bench/gpu_check.py, run as __main__ or imported
     if not ctx.bench:
         return []
@@ -213,22 +231,23 @@ def bench_decode_graph(ctx) -> list:
             continue
         cfg = dataclasses.replace(cfg, kernels=m["Kernels"].TRITON)
         model = m["build_model"](cfg, device="cuda", dtype=torch.bfloat16, seed=0)
-        plain = m["runners"].ModuleRunner("pt2", m["trace"].trace(model).module(), cfg, "cuda")
-        graphed, how = m["cuda_graph"].maybe_graphed(plain)
-        res, tokens = {}, {}
-        for name, runner in (("eager_launches", plain), ("cuda_graph", graphed)):
-            res[f"{name}_ms_per_token"], tokens[name] = decode_tokens(m["runners"], runner, cfg, torch.bfloat16,
-                                                                      "cuda")
-        res["speedup"] = res["eager_launches_ms_per_token"] / res["cuda_graph_ms_per_token"]
-        stats = dict(getattr(graphed, "stats", {}))
-        note = f"{how}; {stats}"
-        out.append(gc.Result(f"decode graph {tag} B1", "bench", None, res, note))
-        out.append(gc.Result(f"decode graph {tag} same tokens", "parity",
-                             bool(torch.equal(tokens["eager_launches"], tokens["cuda_graph"])), note=note))
-        if cfg.max_context is not None:  # the point of the static cache: decode steps replay one graph
-            out.append(gc.Result(f"decode graph {tag} replayed", "parity",
-                                 stats.get("captured") == 1 and stats.get("replayed", 0) >= STEPS, note=note))
-        del model, plain, graphed
+        for kind, plain in _graph_runners(m, ctx, cfg, model):
+            graphed, how = m["cuda_graph"].maybe_graphed(plain)
+            res, tokens = {}, {}
+            for name, runner in (("eager_launches", plain), ("cuda_graph", graphed)):
+                res[f"{name}_ms_per_token"], tokens[name] = decode_tokens(m["runners"], runner, cfg, torch.bfloat16,
+                                                                          "cuda")
+            res["speedup"] = res["eager_launches_ms_per_token"] / res["cuda_graph_ms_per_token"]
+            stats = dict(getattr(graphed, "stats", {}))
+            note, name = f"{how}; {stats}", f"decode graph {kind} {tag}"
+            out.append(gc.Result(f"{name} B1", "bench", None, res, note))
+            out.append(gc.Result(f"{name} same tokens", "parity",
+                                 bool(torch.equal(tokens["eager_launches"], tokens["cuda_graph"])), note=note))
+            if cfg.max_context is not None:  # the point of the static cache: decode steps replay one graph
+                out.append(gc.Result(f"{name} replayed", "parity",
+                                     stats.get("captured") == 1 and stats.get("replayed", 0) >= STEPS, note=note))
+            del plain, graphed
+        del model
     return out
 
 

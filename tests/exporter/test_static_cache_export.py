@@ -74,3 +74,14 @@ def test_trt_rtx_builds_the_static_cache_engine(static_export):
     shapes = json.loads((folder / "model.engine.json").read_text())["input_shapes"]
     assert shapes["past_length"] == [[], [], []]
     assert shapes["past_key_values.5.latent"] == [[1, C, 32], [1, C, 32], [64, C, 32]]
+
+
+@pytest.mark.parametrize("args,line", [
+    (["--max-context", "16", "--tp", "2"],
+     "error: --max-context: the static latent cache is not available for rank programs (--tp/--ep > 1)"),
+    (["--max-context", "5000"], "error: max_context=5000: must be None or in [1, max_position_embeddings=4096]"),
+])
+def test_bad_max_context_is_refused_before_tracing(tmp_path, args, line):
+    r = runner.invoke(app, ["export", "--preset", "k3-mini", "--out", str(tmp_path / "ex"), *args])
+    assert r.exit_code == 1 and r.output.strip().splitlines()[-1] == line, r.output
+    assert not (tmp_path / "ex").exists()
