@@ -10,6 +10,7 @@ import json
 
 import onnx
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from k3x.cli import app
@@ -85,3 +86,36 @@ def test_bad_max_context_is_refused_before_tracing(tmp_path, args, line):
     r = runner.invoke(app, ["export", "--preset", "k3-mini", "--out", str(tmp_path / "ex"), *args])
     assert r.exit_code == 1 and r.output.strip().splitlines()[-1] == line, r.output
     assert not (tmp_path / "ex").exists()
+
+
+def test_pt2_program_with_static_cache_replays_one_graph(static_export):
+    """The exported program itself (not the eager model) has one key per decode step: with the graph emulated
+    on CPU (tests/exporter/test_cuda_graph.Emulated) it is captured once and replayed, tokens unchanged."""
+    from test_cuda_graph import Emulated
+
+    from k3x.exporter.runners import make_runner, next_feeds, start_feeds
+
+    folder, _ = static_export
+    cfg = ExportFolder.open(folder).config()
+    plain, graphed = make_runner("pt2", folder), Emulated(make_runner("pt2", folder))
+    seqs = []
+    for r in (plain, graphed):
+        out, toks = r.infer(start_feeds(cfg, torch.tensor([[3, 1, 4, 1, 5]]))), []
+        for _ in range(8):
+            toks.append(out["logits"][:, -1].argmax(-1, keepdim=True))
+            out = r.infer(next_feeds(cfg, out, toks[-1]))
+        seqs.append(torch.cat(toks, -1))
+    assert torch.equal(seqs[0], seqs[1])
+    assert graphed.stats == {"captured": 1, "replayed": 7, "eager": 2, "capture_failed": 0}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_cuda_graph_flag_is_refused_in_one_line_without_cuda(static_export):
+    folder, _ = static_export
+    want = "no CUDA device (torch.cuda.is_available() is False)"
+    for args, what in ((["run", str(folder), "--backend", "pt2"], "backend pt2"),
+                       (["verify", str(folder), "--backends", "pt2"], "backend pt2"),
+                       (["generate", "--checkpoint", str(folder.parent / "ckpt")], "generate")):
+        r = runner.invoke(app, [*args, "--cuda-graph"])
+        assert r.exit_code == 1, r.output
+        assert r.output.strip().splitlines()[-1] == f"error: --cuda-graph: {what}: {want}", r.output
