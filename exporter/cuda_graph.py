@@ -117,10 +117,10 @@ def cuda_graph_unavailable(runner) -> str | None:
     if getattr(runner, "module", None) is None:
         return f"runner {name} is neither a torch module nor a TensorRT engine (ONNX Runtime: use its own " \
                "enable_cuda_graph session option)"
-    device = getattr(runner, "device", "cpu")
+    device = getattr(runner, "device", None)
     if device != "cuda":
         what = "its package was compiled for" if name == "aoti" else "it runs on"
-        return f"runner {name}: {what} {device}, graphs need CUDA"
+        return f"runner {name}: {what} {device or 'an unnamed device'}, graphs need CUDA"
     return None
 
 

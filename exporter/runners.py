@@ -50,9 +50,9 @@ class RunnerOptions:
 class ModuleRunner:
     """Eager PyTorch model or an ExportedProgram's module: flat state list in, flat state list out."""
 
-    def __init__(self, name: str, module: Callable, cfg, device: str = "cpu") -> None:
+    def __init__(self, name: str, module: Callable, cfg, device: str | None = None) -> None:
         self.name, self.module, self.specs = name, module, state_specs(cfg)
-        self.device = device  # where the module runs; feeds elsewhere are moved there
+        self.device = device  # where the module runs; feeds elsewhere are moved there (None: fed as given)
 
     @torch.no_grad()
     def infer(self, feeds: Feeds) -> Feeds:
@@ -60,7 +60,7 @@ class ModuleRunner:
         if missing:
             raise RunnerError(f"{self.name}: missing feed(s) {missing}")
         ids, past = feeds["input_ids"], [feeds[s.input_name] for s in self.specs]
-        if any(t.device.type != self.device for t in [ids, *past]):
+        if self.device is not None and any(t.device.type != self.device for t in [ids, *past]):
             ids, past = ids.to(self.device), [t.to(self.device) for t in past]
         logits, present = self.module(ids, past)
         out = {"logits": logits, **{s.output_name: t for s, t in zip(self.specs, present)}}
