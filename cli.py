@@ -10,6 +10,7 @@ import typer
 
 from .cli_decode import Chat, MaxNewTokens, PromptIds, PromptText, Seed, Temperature, TopK, TopP
 from .cli_parallel import EP, TP, FitBatch, FitContext, inspect_parallel
+from .cli_runner import CudaGraph, MaxContext, SkipHashCheck, eager_generate, reference_options, runner_options
 from .cli_support import App, Progress, default_backends as _default_backends, export_folder as _export_folder, \
     fail, load_ids_npy, one_line
 from .exporter.export import DType, ExpertFormat, KernelChoice, Target
@@ -113,6 +114,7 @@ def generate(
     top_k: TopK = 0,
     top_p: TopP = 1.0,
     seed: Seed = None,
+    cuda_graph: CudaGraph = False,
 ) -> None:
     """Decode with the eager PyTorch model (prefill, then decode steps carrying state); greedy by default.
     Prints text as it comes when the checkpoint has a tokenizer."""
@@ -120,7 +122,6 @@ def generate(
 
     from .cli_decode import Printer, Sampling, prepare
     from .exporter.runners import RunnerError, check_request
-    from .model.generate import generate as eager_generate
 
     cfg = config_or_fail(None, checkpoint)
     p = prepare(checkpoint, cfg.vocab_size, prompt, prompt_ids, chat,
@@ -132,10 +133,10 @@ def generate(
     model = load_model_or_fail(checkpoint)
     printer = Printer(p.tokenizer)
     try:
-        g = eager_generate(model, torch.tensor([p.ids]), p.options, on_token=printer)
-    except ValueError as e:
-        fail(f"generate: {one_line(e)}")
-    printer.finish(g, len(p.ids), "eager, cpu")
+        g = eager_generate(model, torch.tensor([p.ids]), p.options, printer, cuda_graph)
+    except (ValueError, RunnerError) as e:
+        fail(str(e) if isinstance(e, RunnerError) else f"generate: {one_line(e)}")
+    printer.finish(g, len(p.ids), "eager, cuda graph" if cuda_graph else "eager, cpu")
 
 
 @app.command()
@@ -148,7 +149,7 @@ def logits(
                        ] = "eager",
     export_dir: Annotated[Optional[Path], typer.Option(help="Export folder (backends pt2, ort).")] = None,
     provider: Annotated[str, typer.Option(help="ONNX Runtime provider: auto, cuda, cpu.")] = "auto",
-    skip_hash_check: Annotated[bool, typer.Option("--skip-hash-check", help=SKIP_HASH_HELP)] = False,
+    skip_hash_check: SkipHashCheck = False,
 ) -> None:
     """Full-sequence logits, for parity checks by anyone."""
     import numpy as np
@@ -161,7 +162,7 @@ def logits(
     ids = np.array([parse_ids(input_ids, "--input-ids")]) if input_ids else load_ids_npy(batch_file)
     if backend != "eager":
         result = _export_logits(backend, export_dir, torch.from_numpy(ids.astype(np.int64)),
-                                _runner_options(provider, skip_hash_check))
+                                runner_options(provider, skip_hash_check))
     else:
         from .exporter.runners import RunnerError, check_request
 
@@ -201,18 +202,6 @@ def _export_logits(backend: str, export_dir: Path | None, ids, options):
         fail(f"backend {backend}: {one_line(e)}")
 
 
-SKIP_HASH_HELP = "Do not sha256 the artifact files before loading (huge files; paths and sizes are still checked)."
-
-
-def _runner_options(provider: str, skip_hash_check: bool, checkpoint: Path | None = None):
-    from .exporter.runners import RunnerOptions
-
-    if skip_hash_check:
-        typer.echo("note: sha256 check of the artifact files skipped (--skip-hash-check); AOTI packages are "
-                   "still checked", err=True)
-    return RunnerOptions(provider=provider, checkpoint=checkpoint, check_hashes=not skip_hash_check)
-
-
 def save_npy_atomic(path: Path, array) -> None:
     import io
 
@@ -242,6 +231,7 @@ def export(
     tp: TP = 1,
     ep: EP = 1,
     expert_format: Annotated[Optional[ExpertFormat], typer.Option(help="mxfp4 (packed) or dense experts.")] = None,
+    max_context: MaxContext = None,
 ) -> None:
     """Trace the model once (torch.export) and write the target's artifacts plus manifest.json."""
     import errno
@@ -251,9 +241,11 @@ def export(
     from .exporter.export import ExportOptions, export as run_export
     from .exporter.staging import FolderError
 
+    if tp * ep > 1 and max_context is not None:
+        fail("--max-context: the static latent cache is not available for rank programs (--tp/--ep > 1)")
     try:
         options = ExportOptions(tuple(target), out, preset, checkpoint, not no_weights, dtype, seed, kernels,
-                                expert_format)
+                                expert_format, max_context)
         if tp * ep > 1:  # rank programs (cli_parallel.py); tp = ep = 1 is the single program
             return export_sharded(options, tp, ep, out)
         with Progress() as progress:
@@ -313,7 +305,8 @@ def run(
     seed: Seed = None,
     provider: Annotated[str, typer.Option(help="ONNX Runtime provider: auto (CUDA if it initialises), cuda, cpu.")
                         ] = "auto",
-    skip_hash_check: Annotated[bool, typer.Option("--skip-hash-check", help=SKIP_HASH_HELP)] = False,
+    skip_hash_check: SkipHashCheck = False,
+    cuda_graph: CudaGraph = False,
 ) -> None:
     """Decode with an exported artifact: prefill, then decode steps carrying state; greedy by default.
     Prints text as it comes when the export folder has a tokenizer."""
@@ -333,7 +326,7 @@ def run(
     try:
         check_request(cfg, batch=1, prompt_len=len(p.ids), new_tokens=max_new_tokens, backend=backend,
                       dims=None if backend == "eager" else folder.manifest["dynamic_dims"])
-        runner = make_runner(backend, export_dir, _runner_options(provider, skip_hash_check))
+        runner = make_runner(backend, export_dir, runner_options(provider, skip_hash_check, cuda_graph=cuda_graph))
         typer.echo(f"backend {backend}" + (f" on {runner.provider}" if hasattr(runner, "provider") else ""))
         printer = Printer(p.tokenizer)
         g = run_generate(runner, cfg, torch.tensor([p.ids]), p.options, dtype=folder.dtype(), on_token=printer)
@@ -357,7 +350,8 @@ def verify(
                           ] = None,
     provider: Annotated[str, typer.Option(help="ONNX Runtime provider: auto, cuda, cpu.")] = "auto",
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the report as JSON.")] = None,
-    skip_hash_check: Annotated[bool, typer.Option("--skip-hash-check", help=SKIP_HASH_HELP)] = False,
+    skip_hash_check: SkipHashCheck = False,
+    cuda_graph: CudaGraph = False,
 ) -> None:
     """Parity of every backend vs the eager reference over prefill + decode steps; exit 1 on any failure."""
     import json
@@ -372,12 +366,12 @@ def verify(
     names = [b.strip() for b in backends.split(",") if b.strip()] or _default_backends(folder)
     if not names:
         fail(f"{export_dir}: no runnable artifact (exported with --no-weights?); name runners with --backends")
-    options = _runner_options(provider, skip_hash_check, checkpoint)
+    options = runner_options(provider, skip_hash_check, checkpoint, cuda_graph)
     try:
         for n in ["eager"] + names:
             check_request(folder.config(), batch=batch, prompt_len=prompt_len, new_tokens=steps + 1, backend=n,
                           dims=None if n == "eager" else folder.manifest["dynamic_dims"])
-        reference = make_runner("eager", export_dir, options)
+        reference = make_runner("eager", export_dir, reference_options(options))
         runners = [make_runner(n, export_dir, options) for n in names]
         report = run_parity(reference, runners, folder.config(), steps=steps, batch=batch, prompt_len=prompt_len,
                             dtype=folder.dtype(), seed=seed)

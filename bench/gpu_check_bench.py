@@ -180,53 +180,95 @@ def bench_moe(ctx) -> list:
     return [gc.Result(f"moe experts N{N}-k{k}-E{E}-L{L}-I{I}", "bench", None, m, note)]
 
 
-def bench_decode_graph(ctx) -> list:
-    """Per-token decode latency of the pt2 program (kernels=triton, bf16, B=1) on CUDA with and without
-    CUDA graphs (exporter/cuda_graph.py), greedy tokens compared: k3-mini (hybrid: its MLA cache grows every
-    step, so graphs never apply — the figure shows the limit) and a KDA-only variant (one graph replayed)."""
-    gc = sys.modules[type(ctx).__module__]  # bench/gpu_check.py, run as __main__ or imported
-    if not ctx.bench:
-        return []
+PROMPT, STEPS, WARMUP = 16, 32, 4  # decode graph section: tokens of the prompt, timed steps, untimed steps
+
+
+def decode_graph_cases(base) -> list:
+    """(tag, config) of the graph section: hybrid `base` with the static latent cache sized to the run (one
+    shape per decode step: one graph captured, then replayed), and with the growing cache (never replays)."""
     import dataclasses
+
+    capacity = PROMPT + WARMUP + STEPS
+    return [(f"{base.name}-static-C{capacity}", dataclasses.replace(base, max_context=capacity)),
+            (f"{base.name}-growing", base)]
+
+
+def decode_tokens(runners, runner, cfg, dtype, device: str) -> tuple[float, object]:
+    """(ms per timed decode step, greedy tokens [1, WARMUP + STEPS]) of `runner` from a PROMPT-token prefill."""
     import time
 
     import torch
 
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    feeds = {n: t.to(device) for n, t in runners.start_feeds(cfg, torch.ones(1, PROMPT, dtype=torch.long),
+                                                             dtype).items()}
+    o = runner.infer(feeds)
+    toks, t0 = [], 0.0
+    for i in range(STEPS + WARMUP):  # warm-up steps: Triton compiles, the graph is captured
+        if i == WARMUP:
+            sync()
+            t0 = time.perf_counter()
+        tok = o["logits"][:, -1:].argmax(-1)
+        toks.append(tok)
+        o = runner.infer(runners.next_feeds(cfg, o, tok))
+    sync()
+    return (time.perf_counter() - t0) * 1e3 / STEPS, torch.cat(toks, -1).cpu()
+
+
+def _graph_runners(m, ctx, cfg, model):
+    """(name, plain runner) pairs of one case: the pt2 program on CUDA, and with a static cache outside --quick
+    an AOTInductor package compiled for CUDA (the aoti runner's graph path; compiling takes ~30-60 s)."""
+    import tempfile
+    from pathlib import Path
+
+    ep = m["trace"].trace(model)
+    yield "pt2", m["runners"].ModuleRunner("pt2", ep.module(), cfg, "cuda")
+    if cfg.max_context is None or ctx.quick or ctx.time_left() < 60:
+        return
+    from k3x.exporter.aoti import compile_aoti, load_aoti
+
+    with tempfile.TemporaryDirectory() as tmp:
+        package = compile_aoti(ep, Path(tmp) / "model.aoti.pt2")
+        yield "aoti", m["runners"].ModuleRunner("aoti", load_aoti(package), cfg, "cuda")
+
+
+def bench_decode_graph(ctx) -> list:
+    """Per-token decode latency (kernels=triton, bf16, B=1) on CUDA with and without CUDA graphs
+    (exporter/cuda_graph.py), greedy tokens compared, for the cases of `decode_graph_cases` and the runners of
+    `_graph_runners`; with the static cache the section also checks that one graph was captured and replayed
+    every step."""
+    gc = sys.modules[type(ctx).__module__]  # bench/gpu_check.py, run as __main__ or imported
+    if not ctx.bench:
+        return []
+    import dataclasses
+
+    import torch
+
     m = imports()
-    base = m["preset"]("k3-mini")
     out = []
-    for tag, cfg in (("k3-mini", base), ("k3-mini-kda-only", dataclasses.replace(
-            base, layer_types=("kda",) * len(base.layer_types)))):
+    for tag, cfg in decode_graph_cases(m["preset"]("k3-mini")):
         if ctx.time_left() < 15:
             out.append(gc.Result(f"decode graph {tag}", "info", None, note="skipped: section budget"))
             continue
         cfg = dataclasses.replace(cfg, kernels=m["Kernels"].TRITON)
         model = m["build_model"](cfg, device="cuda", dtype=torch.bfloat16, seed=0)
-        plain = m["runners"].ModuleRunner("pt2", m["trace"].trace(model).module(), cfg)
-        graphed, how = m["cuda_graph"].maybe_graphed(plain)
-        res, tokens = {}, {}
-        for name, runner in (("eager_launches", plain), ("cuda_graph", graphed)):
-            feeds = {n: t.cuda() for n, t in m["runners"].start_feeds(cfg, torch.ones(1, 16, dtype=torch.long),
-                                                                     torch.bfloat16).items()}
-            o = runner.infer(feeds)
-            toks, steps, t0 = [], 32, 0.0
-            for i in range(steps + 4):  # 4 warm-up steps: Triton compiles, the graph is captured
-                if i == 4:
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                tok = o["logits"][:, -1:].argmax(-1)
-                toks.append(tok)
-                o = runner.infer(m["runners"].next_feeds(cfg, o, tok))
-            torch.cuda.synchronize()
-            res[f"{name}_ms_per_token"] = (time.perf_counter() - t0) * 1e3 / steps
-            tokens[name] = torch.cat(toks, -1).cpu()
-        res["speedup"] = res["eager_launches_ms_per_token"] / res["cuda_graph_ms_per_token"]
-        stats = getattr(graphed, "stats", {})
-        note = f"{how}; {stats}"
-        out.append(gc.Result(f"decode graph {tag} B1", "bench", None, res, note))
-        out.append(gc.Result(f"decode graph {tag} same tokens", "parity",
-                             bool(torch.equal(tokens["eager_launches"], tokens["cuda_graph"])), note=note))
-        del model, plain, graphed
+        for kind, plain in _graph_runners(m, ctx, cfg, model):
+            graphed, how = m["cuda_graph"].maybe_graphed(plain)
+            res, tokens = {}, {}
+            for name, runner in (("eager_launches", plain), ("cuda_graph", graphed)):
+                res[f"{name}_ms_per_token"], tokens[name] = decode_tokens(m["runners"], runner, cfg, torch.bfloat16,
+                                                                          "cuda")
+            res["speedup"] = res["eager_launches_ms_per_token"] / res["cuda_graph_ms_per_token"]
+            stats = dict(getattr(graphed, "stats", {}))
+            note, name = f"{how}; {stats}", f"decode graph {kind} {tag}"
+            out.append(gc.Result(f"{name} B1", "bench", None, res, note))
+            out.append(gc.Result(f"{name} same tokens", "parity",
+                                 bool(torch.equal(tokens["eager_launches"], tokens["cuda_graph"])), note=note))
+            if cfg.max_context is not None:  # the point of the static cache: decode steps replay one graph
+                out.append(gc.Result(f"{name} replayed", "parity",
+                                     stats.get("captured") == 1 and stats.get("replayed", 0) >= STEPS, note=note))
+            del plain, graphed
+        del model
     return out
 
 

@@ -139,7 +139,9 @@ def init_manifest(out_dir: str | Path, cfg: K3Config, *, dtype: torch.dtype, wei
         "io": {"inputs": ["input_ids"] + [s.input_name for s in specs],
                "outputs": ["logits"] + [s.output_name for s in specs]},
         "state": [{"input": s.input_name, "output": s.output_name, "layer": s.layer, "kind": s.kind,
-                   "dims": list(s.dims), "dtype": "fp32" if s.fp32 else dtype_name(dtype)} for s in specs],
+                   "dims": list(s.dims), "dtype": dtype_name(s.dtype(dtype))} for s in specs],
+        "static_cache": None if cfg.max_context is None else {"max_context": cfg.max_context,
+                                                              "length_input": "past_length"},
         "artifacts": {},
     }
     _write_json_atomic(out / MANIFEST, data)

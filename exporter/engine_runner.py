@@ -5,6 +5,9 @@ another SM or TensorRT version (`trt.check_engine_meta`). The k3 plugin creators
 paths recorded at build time (AOT plugins load their embedded cubins through the CUDA driver; JIT plugins
 call the Triton launchers through torch). State I/O: `past.*` feeds in, `present.*` outputs out, all on
 the GPU; output shapes come from the execution context once the input shapes are set.
+`enqueue` is the capturable step (no sync, the caller's stream) that `--cuda-graph` records into a CUDA graph
+with the static bindings of exporter/cuda_graph.py; `infer` is the same step on the runner's own stream,
+synchronised, with plugin failures reported.
 """
 
 from __future__ import annotations
@@ -48,8 +51,9 @@ class TrtRunner:
         self.dtypes = {n: _torch_dtype(trt, self.engine.get_tensor_dtype(n)) for n in names}
         self.stream = torch.cuda.Stream()
 
-    @torch.no_grad()
-    def infer(self, feeds: dict[str, Tensor]) -> dict[str, Tensor]:
+    def _bind(self, feeds: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """(inputs as bound, fresh output buffers): shapes set and every tensor address given to the context.
+        CUDA tensors of the engine's dtypes are bound as they are (no copy: a graph's static buffers)."""
         missing, extra = sorted(set(self.inputs) - set(feeds)), sorted(set(feeds) - set(self.inputs))
         if missing or extra:
             raise RunnerError(f"trt: feeds do not match the engine inputs: missing {missing}, unexpected {extra}")
@@ -67,13 +71,31 @@ class TrtRunner:
         for n in self.outputs:
             outs[n] = torch.empty(tuple(self.context.get_tensor_shape(n)), dtype=self.dtypes[n], device="cuda")
             self.context.set_tensor_address(n, outs[n].data_ptr())
+        return live, outs
+
+    def _execute(self, stream: int) -> None:
+        if not self.context.execute_async_v3(stream):
+            raise RunnerError("trt: execute_async_v3 failed (see TensorRT's log)")
+
+    @torch.no_grad()
+    def infer(self, feeds: dict[str, Tensor]) -> dict[str, Tensor]:
+        live, outs = self._bind(feeds)
         self._errors.clear()
         self.stream.wait_stream(torch.cuda.current_stream())
-        if not self.context.execute_async_v3(self.stream.cuda_stream):
-            raise RunnerError("trt: execute_async_v3 failed (see TensorRT's log)")
+        self._execute(self.stream.cuda_stream)
         self.stream.synchronize()
+        del live
         if self._errors:
             raise RunnerError("trt: plugin failures: " + "; ".join(self._errors))
+        return outs
+
+    @torch.no_grad()
+    def enqueue(self, feeds: dict[str, Tensor]) -> dict[str, Tensor]:
+        """One step enqueued on the current stream with no host synchronisation: what a CUDA graph captures
+        (exporter/cuda_graph.py). `feeds` must stay alive (the graph's static buffers); plugin errors of a
+        replayed graph are not reported (the plugins' host-side checks ran at the warm-up and capture)."""
+        _, outs = self._bind(feeds)
+        self._execute(torch.cuda.current_stream().cuda_stream)
         return outs
 
 

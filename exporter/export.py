@@ -76,6 +76,7 @@ class ExportOptions:
     seed: int = 0  # random init of a preset with weights
     kernels: KernelChoice = KernelChoice.REFERENCE  # k3 custom-op implementation in the traced program
     expert_format: ExpertFormat | None = None  # routed experts: None = as the checkpoint stores them (presets: dense)
+    max_context: int | None = None  # static MLA latent cache of this many positions (model/state.py); None = growing
 
     def __post_init__(self) -> None:
         if (self.preset is None) == (self.checkpoint is None):
@@ -219,7 +220,8 @@ def _load(options: ExportOptions, dtype: torch.dtype, *, stream: bool = False
     fmt = None if options.expert_format is None else ExpertFormat(options.expert_format).value
 
     if options.checkpoint is None:
-        cfg = dataclasses.replace(preset(options.preset), kernels=kernels, expert_format=fmt or "dense")
+        cfg = dataclasses.replace(preset(options.preset), kernels=kernels, expert_format=fmt or "dense",
+                                  max_context=options.max_context)
         if options.weights:
             _check_fits_in_memory(cfg, dtype)
         seed = options.seed if options.weights else None
@@ -227,7 +229,8 @@ def _load(options: ExportOptions, dtype: torch.dtype, *, stream: bool = False
         return cfg, lambda: build_model(cfg, device=device, dtype=dtype, seed=seed), None
     from ..model.checkpoint import checkpoint_config
 
-    cfg = dataclasses.replace(checkpoint_config(options.checkpoint, fmt), kernels=kernels)
+    cfg = dataclasses.replace(checkpoint_config(options.checkpoint, fmt), kernels=kernels,
+                              max_context=options.max_context)
     if not options.weights:  # the graph depends on the config alone; no need to hash the shards
         return cfg, lambda: build_model(cfg, device="meta", dtype=dtype, seed=None), None
     from ..model.checkpoint import checkpoint_hash, load_checkpoint
@@ -268,7 +271,7 @@ def export(options: ExportOptions, progress: Progress | None = None) -> ExportRe
         with _timed("model", progress, timings):
             model = build()
         with _timed("trace", progress, timings):
-            ep = trace(model)
+            ep = trace(model, cfg=cfg)
         with _timed("manifest", progress, timings):
             artifacts.init_manifest(work, cfg, dtype=dtype, weights=options.weights, op_counts=op_counts(ep),
                                     checkpoint=options.checkpoint, checkpoint_hash=ckpt_hash)

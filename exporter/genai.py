@@ -21,6 +21,13 @@ How the k3x model meets GenAI's contract (onnxruntime-genai 0.18, its generic de
   dynamic-dim bounds; greedy search defaults. Without an EOS id (no tokenizer, no generation config) the
   package is skipped with a note: GenAI refuses a config without one. The provider list is empty (CPU); add CUDA with
   `config.append_provider("cuda")`.
+- Static latent cache (`--max-context`): no package; the export notes why in one line (`STATIC_CACHE_NOTE`).
+  GenAI's `past_present_share_buffer: true` preallocates [batch, kv_heads, max_length, head_size] and binds it
+  as both the past input and the present output, but it tells the model the filled length only through its
+  attention-mask / `seqlens_k` + `total_sequence_length` conventions (which of them depends on the model type
+  and GenAI version), and relies on the attention op updating the buffer in place (GroupQueryAttention). The
+  k3x graph takes a `past_length` scalar and scatters into a fresh output, so mapping it onto the shared buffer
+  would be unverified on this machine (no onnxruntime-genai installed): refused rather than guessed.
 """
 
 from __future__ import annotations
@@ -40,6 +47,14 @@ GENAI_CONFIG = "genai_config.json"
 MODEL_TYPE = "llama"  # GenAI's generic decoder-only pipeline
 KEY, VALUE = "past_key_values.%d.key", "past_key_values.%d.value"
 PRESENT_KEY, PRESENT_VALUE = "present.%d.key", "present.%d.value"
+STATIC_CACHE_NOTE = ("genai: skipped — a static latent cache (--max-context) has a past_length input that "
+                     "onnxruntime-genai does not feed (its past_present_share_buffer needs GroupQueryAttention's "
+                     "in-place KV update); export without --max-context for a GenAI package")
+
+
+def _no_static_cache(cfg: K3Config) -> None:
+    if cfg.max_context is not None:
+        raise ValueError(STATIC_CACHE_NOTE.removeprefix("genai: skipped — "))
 
 
 def half_latent(cfg: K3Config) -> int:
@@ -59,6 +74,7 @@ def _int64(graph: ir.Graph, name: str, values: list[int]) -> ir.Value:
 
 def wrap_for_genai(model: ir.Model, cfg: K3Config) -> None:
     """Rewrite the MLA latent I/O of an ort-flavor model into GenAI's key/value pairs, in place."""
+    _no_static_cache(cfg)
     g, half = model.graph, half_latent(cfg)
     latent = {s.layer for s in state_specs(cfg) if s.kind == "latent"}
     axis1 = _int64(g, "genai.axis1", [1])
@@ -100,6 +116,7 @@ def wrap_for_genai(model: ir.Model, cfg: K3Config) -> None:
 
 
 def genai_config(cfg: K3Config, bos: int | None, eos: tuple[int, ...]) -> dict:
+    _no_static_cache(cfg)
     context = min(cfg.max_position_embeddings, DYNAMIC_DIMS["past_seq"].max)
     eos_value: int | list[int] = list(eos) if len(eos) > 1 else eos[0]
     return {
@@ -153,6 +170,8 @@ def genai_stage(out_dir: Path, cfg: K3Config, ort_file: str, final_dir: Path | N
 
     out_dir = Path(out_dir)
     shown = Path(final_dir or out_dir)
+    if cfg.max_context is not None:
+        return STATIC_CACHE_NOTE
     half_latent(cfg)  # refuse before reading the model
     bos, eos = _token_ids(out_dir)
     if not eos:  # GenAI refuses a config without an EOS id in the vocabulary

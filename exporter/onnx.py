@@ -96,7 +96,7 @@ def _rename_io(model: ir.Model, cfg: K3Config) -> None:
     # symbol -> dim name of exporter/trace.DYNAMIC_DIMS, read off the inputs the exporter produced
     sym = {str(inputs[0].shape[0]): "batch", str(inputs[0].shape[1]): "seq"}
     for s, v in zip(specs, inputs[1:]):
-        if s.kind == "latent":
+        if s.kind == "latent" and cfg.max_context is None:
             sym[str(v.shape[1])] = "past_seq"
     assert set(sym.values()) <= set(DYNAMIC_DIMS), sym
     pattern = re.compile(r"\b(" + "|".join(re.escape(k) for k in sorted(sym, key=len, reverse=True)) + r")\b")
@@ -116,7 +116,7 @@ def _rename_io(model: ir.Model, cfg: K3Config) -> None:
     outputs[0].shape = ir.Shape(["batch", "seq", cfg.vocab_size])
     for s, vin, vout in zip(specs, inputs[1:], outputs[1:]):
         vin.name, vout.name = s.input_name, s.output_name
-        if s.kind == "latent":
+        if s.kind == "latent" and cfg.max_context is None:
             vout.shape = ir.Shape(["batch", TOTAL_SEQ, *vout.shape[2:]])
 
 

@@ -43,22 +43,26 @@ class RunnerOptions:
     checkpoint: Path | None = None  # eager: overrides the checkpoint recorded in the export
     intra_op_threads: int = 0  # ONNX Runtime: 0 = its default
     check_hashes: bool = True  # False: skip the sha256 of artifact files (sizes and paths still checked)
-    device: str = "cpu"  # pt2: the device the program's module runs on (cpu | cuda)
-    cuda_graph: bool = False  # torch-module runners on CUDA: decode steps replayed as CUDA graphs (cuda_graph.py)
+    device: str = "cpu"  # eager, pt2: the device the module runs on (cpu | cuda)
+    cuda_graph: bool = False  # decode steps replayed as CUDA graphs (cuda_graph.py); refused where impossible
 
 
 class ModuleRunner:
     """Eager PyTorch model or an ExportedProgram's module: flat state list in, flat state list out."""
 
-    def __init__(self, name: str, module: Callable, cfg) -> None:
+    def __init__(self, name: str, module: Callable, cfg, device: str | None = None) -> None:
         self.name, self.module, self.specs = name, module, state_specs(cfg)
+        self.device = device  # where the module runs; feeds elsewhere are moved there (None: fed as given)
 
     @torch.no_grad()
     def infer(self, feeds: Feeds) -> Feeds:
         missing = [n for n in ["input_ids"] + [s.input_name for s in self.specs] if n not in feeds]
         if missing:
             raise RunnerError(f"{self.name}: missing feed(s) {missing}")
-        logits, present = self.module(feeds["input_ids"], [feeds[s.input_name] for s in self.specs])
+        ids, past = feeds["input_ids"], [feeds[s.input_name] for s in self.specs]
+        if self.device is not None and any(t.device.type != self.device for t in [ids, *past]):
+            ids, past = ids.to(self.device), [t.to(self.device) for t in past]
+        logits, present = self.module(ids, past)
         out = {"logits": logits, **{s.output_name: t for s, t in zip(self.specs, present)}}
         return out
 
@@ -114,9 +118,10 @@ def _eager(export_dir: Path, options: RunnerOptions) -> Runner:
         model = load_checkpoint(ckpt, dtype=d.dtype(), device="cpu", expert_format=d.config().expert_format)
     except (CheckpointError, FileNotFoundError) as e:
         raise RunnerError(f"eager reference: {e}") from None
-    if model.cfg.hash() != d.config().hash():
-        raise RunnerError(f"{ckpt}: its config ({model.cfg.name}) differs from the export's ({d.config().name})")
-    return ModuleRunner("eager", model, model.cfg)
+    cfg = d.config()  # a static latent cache is an export choice: the model serves it from the same weights
+    if model.cfg.hash() != replace(cfg, max_context=None).hash():
+        raise RunnerError(f"{ckpt}: its config ({model.cfg.name}) differs from the export's ({cfg.name})")
+    return ModuleRunner("eager", model.to(options.device), cfg, options.device)
 
 
 def _pt2(export_dir: Path, options: RunnerOptions) -> Runner:
@@ -138,7 +143,7 @@ def _pt2(export_dir: Path, options: RunnerOptions) -> Runner:
         from torch.export.passes import move_to_device_pass
 
         ep = move_to_device_pass(ep, {"cpu": options.device})
-    return ModuleRunner("pt2", ep.module(), _folder(export_dir).config())
+    return ModuleRunner("pt2", ep.module(), _folder(export_dir).config(), options.device)
 
 
 def _ort(export_dir: Path, options: RunnerOptions) -> Runner:
@@ -172,7 +177,8 @@ def _aoti(export_dir: Path, options: RunnerOptions) -> Runner:
 
     # an AOTI package is trusted native code (exporter/aoti.py): loaded only once its sha256 matches
     path = _artifact(export_dir, "aoti", replace(options, check_hashes=True))[0]
-    return ModuleRunner("aoti", load_aoti(path), _folder(export_dir).config())
+    device = _folder(export_dir).manifest["artifacts"]["aoti"].get("device", "cpu")  # what it was compiled for
+    return ModuleRunner("aoti", load_aoti(path), _folder(export_dir).config(), str(device))
 
 
 RUNNERS: dict[str, Callable[[Path, RunnerOptions], Runner]] = {
@@ -187,14 +193,16 @@ def make_runner(backend: str, export_dir: Path, options: RunnerOptions = RunnerO
         raise RunnerError(f"backend={backend!r}: choose from {sorted(RUNNERS)}") from None
     from .artifacts import ManifestError
 
+    if options.cuda_graph and not torch.cuda.is_available():  # before loading anything onto a missing device
+        raise RunnerError(f"--cuda-graph: backend {backend}: no CUDA device (torch.cuda.is_available() is False)")
     try:
         runner = factory(Path(export_dir), options)
     except ManifestError as e:  # e.g. the manifest's config does not build
         raise RunnerError(str(e)) from None
-    if options.cuda_graph:
-        from .cuda_graph import maybe_graphed
+    if options.cuda_graph:  # refused in one line where no graph can be captured (exporter/cuda_graph.py)
+        from .cuda_graph import require_cuda_graph
 
-        runner, _ = maybe_graphed(runner)  # unchanged (the reason is in cuda_graph_unavailable) without CUDA
+        runner = require_cuda_graph(runner, f"backend {backend}")
     return runner
 
 
@@ -207,9 +215,13 @@ def check_request(cfg, *, batch: int, prompt_len: int, new_tokens: int, dims: di
     if batch < 1 or prompt_len < 1 or new_tokens < 1:
         raise RunnerError(f"batch={batch}, prompt length={prompt_len}, new tokens={new_tokens}: each must be >= 1")
     positions = prompt_len + new_tokens - 1  # tokens fed to the model in all
+    if cfg.max_context is not None and positions > cfg.max_context:
+        raise RunnerError(f"prompt length {prompt_len} + {new_tokens - 1} decode steps = {positions} positions: over "
+                          f"the static latent cache (max_context={cfg.max_context}, set at export); use a shorter "
+                          "request or re-export with a larger --max-context")
     if dims is not None:
-        limits = [("batch", batch, "batch"), ("seq", prompt_len, "prompt length"),
-                  ("past_seq", positions - 1, "prompt length + decode steps - 1 (the cache length)")]
+        limits = [("batch", batch, "batch"), ("seq", prompt_len, "prompt length")] + [
+            ("past_seq", positions - 1, "prompt length + decode steps - 1 (the cache length)")] * (cfg.max_context is None)
         for dim, value, what in limits:
             if dim in dims and value > dims[dim]["max"]:
                 raise RunnerError(f"backend {backend}: {what} = {value} is over the exported maximum {dim}="

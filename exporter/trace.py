@@ -2,7 +2,8 @@
 
 Dynamic dims are declared once here (`DYNAMIC_DIMS`) and reused by every later stage (ONNX dim_params,
 TensorRT optimisation profiles). Inputs: `input_ids [batch, seq]` and the flat state of model/state.py
-(`past_seq` on the MLA latent caches). Each custom op is one graph node (`op_counts`).
+(`past_seq` on the MLA latent caches; with a static cache, cfg.max_context, the caches have that fixed size
+and `past_length` is a scalar input). Each custom op is one graph node (`op_counts`).
 
 Notable choices:
 - The fake-tensor dispatch cache is off while tracing. With three symbolic dims almost every op is a
@@ -52,7 +53,8 @@ def torch_dims() -> dict[str, Dim]:
 
 def dynamic_shapes(cfg: K3Config) -> dict:
     d = torch_dims()
-    past = [{0: d["batch"], 1: d["past_seq"]} if s.kind == "latent" else {0: d["batch"]} for s in state_specs(cfg)]
+    past = [{0: d["batch"], 1: d["past_seq"]} if s.kind == "latent" and cfg.max_context is None
+            else {} if s.kind == "length" else {0: d["batch"]} for s in state_specs(cfg)]
     return {"input_ids": {0: d["batch"], 1: d["seq"]}, "past": past}
 
 
@@ -60,18 +62,19 @@ def example_inputs(cfg: K3Config, *, dtype: torch.dtype = torch.float32, device:
                    batch: int = 2, seq: int = 3, past_seq: int = 2) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Example inputs with every dynamic dim >= 2 (0/1 would specialise); values are irrelevant."""
     ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
-    past = [torch.zeros(s.shape(batch, past_seq), dtype=torch.float32 if s.fp32 else dtype, device=device)
-            for s in state_specs(cfg)]
+    past = [torch.zeros(s.shape(batch, past_seq), dtype=s.dtype(dtype), device=device) for s in state_specs(cfg)]
     return ids, past
 
 
-def trace(model: K3ForCausalLM, *, dtype: torch.dtype | None = None) -> ExportedProgram:
-    """Export `model` (real weights or the meta device) with the dynamic dims of DYNAMIC_DIMS."""
+def trace(model: K3ForCausalLM, *, dtype: torch.dtype | None = None, cfg: K3Config | None = None) -> ExportedProgram:
+    """Export `model` (real weights or the meta device) with the dynamic dims of DYNAMIC_DIMS. `cfg`: the
+    interface to trace when it is not `model.cfg`'s (a static latent cache on a checkpoint-loaded model)."""
     p = next(model.parameters())
     dtype = dtype or p.dtype
-    ids, past = example_inputs(model.cfg, dtype=dtype, device=p.device)
+    cfg = cfg or model.cfg
+    ids, past = example_inputs(cfg, dtype=dtype, device=p.device)
     with torch.no_grad(), torch._dynamo.config.patch(fake_tensor_cache_enabled=False):
-        return torch.export.export(model, (ids, past), dynamic_shapes=dynamic_shapes(model.cfg))
+        return torch.export.export(model, (ids, past), dynamic_shapes=dynamic_shapes(cfg))
 
 
 class _WriteOnce(io.RawIOBase):

@@ -44,29 +44,30 @@ class DecoderLayer(nn.Module):
     def ffn(self) -> nn.Module:
         return self.block_sparse_moe if self.is_moe else self.mlp
 
-    def _mix(self, h: Tensor, state: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+    def _mix(self, h: Tensor, state: list[Tensor], length: Tensor | None) -> tuple[Tensor, list[Tensor]]:
         if self.kind == "kda":
             y, conv, rec = self.self_attn(h, state[0], state[1])
             return y, [conv, rec]
-        y, latent = self.self_attn(h, state[0])
+        y, latent = self.self_attn(h, state[0], length)
         return y, [latent]
 
     def _attn_res(self, which: str, prefix: Tensor, bank: Tensor) -> Tensor:
         norm, proj = getattr(self, f"{which}_res_norm"), getattr(self, f"{which}_res_proj")
         return attn_res(prefix, bank, norm.weight, proj.weight, eps=self.cfg.rms_norm_eps, kernels=self.cfg.kernels)
 
-    def forward(self, prefix: Tensor, bank: Tensor | None, state: list[Tensor]
+    def forward(self, prefix: Tensor, bank: Tensor | None, state: list[Tensor], length: Tensor | None = None
                 ) -> tuple[Tensor, Tensor | None, list[Tensor]]:
-        """prefix [B, T, d]; bank [B, T, N, d] or None -> (prefix, bank, new state)."""
+        """prefix [B, T, d]; bank [B, T, N, d] or None; length: the static cache's past_length (MLA) or None
+        -> (prefix, bank, new state)."""
         if self.cfg.attn_res is None:  # plain pre-norm residual: `prefix` is the residual stream
-            a, state = self._mix(self.input_layernorm(prefix), state)
+            a, state = self._mix(self.input_layernorm(prefix), state, length)
             h = prefix + a
             return h + self.ffn(self.post_attention_layernorm(h)), None, state
         h = prefix if bank is None else self._attn_res("self_attention", prefix, bank)
         zero_prefix = self.block_start
         if self.block_start:
             bank = prefix.unsqueeze(2) if bank is None else torch.cat([bank, prefix.unsqueeze(2)], dim=2)
-        a, state = self._mix(self.input_layernorm(h), state)
+        a, state = self._mix(self.input_layernorm(h), state, length)
         prefix = a if zero_prefix else prefix + a
         assert bank is not None, "AttnRes: layer 0 must start a block"
         h2 = self._attn_res("mlp", prefix, bank)

@@ -7,6 +7,8 @@ Notable choices:
 - The hybrid layout is explicit: `layer_types` ("kda"/"mla") and `mlp_types` ("dense"/"moe"), one
   entry per decoder layer. `from_hf` reads them from the config's own lists, never from a pattern.
 - Presets by exact name in `PRESETS`; variants come from `dataclasses.replace`.
+- `max_context` is a runtime choice like `kernels` (the MLA latent cache preallocated to that many positions,
+  model/state.py); it is left out of `to_dict` (and so of `hash`) when None.
 - Validation in `__post_init__`; every error names the field and the value (cut to 80 characters).
   Types are checked before values (`_check_types`: ints are ints, never bools or 64.9; floats finite), and
   sizes have upper bounds (`LIMITS`, generous for any real model) so a hostile config is refused before
@@ -176,6 +178,7 @@ class K3Config:
     max_position_embeddings: int = 1048576
     kernels: Kernels = Kernels.REFERENCE  # k3 custom-op implementation (not the runner)
     expert_format: Literal["dense", "mxfp4"] = "dense"  # routed experts held dense or MXFP4-packed (k3::moe_mxfp4)
+    max_context: int | None = None  # static MLA latent cache of this many positions (None = growing; model/state.py)
     extra: tuple[tuple[str, Any], ...] = field(default=(), compare=False)  # informational only
 
     def __post_init__(self) -> None:
@@ -201,6 +204,8 @@ class K3Config:
                "must be 'dense' or 'mxfp4'")
         _check(not self.tie_word_embeddings, "tie_word_embeddings", self.tie_word_embeddings,
                "k3x models have an untied lm_head (K3 and Kimi Linear do)")
+        _check(self.max_context is None or 1 <= self.max_context <= self.max_position_embeddings, "max_context",
+               self.max_context, f"must be None or in [1, max_position_embeddings={self.max_position_embeddings}]")
         if self.moe.latent_dim is not None:
             _check(self.moe.latent_dim <= self.hidden_size, "moe.latent_dim", self.moe.latent_dim,
                    f"must be <= hidden_size ({self.hidden_size})")
@@ -250,6 +255,8 @@ class K3Config:
         d = dataclasses.asdict(self)
         d["kernels"] = self.kernels.value
         d["extra"] = dict(self.extra)
+        if self.max_context is None:  # configs without a static cache keep the dict (and hash) they always had
+            del d["max_context"]
         return d
 
     def hash(self) -> str:

@@ -5,6 +5,12 @@
   The cache holds exactly this latent per token, `[B, S, kv_lora_rank + rope_dim]`, in the model dtype.
 - NoPE: the rope slices are used un-rotated; `k_extra` is shared by all heads. Scale qk_head_dim^-1/2.
 - Scores in the model dtype, softmax in fp32, causal with the past offset; output gate σ(g_proj x).
+- Static cache (`past_length` given, model/state.py): `past_latent` is [B, C, ...] of fixed capacity C; the
+  new latents are scattered in at [past_length, past_length + T) (out of place: `scatter` -> ONNX
+  ScatterElements, which TensorRT parses), keys are computed for all C positions and position j is visible
+  to query t iff j <= past_length + t — the growing cache's causal rule with the offset as a tensor, so both
+  give the same result on the filled positions. Capacity overflow is refused by the caller (K3Model on CPU,
+  runners.check_request before a run): a scatter index past C is an error, not a clear one.
 Plain PyTorch: it lowers to standard ONNX ops.
 """
 
@@ -37,8 +43,9 @@ class GatedMLA(nn.Module):
             self.g_proj = linear(d, m.num_heads * m.v_head_dim)
         self.o_proj = linear(m.num_heads * m.v_head_dim, d)
 
-    def forward(self, x: Tensor, past_latent: Tensor) -> tuple[Tensor, Tensor]:
-        """x [B, T, d]; past_latent [B, P, kv_lora + rope] -> (y [B, T, d], present [B, P+T, kv_lora + rope])."""
+    def forward(self, x: Tensor, past_latent: Tensor, past_length: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """x [B, T, d]; past_latent [B, P, kv_lora + rope] -> (y [B, T, d], present [B, P+T, kv_lora + rope]).
+        Static cache: past_latent [B, C, ...] and past_length (int64 scalar) -> present [B, C, ...]."""
         m = self.m
         B, T, _ = x.shape
         H, R, N, Dv = m.num_heads, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim
@@ -46,13 +53,20 @@ class GatedMLA(nn.Module):
         q = q.view(B, T, H, N + R).transpose(1, 2)  # [B, H, T, N+R]
         c, k_extra = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, R], dim=-1)
         latent = torch.cat([self.kv_a_layernorm(c), k_extra], dim=-1)  # [B, T, kv_lora + R]
-        present = torch.cat([cast(past_latent, latent.dtype), latent], dim=1)  # [B, S, kv_lora + R]
+        if past_length is None:
+            present = torch.cat([cast(past_latent, latent.dtype), latent], dim=1)  # [B, S, kv_lora + R]
+            offset = present.shape[1] - T
+        else:
+            offset = past_length + torch.arange(T, device=x.device)  # [T] cache positions written
+            index = offset.view(1, T, 1).expand(B, T, latent.shape[-1])
+            present = cast(past_latent, latent.dtype).scatter(1, index, latent)  # [B, C, kv_lora + R]
+            offset = past_length
         S = present.shape[1]
         c_all, kx_all = present.split([m.kv_lora_rank, R], dim=-1)
         k_nope, v = self.kv_b_proj(c_all).view(B, S, H, N + Dv).split([N, Dv], dim=-1)  # [B, S, H, *]
         k = torch.cat([k_nope, kx_all.unsqueeze(2).expand(B, S, H, R)], dim=-1).transpose(1, 2)  # [B, H, S, N+R]
         scores = cast(q @ k.transpose(-1, -2), torch.float32) * (N + R) ** -0.5  # [B, H, T, S]
-        qpos = torch.arange(T, device=x.device)[:, None] + (S - T)  # absolute query positions
+        qpos = torch.arange(T, device=x.device)[:, None] + offset  # absolute query positions
         causal = torch.arange(S, device=x.device)[None, :] <= qpos  # [T, S]
         probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
         o = (cast(probs, v.dtype) @ v.transpose(1, 2)).transpose(1, 2).reshape(B, T, H * Dv)  # [B, T, H*Dv]

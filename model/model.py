@@ -3,6 +3,9 @@
 Parameter names equal the Hugging Face checkpoint's (`model.layers.{i}.self_attn.q_proj.weight`, ...,
 `lm_head.weight`), except the stacked experts (see model/moe.py). The forward pass is export-clean:
 state in, state out, as a flat list (model/state.py); KDA, AttnRes and MoE only through torch.ops.k3.
+A static latent cache is selected by the inputs: a flat list one longer than the layers' state ends with
+`past_length` (state_specs lists it when cfg.max_context is set), so a model loaded from a checkpoint
+serves both interfaces.
 """
 
 from __future__ import annotations
@@ -36,17 +39,40 @@ class K3Model(nn.Module):
             n = sum(1 for s in state_specs(cfg) if s.layer == i)
             self.state_slices.append(slice(start, start + n))
             start += n
+        self.latent_index = [j for j, s in enumerate(state_specs(cfg)) if s.kind == "latent"]
 
     def forward(self, input_ids: Tensor, past: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+        n = self.state_slices[-1].stop if self.state_slices else 0
+        if len(past) not in (n, n + 1):
+            raise ValueError(f"past: {len(past)} tensors; this model takes {n} (+ past_length for a static cache)")
+        length = past[n] if len(past) > n else None
+        if length is not None:
+            _check_capacity(length, input_ids.shape[1], [past[i] for i in self.latent_index])
         prefix, bank = self.embed_tokens(input_ids), None  # [B, T, d]
         present: list[Tensor] = []
         for layer, sl in zip(self.layers, self.state_slices):
-            prefix, bank, new = layer(prefix, bank, past[sl])
+            prefix, bank, new = layer(prefix, bank, past[sl], length)
             present.extend(new)
+        if length is not None:
+            present.append(length + input_ids.shape[1])
         if bank is not None:
             prefix = attn_res(prefix, bank, self.output_attn_res_norm.weight, self.output_attn_res_proj.weight,
                               eps=self.cfg.rms_norm_eps, kernels=self.cfg.kernels)
         return self.norm(prefix), present
+
+
+def _check_capacity(length: Tensor, seq: int, caches: list[Tensor]) -> None:
+    """Refuse (one line) a step that would write past a static cache's capacity. Checked for CPU tensors
+    outside tracing only: on CUDA reading the length would sync (and break graph capture); runners refuse
+    such requests up front (exporter/runners.check_request)."""
+    if length.device.type != "cpu" or torch.compiler.is_compiling() or torch.compiler.is_exporting() \
+            or isinstance(length, torch._subclasses.FakeTensor) or length.dim() != 0:
+        return
+    caps = {t.shape[1] for t in caches}  # the latent caches [B, C, L]
+    end = int(length) + seq
+    if caps and (int(length) < 0 or end > min(caps)):
+        raise ValueError(f"past_length {int(length)} + {seq} new positions = {end}: over the static latent "
+                         f"cache's capacity max_context={min(caps)}")
 
 
 class K3ForCausalLM(nn.Module):

@@ -6,6 +6,12 @@
                 ->  `present.{i}.latent` [batch, past_seq + seq, ...]
 A flat list in layer order (conv before recurrent) is what the model's forward takes and returns.
 AttnRes needs no cross-token state (docs/model.md §4.3).
+
+Static latent cache (`cfg.max_context = C`): every MLA cache is preallocated, `[batch, C, kv_lora + rope]` in
+and out (the same shape every step, so a decode step can be a CUDA graph), and the flat list ends with one
+more tensor, `past_length` (int64 scalar: positions already in the caches) -> `present_length`
+(past_length + seq). The new latents are written at [past_length, past_length + seq); positions beyond are
+masked. One length for the whole batch (the sequences of a batch advance together).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from .config import K3Config
 @dataclass(frozen=True)
 class StateSpec:
     layer: int
-    kind: str  # "conv" | "recurrent" | "latent"
+    kind: str  # "conv" | "recurrent" | "latent" | "length" (static cache only; layer -1)
     input_name: str
     output_name: str
     dims: tuple[str | int, ...]  # "batch" / "past_seq" are dynamic
@@ -29,6 +35,9 @@ class StateSpec:
 
     def shape(self, batch: int, past_seq: int) -> tuple[int, ...]:
         return tuple(batch if x == "batch" else past_seq if x == "past_seq" else x for x in self.dims)
+
+    def dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return torch.int64 if self.kind == "length" else torch.float32 if self.fp32 else model_dtype
 
 
 def state_specs(cfg: K3Config) -> list[StateSpec]:
@@ -41,15 +50,19 @@ def state_specs(cfg: K3Config) -> list[StateSpec]:
             specs.append(StateSpec(i, "recurrent", f"past.{i}.recurrent", f"present.{i}.recurrent",
                                    ("batch", c.num_heads, c.head_dim, c.head_dim), True))
         else:
+            seq = "past_seq" if cfg.max_context is None else cfg.max_context
             specs.append(StateSpec(i, "latent", f"past_key_values.{i}.latent", f"present.{i}.latent",
-                                   ("batch", "past_seq", m.latent_dim), False))
+                                   ("batch", seq, m.latent_dim), False))
+    if cfg.max_context is not None:
+        specs.append(StateSpec(-1, "length", "past_length", "present_length", (), False))
     return specs
 
 
 def empty_state(cfg: K3Config, batch: int, dtype: torch.dtype = torch.float32,
                 device: torch.device | str = "cpu") -> list[torch.Tensor]:
-    """The state before the first token: zeros, and an empty (past_seq = 0) MLA latent cache."""
-    return [torch.zeros(s.shape(batch, 0), dtype=torch.float32 if s.fp32 else dtype, device=device)
+    """The state before the first token: zeros, an empty (past_seq = 0) MLA latent cache (static: C zero
+    positions and past_length 0)."""
+    return [torch.zeros(s.shape(batch, 0), dtype=s.dtype(dtype), device=device)
             for s in state_specs(cfg)]
 
 
@@ -57,5 +70,5 @@ def state_bytes(cfg: K3Config, dtype_bytes: int = 2) -> dict[str, int]:
     """KDA state bytes per sequence and MLA KV bytes per token (model dtype of `dtype_bytes`)."""
     specs = state_specs(cfg)
     kda = sum(4 * math.prod(s.shape(1, 0)) for s in specs if s.fp32)  # batch 1, any length
-    mla = sum(dtype_bytes * math.prod(s.shape(1, 1)) for s in specs if not s.fp32)  # one token
+    mla = sum(dtype_bytes * s.dims[-1] for s in specs if s.kind == "latent")  # one token
     return {"kda_state_bytes_per_sequence": kda, "mla_kv_bytes_per_token": mla}

@@ -139,3 +139,37 @@ def test_fla_autotune_limited():
     tuners = [o for n, m in list(sys.modules.items()) if n.startswith("fla.") and m is not None
               for o in vars(m).values() if isinstance(o, Autotuner)]
     assert tuners and max(len(t.configs) for t in tuners) <= 2
+
+
+def test_decode_graph_section_uses_a_static_cache_on_a_hybrid_model():
+    """The graph section's cases and decode loop, run on the CPU without onnx: the first case is hybrid with a
+    static latent cache that holds the whole timed run, so every decode step has one shape (one key: the
+    graphed runner captures once and replays); the growing case changes shape every step."""
+    proc = _child(
+        "import gpu_check, gpu_check_bench as gb\n"
+        "gpu_check._make_k3x_importable()\n"
+        "import torch\n"
+        "from k3x.exporter import runners\n"
+        "from k3x.exporter.cuda_graph import GraphedRunner\n"
+        "from k3x.model import build_model, preset\n"
+        "(st, static), (gt, growing) = gb.decode_graph_cases(preset('k3-mini'))\n"
+        "assert 'mla' in static.layer_types and 'kda' in static.layer_types, static.layer_types\n"
+        "assert static.max_context == gb.PROMPT + gb.WARMUP + gb.STEPS and growing.max_context is None\n"
+        "runners.check_request(static, batch=1, prompt_len=gb.PROMPT, new_tokens=gb.WARMUP + gb.STEPS + 1, dims={})\n"
+        "model = build_model(preset('k3-mini'), seed=0)\n"
+        "keys = {}\n"
+        "for tag, cfg in ((st, static), (gt, growing)):\n"
+        "    class Keys(runners.ModuleRunner):\n"
+        "        def infer(self, feeds):\n"
+        "            keys.setdefault(tag, []).append(GraphedRunner.key(feeds))\n"
+        "            return super().infer(feeds)\n"
+        "    ms, toks = gb.decode_tokens(runners, Keys('eager', model, cfg), cfg, torch.float32, 'cpu')\n"
+        "    assert ms > 0 and toks.shape == (1, gb.WARMUP + gb.STEPS), toks.shape\n"
+        "    if tag == st: static_toks = toks\n"
+        "    else: assert torch.equal(toks, static_toks)\n"
+        "assert len(set(keys[st][1:])) == 1, 'static: one key for every decode step'\n"
+        "assert len(set(keys[gt][1:])) == gb.WARMUP + gb.STEPS, 'growing: a new key every step'\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in BLOCKED)\n"
+        "assert not bad, bad\n"
+        "print('ok')\n")
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr

@@ -1,15 +1,21 @@
-"""Decode steps as CUDA graphs (exporter/cuda_graph.py). This machine has no GPU: the tests prove the runner
-is left unchanged without CUDA, and the capture policy (second step of a shape, static buffers updated in
-place, eager fallback) with the graph emulated on CPU tensors. Real capture and the latency with and without
-are measured by bench/gpu_check.py's `bench_decode_graph` on a GPU."""
+"""Decode steps as CUDA graphs (exporter/cuda_graph.py). This machine has no GPU: the tests prove the refusal
+without CUDA (one line, before anything loads), which runners may be graphed, and the capture policy (second
+step of a shape, static buffers updated in place, eager fallback, a runner's `enqueue` captured in place of
+`infer`) with the graph emulated on CPU tensors — including a hybrid k3-mini decode with the static latent
+cache, which replays one graph for every decode step after the capture. Real capture (torch.cuda.graph around
+a module or TensorRT's execute_async_v3) and the latency with and without are measured by bench/gpu_check.py's
+`bench_decode_graph` on a GPU."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from k3x.exporter import cuda_graph
-from k3x.exporter.cuda_graph import GraphedRunner, _Graph
+from k3x.exporter.cuda_graph import GraphedRunner, require_cuda_graph
+from k3x.exporter.runners import ModuleRunner, RunnerError, RunnerOptions, make_runner, next_feeds, start_feeds
 
 
 class Toy:
@@ -27,22 +33,21 @@ class Toy:
 
 
 class Emulated(GraphedRunner):
-    """Treats CPU tensors as device tensors; a "graph" replays the step into the captured output buffers."""
+    """CPU tensors as device tensors; a "graph" re-runs the captured step into the captured output buffers."""
+
+    def __init__(self, runner) -> None:
+        super().__init__(runner, device="cpu")
 
     @staticmethod
-    def on_device(feeds):
-        return True
-
-    def _capture(self, feeds):
-        static = {n: t.clone() for n, t in feeds.items()}
-        outputs = {n: t.clone() for n, t in self.runner.infer(static).items()}
+    def _record(step):
+        outputs = {n: t.clone() for n, t in step().items()}
 
         class Replay:
             def replay(_):
-                for n, t in self.runner.infer(static).items():
+                for n, t in step().items():
                     outputs[n].copy_(t)
 
-        return _Graph(Replay(), static, outputs)
+        return Replay(), outputs
 
 
 def _decode(runner, steps=5):
@@ -52,21 +57,6 @@ def _decode(runner, steps=5):
         out = runner.infer({"input_ids": torch.tensor([[i]]), "past.0.recurrent": out["present.0.recurrent"]})
         seen.append(out["logits"].clone())
     return seen
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the path without CUDA")
-def test_without_cuda_the_runner_is_unchanged():
-    toy = Toy()
-    runner, how = cuda_graph.maybe_graphed(toy)
-    assert runner is toy and how == "no cuda graph: no CUDA device"
-    assert cuda_graph.maybe_graphed(toy, enabled=False)[1] == "no cuda graph: disabled"
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the path without CUDA")
-def test_cpu_tensors_run_eagerly():
-    g = GraphedRunner(Toy())
-    assert [t.item() for t in _decode(g)] == [t.item() for t in _decode(Toy())]
-    assert g.stats == {"captured": 0, "replayed": 0, "eager": 6, "capture_failed": 0}
 
 
 def test_second_step_of_a_shape_is_captured_then_replayed_in_place():
@@ -98,16 +88,94 @@ def test_failed_capture_stays_eager():
     assert g.stats["capture_failed"] == 1 and g.stats["captured"] == 0 and g.stats["eager"] == 6
 
 
+def test_a_runner_with_enqueue_is_captured_through_it():
+    """TrtRunner's capturable step is `enqueue` (no sync): the graph records it, eager steps still use `infer`."""
+    class Engine(Toy):
+        enqueued = 0
+
+        def enqueue(self, feeds):
+            self.enqueued += 1
+            return self.infer(feeds)
+
+    engine = Engine()
+    g = Emulated(engine)
+    assert [t.item() for t in _decode(g)] == [t.item() for t in _decode(Toy())]
+    assert engine.enqueued == 1 + 4  # the (emulated) capture records it once, then 4 replays re-run it
+    assert g.stats["replayed"] == 4
+
+
+def _hybrid_decode(runner, cfg, steps=8):
+    out = runner.infer(start_feeds(cfg, torch.tensor([[5, 9, 2, 7]])))
+    tokens, logits = [], [out["logits"].clone()]
+    for _ in range(steps):
+        tok = out["logits"][:, -1].argmax(-1, keepdim=True)
+        tokens.append(int(tok))
+        out = runner.infer(next_feeds(cfg, out, tok))
+        logits.append(out["logits"].clone())
+    return tokens, logits
+
+
+@pytest.mark.parametrize("max_context", [None, 16])
+def test_hybrid_decode_replays_one_graph_only_with_the_static_cache(max_context):
+    from k3x.model import build_model, preset
+
+    cfg = dataclasses.replace(preset("k3-mini"), max_context=max_context)
+    model = build_model(preset("k3-mini"), seed=0)
+    plain = ModuleRunner("eager", model, cfg)
+    graphed = Emulated(ModuleRunner("eager", model, cfg))
+    tokens, logits = _hybrid_decode(plain, cfg)
+    g_tokens, g_logits = _hybrid_decode(graphed, cfg)
+    assert g_tokens == tokens
+    for a, b in zip(g_logits, logits):
+        assert torch.equal(a, b)
+    if max_context is None:  # the latent cache grows: no decode step ever repeats a shape
+        assert graphed.stats == {"captured": 0, "replayed": 0, "eager": 9, "capture_failed": 0}
+    else:  # prefill and decode step 1 eager, captured at step 2, steps 2..8 replayed
+        assert graphed.stats == {"captured": 1, "replayed": 7, "eager": 2, "capture_failed": 0}
+        (g,) = graphed._graphs.values()
+        assert int(g.inputs["past_length"]) == 4 + 7  # the last replay's length, copied into the static scalar
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the path without CUDA")
-def test_pt2_runner_asked_for_graphs_without_cuda_runs_as_before():
+def test_cuda_graph_without_cuda_is_refused_in_one_line_before_loading():
     from onnx_mini_folder import mini_export
 
-    from k3x.exporter.runners import ModuleRunner, RunnerOptions, make_runner, start_feeds
+    for backend in ("pt2", "ort", "eager"):
+        with pytest.raises(RunnerError, match=rf"^--cuda-graph: backend {backend}: no CUDA device "
+                                              r"\(torch.cuda.is_available\(\) is False\)$"):
+            make_runner(backend, mini_export().folder, RunnerOptions(cuda_graph=True))
+    with pytest.raises(RunnerError, match="^--cuda-graph: generate: no CUDA device"):
+        require_cuda_graph(Toy(), "generate")
+    assert cuda_graph.maybe_graphed(Toy())[1] == "no cuda graph: no CUDA device (torch.cuda.is_available() is False)"
 
-    m = mini_export()
-    runner = make_runner("pt2", m.folder, RunnerOptions(cuda_graph=True))
-    assert type(runner) is ModuleRunner and runner.name == "pt2"
-    from k3x.model import preset
 
-    out = runner.infer(start_feeds(preset("k3-mini"), torch.tensor([[1, 2, 3]])))
-    assert torch.isfinite(out["logits"]).all()
+def test_which_runners_can_be_graphed(monkeypatch):
+    """With CUDA present (patched): modules on CUDA and runners with `enqueue` are graphed; ONNX Runtime, CPU
+    modules and AOTI packages compiled for the CPU are refused with the reason."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg_less = ModuleRunner.__new__(ModuleRunner)
+    cfg_less.name, cfg_less.module, cfg_less.device = "pt2", object(), "cuda"
+    assert isinstance(require_cuda_graph(cfg_less, "backend pt2"), GraphedRunner)
+    aoti = ModuleRunner.__new__(ModuleRunner)
+    aoti.name, aoti.module, aoti.device = "aoti", object(), "cpu"
+    with pytest.raises(RunnerError, match=r"^--cuda-graph: backend aoti: runner aoti: its package was compiled for "
+                                          r"cpu, graphs need CUDA$"):
+        require_cuda_graph(aoti, "backend aoti")
+
+    class Ort:
+        name = "ort"
+
+        def infer(self, feeds):
+            return feeds
+
+    with pytest.raises(RunnerError, match="^--cuda-graph: backend ort: runner ort is neither a torch module nor a "
+                                          "TensorRT engine"):
+        require_cuda_graph(Ort(), "backend ort")
+
+    class Trt(Ort):
+        name = "trt"
+
+        def enqueue(self, feeds):
+            return feeds
+
+    assert require_cuda_graph(Trt(), "backend trt").name == "trt+cuda-graph"

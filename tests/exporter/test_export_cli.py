@@ -139,7 +139,7 @@ def test_failing_stage_leaves_nothing_half_written(tmp_path, monkeypatch):
         raise RuntimeError("injected: disk full")
 
     monkeypatch.setattr(trace_mod, "save_pt2", broken_save)
-    monkeypatch.setattr(trace_mod, "trace", lambda model: tiny_ep())  # the failure is in the stage, not the trace
+    monkeypatch.setattr(trace_mod, "trace", lambda model, **kw: tiny_ep())  # the failure is in the stage, not the trace
     out = tmp_path / "out"
     r = export("--preset", "k3-mini", "--no-weights", "--out", str(out))
     assert r.exit_code == 1 and "export to" in r.output and "RuntimeError: injected: disk full" in r.output

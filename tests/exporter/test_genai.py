@@ -101,3 +101,20 @@ def test_odd_latent_width_is_refused():
     odd = dataclasses.replace(cfg, mla=dataclasses.replace(cfg.mla, qk_rope_head_dim=7))
     with pytest.raises(ValueError, match="latent width 31"):
         half_latent(odd)
+
+
+def test_static_cache_gets_no_genai_package_and_the_reason(tmp_path):
+    """A static latent cache (past_length input) has no GenAI mapping here: skipped with one line, and the
+    config / wrapper builders refuse it rather than write a package GenAI would feed wrongly."""
+    import dataclasses
+
+    import pytest
+
+    from k3x.exporter import genai
+    from k3x.model import preset
+
+    cfg = dataclasses.replace(preset("k3-mini"), max_context=64)
+    note = genai.genai_stage(tmp_path, cfg, "model.onnx")
+    assert note == genai.STATIC_CACHE_NOTE and "\n" not in note and not list(tmp_path.iterdir())
+    with pytest.raises(ValueError, match="^a static latent cache .--max-context. has a past_length input"):
+        genai.genai_config(cfg, 1, (2,))
