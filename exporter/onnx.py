@@ -72,6 +72,7 @@ class OnnxArtifact:
     external_data: Path | None
     num_nodes: int
     op_counts: dict[str, int] = field(default_factory=dict)
+    collectives: dict[str, int] = field(default_factory=dict)  # AllReduce / AllGather nodes (rank programs)
 
 
 # --- custom translations: torch.ops.k3.<family> -> k3::<Op> nodes (attributes = plugin fields) ---------
@@ -79,8 +80,9 @@ class OnnxArtifact:
 def translation_table() -> dict:
     """OpOverload -> translation, one per registered op family (custom_ops/<family>/onnx.translate)."""
     from ..custom_ops.registry import families
+    from .onnx_collectives import translation_table as collectives
 
-    return {f.overload: f.onnx.translate for f in families()}
+    return {f.overload: f.onnx.translate for f in families()} | collectives()
 
 
 # --- I/O names and dims ------------------------------------------------------------------------------
@@ -113,7 +115,8 @@ def _rename_io(model: ir.Model, cfg: K3Config) -> None:
             rename(v)
     inputs[0].name = "input_ids"
     outputs[0].name = "logits"
-    outputs[0].shape = ir.Shape(["batch", "seq", cfg.vocab_size])
+    vocab = outputs[0].shape[-1] if outputs[0].shape is not None else cfg.vocab_size  # a TP rank's logits: whole vocab
+    outputs[0].shape = ir.Shape(["batch", "seq", vocab])
     for s, vin, vout in zip(specs, inputs[1:], outputs[1:]):
         vin.name, vout.name = s.input_name, s.output_name
         if s.kind == "latent":
@@ -259,8 +262,10 @@ def export_onnx(ep: ExportedProgram, cfg: K3Config, out_dir: Path, options: Onnx
             ir.save(model, out_dir / FLAVOR_FILES[flavor])
     files = {f: out_dir / FLAVOR_FILES[f] for f in FLAVOR_FILES if f in options.flavors}
     counts = Counter(f"{n.domain}::{n.op_type}" for n in model.graph if n.domain == DOMAIN)
+    from .onnx_collectives import counts as collective_counts
+
     return OnnxArtifact(files=files, external_data=data_path, num_nodes=len(model.graph),
-                        op_counts=dict(sorted(counts.items())))
+                        op_counts=dict(sorted(counts.items())), collectives=collective_counts(model))
 
 
 def onnx_stage(out_dir: Path, ep: ExportedProgram, cfg: K3Config, options: OnnxOptions = OnnxOptions()
@@ -278,6 +283,9 @@ def onnx_stage(out_dir: Path, ep: ExportedProgram, cfg: K3Config, options: OnnxO
         extra.update(flavors={f: p.name for f, p in art.files.items()}, opset=options.opset,
                      weights=options.weights, external_data=art.external_data.name if art.external_data else None,
                      nodes=art.num_nodes, k3_nodes=art.op_counts)
+        if art.collectives:  # the ort flavor needs onnxruntime-extensions' Python ops (onnx_collectives.py)
+            extra["collectives"] = art.collectives
     files = {f: Path(out_dir) / p.name for f, p in art.files.items()}
     data = Path(out_dir) / art.external_data.name if art.external_data else None
-    return OnnxArtifact(files=files, external_data=data, num_nodes=art.num_nodes, op_counts=art.op_counts)
+    return OnnxArtifact(files=files, external_data=data, num_nodes=art.num_nodes, op_counts=art.op_counts,
+                        collectives=art.collectives)

@@ -5,12 +5,17 @@
                                every rank its folder, TP/EP coordinates and files with sha256
     OUT/rank-000/manifest.json an ordinary export folder of rank 0's program (the rank's local config:
     OUT/rank-000/model.pt2     heads / vocab / FFN width divided by tp), its weights inside
+    OUT/rank-000/model.onnx    (--target onnx) the same program in ONNX, collectives as nodes
+    OUT/rank-000/model.trt.onnx  (exporter/onnx_collectives.py: ort and trt flavors)
     ...
 
 One trace: the rank program is traced once, with rank 0's weights (model/rank.py: ranks differ only in
 weights and the two buffers `vocab_start` / `local_experts`); each other rank's `.pt2` is that program with
 its weights swapped in place (`swap_weights`: no graph copy, no re-trace). Weights come from the checkpoint rank by rank
 (model/shard_load.py: each rank's slices only), or for a preset are cut from one random init.
+ONNX (`--target onnx`): the rank's program is converted after its weights are swapped in, so the graph
+is the same in every rank's file (one trace, one conversion per rank: torch.onnx has no weight swap; the
+conversion is seconds on k3-mini). No GenAI package per rank (GenAI does not launch ranks).
 `--no-weights` writes rank 0's program only (every rank's graph is the same). The whole folder is staged
 and renamed into place like every export (exporter/staging.py).
 """
@@ -29,6 +34,7 @@ from ..model.parallel import ParallelPlan
 from .export import DType, ExportOptions, ExportResult, KernelChoice, Progress, _timed, copy_tokenizer
 
 COLLECTIVE_PREFIX = "_c10d_functional::"
+RANK_STAGES = ("pt2", "onnx")
 
 
 def rank_dir_name(rank: int) -> str:
@@ -54,7 +60,7 @@ def _full_config(options: ExportOptions):
 
 
 def export_ranks(options: ExportOptions, plan: ParallelPlan, progress: Progress | None = None) -> ExportResult:
-    """Write the rank programs of `plan` for `options` (targets: pt2). ConfigError before anything is built."""
+    """Write the rank programs of `plan` for `options` (stages pt2, onnx). ConfigError before anything is built."""
     from ..model.config import ConfigError
     from ..model.rank import build_rank_model
     from . import artifacts
@@ -62,8 +68,9 @@ def export_ranks(options: ExportOptions, plan: ParallelPlan, progress: Progress 
     from .trace import op_counts, save_pt2, trace
 
     progress = progress or (lambda name, seconds: None)
-    if options.stages() != ("pt2",):
-        raise ConfigError(f"--tp/--ep: rank programs are written for --target pt2 only (got {list(options.stages())})")
+    if not set(options.stages()) <= set(RANK_STAGES):
+        raise ConfigError(f"--tp/--ep: rank programs are written for --target pt2 and onnx only "
+                          f"(got {list(options.stages())})")
     dtype = artifacts.DTYPES[DType(options.dtype).value]
     timings: dict[str, float] = {}
     with _timed("config", progress, timings):
@@ -137,11 +144,17 @@ def _write_rank(work: Path, rank: int, plan: ParallelPlan, local, dtype, options
     d = work / rank_dir_name(rank)
     artifacts.init_manifest(d, local, dtype=dtype, weights=options.weights, op_counts=counts,
                             checkpoint=options.checkpoint, checkpoint_hash=ckpt_hash)
-    with artifacts.write_artifact(d, "pt2", {"weights": options.weights, "rank": rank,
-                                             "load": "k3x.exporter.trace.load_pt2"}) as tmp:
-        save_pt2(program, tmp / "model.pt2")
-    files = [{"path": f"{d.name}/{f['path']}", "bytes": f["bytes"], "sha256": f["sha256"]}
-             for f in artifacts.read_manifest(d)["artifacts"]["pt2"]["files"]]
+    stages = options.stages()
+    if "pt2" in stages:
+        with artifacts.write_artifact(d, "pt2", {"weights": options.weights, "rank": rank,
+                                                 "load": "k3x.exporter.trace.load_pt2"}) as tmp:
+            save_pt2(program, tmp / "model.pt2")
+    if "onnx" in stages:
+        from .onnx import OnnxOptions, onnx_stage
+
+        onnx_stage(d, program, local, OnnxOptions(weights=options.weights))
+    files = [{"path": f"{d.name}/{f['path']}", "bytes": f["bytes"], "sha256": f["sha256"], "artifact": name}
+             for name, a in artifacts.read_manifest(d)["artifacts"].items() for f in a["files"]]
     return {"rank": rank, "tp_rank": plan.tp_rank(rank), "ep_rank": plan.ep_rank(rank), "dir": d.name,
             "files": files}
 
