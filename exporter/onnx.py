@@ -49,6 +49,7 @@ FLAVOR_FILES: dict[str, str] = {"ort": "model.onnx", "trt": "model.trt.onnx"}
 EXTERNAL_DATA = "model.onnx.data"
 EXTERNAL_DATA_THRESHOLD = 2 * 1024**3  # protobuf's 2 GB limit
 TOTAL_SEQ = "total_seq"
+OPSET_IMPORTS = "k3x.opset_imports"  # model.meta key (not serialised)
 
 @dataclass(frozen=True)
 class OnnxOptions:
@@ -224,6 +225,7 @@ def to_onnx_ir(ep: ExportedProgram, cfg: K3Config, *, weights: bool = True, opti
     _rename_io(model, cfg)
     if not weights:
         _weights_to_inputs(model, weight_names)
+    model.meta[OPSET_IMPORTS] = dict(model.opset_imports)  # as converted: each flavor pass starts from these
     model.producer_name, model.producer_version = "k3x", "0.1.0"
     model.metadata_props["k3x.config"] = cfg.name
     model.metadata_props["k3x.config_hash"] = cfg.hash()
@@ -234,15 +236,17 @@ def _weight_bytes(model: ir.Model) -> int:
     return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
 
 
-def export_onnx(ep: ExportedProgram, cfg: K3Config, out_dir: Path, options: OnnxOptions = OnnxOptions()
-                ) -> OnnxArtifact:
-    """Write one file per flavor into `out_dir` (which must exist; the caller owns atomicity)."""
+def export_onnx(ep: ExportedProgram, cfg: K3Config, out_dir: Path, options: OnnxOptions = OnnxOptions(),
+                model: ir.Model | None = None) -> OnnxArtifact:
+    """Write one file per flavor into `out_dir` (which must exist; the caller owns atomicity). `model`: `ep`
+    already converted by `to_onnx_ir` (rank programs: converted once, each rank's weights swapped in)."""
     from collections import Counter
 
     out_dir = Path(out_dir)
     streamed = options.weights and options.weight_stream is not None
-    model = to_onnx_ir(ep, cfg, weights=options.weights and not streamed, optimize=options.optimize,
-                       opset=options.opset)
+    if model is None:
+        model = to_onnx_ir(ep, cfg, weights=options.weights and not streamed, optimize=options.optimize,
+                           opset=options.opset)
     external = options.external_data
     if external is None:
         external = _weight_bytes(model) > EXTERNAL_DATA_THRESHOLD
@@ -258,6 +262,8 @@ def export_onnx(ep: ExportedProgram, cfg: K3Config, out_dir: Path, options: Onnx
         data_path = out_dir / EXTERNAL_DATA
     for flavor in ("trt", "ort"):  # trt first: the ort pass adds functions to the same model
         if flavor in options.flavors:
+            model.opset_imports.clear()  # a model written before (rank programs) carries the last pass's imports
+            model.opset_imports.update(model.meta.get(OPSET_IMPORTS, {}))
             FLAVOR_PASSES[flavor](model)
             ir.save(model, out_dir / FLAVOR_FILES[flavor])
     files = {f: out_dir / FLAVOR_FILES[f] for f in FLAVOR_FILES if f in options.flavors}
@@ -268,8 +274,8 @@ def export_onnx(ep: ExportedProgram, cfg: K3Config, out_dir: Path, options: Onnx
                         op_counts=dict(sorted(counts.items())), collectives=collective_counts(model))
 
 
-def onnx_stage(out_dir: Path, ep: ExportedProgram, cfg: K3Config, options: OnnxOptions = OnnxOptions()
-               ) -> OnnxArtifact:
+def onnx_stage(out_dir: Path, ep: ExportedProgram, cfg: K3Config, options: OnnxOptions = OnnxOptions(),
+               model: ir.Model | None = None) -> OnnxArtifact:
     """Export into the export folder `out_dir` (manifest already initialised) as artifact `onnx`.
 
     Files land atomically through exporter/artifacts.write_artifact; the manifest entry records which
@@ -279,7 +285,7 @@ def onnx_stage(out_dir: Path, ep: ExportedProgram, cfg: K3Config, options: OnnxO
 
     extra: dict = {}
     with write_artifact(out_dir, "onnx", extra) as tmp:
-        art = export_onnx(ep, cfg, tmp, options)
+        art = export_onnx(ep, cfg, tmp, options, model)
         extra.update(flavors={f: p.name for f, p in art.files.items()}, opset=options.opset,
                      weights=options.weights, external_data=art.external_data.name if art.external_data else None,
                      nodes=art.num_nodes, k3_nodes=art.op_counts)

@@ -96,18 +96,27 @@ def counts(model: ir.Model) -> dict[str, int]:
     return dict(sorted(Counter(n.op_type for n in collective_nodes(model)).items()))
 
 
-def _check(nodes: list[ir.Node]) -> None:
-    want = {"AllReduce": ("reduce_op", "group_name"), "AllGather": ("group_size", "group_name")}
+FIELDS = {"AllReduce": ("reduce_op", "group_name"), "AllGather": ("group_size", "group_name")}
+
+
+def _set_attributes(nodes: list[ir.Node], namespace: bool) -> None:
+    """Each node's fields in one order (+ `plugin_namespace` last when `namespace`): the files of every rank
+    are alike whichever flavor a converted model was written in before."""
     for n in nodes:
-        missing = [a for a in (*want[n.op_type], *NAMESPACE) if a not in n.attributes]
+        missing = [a for a in FIELDS[n.op_type] if a not in n.attributes]
         if missing:
             raise ValueError(f"node {n.name!r} ({n.domain}::{n.op_type}) lacks attribute(s) {missing}")
+        attrs = [n.attributes[a] for a in FIELDS[n.op_type]]
+        if namespace:
+            attrs.append(ir.AttrString("plugin_namespace", NAMESPACE["plugin_namespace"]))
+        n.attributes.clear()
+        n.attributes.update({a.name: a for a in attrs})
 
 
 def trt_pass(model: ir.Model) -> None:
-    """Plugin nodes in `k3.dist` with every plugin field."""
+    """Plugin nodes in `k3.dist` with every plugin field and the plugin namespace."""
     nodes = collective_nodes(model)
-    _check(nodes)
+    _set_attributes(nodes, namespace=True)
     for n in nodes:
         n.domain = DIST_DOMAIN
     _set_import(model, DIST_DOMAIN if nodes else None)
@@ -116,10 +125,9 @@ def trt_pass(model: ir.Model) -> None:
 def ort_pass(model: ir.Model) -> None:
     """onnxruntime-extensions Python ops: domain `ai.onnx.contrib`, no plugin namespace."""
     nodes = collective_nodes(model)
-    _check(nodes)
+    _set_attributes(nodes, namespace=False)
     for n in nodes:
         n.domain = PYOP_DOMAIN
-        n.attributes.pop("plugin_namespace", None)
     _set_import(model, PYOP_DOMAIN if nodes else None)
 
 

@@ -13,9 +13,9 @@ One trace: the rank program is traced once, with rank 0's weights (model/rank.py
 weights and the two buffers `vocab_start` / `local_experts`); each other rank's `.pt2` is that program with
 its weights swapped in place (`swap_weights`: no graph copy, no re-trace). Weights come from the checkpoint rank by rank
 (model/shard_load.py: each rank's slices only), or for a preset are cut from one random init.
-ONNX (`--target onnx`): the rank's program is converted after its weights are swapped in, so the graph
-is the same in every rank's file (one trace, one conversion per rank: torch.onnx has no weight swap; the
-conversion is seconds on k3-mini). No GenAI package per rank (GenAI does not launch ranks).
+ONNX (`--target onnx`): rank 0's program is converted once (exporter/onnx.to_onnx_ir); each other rank's
+file is that ONNX graph with its initializers swapped (`swap_initializers`), so the graph is the same in
+every rank's file. No GenAI package per rank (GenAI does not launch ranks).
 `--no-weights` writes rank 0's program only (every rank's graph is the same). The whole folder is staged
 and renamed into place like every export (exporter/staging.py).
 """
@@ -93,12 +93,21 @@ def export_ranks(options: ExportOptions, plan: ParallelPlan, progress: Progress 
                 build_rank_model(cfg, plan, dtype=dtype)
             program = trace(model)
         counts = op_counts(program) | collective_counts(program)
+        onnx_model = None
+        if "onnx" in options.stages():
+            from .onnx import to_onnx_ir
+
+            with _timed("onnx", progress, timings):
+                onnx_model = to_onnx_ir(program, local, weights=options.weights)
         ranks: list[dict[str, Any]] = []
         for r in range(plan.world if options.weights else 1):
             with _timed(f"rank {r}", progress, timings):
                 if r > 0:
                     swap_weights(program, _rank_model(options, cfg, plan, r, dtype, full).state_dict())
-                ranks.append(_write_rank(work, r, plan, local, dtype, options, counts, ckpt_hash, program, save_pt2))
+                    if onnx_model is not None:
+                        swap_initializers(onnx_model, program.state_dict)
+                ranks.append(_write_rank(work, r, plan, local, dtype, options, counts, ckpt_hash, program, save_pt2,
+                                         onnx_model))
         artifacts.init_manifest(work, cfg, dtype=dtype, weights=options.weights, op_counts=counts,
                                 checkpoint=options.checkpoint, checkpoint_hash=ckpt_hash)
         notes = [copy_tokenizer(options.checkpoint, work)] if options.checkpoint else []
@@ -137,8 +146,22 @@ def swap_weights(program, state_dict: dict[str, torch.Tensor]) -> None:
         program.state_dict[name] = torch.nn.Parameter(t, False) if isinstance(want, torch.nn.Parameter) else t
 
 
+def swap_initializers(model, state_dict: dict[str, torch.Tensor]) -> None:
+    """Put another rank's weights into a converted ONNX model in place (initializers are named like the
+    state dict; the flavor passes retype byte tensors again when the files are written)."""
+    import onnx_ir as ir
+
+    for name, t in state_dict.items():
+        v = model.graph.initializers.get(name)
+        if v is None:
+            continue  # not read by the graph
+        if tuple(v.shape) != tuple(t.shape):
+            raise ValueError(f"swap_initializers: {name} is {tuple(t.shape)}, the ONNX graph has {tuple(v.shape)}")
+        v.const_value = ir.tensor(t.detach().contiguous(), name=name)
+
+
 def _write_rank(work: Path, rank: int, plan: ParallelPlan, local, dtype, options: ExportOptions,
-                counts: dict[str, int], ckpt_hash: str | None, program, save_pt2) -> dict[str, Any]:
+                counts: dict[str, int], ckpt_hash: str | None, program, save_pt2, onnx_model=None) -> dict[str, Any]:
     from . import artifacts
 
     d = work / rank_dir_name(rank)
@@ -152,7 +175,7 @@ def _write_rank(work: Path, rank: int, plan: ParallelPlan, local, dtype, options
     if "onnx" in stages:
         from .onnx import OnnxOptions, onnx_stage
 
-        onnx_stage(d, program, local, OnnxOptions(weights=options.weights))
+        onnx_stage(d, program, local, OnnxOptions(weights=options.weights), onnx_model)
     files = [{"path": f"{d.name}/{f['path']}", "bytes": f["bytes"], "sha256": f["sha256"], "artifact": name}
              for name, a in artifacts.read_manifest(d)["artifacts"].items() for f in a["files"]]
     return {"rank": rank, "tp_rank": plan.tp_rank(rank), "ep_rank": plan.ep_rank(rank), "dir": d.name,
