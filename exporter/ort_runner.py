@@ -77,6 +77,12 @@ def ort_session(path: Path, provider: str = "auto", intra_op_threads: int = 0, c
         raise RunnerError(f"{path}: ONNX Runtime cannot load it: {e}{hint}") from None
     finally:
         ort.set_default_logger_severity(2)
+    if collectives:
+        from .ort_collectives import check_ready
+
+        reason = check_ready(path)
+        if reason:
+            raise RunnerError(f"{path}: {reason}")
     used = "cuda" if "CUDAExecutionProvider" in sess.get_providers() else "cpu"
     if provider == "cuda" and used != "cuda":
         raise RunnerError("provider=cuda: CUDAExecutionProvider did not initialise (no GPU, CUDA 13 / cuDNN 9 "
