@@ -93,7 +93,7 @@ class Resources:
 _KDA_PORTS = {"q": "bf16", "k": "bf16", "v": "bf16", "g": "fp32", "beta": "fp32", "initial_state": "fp32",
               "o": "bf16", "final_state": "fp32"}
 _MOE_PORTS = {"x": "bf16", "z": "bf16", "gate_weight": "bf16", "gate_bias": "fp32", "w1": "bf16", "w3": "bf16",
-              "w2": "bf16", "u": "bf16"}
+              "w2": "bf16", "expert_offset": "int32", "u": "bf16"}
 _AR_PORTS = {"prefix": "bf16", "bank": "bf16", "norm_weight": "fp32", "proj_weight": "fp32", "out": "bf16"}
 _MOE_ATTRS = {"top_k": 16, "routed_scaling_factor": 1.0, "renormalize": True, "activation": "situ",
               "situ_beta": 4.0, "situ_linear_beta": 25.0}

@@ -10,7 +10,7 @@
     ...
 
 One trace: the rank program is traced once, with rank 0's weights (model/rank.py: ranks differ only in
-weights and the two buffers `vocab_start` / `local_experts`); each other rank's `.pt2` is that program with
+weights and the two buffers `vocab_start` / `expert_offset`); each other rank's `.pt2` is that program with
 its weights swapped in place (`swap_weights`: no graph copy, no re-trace). Weights come from the checkpoint rank by rank
 (model/shard_load.py: each rank's slices only), or for a preset are cut from one random init.
 ONNX (`--target onnx`): rank 0's program is converted once (exporter/onnx.to_onnx_ir); each other rank's

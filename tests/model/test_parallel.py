@@ -85,7 +85,7 @@ def test_rank_program_is_the_local_model_plus_collectives():
     assert sd["model.layers.1.block_sparse_moe.experts.w1"].shape == (4, 32, 32)  # 4 of 8 experts
     assert sd["model.layers.1.block_sparse_moe.gate.weight"].shape == (8, 64)  # router: all experts
     assert sd["model.embed_tokens.weight"].shape == sd["lm_head.weight"].shape == (256, 64)
-    assert {"model.embed_tokens.vocab_start", "model.layers.1.block_sparse_moe.local_experts"} <= set(sd)
+    assert {"model.embed_tokens.vocab_start", "model.layers.1.block_sparse_moe.expert_offset"} <= set(sd)
     assert m.cfg.kda.num_heads == 2 and m.cfg.vocab_size == 256
 
 
@@ -102,7 +102,7 @@ def test_sharded_loading_reads_each_ranks_slice_from_the_checkpoint(tmp_path):
         bad = [k for k in want if not torch.equal(got[k], want[k])]
         assert not bad, bad[:5]
     e = model.model.layers[1].block_sparse_moe
-    assert e.local_experts.tolist() == [4, 5, 6, 7] and model.model.embed_tokens.vocab_start.item() == 0
+    assert e.expert_offset.tolist() == [4] and model.model.embed_tokens.vocab_start.item() == 0
     assert torch.equal(e.experts.w1, sd["model.layers.1.block_sparse_moe.experts.w1"][4:])
 
 
