@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ..model.parallel import ParallelPlan
-from .export import DType, ExportOptions, ExportResult, KernelChoice, Progress, _timed, copy_tokenizer
+from .export import DType, ExportOptions, ExportResult, ExpertFormat, KernelChoice, Progress, _timed, copy_tokenizer
 
 COLLECTIVE_PREFIX = "_c10d_functional::"
 RANK_STAGES = ("pt2", "onnx")
@@ -49,14 +49,22 @@ def collective_counts(ep) -> dict[str, int]:
     return dict(sorted(c.items()))
 
 
+def _expert_format(options: ExportOptions) -> str | None:
+    return None if options.expert_format is None else ExpertFormat(options.expert_format).value
+
+
 def _full_config(options: ExportOptions):
+    """The whole model's config; routed experts as the checkpoint stores them (MXFP4 stays packed in every
+    rank) unless `--expert-format` says otherwise; presets dense unless asked."""
     from ..custom_ops.kernels import Kernels
-    from ..model.config import K3Config, preset
+    from ..model.checkpoint import checkpoint_config
+    from ..model.config import preset
 
     kernels = Kernels(KernelChoice(options.kernels).value)
     if options.checkpoint is None:
-        return dataclasses.replace(preset(options.preset), kernels=kernels)
-    return dataclasses.replace(K3Config.from_hf(Path(options.checkpoint) / "config.json"), kernels=kernels)
+        return dataclasses.replace(preset(options.preset), kernels=kernels,
+                                   expert_format=_expert_format(options) or "dense")
+    return dataclasses.replace(checkpoint_config(options.checkpoint, _expert_format(options)), kernels=kernels)
 
 
 def export_ranks(options: ExportOptions, plan: ParallelPlan, progress: Progress | None = None) -> ExportResult:
@@ -129,7 +137,8 @@ def _rank_model(options: ExportOptions, cfg, plan: ParallelPlan, rank: int, dtyp
     from ..model.shard_load import load_rank
 
     if full is None:
-        return load_rank(options.checkpoint, plan, rank, dtype=dtype, kernels=cfg.kernels)[1]
+        return load_rank(options.checkpoint, plan, rank, dtype=dtype, kernels=cfg.kernels,
+                         expert_format=cfg.expert_format)[1]
     model = build_rank_model(cfg, plan, dtype=dtype).to_empty(device="cpu")
     model.load_state_dict(rank_state_dict(full, cfg, plan, rank), strict=True)
     return model

@@ -87,7 +87,7 @@ def test_sharded_export_layout_and_manifest(tp2ep2):
     par = m["parallel"]
     assert (par["tp"], par["ep"], par["world"]) == (2, 2, 4) and len(par["ranks"]) == 4
     assert [r["experts"] for r in par["ranks"]] == [[0, 4], [0, 4], [4, 8], [4, 8]]
-    assert m["op_counts"] == {"k3::attn_res": 12, "k3::kda": 3, "k3::moe": 5,
+    assert m["op_counts"] == {"k3::attn_res": 12, "k3::kda": 3, "k3::moe_mxfp4": 5,  # experts stay packed
                               "_c10d_functional::all_gather_into_tensor": 1,  # vocab-parallel head
                               "_c10d_functional::all_reduce": 18}  # embed + 6 mixers + dense + 5 x (EP + shared)
     hashes = set()

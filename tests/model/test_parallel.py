@@ -135,6 +135,24 @@ def test_sharded_loading_opens_only_the_ranks_experts(tmp_path, monkeypatch):
     assert experts == {4, 5, 6, 7}
 
 
+def test_packed_checkpoint_stays_packed_in_each_rank(tmp_path):
+    """MXFP4 experts are read as stored into the rank's packed experts (its slice of the expert axis, bytes
+    and scales unchanged); expert_format="dense" decodes them as the single-GPU loader does."""
+    from k3x.model.checkpoint import load_checkpoint
+
+    cfg, plan = mini4(), ParallelPlan(1, 2)
+    save_checkpoint(build_model(cfg, seed=0), tmp_path / "ck", expert_format="mxfp4")
+    whole = load_checkpoint(tmp_path / "ck").state_dict()  # packed
+    got_cfg, model = load_rank(tmp_path / "ck", plan, 1)
+    sd = model.state_dict()
+    assert got_cfg.expert_format == "mxfp4"
+    for name in ("experts.w1", "experts.w2_scale"):
+        key = f"model.layers.1.block_sparse_moe.{name}"
+        assert sd[key].dtype == torch.uint8 and torch.equal(sd[key], whole[key][4:])
+    dense = load_rank(tmp_path / "ck", plan, 1, expert_format="dense")[1].state_dict()
+    assert dense["model.layers.1.block_sparse_moe.experts.w1"].dtype == torch.float32
+
+
 def test_budget_per_rank_bytes_collectives_and_fit():
     from k3x.model.parallel_budget import budget, rank_weight_bytes
     from k3x.model.summary import summarize
