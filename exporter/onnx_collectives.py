@@ -20,8 +20,10 @@ Flavors (the passes below; onnx_flavors.py calls them):
 from __future__ import annotations
 
 from collections import Counter
+from typing import TYPE_CHECKING
 
-import onnx_ir as ir
+if TYPE_CHECKING:  # onnx_ir is imported where it is used: the ONNX Runtime side reads only the names here
+    import onnx_ir as ir
 
 DIST_DOMAIN = "k3.dist"  # as exported and in the trt flavor
 PYOP_DOMAIN = "ai.onnx.contrib"  # onnxruntime-extensions' Python custom ops (ort flavor)
@@ -87,6 +89,8 @@ def translation_table() -> dict:
 
 
 def collective_nodes(model: ir.Model) -> list[ir.Node]:
+    import onnx_ir as ir
+
     return [n for n in ir.traversal.RecursiveGraphIterator(model.graph)
             if n.domain in (DIST_DOMAIN, PYOP_DOMAIN) and n.op_type in OPS]
 
@@ -102,6 +106,8 @@ FIELDS = {"AllReduce": ("reduce_op", "group_name"), "AllGather": ("group_size", 
 def _set_attributes(nodes: list[ir.Node], namespace: bool) -> None:
     """Each node's fields in one order (+ `plugin_namespace` last when `namespace`): the files of every rank
     are alike whichever flavor a converted model was written in before."""
+    import onnx_ir as ir
+
     for n in nodes:
         missing = [a for a in FIELDS[n.op_type] if a not in n.attributes]
         if missing:

@@ -18,12 +18,38 @@ Notable choices:
 
 from __future__ import annotations
 
+import os
+import sys
+
 import numpy as np
 import torch
 import torch.distributed as dist
-from onnxruntime_extensions import PyCustomOpDef, get_library_path, onnx_op
 
 from .onnx_collectives import OPS, PYOP_DOMAIN
+
+
+def _import_extensions():
+    """onnxruntime_extensions, without what its package import drags in for its tokenizer converters: it
+    imports `transformers` when installed (~10 s per rank process; nothing here uses it) and sets
+    PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python for later processes. Both are undone around the import."""
+    hide = "transformers" not in sys.modules
+    env = os.environ.get("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION")
+    if hide:
+        sys.modules["transformers"] = None  # type: ignore[assignment]  # import fails: the converters are skipped
+    try:
+        import onnxruntime_extensions
+    finally:
+        if hide and sys.modules.get("transformers", 0) is None:
+            del sys.modules["transformers"]
+        if env is None:
+            os.environ.pop("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", None)
+        else:
+            os.environ["PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"] = env
+    return onnxruntime_extensions
+
+
+_ext = _import_extensions()
+PyCustomOpDef, get_library_path, onnx_op = _ext.PyCustomOpDef, _ext.get_library_path, _ext.onnx_op
 
 def _group(name: str):
     from torch.distributed.distributed_c10d import _resolve_process_group

@@ -1,10 +1,13 @@
-"""Rank programs on torch.distributed (gloo, CPU): k3-mini (4 heads) at TP=2, EP=2 and TP=2 x EP=2 against the
-single-process eager model — logits and every state over a prefill and 8 decode steps within the tolerance
-table, greedy tokens identical (`k3x verify` on a sharded export).
+"""Rank programs on torch.distributed (gloo, CPU): k3-mini (4 heads, MXFP4 experts kept packed) at TP=2, EP=2 and
+TP=2 x EP=2 against the single-process eager model — logits and every state over a prefill and 8 decode steps
+within the tolerance table, greedy tokens identical (`k3x verify` on a sharded export); the TP x EP export also
+carries each rank's ONNX (collectives as nodes), verified through ONNX Runtime in the same 4 processes, and
+its trt flavor builds with TensorRT-RTX.
 
-One export per layout (module scope). Every launch is a subprocess with a timeout and a bounded gloo
-timeout (K3X_DIST_TIMEOUT_S), so a broken launcher fails the test instead of hanging it. Cost on the
-2-core machine: dominated by torch.export.load of each rank's program (~8 CPU-s each) and one trace per layout.
+One export per layout (module scope; the TP=2 one serves the parity and the `k3x run` tests). Every launch is
+a subprocess with a timeout and a bounded gloo timeout (K3X_DIST_TIMEOUT_S), so a broken launcher fails the
+test instead of hanging it. Cost on the 2-core machine: dominated by torch.export.load of each rank's
+program (~6 CPU-s each), one trace (+ one ONNX conversion) per layout, and the 4-process verify.
 """
 
 from __future__ import annotations
@@ -61,6 +64,19 @@ def _export(checkpoint: Path, out: Path, tp: int, ep: int, *targets: str) -> Pat
                                  "--out", str(out), *[a for t in targets for a in ("--target", t)]])
     assert r.exit_code == 0, r.output
     return out
+
+
+@pytest.fixture(scope="module")
+def export_of(checkpoint, tmp_path_factory):
+    """(tp, ep) -> a pt2 rank export, made once per module (the TP=2 one serves two tests)."""
+    made: dict[tuple[int, int], Path] = {}
+
+    def get(tp: int, ep: int) -> Path:
+        if (tp, ep) not in made:
+            made[tp, ep] = _export(checkpoint, tmp_path_factory.mktemp("x") / f"tp{tp}ep{ep}", tp, ep)
+        return made[tp, ep]
+
+    return get
 
 
 @pytest.fixture(scope="module")
@@ -138,20 +154,23 @@ def test_parity_tp2_x_ep2_four_processes_spawned_without_a_launcher(tp2ep2, tmp_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)])
-def test_parity_under_torchrun(checkpoint, tmp_path, tp, ep):
-    export = _export(checkpoint, tmp_path / "x", tp, ep)
-    _verify(export, tmp_path, torchrun=tp * ep)
+def test_parity_under_torchrun(export_of, tmp_path, tp, ep):
+    _verify(export_of(tp, ep), tmp_path, torchrun=tp * ep)
 
 
 @pytest.mark.slow
-def test_run_under_torchrun_matches_eager_greedy(tp2ep2, checkpoint):
+def test_run_under_torchrun_matches_eager_greedy(export_of, checkpoint):
+    """`k3x run` under torchrun on the TP=2 pt2 export: the default --backend ort finds no ONNX there and says it
+    runs the pt2 rank programs (the ORT rank programs are run by the TP x EP verify); rank 0 prints, tokens =
+    the eager model's."""
     from k3x.model.checkpoint import load_checkpoint
     from k3x.model.generate import generate
     from k3x.model.sampling import SamplingOptions
 
-    r = launch(["run", str(tp2ep2), "--prompt-ids", "5,6,7", "--max-new-tokens", "6"], torchrun=4)  # ort ranks
+    r = launch(["run", str(export_of(2, 1)), "--prompt-ids", "5,6,7", "--max-new-tokens", "6"], torchrun=2)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    assert "tp=2 ep=2, ort" in r.stdout, r.stdout[-2000:]
+    assert "tp=2 ep=1, pt2" in r.stdout, r.stdout[-2000:]
+    assert r.stdout.count("this sharded export has no ONNX; running the pt2 rank programs") == 1  # rank 0 says it
     tokens = [line for line in r.stdout.splitlines() if line.startswith("tokens: ")]
     assert len(tokens) == 1, r.stdout  # rank 0 prints, the others do not
     want = generate(load_checkpoint(checkpoint), torch.tensor([[5, 6, 7]]), SamplingOptions(6)).tokens
