@@ -140,6 +140,12 @@ def test_rank_folders_confined_to_the_export(tp2ep2, tmp_path, bad):
     assert "Traceback" not in r.output
 
 
+def test_backend_the_rank_folders_lack_is_one_line(tp2ep2):
+    r = CliRunner().invoke(app, ["verify", str(tp2ep2), "--backends", "pt2,trt"])
+    assert r.exit_code == 1 and "sharded export has rank programs for ['pt2', 'ort'], not ['trt']" in r.output
+    assert "Traceback" not in r.output
+
+
 def test_bad_plan_fails_before_anything_is_written(checkpoint, tmp_path):
     r = CliRunner().invoke(app, ["export", "--checkpoint", str(checkpoint), "--tp", "3", "--out", str(tmp_path / "o")])
     assert r.exit_code == 1 and "kda.num_heads=4: not divisible by tp=3" in r.output
