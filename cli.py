@@ -318,7 +318,7 @@ def run(
     from .cli_parallel import run_sharded
 
     sampling = Sampling(max_new_tokens, temperature, top_k, top_p, seed)
-    if run_sharded(export_dir, prompt, prompt_ids, chat, sampling, skip_hash_check):
+    if run_sharded(export_dir, prompt, prompt_ids, chat, sampling, skip_hash_check, backend):
         return
     folder = _export_folder(export_dir)
     cfg = folder.config()
@@ -360,7 +360,7 @@ def verify(
     from .cli_parallel import verify_sharded
     from .exporter.verify import run_parity
 
-    if verify_sharded(export_dir, steps, prompt_len, batch, seed, checkpoint, json_out, skip_hash_check):
+    if verify_sharded(export_dir, steps, prompt_len, batch, seed, checkpoint, json_out, skip_hash_check, backends):
         return
     folder = _export_folder(export_dir)
     names = [b.strip() for b in backends.split(",") if b.strip()] or _default_backends(folder)

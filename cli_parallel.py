@@ -7,6 +7,7 @@ Inside a launcher every rank runs the same command; rank 0 prints. Peak RSS is r
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -54,8 +55,24 @@ def _sharded(export_dir: Path):
         fail(str(e))
 
 
-def _start(export_dir: Path, data, plan, skip_hash_check: bool):
-    """In a launcher: (rank, TP group, this rank's runner); outside one: spawn the ranks and exit."""
+def _backends(export_dir: Path, data, requested: list[str], default_ort: bool = False) -> list[str]:
+    """The rank runners to use: `requested` (each must be in the export), or every one the export has.
+    `k3x run`'s default `--backend ort` on a pt2-only sharded export runs pt2 (and says so)."""
+    from .exporter.dist_run import rank_backends
+
+    have = rank_backends(export_dir, data)
+    if default_ort and requested == ["ort"] and "ort" not in have and "pt2" in have:
+        if os.environ.get("RANK", "0") == "0":  # the launching process and rank 0 say it
+            typer.echo("backend ort: this sharded export has no ONNX; running the pt2 rank programs")
+        return ["pt2"]
+    missing = [b for b in requested if b not in have]
+    if missing:
+        fail(f"{export_dir}: sharded export has rank programs for {have}, not {missing}")
+    return requested or have
+
+
+def _start(export_dir: Path, data, plan, skip_hash_check: bool, backends: list[str]):
+    """In a launcher: (rank, TP group, {backend: this rank's runner}); outside one: spawn the ranks and exit."""
     from .exporter import dist_run
     from .exporter.runners import RunnerError, RunnerOptions
 
@@ -69,7 +86,8 @@ def _start(export_dir: Path, data, plan, skip_hash_check: bool):
         raise typer.Exit(code=0)
     try:
         rank, tp_pg = dist_run.init(plan)
-        return rank, tp_pg, dist_run.rank_runner(export_dir, data, rank, RunnerOptions(check_hashes=not skip_hash_check))
+        options = RunnerOptions(check_hashes=not skip_hash_check)
+        return rank, tp_pg, {b: dist_run.rank_runner(export_dir, data, rank, options, b) for b in backends}
     except RunnerError as e:
         fail(str(e))
 
@@ -85,7 +103,8 @@ def _report_rss(rank: int) -> None:
         typer.echo("peak RSS per rank (MiB): " + ", ".join(f"{r}: {m}" for r, m in enumerate(rss)))
 
 
-def run_sharded(export_dir: Path, prompt, prompt_ids, chat: bool, sampling, skip_hash_check: bool) -> bool:
+def run_sharded(export_dir: Path, prompt, prompt_ids, chat: bool, sampling, skip_hash_check: bool,
+                backend: str = "pt2") -> bool:
     """`k3x run` on a sharded export (False: not sharded, the caller runs the single program)."""
     import torch
 
@@ -98,7 +117,9 @@ def run_sharded(export_dir: Path, prompt, prompt_ids, chat: bool, sampling, skip
     if found is None:
         return False
     data, plan = found
-    rank, _, runner = _start(export_dir, data, plan, skip_hash_check)
+    (backend,) = _backends(export_dir, data, [backend], default_ort=True)
+    rank, _, runners = _start(export_dir, data, plan, skip_hash_check, [backend])
+    runner = runners[backend]
     from .model.config import K3Config
 
     cfg = K3Config.from_dict(data["config"])
@@ -106,7 +127,7 @@ def run_sharded(export_dir: Path, prompt, prompt_ids, chat: bool, sampling, skip
     local = dist_run._folder_cfg(export_dir, data, rank)
     printer = Printer(p.tokenizer if rank == 0 else None)
     try:
-        check_request(cfg, batch=1, prompt_len=len(p.ids), new_tokens=sampling.max_new_tokens, backend="pt2",
+        check_request(cfg, batch=1, prompt_len=len(p.ids), new_tokens=sampling.max_new_tokens, backend=backend,
                       dims=data["dynamic_dims"])
         g = generate(runner, local, torch.tensor([p.ids]), p.options, on_token=printer, dtype=DTYPES[data["dtype"]])
     except RunnerError as e:
@@ -114,14 +135,15 @@ def run_sharded(export_dir: Path, prompt, prompt_ids, chat: bool, sampling, skip
     except Exception as e:  # noqa: BLE001 - one line per rank, no traceback
         fail(f"rank {rank}: {one_line(e)}")
     if rank == 0:
-        printer.finish(g, len(p.ids), f"{plan.world} ranks, tp={plan.tp} ep={plan.ep}, pt2")
+        printer.finish(g, len(p.ids), f"{plan.world} ranks, tp={plan.tp} ep={plan.ep}, {backend}")
     _report_rss(rank)
     dist_run.shutdown()
     return True
 
 
 def verify_sharded(export_dir: Path, steps: int, prompt_len: int, batch: int, seed: int,
-                   checkpoint: Optional[Path], json_out: Optional[Path], skip_hash_check: bool) -> bool:
+                   checkpoint: Optional[Path], json_out: Optional[Path], skip_hash_check: bool,
+                   backends: str = "") -> bool:
     """`k3x verify` on a sharded export: every rank runs the parity harness with the rank programs behind
     the single-GPU interface (states gathered and merged) against the eager model, plus greedy tokens."""
     import json
@@ -139,30 +161,35 @@ def verify_sharded(export_dir: Path, steps: int, prompt_len: int, batch: int, se
     if found is None:
         return False
     data, plan = found
-    rank, tp_pg, runner = _start(export_dir, data, plan, skip_hash_check)
+    names = _backends(export_dir, data, [b.strip() for b in backends.split(",") if b.strip()])
+    rank, tp_pg, runners = _start(export_dir, data, plan, skip_hash_check, names)
     cfg = K3Config.from_dict(data["config"])
+    local = dist_run._folder_cfg(export_dir, data, rank)
     dtype = DTYPES[data["dtype"]]
     try:
-        check_request(cfg, batch=batch, prompt_len=prompt_len, new_tokens=steps + 1, backend="pt2",
-                      dims=data["dynamic_dims"])
+        for b in names:
+            check_request(cfg, batch=batch, prompt_len=prompt_len, new_tokens=steps + 1, backend=b,
+                          dims=data["dynamic_dims"])
         reference = make_runner("eager", export_dir, RunnerOptions(checkpoint=checkpoint))
-        whole = dist_run.WholeStateRunner(runner, cfg, plan, rank, tp_pg)
-        report = run_parity(reference, [whole], cfg, steps=steps, batch=batch, prompt_len=prompt_len, dtype=dtype,
+        wholes = [dist_run.WholeStateRunner(runners[b], cfg, local, plan, rank, tp_pg, b) for b in names]
+        report = run_parity(reference, wholes, cfg, steps=steps, batch=batch, prompt_len=prompt_len, dtype=dtype,
                             seed=seed)
         prompt = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(seed))
         greedy = SamplingOptions(steps + 1)
         want = generate(reference, cfg, prompt, greedy, dtype=dtype).tokens
-        got = generate(whole, cfg, prompt, greedy, dtype=dtype).tokens
+        gots = [generate(w, cfg, prompt, greedy, dtype=dtype).tokens for w in wholes]
     except Exception as e:  # noqa: BLE001 - one line per rank, no traceback
         fail(f"verify rank {rank}: {one_line(e)}")
-    same = torch.equal(want, got)
+    same = all(torch.equal(want, got) for got in gots)
+    got = next((g for g in gots if not torch.equal(want, g)), want)
     if rank == 0:
         typer.echo(report.table())
         typer.echo(f"greedy tokens ({steps + 1}): " + ("identical" if same else f"DIFFER {got.tolist()} != "
                                                                                  f"{want.tolist()}"))
         if json_out:
             json_out.write_text(json.dumps({**report.to_json(), "greedy_identical": same,
-                                            "tokens": want.tolist(), "plan": plan.to_dict()}, indent=2) + "\n")
+                                            "tokens": want.tolist(), "plan": plan.to_dict(),
+                                            "backends": names}, indent=2) + "\n")
     _report_rss(rank)
     dist_run.shutdown()
     if not (report.ok and same):

@@ -143,7 +143,8 @@ def plugin_aot_kernels(ctx) -> list:
         runs = []
         for _ in range(2):
             u = torch.full((N, L), float("nan"), dtype=bf, device=dev)
-            info = launch(moe, dict(N=opt_N, d=d, L=L, E=E, I=I), [x, z, gw, gb, w1, w3, w2, u], a)
+            off = torch.zeros(1, dtype=torch.int32, device=dev)  # expert_offset: one GPU
+            info = launch(moe, dict(N=opt_N, d=d, L=L, E=E, I=I), [x, z, gw, gb, w1, w3, w2, off, u], a)
             runs.append(u)
         tag = f"N{N}-opt{opt_N}-E{E}-k{k}" + ("" if hot is None else f"-hot{hot}")
         want = moe_ref.moe(x, z, gw, gb, w1, w3, w2, k, 2.5, True, "situ", 4.0, 25.0)

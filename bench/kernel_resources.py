@@ -95,7 +95,7 @@ class Resources:
 _KDA_PORTS = {"q": "bf16", "k": "bf16", "v": "bf16", "g": "fp32", "beta": "fp32", "initial_state": "fp32",
               "o": "bf16", "final_state": "fp32"}
 _MOE_PORTS = {"x": "bf16", "z": "bf16", "gate_weight": "bf16", "gate_bias": "fp32", "w1": "bf16", "w3": "bf16",
-              "w2": "bf16", "u": "bf16"}
+              "w2": "bf16", "expert_offset": "int32", "u": "bf16"}
 _MXFP4_PORTS = {n: ("uint8" if n.startswith("w") else t) for n, t in _MOE_PORTS.items()} | {
     f"w{i}_scale": "uint8" for i in (1, 3, 2)}
 _AR_PORTS = {"prefix": "bf16", "bank": "bf16", "norm_weight": "fp32", "proj_weight": "fp32", "out": "bf16"}

@@ -37,6 +37,7 @@ TYPE_VARS = {
     "W": (FLOAT_TYPES, "weights"),
     "N": (FLOAT_TYPES, "norm weights (fp32 in K3's precision plan, independent of W)"),
     "G": (FLOAT_TYPES, "router weights (independent of the expert weights)"),
+    "O": (["tensor(int32)"], "expert_offset [1]: global id of the first local expert (expert parallelism)"),
     "U": (["tensor(uint8)", "tensor(int8)"], "packed weights (two 4-bit codes per byte) and their E8M0 scale "
                                              "bytes: uint8 (ort flavor) or the same bytes as int8 (trt flavor)"),
 }

@@ -6,10 +6,11 @@
   rank's own two under the names the traced graph uses (model/parallel.py `TP_GROUP` / `EP_GROUP`).
 - Without one, `spawn` starts the ranks through torch.distributed's own launcher (`torch.distributed.run`,
   elastic, `--standalone`) with the same command line: `python -m k3x <argv>` in each process.
-- `RankRunner`: this rank's program (its folder is an ordinary export folder: hash-checked `.pt2`), fed
-  and answering in the rank's own state layout. `WholeStateRunner`: takes and returns the single-GPU
-  state (split for this rank, gathered from the TP group and merged), so the parity harness
-  (exporter/verify.run_parity) compares every state with the eager model unchanged.
+- `rank_runner`: this rank's program (its folder is an ordinary export folder: hash-checked `.pt2`, or its
+  ort-flavor ONNX whose collective nodes are onnxruntime-extensions Python ops calling torch.distributed,
+  exporter/ort_collectives.py), fed and answering in the rank's own state layout. `WholeStateRunner`: takes
+  and returns the single-GPU state (split for this rank, gathered from the TP group and merged), so the
+  parity harness (exporter/verify.run_parity) compares every state with the eager model unchanged.
 """
 
 from __future__ import annotations
@@ -66,17 +67,34 @@ def init(plan: ParallelPlan) -> tuple[int, object]:
     return rank, mine.get("tp")
 
 
-def rank_runner(export_dir: Path, data: dict, rank: int, options: RunnerOptions) -> ModuleRunner:
-    """This rank's program (hash-checked, no pickles) on this rank's device: on CUDA the whole program,
-    devices baked into its graph included, is moved to cuda:LOCAL_RANK (`move_to_device_pass`)."""
+RANK_BACKENDS = {"pt2": "pt2", "ort": "onnx"}  # runner -> the artifact a rank folder needs for it
+
+
+def rank_backends(export_dir: Path, data: dict) -> list[str]:
+    """The runners a sharded export's rank folders hold artifacts for (rank 0's manifest; all ranks alike)."""
+    from .artifacts import ExportFolder
+    from .ranks import rank_folder
+
+    have = ExportFolder.open(rank_folder(export_dir, data, 0)).manifest["artifacts"]
+    return [b for b, a in RANK_BACKENDS.items() if a in have]
+
+
+def rank_runner(export_dir: Path, data: dict, rank: int, options: RunnerOptions, backend: str = "pt2"):
+    """This rank's program (hash-checked, no pickles) on this rank's device: on CUDA the whole pt2 program,
+    devices baked into its graph included, is moved to cuda:LOCAL_RANK (`move_to_device_pass`); `ort`
+    runs the rank's ort-flavor ONNX (its collectives call torch.distributed from ONNX Runtime)."""
     from torch.export.passes import move_to_device_pass
 
-    from .runners import _artifact
+    from .runners import _artifact, make_runner
     from .trace import load_pt2
     from .trust import UnsafeArtifactError, check_pt2_archive
     from .ranks import rank_folder
 
     folder = rank_folder(export_dir, data, rank)
+    if backend not in RANK_BACKENDS:
+        raise RunnerError(f"backend={backend!r}: rank programs run on {sorted(RANK_BACKENDS)}")
+    if backend == "ort":
+        return make_runner("ort", folder, options)
     path = _artifact(folder, "pt2", options)[0]
     try:
         check_pt2_archive(path)
@@ -109,17 +127,17 @@ def _folder_cfg(export_dir: Path, data: dict, rank: int):
 class WholeStateRunner:
     """This rank's program behind the single-GPU interface: whole state in, whole state out."""
 
-    def __init__(self, runner: ModuleRunner, full_cfg, plan: ParallelPlan, rank: int, tp_pg) -> None:
-        self.name = f"ranks(tp={plan.tp},ep={plan.ep})"
+    def __init__(self, runner, full_cfg, local_cfg, plan: ParallelPlan, rank: int, tp_pg, backend: str = "pt2") -> None:
+        self.name = f"{backend} ranks(tp={plan.tp},ep={plan.ep})"
         self.runner, self.cfg, self.plan, self.tp_pg = runner, full_cfg, plan, tp_pg
-        self.tp_rank, self.specs = plan.tp_rank(rank), state_specs(full_cfg)
+        self.tp_rank, self.specs, self.local_specs = plan.tp_rank(rank), state_specs(full_cfg), state_specs(local_cfg)
 
     def infer(self, feeds: Feeds) -> Feeds:
         full = [feeds[s.input_name] for s in self.specs]
         local = split_states(self.cfg, self.plan, full, self.tp_rank)
         out = self.runner.infer({"input_ids": feeds["input_ids"],
-                                 **{s.input_name: t for s, t in zip(self.runner.specs, local)}})
-        mine = [out[s.output_name] for s in self.runner.specs]
+                                 **{s.input_name: t for s, t in zip(self.local_specs, local)}})
+        mine = [out[s.output_name] for s in self.local_specs]
         per_rank = [mine]
         if self.plan.tp > 1:
             per_rank = [[torch.empty_like(t) for t in mine] for _ in range(self.plan.tp)]

@@ -49,6 +49,7 @@ FLAVOR_FILES: dict[str, str] = {"ort": "model.onnx", "trt": "model.trt.onnx"}
 EXTERNAL_DATA = "model.onnx.data"
 EXTERNAL_DATA_THRESHOLD = 2 * 1024**3  # protobuf's 2 GB limit
 TOTAL_SEQ = "total_seq"
+OPSET_IMPORTS = "k3x.opset_imports"  # model.meta key (not serialised)
 
 @dataclass(frozen=True)
 class OnnxOptions:
@@ -72,6 +73,7 @@ class OnnxArtifact:
     external_data: Path | None
     num_nodes: int
     op_counts: dict[str, int] = field(default_factory=dict)
+    collectives: dict[str, int] = field(default_factory=dict)  # AllReduce / AllGather nodes (rank programs)
 
 
 # --- custom translations: torch.ops.k3.<family> -> k3::<Op> nodes (attributes = plugin fields) ---------
@@ -79,8 +81,9 @@ class OnnxArtifact:
 def translation_table() -> dict:
     """OpOverload -> translation, one per registered op family (custom_ops/<family>/onnx.translate)."""
     from ..custom_ops.registry import families
+    from .onnx_collectives import translation_table as collectives
 
-    return {f.overload: f.onnx.translate for f in families()}
+    return {f.overload: f.onnx.translate for f in families()} | collectives()
 
 
 # --- I/O names and dims ------------------------------------------------------------------------------
@@ -113,7 +116,8 @@ def _rename_io(model: ir.Model, cfg: K3Config) -> None:
             rename(v)
     inputs[0].name = "input_ids"
     outputs[0].name = "logits"
-    outputs[0].shape = ir.Shape(["batch", "seq", cfg.vocab_size])
+    vocab = outputs[0].shape[-1] if outputs[0].shape is not None else cfg.vocab_size  # a TP rank's logits: whole vocab
+    outputs[0].shape = ir.Shape(["batch", "seq", vocab])
     for s, vin, vout in zip(specs, inputs[1:], outputs[1:]):
         vin.name, vout.name = s.input_name, s.output_name
         if s.kind == "latent" and cfg.max_context is None:
@@ -221,6 +225,7 @@ def to_onnx_ir(ep: ExportedProgram, cfg: K3Config, *, weights: bool = True, opti
     _rename_io(model, cfg)
     if not weights:
         _weights_to_inputs(model, weight_names)
+    model.meta[OPSET_IMPORTS] = dict(model.opset_imports)  # as converted: each flavor pass starts from these
     model.producer_name, model.producer_version = "k3x", "0.1.0"
     model.metadata_props["k3x.config"] = cfg.name
     model.metadata_props["k3x.config_hash"] = cfg.hash()
@@ -231,15 +236,17 @@ def _weight_bytes(model: ir.Model) -> int:
     return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
 
 
-def export_onnx(ep: ExportedProgram, cfg: K3Config, out_dir: Path, options: OnnxOptions = OnnxOptions()
-                ) -> OnnxArtifact:
-    """Write one file per flavor into `out_dir` (which must exist; the caller owns atomicity)."""
+def export_onnx(ep: ExportedProgram, cfg: K3Config, out_dir: Path, options: OnnxOptions = OnnxOptions(),
+                model: ir.Model | None = None) -> OnnxArtifact:
+    """Write one file per flavor into `out_dir` (which must exist; the caller owns atomicity). `model`: `ep`
+    already converted by `to_onnx_ir` (rank programs: converted once, each rank's weights swapped in)."""
     from collections import Counter
 
     out_dir = Path(out_dir)
     streamed = options.weights and options.weight_stream is not None
-    model = to_onnx_ir(ep, cfg, weights=options.weights and not streamed, optimize=options.optimize,
-                       opset=options.opset)
+    if model is None:
+        model = to_onnx_ir(ep, cfg, weights=options.weights and not streamed, optimize=options.optimize,
+                           opset=options.opset)
     external = options.external_data
     if external is None:
         external = _weight_bytes(model) > EXTERNAL_DATA_THRESHOLD
@@ -255,16 +262,20 @@ def export_onnx(ep: ExportedProgram, cfg: K3Config, out_dir: Path, options: Onnx
         data_path = out_dir / EXTERNAL_DATA
     for flavor in ("trt", "ort"):  # trt first: the ort pass adds functions to the same model
         if flavor in options.flavors:
+            model.opset_imports.clear()  # a model written before (rank programs) carries the last pass's imports
+            model.opset_imports.update(model.meta.get(OPSET_IMPORTS, {}))
             FLAVOR_PASSES[flavor](model)
             ir.save(model, out_dir / FLAVOR_FILES[flavor])
     files = {f: out_dir / FLAVOR_FILES[f] for f in FLAVOR_FILES if f in options.flavors}
     counts = Counter(f"{n.domain}::{n.op_type}" for n in model.graph if n.domain == DOMAIN)
+    from .onnx_collectives import counts as collective_counts
+
     return OnnxArtifact(files=files, external_data=data_path, num_nodes=len(model.graph),
-                        op_counts=dict(sorted(counts.items())))
+                        op_counts=dict(sorted(counts.items())), collectives=collective_counts(model))
 
 
-def onnx_stage(out_dir: Path, ep: ExportedProgram, cfg: K3Config, options: OnnxOptions = OnnxOptions()
-               ) -> OnnxArtifact:
+def onnx_stage(out_dir: Path, ep: ExportedProgram, cfg: K3Config, options: OnnxOptions = OnnxOptions(),
+               model: ir.Model | None = None) -> OnnxArtifact:
     """Export into the export folder `out_dir` (manifest already initialised) as artifact `onnx`.
 
     Files land atomically through exporter/artifacts.write_artifact; the manifest entry records which
@@ -274,10 +285,13 @@ def onnx_stage(out_dir: Path, ep: ExportedProgram, cfg: K3Config, options: OnnxO
 
     extra: dict = {}
     with write_artifact(out_dir, "onnx", extra) as tmp:
-        art = export_onnx(ep, cfg, tmp, options)
+        art = export_onnx(ep, cfg, tmp, options, model)
         extra.update(flavors={f: p.name for f, p in art.files.items()}, opset=options.opset,
                      weights=options.weights, external_data=art.external_data.name if art.external_data else None,
                      nodes=art.num_nodes, k3_nodes=art.op_counts)
+        if art.collectives:  # the ort flavor needs onnxruntime-extensions' Python ops (onnx_collectives.py)
+            extra["collectives"] = art.collectives
     files = {f: Path(out_dir) / p.name for f, p in art.files.items()}
     data = Path(out_dir) / art.external_data.name if art.external_data else None
-    return OnnxArtifact(files=files, external_data=data, num_nodes=art.num_nodes, op_counts=art.op_counts)
+    return OnnxArtifact(files=files, external_data=data, num_nodes=art.num_nodes, op_counts=art.op_counts,
+                        collectives=art.collectives)

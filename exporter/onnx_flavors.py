@@ -1,7 +1,8 @@
 """Flavor passes over an exported model with bare `k3::<Op>` nodes (each pass edits the onnx_ir model in place).
 
 - `trt`: checks every k3 node carries all its plugin fields and `plugin_namespace`, and that no k3
-  function bodies are attached (TensorRT must resolve the nodes as plugins).
+  function bodies are attached (TensorRT must resolve the nodes as plugins). Collective nodes of a rank
+  program stay plugin nodes; in `ort` they become onnxruntime-extensions Python ops (onnx_collectives.py).
 - `ort`: attaches one FunctionProto per k3 op type the model uses — the family's `onnx.function` body
   (custom_ops/<family>/onnx.py) — so ONNX Runtime inlines them and needs no extra library.
 Neither pass names an op family: both go through the registry.
@@ -19,6 +20,7 @@ import onnx_ir as ir
 
 from ..custom_ops.onnx_node import COMMON_ATTRIBUTES, DOMAIN
 from ..custom_ops.registry import by_onnx_op
+from . import onnx_collectives
 
 
 def k3_nodes(model: ir.Model) -> list[ir.Node]:
@@ -55,6 +57,7 @@ def trt_pass(model: ir.Model) -> ir.Model:
     """Bare plugin nodes: attributes complete, no k3 function bodies, byte tensors INT8."""
     _check_attributes(k3_nodes(model))
     retype_bytes(model, ir.DataType.INT8)
+    onnx_collectives.trt_pass(model)
     for key in [k for k in model.functions if k[0] == DOMAIN]:
         del model.functions[key]
     return model
@@ -65,6 +68,7 @@ def ort_pass(model: ir.Model) -> ir.Model:
     nodes = k3_nodes(model)
     _check_attributes(nodes)
     retype_bytes(model, ir.DataType.UINT8)
+    onnx_collectives.ort_pass(model)
     opset = model.opset_imports[""]
     if opset < 18:
         raise ValueError(f"ort flavor needs ai.onnx opset >= 18 (ReduceMean axes as input), model has {opset}")

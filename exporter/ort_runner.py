@@ -43,8 +43,9 @@ def import_onnxruntime():
     return onnxruntime
 
 
-def ort_session(path: Path, provider: str = "auto", intra_op_threads: int = 0):
-    """An InferenceSession on the requested provider; returns (session, provider actually used)."""
+def ort_session(path: Path, provider: str = "auto", intra_op_threads: int = 0, collectives: bool = False):
+    """An InferenceSession on the requested provider; returns (session, provider actually used).
+    `collectives`: the model has a rank program's collective nodes (exporter/ort_collectives.py)."""
     ort = import_onnxruntime()
     if provider not in ("auto", "cuda", "cpu"):
         raise RunnerError(f"provider={provider!r}: choose auto, cuda or cpu")
@@ -55,6 +56,13 @@ def ort_session(path: Path, provider: str = "auto", intra_op_threads: int = 0):
     so.enable_mem_pattern = False
     if intra_op_threads:
         so.intra_op_num_threads = intra_op_threads
+    if collectives:
+        try:
+            from .ort_collectives import register
+        except ImportError as e:
+            raise RunnerError(f"{path}: its collective nodes need onnxruntime-extensions ({e}); "
+                              "pip install --no-deps onnxruntime-extensions==0.15.2") from None
+        register(so)
     want_cuda = provider != "cpu" and "CUDAExecutionProvider" in ort.get_available_providers()
     providers = (["CUDAExecutionProvider"] if want_cuda else []) + ["CPUExecutionProvider"]
     if provider == "auto":  # a failed CUDA probe is expected on CPU machines; we report the outcome ourselves
@@ -69,6 +77,12 @@ def ort_session(path: Path, provider: str = "auto", intra_op_threads: int = 0):
         raise RunnerError(f"{path}: ONNX Runtime cannot load it: {e}{hint}") from None
     finally:
         ort.set_default_logger_severity(2)
+    if collectives:
+        from .ort_collectives import check_ready
+
+        reason = check_ready(path)
+        if reason:
+            raise RunnerError(f"{path}: {reason}")
     used = "cuda" if "CUDAExecutionProvider" in sess.get_providers() else "cpu"
     if provider == "cuda" and used != "cuda":
         raise RunnerError("provider=cuda: CUDAExecutionProvider did not initialise (no GPU, CUDA 13 / cuDNN 9 "
@@ -96,9 +110,10 @@ class OrtRunner:
 
     name = "ort"
 
-    def __init__(self, path: Path, *, provider: str = "auto", intra_op_threads: int = 0) -> None:
+    def __init__(self, path: Path, *, provider: str = "auto", intra_op_threads: int = 0,
+                 collectives: bool = False) -> None:
         self.path = Path(path)
-        self.session, self.provider = ort_session(self.path, provider, intra_op_threads)
+        self.session, self.provider = ort_session(self.path, provider, intra_op_threads, collectives)
         self.device = torch.device("cuda" if self.provider == "cuda" and torch.cuda.is_available() else "cpu")
         self.inputs = {i.name: i for i in self.session.get_inputs()}
         self.outputs = {o.name: o for o in self.session.get_outputs()}

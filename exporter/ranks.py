@@ -5,12 +5,17 @@
                                every rank its folder, TP/EP coordinates and files with sha256
     OUT/rank-000/manifest.json an ordinary export folder of rank 0's program (the rank's local config:
     OUT/rank-000/model.pt2     heads / vocab / FFN width divided by tp), its weights inside
+    OUT/rank-000/model.onnx    (--target onnx) the same program in ONNX, collectives as nodes
+    OUT/rank-000/model.trt.onnx  (exporter/onnx_collectives.py: ort and trt flavors)
     ...
 
 One trace: the rank program is traced once, with rank 0's weights (model/rank.py: ranks differ only in
-weights and the two buffers `vocab_start` / `local_experts`); each other rank's `.pt2` is that program with
+weights and the two buffers `vocab_start` / `expert_offset`); each other rank's `.pt2` is that program with
 its weights swapped in place (`swap_weights`: no graph copy, no re-trace). Weights come from the checkpoint rank by rank
 (model/shard_load.py: each rank's slices only), or for a preset are cut from one random init.
+ONNX (`--target onnx`): rank 0's program is converted once (exporter/onnx.to_onnx_ir); each other rank's
+file is that ONNX graph with its initializers swapped (`swap_initializers`), so the graph is the same in
+every rank's file. No GenAI package per rank (GenAI does not launch ranks).
 `--no-weights` writes rank 0's program only (every rank's graph is the same). The whole folder is staged
 and renamed into place like every export (exporter/staging.py).
 """
@@ -26,9 +31,10 @@ from typing import Any
 import torch
 
 from ..model.parallel import ParallelPlan
-from .export import DType, ExportOptions, ExportResult, KernelChoice, Progress, _timed, copy_tokenizer
+from .export import DType, ExportOptions, ExportResult, ExpertFormat, KernelChoice, Progress, _timed, copy_tokenizer
 
 COLLECTIVE_PREFIX = "_c10d_functional::"
+RANK_STAGES = ("pt2", "onnx")
 
 
 def rank_dir_name(rank: int) -> str:
@@ -43,18 +49,26 @@ def collective_counts(ep) -> dict[str, int]:
     return dict(sorted(c.items()))
 
 
+def _expert_format(options: ExportOptions) -> str | None:
+    return None if options.expert_format is None else ExpertFormat(options.expert_format).value
+
+
 def _full_config(options: ExportOptions):
+    """The whole model's config; routed experts as the checkpoint stores them (MXFP4 stays packed in every
+    rank) unless `--expert-format` says otherwise; presets dense unless asked."""
     from ..custom_ops.kernels import Kernels
-    from ..model.config import K3Config, preset
+    from ..model.checkpoint import checkpoint_config
+    from ..model.config import preset
 
     kernels = Kernels(KernelChoice(options.kernels).value)
     if options.checkpoint is None:
-        return dataclasses.replace(preset(options.preset), kernels=kernels)
-    return dataclasses.replace(K3Config.from_hf(Path(options.checkpoint) / "config.json"), kernels=kernels)
+        return dataclasses.replace(preset(options.preset), kernels=kernels,
+                                   expert_format=_expert_format(options) or "dense")
+    return dataclasses.replace(checkpoint_config(options.checkpoint, _expert_format(options)), kernels=kernels)
 
 
 def export_ranks(options: ExportOptions, plan: ParallelPlan, progress: Progress | None = None) -> ExportResult:
-    """Write the rank programs of `plan` for `options` (targets: pt2). ConfigError before anything is built."""
+    """Write the rank programs of `plan` for `options` (stages pt2, onnx). ConfigError before anything is built."""
     from ..model.config import ConfigError
     from ..model.rank import build_rank_model
     from . import artifacts
@@ -62,8 +76,9 @@ def export_ranks(options: ExportOptions, plan: ParallelPlan, progress: Progress 
     from .trace import op_counts, save_pt2, trace
 
     progress = progress or (lambda name, seconds: None)
-    if options.stages() != ("pt2",):
-        raise ConfigError(f"--tp/--ep: rank programs are written for --target pt2 only (got {list(options.stages())})")
+    if not set(options.stages()) <= set(RANK_STAGES):
+        raise ConfigError(f"--tp/--ep: rank programs are written for --target pt2 and onnx only "
+                          f"(got {list(options.stages())})")
     dtype = artifacts.DTYPES[DType(options.dtype).value]
     timings: dict[str, float] = {}
     with _timed("config", progress, timings):
@@ -86,12 +101,21 @@ def export_ranks(options: ExportOptions, plan: ParallelPlan, progress: Progress 
                 build_rank_model(cfg, plan, dtype=dtype)
             program = trace(model)
         counts = op_counts(program) | collective_counts(program)
+        onnx_model = None
+        if "onnx" in options.stages():
+            from .onnx import to_onnx_ir
+
+            with _timed("onnx", progress, timings):
+                onnx_model = to_onnx_ir(program, local, weights=options.weights)
         ranks: list[dict[str, Any]] = []
         for r in range(plan.world if options.weights else 1):
             with _timed(f"rank {r}", progress, timings):
                 if r > 0:
                     swap_weights(program, _rank_model(options, cfg, plan, r, dtype, full).state_dict())
-                ranks.append(_write_rank(work, r, plan, local, dtype, options, counts, ckpt_hash, program, save_pt2))
+                    if onnx_model is not None:
+                        swap_initializers(onnx_model, program.state_dict)
+                ranks.append(_write_rank(work, r, plan, local, dtype, options, counts, ckpt_hash, program, save_pt2,
+                                         onnx_model))
         artifacts.init_manifest(work, cfg, dtype=dtype, weights=options.weights, op_counts=counts,
                                 checkpoint=options.checkpoint, checkpoint_hash=ckpt_hash)
         notes = [copy_tokenizer(options.checkpoint, work)] if options.checkpoint else []
@@ -113,7 +137,8 @@ def _rank_model(options: ExportOptions, cfg, plan: ParallelPlan, rank: int, dtyp
     from ..model.shard_load import load_rank
 
     if full is None:
-        return load_rank(options.checkpoint, plan, rank, dtype=dtype, kernels=cfg.kernels)[1]
+        return load_rank(options.checkpoint, plan, rank, dtype=dtype, kernels=cfg.kernels,
+                         expert_format=cfg.expert_format)[1]
     model = build_rank_model(cfg, plan, dtype=dtype).to_empty(device="cpu")
     model.load_state_dict(rank_state_dict(full, cfg, plan, rank), strict=True)
     return model
@@ -130,18 +155,38 @@ def swap_weights(program, state_dict: dict[str, torch.Tensor]) -> None:
         program.state_dict[name] = torch.nn.Parameter(t, False) if isinstance(want, torch.nn.Parameter) else t
 
 
+def swap_initializers(model, state_dict: dict[str, torch.Tensor]) -> None:
+    """Put another rank's weights into a converted ONNX model in place (initializers are named like the
+    state dict; the flavor passes retype byte tensors again when the files are written)."""
+    import onnx_ir as ir
+
+    for name, t in state_dict.items():
+        v = model.graph.initializers.get(name)
+        if v is None:
+            continue  # not read by the graph
+        if tuple(v.shape) != tuple(t.shape):
+            raise ValueError(f"swap_initializers: {name} is {tuple(t.shape)}, the ONNX graph has {tuple(v.shape)}")
+        v.const_value = ir.tensor(t.detach().contiguous(), name=name)
+
+
 def _write_rank(work: Path, rank: int, plan: ParallelPlan, local, dtype, options: ExportOptions,
-                counts: dict[str, int], ckpt_hash: str | None, program, save_pt2) -> dict[str, Any]:
+                counts: dict[str, int], ckpt_hash: str | None, program, save_pt2, onnx_model=None) -> dict[str, Any]:
     from . import artifacts
 
     d = work / rank_dir_name(rank)
     artifacts.init_manifest(d, local, dtype=dtype, weights=options.weights, op_counts=counts,
                             checkpoint=options.checkpoint, checkpoint_hash=ckpt_hash)
-    with artifacts.write_artifact(d, "pt2", {"weights": options.weights, "rank": rank,
-                                             "load": "k3x.exporter.trace.load_pt2"}) as tmp:
-        save_pt2(program, tmp / "model.pt2")
-    files = [{"path": f"{d.name}/{f['path']}", "bytes": f["bytes"], "sha256": f["sha256"]}
-             for f in artifacts.read_manifest(d)["artifacts"]["pt2"]["files"]]
+    stages = options.stages()
+    if "pt2" in stages:
+        with artifacts.write_artifact(d, "pt2", {"weights": options.weights, "rank": rank,
+                                                 "load": "k3x.exporter.trace.load_pt2"}) as tmp:
+            save_pt2(program, tmp / "model.pt2")
+    if "onnx" in stages:
+        from .onnx import OnnxOptions, onnx_stage
+
+        onnx_stage(d, program, local, OnnxOptions(weights=options.weights), onnx_model)
+    files = [{"path": f"{d.name}/{f['path']}", "bytes": f["bytes"], "sha256": f["sha256"], "artifact": name}
+             for name, a in artifacts.read_manifest(d)["artifacts"].items() for f in a["files"]]
     return {"rank": rank, "tp_rank": plan.tp_rank(rank), "ep_rank": plan.ep_rank(rank), "dir": d.name,
             "files": files}
 

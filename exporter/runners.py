@@ -162,7 +162,7 @@ def _ort(export_dir: Path, options: RunnerOptions) -> Runner:
     if name not in {p.name for p in files}:
         raise RunnerError(f"{export_dir}: the ort flavor {str(name)[:80]!r} is not one of the onnx artifact's files")
     return OrtRunner(Path(export_dir) / name, provider=options.provider,
-                     intra_op_threads=options.intra_op_threads)
+                     intra_op_threads=options.intra_op_threads, collectives=bool(entry.get("collectives")))
 
 
 def _trt(export_dir: Path, options: RunnerOptions) -> Runner:

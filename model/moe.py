@@ -84,11 +84,13 @@ class LatentMoE(nn.Module):
             y = y + self.shared_experts(xf)
         return y.view(B, T, d)
 
-    def routed(self, xf: Tensor, z: Tensor) -> Tensor:
-        """u = Σ_j p_j E_j(z) [N, L]: routing on the full-width xf [N, d], experts on z [N, L] (one k3 op)."""
+    def routed(self, xf: Tensor, z: Tensor, expert_offset: Tensor | None = None) -> Tensor:
+        """u = Σ_j p_j E_j(z) [N, L]: routing on the full-width xf [N, d], experts on z [N, L] (one k3 op).
+        `expert_offset` (expert-parallel ranks): self.experts hold the experts from this global id on, and u is
+        the sum over the pairs routed to them."""
         e, g = self.experts, self.gate
         if self.packed:
             return moe_mxfp4(xf, z, g.weight, g.e_score_correction_bias, e.w1, e.w3, e.w2, e.w1_scale, e.w3_scale,
-                             e.w2_scale, options=self.options, kernels=self.cfg.kernels)
+                             e.w2_scale, options=self.options, kernels=self.cfg.kernels, expert_offset=expert_offset)
         return moe(xf, z, g.weight, g.e_score_correction_bias, e.w1, e.w3, e.w2, options=self.options,
-                   kernels=self.cfg.kernels)
+                   kernels=self.cfg.kernels, expert_offset=expert_offset)

@@ -6,17 +6,13 @@ experts of its EP rank, and collectives as `_c10d_functional.*` graph nodes (mod
 - `VocabParallelEmbedding`: a masked lookup in the rank's rows, all-reduced over TP (the zeros of the other
   ranks add exactly, so the embedding is bit-identical). `VocabParallelHead`: local logits all-gathered
   over TP along the vocab axis.
-- `ExpertParallelMoE`: the router is replicated; every rank routes every token over all E experts in fp32
-  (custom_ops/moe/reference.route), keeps the weights of its own experts and runs them through the one
-  `k3::moe` node, whose own router is then given the result: input logit(p) over an identity gate, so its
-  sigmoid gives back p (-1e4 -> exactly 0 for tokens not routed here), top_k = min(k, E_local), no
-  renormalisation, the scaling factor applied once by the op. The partial latent sums are all-reduced over
-  EP. The op, its kernels and its plugin are unchanged, and the expert tensors it is given are the
-  rank's slice of the expert axis whatever their layout (dense or packed MXFP4). Cost: the op evaluates
-  min(k, E_local) experts per token (zero-weight ones included); an op argument naming the local expert
-  range (the op belongs to custom_ops/moe) would cut that to the tokens' own experts.
+- `ExpertParallelMoE`: the router is replicated; the one `k3::moe` (or `k3::moe_mxfp4`) node routes every
+  token over all E experts (gate_weight [E, d]) and computes only the (token, slot) pairs whose expert is
+  one of the rank's E_local (w1/w3/w2 are the rank's slice of the expert axis, dense or packed MXFP4),
+  given by the op's `expert_offset` argument; the partial latent sums are all-reduced over EP. Per token a
+  rank evaluates only its share of the token's top-k experts (k / ep on average), as the single GPU would.
 - What differs between ranks is data only, as persistent buffers: `vocab_start` of the embedding and
-  `local_experts` (the global ids of the rank's experts) of every MoE layer. One trace serves all ranks.
+  `expert_offset` (the global id of the rank's first expert) of every MoE layer. One trace serves all ranks.
 - tp = ep = 1 is never routed here: the single-GPU model stays as it is (no collectives in its graph).
 """
 
@@ -27,16 +23,11 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..custom_ops.moe import MoEOptions, moe
-from ..custom_ops.moe.reference import route
 from .config import K3Config
 from .layers import GatedMLP
 from .model import K3ForCausalLM
-from .moe import LatentMoE, StackedExperts
+from .moe import LatentMoE, PackedExperts, StackedExperts
 from .parallel import Group, ParallelPlan
-
-_NEVER = -1.0e4  # logit whose sigmoid is exactly 0 in fp32
-_ALWAYS = 30.0  # logit whose sigmoid is exactly 1 in fp32
 
 
 def all_reduce(x: Tensor, group: Group) -> Tensor:
@@ -90,27 +81,15 @@ class ExpertParallelMoE(LatentMoE):
     def __init__(self, cfg: K3Config, plan: ParallelPlan) -> None:
         super().__init__(cfg)
         c, n = cfg.moe, plan.local_experts(cfg)
-        self.experts = StackedExperts(n, cfg.expert_dim, c.intermediate_size)
-        self.register_buffer("local_experts", torch.arange(n, dtype=torch.int64))
+        self.experts = (PackedExperts if self.packed else StackedExperts)(n, cfg.expert_dim, c.intermediate_size)
+        self.register_buffer("expert_offset", torch.zeros(1, dtype=torch.int32))  # set per rank
         self.ep_group = plan.ep_group
-        self.local_options = MoEOptions(min(c.top_k, n), c.routed_scaling_factor, False, cfg.activation,
-                                        cfg.situ_beta, cfg.situ_linear_beta)
         if self.has_shared:
             self.shared_experts = rank_mlp(cfg, c.shared_intermediate_size, plan)
 
-    def routed(self, xf: Tensor, z: Tensor) -> Tensor:
-        """This rank's share of Σ p_j E_j(z) over its local experts, all-reduced over the EP group."""
-        o = self.options
-        ids, w = route(xf, self.gate.weight, self.gate.e_score_correction_bias, o.top_k, 1.0, o.renormalize)
-        dense = torch.zeros(xf.shape[0], self.gate.weight.shape[0], dtype=w.dtype, device=xf.device)
-        p = dense.scatter(1, ids, w).index_select(1, self.local_experts)  # [N, E_local] weights, 0 = not here
-        logits = torch.logit(p).clamp(_NEVER, _ALWAYS)
-        n = p.shape[1]
-        eye = torch.eye(n, dtype=logits.dtype, device=xf.device)
-        e = self.experts
-        u = moe(logits, z, eye, torch.zeros(n, dtype=torch.float32, device=xf.device), e.w1, e.w3, e.w2,
-                options=self.local_options, kernels=self.cfg.kernels)  # this rank's share of Σ p_j E_j(z)
-        return all_reduce(u, self.ep_group)
+    def routed(self, xf: Tensor, z: Tensor, expert_offset: Tensor | None = None) -> Tensor:
+        """This rank's share of Σ p_j E_j(z) (the pairs routed to its experts), all-reduced over the EP group."""
+        return all_reduce(super().routed(xf, z, self.expert_offset), self.ep_group)
 
 
 def rank_mlp(cfg: K3Config, intermediate: int, plan: ParallelPlan) -> GatedMLP:
@@ -155,14 +134,14 @@ def _cast(model: K3ForCausalLM, dtype: torch.dtype) -> K3ForCausalLM:
 
 
 def set_rank_buffers(model: K3ForCausalLM, cfg: K3Config, plan: ParallelPlan, rank: int) -> None:
-    """Write the data that makes a rank program rank `rank`'s: its vocab offset and its experts' ids."""
+    """Write the data that makes a rank program rank `rank`'s: its vocab offset and its first expert's id."""
     emb = model.model.embed_tokens
     if isinstance(emb, VocabParallelEmbedding):
         emb.vocab_start.fill_(plan.tp_rank(rank) * emb.num_embeddings)
-    ids = torch.tensor(list(plan.expert_range(cfg, rank)), dtype=torch.int64)
+    first = plan.expert_range(cfg, rank).start
     for name, buf in model.named_buffers():
-        if name.endswith("local_experts"):
-            buf.copy_(ids)
+        if name.endswith("expert_offset"):
+            buf.fill_(first)
 
 
 def rank_state_dict(full: dict[str, Tensor], cfg: K3Config, plan: ParallelPlan, rank: int) -> dict[str, Tensor]:

@@ -4,7 +4,8 @@
 `core.py` is the spec type (ports and formats, fields, shape/type rules, the family's launch plan); `aot.py`
 compiles plans to cubins and launches them through the CUDA driver; `adapter.py` exposes a spec as an
 IPluginV3 creator (TensorRT 11 and TensorRT-RTX); `qdp.py` holds the bodies of the QDP decorator functions
-(TensorRT 11 only). Each family's plugin docstring says which paths (aot, jit, QDP aot_impl/impl) it has.
+(TensorRT 11 only); `collectives.py` the AllReduce / AllGather plugins of rank programs (NCCL through
+torch.distributed), registered with the op families' creators. Each family's plugin docstring says which paths (aot, jit, QDP aot_impl/impl) it has.
 """
 
 from __future__ import annotations
@@ -37,7 +38,22 @@ def register_creators(trt, *, sm: int, path: str | dict[str, str] = "aot") -> di
         if not registry.register_creator(c, spec.namespace):
             raise PluginError(f"k3::{name}: plugin creator could not be registered (another library owns k3::{name}?)")
         _REGISTERED[key] = c  # TensorRT holds a raw pointer: keep the Python object alive
+    _register_collectives(trt, registry)
     return taken
+
+
+def _register_collectives(trt, registry) -> None:
+    """The rank programs' AllReduce / AllGather creators (plugins/collectives.py), once per process."""
+    from . import collectives
+
+    for op in collectives.FIELDS:
+        key = (id(trt), op)
+        if key in _REGISTERED:
+            continue
+        c = collectives.creator(trt, op)
+        if not registry.register_creator(c, collectives.NAMESPACE):
+            raise PluginError(f"k3::{op}: plugin creator could not be registered (another library owns k3::{op}?)")
+        _REGISTERED[key] = c
 
 
 _REGISTERED: dict = {}

@@ -23,23 +23,36 @@ FLOAT, INT64, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
 NODE = NodeSpec(
     "MoE",
     inputs=(("x", "T"), ("z", "T"), ("gate_weight", "G"), ("gate_bias", "F"), ("w1", "W"), ("w3", "W"),
-            ("w2", "W")),
+            ("w2", "W"), ("expert_offset", "O")),
     outputs=(("u", "T"),),
     fields=(("top_k", AttrType.INT), ("routed_scaling_factor", AttrType.FLOAT), ("renormalize", AttrType.INT),
             ("activation", AttrType.STRING), ("situ_beta", AttrType.FLOAT), ("situ_linear_beta", AttrType.FLOAT),
             ("num_experts", AttrType.INT), ("hidden_size", AttrType.INT), ("expert_dim", AttrType.INT),
             ("intermediate_size", AttrType.INT)),
-    doc="Routed MoE: sigmoid router on x [N, d] (gate_weight [E, d]), top_k on scores + gate_bias [E], weights "
+    doc="Routed MoE: sigmoid router on x [N, d] (gate_weight [EG, d]), top_k on scores + gate_bias [EG], weights "
         "from unbiased scores (renormalised, x routed_scaling_factor); experts w1, w3 [E, I, L], w2 [E, L, I] on "
-        "z [N, L] with SiTU-GLU or SiLU-GLU -> u [N, L]. Same contract as torch.ops.k3.moe.",
+        "z [N, L] with SiTU-GLU or SiLU-GLU -> u [N, L], summed over the pairs routed to experts "
+        "[expert_offset, expert_offset + E) (expert parallelism; EG = E, offset 0 on one GPU). Same contract as "
+        "torch.ops.k3.moe.",
 )
 NODE.register()  # onnx.checker and the exporter need the schema before any node is emitted
 
 
+def offset_input(expert_offset):
+    """The node's expert_offset input: the op's tensor as int32, or a constant 0 for a single-GPU call (the
+    node always has the input, so the plugin has one port layout)."""
+    import onnxscript
+
+    op = onnxscript.opset18
+    if expert_offset is None:
+        return op.Constant(value=onnx.helper.make_tensor("expert_offset", TensorProto.INT32, [1], [0]))
+    return op.Reshape(op.Cast(expert_offset, to=TensorProto.INT32), op.Constant(value_ints=[1]))
+
+
 def translate(x, z, gate_weight, gate_bias, w1, w3, w2, top_k: int, routed_scaling_factor: float, renormalize: bool,
-              activation: str, situ_beta: float, situ_linear_beta: float, kernels: str):
+              activation: str, situ_beta: float, situ_linear_beta: float, kernels: str, expert_offset=None):
     E, I, L = (static(d, "moe expert weight dims") for d in w1.shape)
-    return opset().MoE(x, z, gate_weight, gate_bias, w1, w3, w2, top_k=int(top_k),
+    return opset().MoE(x, z, gate_weight, gate_bias, w1, w3, w2, offset_input(expert_offset), top_k=int(top_k),
                        routed_scaling_factor=float(routed_scaling_factor), renormalize=int(bool(renormalize)),
                        activation=str(activation), situ_beta=float(situ_beta), situ_linear_beta=float(situ_linear_beta),
                        num_experts=E, hidden_size=static(x.shape[-1], "moe hidden_size"), expert_dim=L,
@@ -105,6 +118,8 @@ def moe_function(spec: NodeSpec, opset_version: int, nodes: list,
        and scaled [N, k] (the bias selects, never weighs).
     2. Sort the M (token, slot) pairs by expert (TopK ascending), so each expert's pairs form one segment of
        (row = pair // k, weight); Unique gives the hit experts, ascending, and their counts.
+       Expert parallelism: ids become local (id - expert_offset); pairs of another rank's experts get the
+       sentinel E_local, which sorts last, so the Loop's trip count (local hit experts) never reaches them.
     3. Loop over the hit experts only (<= min(E, M) iterations): Gather the expert's weights (cast to fp32
        after the Gather: bf16 weights are never all cast) and its rows of z, Gemm / GLU / Gemm, scale by
        the pair weights, ScatterND-add into the fp32 accumulator u [N, L] (a token occurs once per expert;
@@ -125,6 +140,12 @@ def moe_function(spec: NodeSpec, opset_version: int, nodes: list,
     k = b.op("Unsqueeze", b.ref("top_k", onnx.AttributeProto.INT, "value_int"), b.ints(0))  # [1]
     _, ids = b.op("TopK", b.op("Add", s, gb), k, outputs=2, axis=-1, largest=1, sorted=1)  # [N, k]
     w = b.op("GatherElements", s, ids, axis=-1)  # unbiased scores of the chosen experts [N, k]
+    # expert parallelism: ids relative to the local experts; another rank's expert -> E_local, a sentinel
+    # sorted after every local id, whose segment the Loop below never reaches
+    e_local = b.op("Unsqueeze", b.ref("num_experts", onnx.AttributeProto.INT, "value_int"), b.ints(0))  # [1] local
+    local = b.op("Sub", ids, b.op("Cast", "expert_offset", to=INT64))
+    here = b.op("And", b.op("GreaterOrEqual", local, b.op("Constant", value_int=0)), b.op("Less", local, e_local))
+    ids = b.op("Where", here, local, e_local)
     # renormalize in {0, 1}: w / (r * (Σw + 1e-20) + (1 - r)) is exactly the reference for either value
     r = b.op("Cast", b.ref("renormalize", onnx.AttributeProto.INT, "value_int"), to=FLOAT)
     one, tiny = b.op("Constant", value_float=1.0), b.op("Constant", value_float=1e-20)
@@ -139,9 +160,10 @@ def moe_function(spec: NodeSpec, opset_version: int, nodes: list,
     experts, _, _, counts = b.op("Unique", sorted_ids, outputs=4, sorted=1)  # hit experts, ascending
     ends = b.op("CumSum", counts, b.ints(0))
     starts = b.op("Sub", ends, counts)
+    hit = b.op("ReduceSum", b.op("Cast", b.op("Less", experts, e_local), to=INT64), keepdims=0)  # local hits
     b.step = "experts"
     acc = b.op("ConstantOfShape", b.op("Shape", z))  # fp32 zeros [N, L]
     body = _expert_loop_body(spec.op_type, z, experts, starts, ends, rows, weights, betas, expert_weights)
-    u = b.op("Loop", b.op("Size", experts), "", acc, body=body)
+    u = b.op("Loop", hit, "", acc, body=body)
     b.out("CastLike", [u, "z"], ["u"])
     return b.function(spec, {"": opset_version}), {}

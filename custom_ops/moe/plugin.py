@@ -1,7 +1,8 @@
 """`k3::MoE` TensorRT plugin: the routed (latent) MoE over the launch plan of `triton.py`.
 
-    MoE(x [N, d], z [N, L] (one dtype, fp32|fp16|bf16), gate_weight [E, d] (fp32|fp16|bf16), gate_bias [E] fp32,
-        w1, w3 [E, I, L], w2 [E, L, I] (one dtype, fp32|fp16|bf16); top_k, routed_scaling_factor, renormalize,
+    MoE(x [N, d], z [N, L] (one dtype, fp32|fp16|bf16), gate_weight [EG, d] (fp32|fp16|bf16), gate_bias [EG] fp32,
+        w1, w3 [E, I, L], w2 [E, L, I] (one dtype, fp32|fp16|bf16), expert_offset [1] int32 (the first local
+        expert's global id; EG = E and 0 on one GPU); top_k, routed_scaling_factor, renormalize,
         activation, situ_beta, situ_linear_beta, num_experts, hidden_size, expert_dim, intermediate_size)
         -> u [N, L] (z's dtype).  LINEAR only; N dynamic, d/L/E/I static (weights).  Output shape:
     `moe_output_shape` (op.py) — static (= z's shape) although the work inside is data-dependent.
@@ -22,12 +23,14 @@ from .op import moe_output_shape
 
 
 def check(shapes, attrs: dict) -> str | None:
-    x, z, gw, gb, w1, w3, w2 = (list(s) for s in shapes)
-    if [len(s) for s in (x, z, gw, gb, w1, w3, w2)] != [2, 2, 2, 1, 3, 3, 3]:
-        return f"ranks {[len(s) for s in (x, z, gw, gb, w1, w3, w2)]}, expected [2, 2, 2, 1, 3, 3, 3]"
-    (N, d), L, (E, I, _) = x, z[1], w1
-    want = {"z": ([N, L], z), "gate_weight": ([E, d], gw), "gate_bias": ([E], gb), "w1": ([E, I, L], w1),
-            "w3": ([E, I, L], w3), "w2": ([E, L, I], w2)}
+    x, z, gw, gb, w1, w3, w2, off = (list(s) for s in shapes)
+    if [len(s) for s in (x, z, gw, gb, w1, w3, w2, off)] != [2, 2, 2, 1, 3, 3, 3, 1]:
+        return f"ranks {[len(s) for s in (x, z, gw, gb, w1, w3, w2, off)]}, expected [2, 2, 2, 1, 3, 3, 3, 1]"
+    (N, d), L, (E, I, _), EG = x, z[1], w1, gw[0]
+    if None not in (E, EG) and EG < E:
+        return f"gate_weight routes over {EG} experts, fewer than w1's {E} local ones"
+    want = {"z": ([N, L], z), "gate_weight": ([EG, d], gw), "gate_bias": ([EG], gb), "w1": ([E, I, L], w1),
+            "w3": ([E, I, L], w3), "w2": ([E, L, I], w2), "expert_offset": ([1], off)}
     for name, (w, got) in want.items():
         if not dims_match(got, w):
             return f"{name} has shape {got}, expected {w} (x {x}, w1 {w1})"
@@ -36,15 +39,15 @@ def check(shapes, attrs: dict) -> str | None:
             return f"field {f}={attrs.get(f)} does not match the tensors' {v}"
     if attrs.get("activation") not in (None, *kt.ACTIVATIONS):
         return f"field activation={attrs.get('activation')!r}: expected one of {sorted(kt.ACTIVATIONS)}"
-    if E is not None and "top_k" in attrs and not 1 <= attrs["top_k"] <= E:
-        return f"field top_k={attrs['top_k']} outside [1, {E}]"
+    if EG is not None and "top_k" in attrs and not 1 <= attrs["top_k"] <= EG:
+        return f"field top_k={attrs['top_k']} outside [1, {EG}]"
     return None
 
 
 SPEC = PluginSpec(
     name=NODE.op_type,
     inputs=(Port("x", FLOAT), Port("z", FLOAT, "x"), Port("gate_weight", FLOAT), Port("gate_bias", ("fp32",)),
-            Port("w1", FLOAT), Port("w3", FLOAT, "w1"), Port("w2", FLOAT, "w1")),
+            Port("w1", FLOAT), Port("w3", FLOAT, "w1"), Port("w2", FLOAT, "w1"), Port("expert_offset", ("int32",))),
     outputs=(Port("u", FLOAT, "z"),),
     fields=fields_of(NODE),
     output_shapes=lambda s: [moe_output_shape(s[1])],
@@ -61,19 +64,21 @@ def register_qdp(trtp, *, sm: int, opt_dims: dict) -> None:
 
     @trtp.register("k3::MoE")
     def _desc(x: trtp.TensorDesc, z: trtp.TensorDesc, gate_weight: trtp.TensorDesc, gate_bias: trtp.TensorDesc,
-              w1: trtp.TensorDesc, w3: trtp.TensorDesc, w2: trtp.TensorDesc, top_k: int, routed_scaling_factor: float,
+              w1: trtp.TensorDesc, w3: trtp.TensorDesc, w2: trtp.TensorDesc, expert_offset: trtp.TensorDesc,
+              top_k: int, routed_scaling_factor: float,
               renormalize: int, activation: str, situ_beta: float, situ_linear_beta: float, num_experts: int,
               hidden_size: int, expert_dim: int, intermediate_size: int) -> trtp.TensorDesc:
-        return qdp.output_descs(trtp, SPEC, [x, z, gate_weight, gate_bias, w1, w3, w2], {})
+        return qdp.output_descs(trtp, SPEC, [x, z, gate_weight, gate_bias, w1, w3, w2, expert_offset], {})
 
     @trtp.autotune("k3::MoE")
-    def _tune(x, z, gate_weight, gate_bias, w1, w3, w2, outputs):
+    def _tune(x, z, gate_weight, gate_bias, w1, w3, w2, expert_offset, outputs):
         return qdp.autotune(trtp, SPEC)
 
     @trtp.impl("k3::MoE")
-    def _impl(x, z, gate_weight, gate_bias, w1, w3, w2, top_k: int, routed_scaling_factor: float, renormalize: int,
+    def _impl(x, z, gate_weight, gate_bias, w1, w3, w2, expert_offset, top_k: int, routed_scaling_factor: float,
+              renormalize: int,
               activation: str, situ_beta: float, situ_linear_beta: float, num_experts: int, hidden_size: int,
               expert_dim: int, intermediate_size: int, outputs, stream: int) -> None:
         attrs = {"top_k": top_k, "routed_scaling_factor": routed_scaling_factor, "renormalize": renormalize,
                  "activation": activation, "situ_beta": situ_beta, "situ_linear_beta": situ_linear_beta}
-        qdp.jit(SPEC, [x, z, gate_weight, gate_bias, w1, w3, w2], list(outputs), attrs, stream)
+        qdp.jit(SPEC, [x, z, gate_weight, gate_bias, w1, w3, w2, expert_offset], list(outputs), attrs, stream)

@@ -8,8 +8,10 @@ I expert intermediate, k = top_k.
     gate_weight  [E, d]      router; logits in fp32, scores s = sigmoid(logits)
     gate_bias    [E]         e_score_correction_bias: selection only, never in the weights
     w1, w3       [E, I, L]   gate / up projections;  w2 [E, L, I] down projection
+    expert_offset [1] int    expert parallelism: w1/w3/w2 hold E_local experts starting at this global id
 Returns u [N, L] in z's dtype: Σ_{j ∈ top_k(s + bias)} p_j · E_j(z), with
-p_j = s_j / (Σ_top s + 1e-20) · routed_scaling_factor (renormalize) or s_j · factor.
+p_j = s_j / (Σ_top s + 1e-20) · routed_scaling_factor (renormalize) or s_j · factor; with an offset, the
+sum runs over the pairs whose expert is local only (routing, weights and renormalisation stay global).
 The latent RMSNorm, the up projection and the shared experts are ordinary layers outside this op.
 """
 
@@ -47,14 +49,37 @@ def route(x: Tensor, gate_weight: Tensor, gate_bias: Tensor, top_k: int, routed_
     return ids, w * routed_scaling_factor
 
 
+def check_experts(E: int, gate_weight: Tensor, d: int, expert_offset: Tensor | None) -> str | None:
+    """Why gate_weight [E_all, d] and `expert_offset` do not fit E local experts (None when they do)."""
+    E_all = gate_weight.shape[0]
+    if gate_weight.shape[1] != d or (E_all != E if expert_offset is None else E_all < E):
+        return f"gate {tuple(gate_weight.shape)} for {E} expert(s) of width {d}"
+    if expert_offset is not None and (expert_offset.numel() != 1 or expert_offset.dtype not in (torch.int32,
+                                                                                                 torch.int64)):
+        return f"expert_offset {tuple(expert_offset.shape)} {expert_offset.dtype}: expected one int32/int64 value"
+    return None
+
+
+def local_ids(ids: Tensor, expert_offset: Tensor | None, E: int) -> Tensor:
+    """Global expert ids -> ids of this rank's E experts (first one = expert_offset); -1 for pairs routed to
+    experts elsewhere (matched by no local expert, so never computed)."""
+    if expert_offset is None:
+        return ids
+    local = ids - expert_offset.reshape(()).to(device=ids.device, dtype=ids.dtype)
+    return torch.where((local >= 0) & (local < E), local, -1)
+
+
 def moe(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
         top_k: int, routed_scaling_factor: float, renormalize: bool, activation: str, situ_beta: float,
-        situ_linear_beta: float) -> Tensor:
+        situ_linear_beta: float, expert_offset: Tensor | None = None) -> Tensor:
     E, I, L = w1.shape
-    if z.shape[-1] != L or w3.shape != w1.shape or w2.shape != (E, L, I) or gate_weight.shape != (E, x.shape[-1]):
+    bad = check_experts(E, gate_weight, x.shape[-1], expert_offset)
+    if z.shape[-1] != L or w3.shape != w1.shape or w2.shape != (E, L, I) or bad:
         raise ValueError(f"moe: shapes x {tuple(x.shape)} z {tuple(z.shape)} gate {tuple(gate_weight.shape)} "
-                         f"w1 {tuple(w1.shape)} w3 {tuple(w3.shape)} w2 {tuple(w2.shape)} do not fit")
+                         f"w1 {tuple(w1.shape)} w3 {tuple(w3.shape)} w2 {tuple(w2.shape)} do not fit"
+                         + (f" ({bad})" if bad else ""))
     ids, w = route(x, gate_weight, gate_bias, top_k, routed_scaling_factor, renormalize)
+    ids = local_ids(ids, expert_offset, E)
     return routed_experts(z, ids, w, E, lambda e: (w1[e], w3[e], w2[e]), activation, situ_beta, situ_linear_beta)
 
 

@@ -106,8 +106,9 @@ def _router_kernel(
 @triton.jit
 def _topk_kernel(
     s, bias,  # [N, E] fp32 scores, [E]
-    ids, wts,  # [N, TOPK] int64, [N, TOPK] fp32
-    E,
+    ids, wts,  # [N, TOPK] int64 (local expert ids, -1 = another rank's expert), [N, TOPK] fp32
+    offset,  # [1] int32: global id of the first local expert (expert parallelism; 0 on one GPU)
+    E, E_LOCAL,
     factor,
     TOPK: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, RENORM: tl.constexpr,
 ):
@@ -128,6 +129,8 @@ def _topk_kernel(
     if RENORM:
         b_w = b_w / (tl.sum(b_w, 0) + 1e-20)
     m_j = o_j < TOPK
+    loc = b_id - tl.load(offset)  # routing and weights over all E experts; ids relative to the local ones
+    b_id = tl.where((loc >= 0) & (loc < E_LOCAL), loc, -1)
     tl.store(ids + row * TOPK + o_j, b_id.to(tl.int64), mask=m_j)
     tl.store(wts + row * TOPK + o_j, b_w * factor, mask=m_j)
 
@@ -200,6 +203,7 @@ def _moe_align_scatter_kernel(
         e_j = tl.load(ids + b * BLOCK + o_j, mask=b * BLOCK + o_j < NK, other=-2).to(tl.int32)
         hit = (e_j[None, :] == e[:, None]) & (o_j[None, :] < o_i[:, None])  # [BLOCK, BJ]
         rank += tl.sum(hit.to(tl.int32), 1)
+    m_p = m_p & (e >= 0)  # pairs of another rank's experts (-1) get no row
     row = tl.load(offsets + b * E + e, mask=m_p, other=0) + rank
     tl.store(sorted_pair + row, o_p, mask=m_p)
 
@@ -342,7 +346,7 @@ def _moe_gemm2_kernel(
 
 @triton.jit
 def _moe_sum_kernel(
-    y, u,  # [N * TOPK, L] (z's dtype), [N, L]
+    y, ids, u,  # [N * TOPK, L] (z's dtype), [N * TOPK] int64 (-1: another rank's expert, its y row unwritten), [N, L]
     L,
     TOPK: tl.constexpr, BL: tl.constexpr,
 ):
@@ -351,7 +355,8 @@ def _moe_sum_kernel(
     m_l = o_l < L
     acc = tl.zeros([BL], dtype=tl.float32)
     for j in range(TOPK):
-        acc += tl.load(y + (row * TOPK + j) * L + o_l, mask=m_l, other=0.0).to(tl.float32)
+        here = tl.load(ids + row * TOPK + j) >= 0
+        acc += tl.load(y + (row * TOPK + j) * L + o_l, mask=m_l & here, other=0.0).to(tl.float32)
     tl.store(u + row * L + o_l, acc.to(u.dtype.element_ty), mask=m_l)
 
 
@@ -431,9 +436,10 @@ def moe_launch_config(N: int, top_k: int, E: int, L: int, I: int, elem_bytes: in
 
 
 def dims(shapes) -> dict:
-    """Named dims from the input shapes (x [N, d], z [N, L], gate_weight, gate_bias, w1 [E, I, L], ...)."""
-    (N, d), (_, L), (E, I, _) = shapes[0], shapes[1], shapes[4]
-    return {"N": N, "d": d, "L": L, "E": E, "I": I}
+    """Named dims from the input shapes (x [N, d], z [N, L], gate_weight [EG, d], gate_bias, w1 [E, I, L], ...):
+    EG experts are routed over, E are local (EG = E on one GPU)."""
+    (N, d), (_, L), (EG, _), (E, I, _) = shapes[0], shapes[1], shapes[2], shapes[4]
+    return {"N": N, "d": d, "L": L, "E": E, "I": I, "EG": EG}
 
 
 def _ieee(*dtypes: str) -> bool:
@@ -449,11 +455,13 @@ GEMM_ARGS = {
 
 def plan(d: dict, dtypes: list[str], attrs: dict) -> Plan:
     """The eight launches of k3::moe, block sizes (BM included) chosen at dims `d`; grids and int32 sizes
-    follow the runtime N, the weight dims d, L, E, I are static (checked at every launch). Ports: x, z,
-    gate_weight, gate_bias, w1, w3, w2 -> u. `attrs`: the op's hyper-parameters (top_k, routed_scaling_factor,
+    follow the runtime N, the weight dims d, L, E, I, EG are static (checked at every launch). Ports: x, z,
+    gate_weight, gate_bias, w1, w3, w2, expert_offset -> u. Expert parallelism: the router and top-k run over
+    EG experts, the top-k writes local ids (-1 for another rank's expert), which align, the GEMMs and the sum
+    skip; EG = E and offset 0 on one GPU. `attrs`: the op's hyper-parameters (top_k, routed_scaling_factor,
     renormalize, activation, situ_beta, situ_linear_beta), specialised into the code; `sm`: the target (90 if
     absent; the MXFP4 GEMMs use native FP4 MMAs from 100); `block_m` overrides BM, `gemm_programs` the
-    persistent GEMMs' grid size (tests). Workspace: s [N, E] fp32, ids [N·k] int64, wts [N·k]
+    persistent GEMMs' grid size (tests). Workspace: s [N, EG] fp32, ids [N·k] int64, wts [N·k]
     fp32, counts/offsets [NB, E] int32, sorted_pair [P] int32, block_expert [P/BM] int32, h [P, I] and
     y [N·k, L] (z's dtype), P = padded_rows(N·k, E, BM)."""
     return build_plan(d, dtypes, attrs, {n: (globals()[n], a) for n, a in GEMM_ARGS.items()}, packed=False)
@@ -463,15 +471,18 @@ def build_plan(d: dict, dtypes: list[str], attrs: dict, gemms: dict, *, packed: 
     """`plan` with the two grouped GEMMs given as {dense kernel name: (kernel, args)} (the MXFP4 family passes
     its packed ones; `packed` picks their tiles). `dtypes` as the dense op's (experts in w1's dtype)."""
     E, I, L, D, k = d["E"], d["I"], d["L"], d["d"], int(attrs["top_k"])
+    EG = d.get("EG", E)  # experts routed over (all of them); E: the local ones (expert parallelism)
     sm = int(attrs.get("sm") or 90)
     BM = int(attrs.get("block_m") or block_m(max(int(d["N"]), 1), k, E))
     c = moe_launch_config(max(int(d["N"]), 1), k, E, L, I, ITEMSIZE[dtypes[1]], packed) | gemm_config(
         BM, L, I, ITEMSIZE[dtypes[1]], packed)
-    r, t, a, g1, g2, su = c["router"], c["topk"], c["align"], c["gemm1"], c["gemm2"], c["sum"]
-    static = {"d": D, "L": L, "E": E, "I": I}
+    r, a, g1, g2, su = c["router"], c["align"], c["gemm1"], c["gemm2"], c["sum"]
+    t = moe_launch_config(1, k, EG, L, I)["topk"]  # top-k over all EG experts
+    static = {"d": D, "L": L, "E": E, "I": I, "EG": EG}
 
     def sizes(x: dict) -> dict:
         """Every int32 argument at runtime dims `x` (N dynamic; the weight dims must be the planned ones)."""
+        x = {"EG": x["E"]} | dict(x)  # dims without EG: one GPU, every expert routed over is local
         for name, v in static.items():
             if x[name] != v:
                 raise PlanError(f"k3::moe: runtime {name}={x[name]} differs from the planned {v} (static dim)")
@@ -506,10 +517,10 @@ def build_plan(d: dict, dtypes: list[str], attrs: dict, gemms: dict, *, packed: 
     x_t, z_t, gw_t, w_t = dtypes[0], dtypes[1], dtypes[2], dtypes[4]
     act = attrs.get("activation", "situ")
     launches = (
-        launch(_router_kernel, ("x", "gate_weight", "s", "N", "E", "d"),
+        launch(_router_kernel, ("x", "gate_weight", "s", "N", "EG", "d"),
                {"BM": r["BM"], "BN": r["BN"], "BK": r["BK"], "IEEE": _ieee(x_t, gw_t)},
-               lambda x: (cdiv(x["N"], r["BM"]), cdiv(E, r["BN"]), 1), r),
-        launch(_topk_kernel, ("s", "gate_bias", "ids", "wts", "E"),
+               lambda x: (cdiv(x["N"], r["BM"]), cdiv(EG, r["BN"]), 1), r),
+        launch(_topk_kernel, ("s", "gate_bias", "ids", "wts", "expert_offset", "EG", "E"),
                {"factor": float(attrs.get("routed_scaling_factor", 1.0)), "TOPK": k, "KP": t["KP"], "EP": t["EP"],
                 "RENORM": bool(attrs.get("renormalize", True))}, lambda x: (x["N"], 1, 1), t),
         launch(_moe_align_count_kernel, ("ids", "counts", "NK", "E"), {"BLOCK": a["BLOCK"], "BE": a["BE"]},
@@ -522,10 +533,10 @@ def build_plan(d: dict, dtypes: list[str], attrs: dict, gemms: dict, *, packed: 
              {"beta1": float(attrs.get("situ_beta", 4.0)), "beta2": float(attrs.get("situ_linear_beta", 25.0)),
               "TOPK": k, "ACT": ACTIVATIONS[act]}),
         gemm("_moe_gemm2_kernel", L, g2, {}),
-        launch(_moe_sum_kernel, ("y", "u", "L"), {"TOPK": k, "BL": su["BL"]},
+        launch(_moe_sum_kernel, ("y", "ids", "u", "L"), {"TOPK": k, "BL": su["BL"]},
                lambda x: (x["N"], cdiv(L, su["BL"]), 1), su),
     )
-    ws = (Buffer("s", "fp32", lambda x: x["N"] * E), Buffer("ids", "int64", lambda x: x["N"] * k),
+    ws = (Buffer("s", "fp32", lambda x: x["N"] * EG), Buffer("ids", "int64", lambda x: x["N"] * k),
           Buffer("wts", "fp32", lambda x: x["N"] * k), Buffer("counts", "int32", lambda x: nb(x) * E),
           Buffer("offsets", "int32", lambda x: nb(x) * E),
           Buffer("sorted_pair", "int32", lambda x: sizes(x)["P"]), Buffer("block_expert", "int32", num_m),
@@ -560,11 +571,11 @@ def route(x: Tensor, gate_weight: Tensor, gate_bias: Tensor, top_k: int, routed_
     if gate_weight.shape != (E, D) or gate_bias.shape != (E,) or not 1 <= top_k <= E:
         raise ValueError(f"route: x {tuple(x.shape)} gate {tuple(gate_weight.shape)} bias {tuple(gate_bias.shape)} "
                          f"top_k={top_k} do not fit")
-    d = {"N": N, "d": D, "L": 1, "E": E, "I": 1}
+    d = {"N": N, "d": D, "L": 1, "E": E, "I": 1, "EG": E}
     dts = [dtype_name(x.dtype), dtype_name(x.dtype), dtype_name(gate_weight.dtype), "fp32", "fp32"]
     p = plan(d, dts, _attrs(top_k, routed_scaling_factor, renormalize, "silu", 1.0, 1.0))
-    env = run(p, {"x": x.contiguous(), "gate_weight": gate_weight.contiguous(), "gate_bias": gate_bias.contiguous()},
-              d, only=ROUTE)
+    env = run(p, {"x": x.contiguous(), "gate_weight": gate_weight.contiguous(), "gate_bias": gate_bias.contiguous(),
+                  "expert_offset": no_offset(x.device)}, d, only=ROUTE)
     return env["ids"].view(N, top_k), env["wts"].view(N, top_k)
 
 
@@ -574,24 +585,32 @@ def moe_align(ids: Tensor, E: int, BM: int) -> tuple[Tensor, Tensor]:
     NK for padding), block_expert [P/BM] int32 (expert of each block, -1 past the last used block);
     P = `padded_rows(NK, E, BM)`."""
     N, k = ids.shape
-    d = {"N": N, "d": 1, "L": 1, "E": E, "I": 1}
+    d = {"N": N, "d": 1, "L": 1, "E": E, "I": 1, "EG": E}
     p = plan(d, ["fp32"] * 5, _attrs(k, 1.0, True, "silu", 1.0, 1.0) | {"block_m": BM})
     env = run(p, {"ids": ids.reshape(-1).contiguous()}, d, only=ALIGN)
     return env["sorted_pair"], env["block_expert"]
 
 
+def no_offset(device) -> Tensor:
+    """expert_offset of a single-GPU call: 0."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
 def moe(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
         top_k: int, routed_scaling_factor: float, renormalize: bool, activation: str, situ_beta: float,
-        situ_linear_beta: float) -> Tensor:
-    """The whole plan: routing, align, grouped GEMMs, weighted sum -> u [N, L] in z's dtype."""
+        situ_linear_beta: float, expert_offset: Tensor | None = None) -> Tensor:
+    """The whole plan: routing, align, grouped GEMMs, weighted sum -> u [N, L] in z's dtype (this rank's
+    partial sum when `expert_offset` is given: w1/w3/w2 hold the E local experts, gate_weight all EG)."""
     E, I, L = w1.shape
+    EG = gate_weight.shape[0]
     if (z.shape != (x.shape[0], L) or w3.shape != w1.shape or w2.shape != (E, L, I)
-            or gate_weight.shape != (E, x.shape[-1])):
+            or gate_weight.shape != (EG, x.shape[-1]) or (EG != E if expert_offset is None else EG < E)):
         raise ValueError(f"moe: shapes x {tuple(x.shape)} z {tuple(z.shape)} gate {tuple(gate_weight.shape)} "
                          f"w1 {tuple(w1.shape)} w3 {tuple(w3.shape)} w2 {tuple(w2.shape)} do not fit")
     attrs = _attrs(top_k, routed_scaling_factor, renormalize, activation, situ_beta, situ_linear_beta)
-    tensors = dict(zip(("x", "z", "gate_weight", "gate_bias", "w1", "w3", "w2"),
-                       (aligned(t) for t in (x, z, gate_weight, gate_bias, w1, w3, w2))))
+    off = no_offset(x.device) if expert_offset is None else expert_offset.reshape(1).to(torch.int32)
+    tensors = dict(zip(("x", "z", "gate_weight", "gate_bias", "w1", "w3", "w2", "expert_offset"),
+                       (aligned(t) for t in (x, z, gate_weight, gate_bias, w1, w3, w2, off))))
     tensors["u"] = torch.empty(z.shape[0], L, device=z.device, dtype=z.dtype)
     d = dims([t.shape for t in tensors.values()])
     run(plan(d, [dtype_name(t.dtype) for t in tensors.values()], attrs), tensors, d)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from onnx import TensorProto, helper
 
-from ..moe.onnx import NODE as DENSE_NODE, moe_function
+from ..moe.onnx import NODE as DENSE_NODE, moe_function, offset_input
 from ..onnx_node import COMMON_ATTRIBUTES, Body, NodeSpec, opset, static
 from .codec import BLOCK, E2M1
 
@@ -23,21 +23,23 @@ WEIGHTS = ("w1", "w3", "w2")
 
 NODE = NodeSpec(
     "MoEMXFP4",
-    inputs=DENSE_NODE.inputs[:4] + tuple((n, "U") for n in WEIGHTS) + tuple((f"{n}_scale", "U") for n in WEIGHTS),
+    inputs=DENSE_NODE.inputs[:4] + tuple((n, "U") for n in WEIGHTS) + tuple((f"{n}_scale", "U") for n in WEIGHTS)
+    + DENSE_NODE.inputs[-1:],  # expert_offset
     outputs=DENSE_NODE.outputs,
     fields=DENSE_NODE.fields,
     doc="k3::MoE with MXFP4-packed experts: w1, w3 [E, I, L/2] uint8 (element 2j in the low nibble), w2 "
         "[E, L, I/2] uint8, and E8M0 scale bytes w1_scale, w3_scale [E, I, L/32], w2_scale [E, L, I/32] "
-        "(scale 2^(byte-127) per 32 elements). Same contract as torch.ops.k3.moe_mxfp4.",
+        "(scale 2^(byte-127) per 32 elements), expert_offset as k3::MoE's. Same contract as torch.ops.k3.moe_mxfp4.",
 )
 NODE.register()
 
 
 def translate(x, z, gate_weight, gate_bias, w1, w3, w2, w1_scale, w3_scale, w2_scale, top_k: int,
               routed_scaling_factor: float, renormalize: bool, activation: str, situ_beta: float,
-              situ_linear_beta: float, kernels: str):
+              situ_linear_beta: float, kernels: str, expert_offset=None):
     E, I, half = (static(d, "moe_mxfp4 expert weight dims") for d in w1.shape)
-    return opset().MoEMXFP4(x, z, gate_weight, gate_bias, w1, w3, w2, w1_scale, w3_scale, w2_scale, top_k=int(top_k),
+    return opset().MoEMXFP4(x, z, gate_weight, gate_bias, w1, w3, w2, w1_scale, w3_scale, w2_scale,
+                            offset_input(expert_offset), top_k=int(top_k),
                             routed_scaling_factor=float(routed_scaling_factor), renormalize=int(bool(renormalize)),
                             activation=str(activation), situ_beta=float(situ_beta),
                             situ_linear_beta=float(situ_linear_beta), num_experts=E,

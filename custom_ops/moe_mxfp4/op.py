@@ -2,14 +2,17 @@
 
     k3::moe_mxfp4(x [N, d], z [N, L], gate_weight [E, d], gate_bias [E], w1 [E, I, L/2] u8, w3 [E, I, L/2] u8,
                   w2 [E, L, I/2] u8, w1_scale [E, I, L/32] u8, w3_scale [E, I, L/32] u8, w2_scale [E, L, I/32] u8,
-                  top_k, routed_scaling_factor, renormalize, activation, situ_beta, situ_linear_beta, kernels)
-        -> u [N, L]
+                  top_k, routed_scaling_factor, renormalize, activation, situ_beta, situ_linear_beta, kernels,
+                  expert_offset [1] int32 = None) -> u [N, L]
+(`expert_offset`: expert parallelism, as in `k3::moe`: E above is E_local for the expert tensors.)
 A sibling of `k3::moe` (same routing and expert math, `custom_ops/moe`), its own family so every stage
 (ONNX node, TensorRT plugin with uint8 ports, op counts) handles it through the registry; still one graph node
 per MoE layer. The model picks it when `K3Config.expert_format == "mxfp4"`. Torch-only; Triton lazily.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -35,9 +38,10 @@ def check_config(cfg, *, kernels: bool) -> str | None:
 @torch.library.custom_op("k3::moe_mxfp4", mutates_args=())
 def _moe_mxfp4(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
                w1_scale: Tensor, w3_scale: Tensor, w2_scale: Tensor, top_k: int, routed_scaling_factor: float,
-               renormalize: bool, activation: str, situ_beta: float, situ_linear_beta: float, kernels: str) -> Tensor:
+               renormalize: bool, activation: str, situ_beta: float, situ_linear_beta: float, kernels: str,
+               expert_offset: Optional[Tensor] = None) -> Tensor:
     args = (x, z, gate_weight, gate_bias, w1, w3, w2, w1_scale, w3_scale, w2_scale, top_k, routed_scaling_factor,
-            renormalize, activation, situ_beta, situ_linear_beta)
+            renormalize, activation, situ_beta, situ_linear_beta, expert_offset)
     if require_kernels("k3::moe_mxfp4", kernels, x, z, gate_weight, w1) is Kernels.TRITON:
         from . import triton
 
@@ -47,12 +51,12 @@ def _moe_mxfp4(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1:
 
 @_moe_mxfp4.register_fake
 def _(x, z, gate_weight, gate_bias, w1, w3, w2, w1_scale, w3_scale, w2_scale, top_k, routed_scaling_factor,
-      renormalize, activation, situ_beta, situ_linear_beta, kernels):
+      renormalize, activation, situ_beta, situ_linear_beta, kernels, expert_offset=None):
     return z.new_empty(moe_output_shape(z.shape))
 
 
 def moe_mxfp4(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
               w1_scale: Tensor, w3_scale: Tensor, w2_scale: Tensor, *, options: MoEOptions,
-              kernels: Kernels = Kernels.REFERENCE) -> Tensor:
+              kernels: Kernels = Kernels.REFERENCE, expert_offset: Tensor | None = None) -> Tensor:
     return torch.ops.k3.moe_mxfp4(x, z, gate_weight, gate_bias, w1, w3, w2, w1_scale, w3_scale, w2_scale,
-                                  *options.args(), Kernels(kernels).value)
+                                  *options.args(), Kernels(kernels).value, expert_offset)

@@ -3,8 +3,9 @@ plan of `triton.py` (k3::MoE's eight launches with the packed GEMMs).
 
     MoEMXFP4(x [N, d], z [N, L] (one dtype, fp32|fp16|bf16), gate_weight [E, d] (fp32|fp16|bf16), gate_bias [E]
              fp32, w1, w3 [E, I, L/2], w2 [E, L, I/2], w1_scale, w3_scale [E, I, L/32], w2_scale [E, L, I/32]
-             (bytes: int8 as TensorRT passes them, which has no UINT8 plugin formats; uint8 for the JIT path);
-             k3::MoE's fields) -> u [N, L] (z's dtype).
+             (bytes: int8 as TensorRT passes them, which has no UINT8 plugin formats; uint8 for the JIT path),
+             expert_offset [1] int32 (as k3::MoE's: E local experts, gate over all); k3::MoE's fields)
+             -> u [N, L] (z's dtype).
 The engine keeps the experts packed (4.25 bits per weight); nothing is decoded outside the GEMM registers.
 LINEAR only; N dynamic, d/L/E/I static. QDP (TensorRT 11): `impl` only, as k3::MoE.
 """
@@ -19,18 +20,18 @@ from .codec import BLOCK
 from .onnx import NODE
 
 U8 = ("uint8", "int8")
-INPUTS = ("x", "z", "gate_weight", "gate_bias", "w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale")
+INPUTS = ("x", "z", "gate_weight", "gate_bias", "w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale")  # + expert_offset
 
 
 def check(shapes, attrs: dict) -> str | None:
     """k3::MoE's check on the dense shapes the packed ones stand for, plus the packed and scale shapes."""
-    x, z, gw, gb, w1, w3, w2, s1, s3, s2 = (list(s) for s in shapes)
+    x, z, gw, gb, w1, w3, w2, s1, s3, s2, off = (list(s) for s in shapes)
     if [len(s) for s in (w1, w3, w2, s1, s3, s2)] != [3] * 6:
         return f"packed expert ranks {[len(s) for s in (w1, w3, w2, s1, s3, s2)]}, expected all 3"
     E, I, half = w1
     L = None if half is None else 2 * half
     dense_w = lambda o, i: [E, o, i]  # noqa: E731
-    reason = dense.check([x, z, gw, gb, dense_w(I, L), dense_w(I, L), dense_w(L, I)], attrs)
+    reason = dense.check([x, z, gw, gb, dense_w(I, L), dense_w(I, L), dense_w(L, I), off], attrs)
     if reason:
         return reason
     if L is not None and (L % BLOCK or (I is not None and I % BLOCK)):
@@ -48,7 +49,7 @@ def check(shapes, attrs: dict) -> str | None:
 SPEC = PluginSpec(
     name=NODE.op_type,
     inputs=(Port("x", FLOAT), Port("z", FLOAT, "x"), Port("gate_weight", FLOAT), Port("gate_bias", ("fp32",)),
-            *(Port(n, U8) for n in INPUTS[4:])),
+            *(Port(n, U8) for n in INPUTS[4:]), Port("expert_offset", ("int32",))),
     outputs=(Port("u", FLOAT, "z"),),
     fields=fields_of(NODE),
     output_shapes=lambda s: [moe_output_shape(s[1])],
@@ -66,22 +67,23 @@ def register_qdp(trtp, *, sm: int, opt_dims: dict) -> None:
     @trtp.register("k3::MoEMXFP4")
     def _desc(x: trtp.TensorDesc, z: trtp.TensorDesc, gate_weight: trtp.TensorDesc, gate_bias: trtp.TensorDesc,
               w1: trtp.TensorDesc, w3: trtp.TensorDesc, w2: trtp.TensorDesc, w1_scale: trtp.TensorDesc,
-              w3_scale: trtp.TensorDesc, w2_scale: trtp.TensorDesc, top_k: int, routed_scaling_factor: float,
+              w3_scale: trtp.TensorDesc, w2_scale: trtp.TensorDesc, expert_offset: trtp.TensorDesc, top_k: int,
+              routed_scaling_factor: float,
               renormalize: int, activation: str, situ_beta: float, situ_linear_beta: float, num_experts: int,
               hidden_size: int, expert_dim: int, intermediate_size: int) -> trtp.TensorDesc:
         return qdp.output_descs(trtp, SPEC, [x, z, gate_weight, gate_bias, w1, w3, w2, w1_scale, w3_scale,
-                                             w2_scale], {})
+                                             w2_scale, expert_offset], {})
 
     @trtp.autotune("k3::MoEMXFP4")
-    def _tune(x, z, gate_weight, gate_bias, w1, w3, w2, w1_scale, w3_scale, w2_scale, outputs):
+    def _tune(x, z, gate_weight, gate_bias, w1, w3, w2, w1_scale, w3_scale, w2_scale, expert_offset, outputs):
         return qdp.autotune(trtp, SPEC)
 
     @trtp.impl("k3::MoEMXFP4")
-    def _impl(x, z, gate_weight, gate_bias, w1, w3, w2, w1_scale, w3_scale, w2_scale, top_k: int,
+    def _impl(x, z, gate_weight, gate_bias, w1, w3, w2, w1_scale, w3_scale, w2_scale, expert_offset, top_k: int,
               routed_scaling_factor: float, renormalize: int, activation: str, situ_beta: float,
               situ_linear_beta: float, num_experts: int, hidden_size: int, expert_dim: int, intermediate_size: int,
               outputs, stream: int) -> None:
         attrs = {"top_k": top_k, "routed_scaling_factor": routed_scaling_factor, "renormalize": renormalize,
                  "activation": activation, "situ_beta": situ_beta, "situ_linear_beta": situ_linear_beta}
-        qdp.jit(SPEC, [x, z, gate_weight, gate_bias, w1, w3, w2, w1_scale, w3_scale, w2_scale], list(outputs),
-                attrs, stream)
+        qdp.jit(SPEC, [x, z, gate_weight, gate_bias, w1, w3, w2, w1_scale, w3_scale, w2_scale, expert_offset],
+                list(outputs), attrs, stream)

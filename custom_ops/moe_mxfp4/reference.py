@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ..moe.reference import route, routed_experts
+from ..moe.reference import check_experts, local_ids, route, routed_experts
 from .codec import BLOCK, dequantize
 
 
@@ -22,13 +22,16 @@ def packed_dims(w1: Tensor, w2: Tensor) -> tuple[int, int, int]:
 
 
 def check_shapes(x: Tensor, z: Tensor, gate_weight: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, w1_scale: Tensor,
-                 w3_scale: Tensor, w2_scale: Tensor) -> tuple[int, int, int]:
+                 w3_scale: Tensor, w2_scale: Tensor, expert_offset: Tensor | None = None) -> tuple[int, int, int]:
     """(E, I, L), or ValueError naming every shape when the packed experts do not fit x / z."""
     E, I, L = packed_dims(w1, w2)
     want = {"w3": ((E, I, L // 2), w3), "w2": ((E, L, I // 2), w2), "w1_scale": ((E, I, L // BLOCK), w1_scale),
             "w3_scale": ((E, I, L // BLOCK), w3_scale), "w2_scale": ((E, L, I // BLOCK), w2_scale)}
     bad = [n for n, (shape, t) in want.items() if tuple(t.shape) != shape]
-    if bad or z.shape[-1] != L or gate_weight.shape != (E, x.shape[-1]) or L % BLOCK or I % BLOCK:
+    gate = check_experts(E, gate_weight, x.shape[-1], expert_offset)
+    if gate:
+        bad.append(gate)
+    if bad or z.shape[-1] != L or L % BLOCK or I % BLOCK:
         raise ValueError(f"moe_mxfp4: shapes x {tuple(x.shape)} z {tuple(z.shape)} gate {tuple(gate_weight.shape)} "
                          f"w1 {tuple(w1.shape)} w3 {tuple(w3.shape)} w2 {tuple(w2.shape)} scales "
                          f"{tuple(w1_scale.shape)} {tuple(w3_scale.shape)} {tuple(w2_scale.shape)} do not fit"
@@ -38,9 +41,11 @@ def check_shapes(x: Tensor, z: Tensor, gate_weight: Tensor, w1: Tensor, w3: Tens
 
 def moe(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
         w1_scale: Tensor, w3_scale: Tensor, w2_scale: Tensor, top_k: int, routed_scaling_factor: float,
-        renormalize: bool, activation: str, situ_beta: float, situ_linear_beta: float) -> Tensor:
-    E, _, _ = check_shapes(x, z, gate_weight, w1, w3, w2, w1_scale, w3_scale, w2_scale)
+        renormalize: bool, activation: str, situ_beta: float, situ_linear_beta: float,
+        expert_offset: Tensor | None = None) -> Tensor:
+    E, _, _ = check_shapes(x, z, gate_weight, w1, w3, w2, w1_scale, w3_scale, w2_scale, expert_offset)
     ids, w = route(x, gate_weight, gate_bias, top_k, routed_scaling_factor, renormalize)
+    ids = local_ids(ids, expert_offset, E)  # expert parallelism: this rank's experts only
 
     def weights(e: int) -> tuple[Tensor, Tensor, Tensor]:
         return dequantize(w1[e], w1_scale[e]), dequantize(w3[e], w3_scale[e]), dequantize(w2[e], w2_scale[e])

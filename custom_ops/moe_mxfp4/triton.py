@@ -36,7 +36,7 @@ from ..moe import triton as dense
 from ..moe.triton import _offset_to, _store_h, _store_y, _tile, _tile_acc, _tile_dot, _tile_out
 from .codec import BLOCK
 
-PORTS = ("x", "z", "gate_weight", "gate_bias", "w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale")
+PORTS = ("x", "z", "gate_weight", "gate_bias", "w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale", "expert_offset")
 
 
 @triton.jit
@@ -162,8 +162,7 @@ def _moe_mxfp4_gemm2_kernel(
 
 def dims(shapes) -> dict:
     """Named dims from the input shapes (x [N, d], z [N, L], gate_weight, gate_bias, w1 [E, I, L/2], ...)."""
-    (N, d), (_, L), (E, I, _) = shapes[0], shapes[1], shapes[4]
-    return {"N": N, "d": d, "L": L, "E": E, "I": I}
+    return dense.dims(shapes)  # the packed w1's dims 0 and 1 are the dense ones
 
 
 PACKED_GEMMS = {
@@ -178,8 +177,9 @@ PACKED_GEMMS = {
 
 def plan(d: dict, dtypes: list[str], attrs: dict) -> Plan:
     """k3::moe's plan (custom_ops/moe/triton.build_plan: eight launches, same workspace) with the packed GEMMs
-    and their tiles. Ports: x, z, gate_weight, gate_bias, w1, w3, w2 (u8), w1_scale, w3_scale, w2_scale (u8)
-    -> u. The decoded weights take z's dtype, so the plan is built as if the experts were stored in z's dtype."""
+    and their tiles. Ports: x, z, gate_weight, gate_bias, w1, w3, w2 (u8), w1_scale, w3_scale, w2_scale (u8),
+    expert_offset -> u. The decoded weights take z's dtype, so the plan is built as if the experts were stored in
+    z's dtype."""
     if d["L"] % BLOCK or d["I"] % BLOCK:
         raise ValueError(f"k3::moe_mxfp4: L={d['L']} and I={d['I']} must be multiples of {BLOCK}")
     return dense.build_plan(d, [dtypes[0], dtypes[1], dtypes[2], dtypes[3], dtypes[1], dtypes[1], dtypes[1],
@@ -188,7 +188,8 @@ def plan(d: dict, dtypes: list[str], attrs: dict) -> Plan:
 
 def moe(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
         w1_scale: Tensor, w3_scale: Tensor, w2_scale: Tensor, top_k: int, routed_scaling_factor: float,
-        renormalize: bool, activation: str, situ_beta: float, situ_linear_beta: float) -> Tensor:
+        renormalize: bool, activation: str, situ_beta: float, situ_linear_beta: float,
+        expert_offset: Tensor | None = None) -> Tensor:
     """The whole plan on packed experts -> u [N, L] in z's dtype."""
     E, I, half = w1.shape
     L = 2 * half
@@ -197,13 +198,16 @@ def moe(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tensor
     got = dict(zip(("w3", "w2", "w1_scale", "w3_scale", "w2_scale"), (w3, w2, w1_scale, w3_scale, w2_scale)))
     bytes_ = (torch.uint8, torch.int8)  # int8: the same bytes, as TensorRT passes them
     bad = [n for n, s in want.items() if tuple(got[n].shape) != s or got[n].dtype not in bytes_]
-    if bad or w1.dtype not in bytes_ or z.shape != (x.shape[0], L) or gate_weight.shape != (E, x.shape[-1]):
+    EG = gate_weight.shape[0]  # experts routed over; E local ones (expert parallelism)
+    if bad or w1.dtype not in bytes_ or z.shape != (x.shape[0], L) or gate_weight.shape != (EG, x.shape[-1]) or (
+            EG != E if expert_offset is None else EG < E):
         raise ValueError(f"moe_mxfp4: x {tuple(x.shape)} z {tuple(z.shape)} gate {tuple(gate_weight.shape)} "
                          f"w1 {tuple(w1.shape)} {w1.dtype} do not fit" + (f" ({', '.join(bad)})" if bad else ""))
     attrs = dense._attrs(top_k, routed_scaling_factor, renormalize, activation, situ_beta, situ_linear_beta)
     attrs["sm"] = device_sm(z.device)  # sm_100+: tl.dot_scaled
+    off = dense.no_offset(x.device) if expert_offset is None else expert_offset.reshape(1).to(torch.int32)
     tensors = dict(zip(PORTS, (dense.aligned(t) for t in (x, z, gate_weight, gate_bias, w1, w3, w2, w1_scale,
-                                                          w3_scale, w2_scale))))
+                                                          w3_scale, w2_scale, off))))
     tensors["u"] = torch.empty(z.shape[0], L, device=z.device, dtype=z.dtype)
     d = dims([t.shape for t in tensors.values()])
     run(plan(d, [dtype_name(t.dtype) for t in tensors.values()], attrs), tensors, d)

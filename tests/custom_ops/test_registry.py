@@ -111,13 +111,14 @@ def test_new_family_reaches_every_stage(toy_family):
     import onnxruntime as ort
 
     from k3x.exporter.onnx import translation_table
+    from k3x.exporter.onnx_collectives import translation_table as collectives
     from k3x.exporter.onnx_flavors import ort_pass, trt_pass
     from k3x.model.config import ConfigError, preset
     from k3x.plugins import specs
 
     toy_family.op  # noqa: B018  (registers torch.ops.k3.toy)
     table = translation_table()
-    assert toy_family.overload in table and len(table) == len(registry.FAMILIES)
+    assert toy_family.overload in table and len(table) == len(registry.FAMILIES) + len(collectives())
     ep = torch.export.export(Toy(), (torch.randn(2, 5),))
     model = torch.onnx.export(ep, dynamo=True, custom_translation_table=table, optimize=False, opset_version=23).model
     assert [n.op_type for n in model.graph if n.domain == "k3"] == ["Toy"]

@@ -31,7 +31,8 @@ def one_node_model(op_type: str, inputs: dict[str, torch.Tensor], outputs: dict[
                             **onnx_node.COMMON_ATTRIBUTES)
     graph = helper.make_graph(
         [node], op_type,
-        [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(t.shape)) for n, t in inputs.items()],
+        [helper.make_tensor_value_info(n, TensorProto.INT32 if t.dtype == torch.int32 else TensorProto.FLOAT,
+                                       list(t.shape)) for n, t in inputs.items()],
         [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(shape)) for n, shape in outputs.items()])
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("k3", 1)],
                               ir_version=10)
@@ -86,8 +87,9 @@ def test_moe_body_matches_reference(activation, renormalize, factor):
     attrs = dict(top_k=top_k, routed_scaling_factor=factor, renormalize=int(renormalize), activation=activation,
                  situ_beta=4.0, situ_linear_beta=25.0, num_experts=E, hidden_size=d, expert_dim=L,
                  intermediate_size=I)
-    (u,) = run_ort(one_node_model("MoE", inputs, {"u": (N, L)}, **attrs), inputs)
     ref = moe(*inputs.values(), top_k, factor, renormalize, activation, 4.0, 25.0)
+    inputs["expert_offset"] = torch.zeros(1, dtype=torch.int32)  # one GPU: every expert is local
+    (u,) = run_ort(one_node_model("MoE", inputs, {"u": (N, L)}, **attrs), inputs)
     assert_close(torch.from_numpy(u), ref, torch.float32, "moe")
 
 

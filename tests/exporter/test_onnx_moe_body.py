@@ -40,12 +40,15 @@ class MoESession:
     """One k3::MoE node over the `ort` pass: x [N, d], z [N, L] fp32 inputs (N dynamic), weights as initializers."""
 
     def __init__(self, w: dict[str, torch.Tensor], top_k: int, activation: str = "situ", renormalize: bool = True,
-                 factor: float = 1.0):
+                 factor: float = 1.0, offset: int | None = None):
         E, I, L = w["w1"].shape
         d = w["gate_weight"].shape[1]
         self.w, self.args = w, (top_k, factor, renormalize, activation, 4.0, 25.0)
+        self.offset = None if offset is None else torch.tensor([offset], dtype=torch.int32)
+        inits = [initializer(n, t) for n, t in w.items()]
+        inits.append(helper.make_tensor("expert_offset", TensorProto.INT32, [1], [offset or 0]))
         node = helper.make_node(
-            "MoE", ["x", "z", *w], ["u"], domain=onnx_node.DOMAIN, top_k=top_k, routed_scaling_factor=factor,
+            "MoE", ["x", "z", *w, "expert_offset"], ["u"], domain=onnx_node.DOMAIN, top_k=top_k, routed_scaling_factor=factor,
             renormalize=int(renormalize), activation=activation, situ_beta=4.0, situ_linear_beta=25.0,
             num_experts=E, hidden_size=d, expert_dim=L, intermediate_size=I, **onnx_node.COMMON_ATTRIBUTES)
         graph = helper.make_graph(
@@ -53,16 +56,17 @@ class MoESession:
             [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", d]),
              helper.make_tensor_value_info("z", TensorProto.FLOAT, ["N", L])],
             [helper.make_tensor_value_info("u", TensorProto.FLOAT, ["N", L])],
-            initializer=[initializer(n, t) for n, t in w.items()])
+            initializer=inits)
         proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("k3", 1)],
                                   ir_version=10)
         proto = ir.serde.serialize_model(ort_pass(ir.serde.deserialize_model(proto)))
         onnx.checker.check_model(proto, full_check=True)
         self.sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
 
-    def check(self, x: torch.Tensor, z: torch.Tensor, what: str) -> None:
+    def check(self, x: torch.Tensor, z: torch.Tensor, what: str) -> torch.Tensor:
         (u,) = self.sess.run(None, {"x": x.numpy(), "z": z.numpy()})
-        assert_close(torch.from_numpy(u), moe(x, z, *self.w.values(), *self.args), torch.float32, what)
+        assert_close(torch.from_numpy(u), moe(x, z, *self.w.values(), *self.args, self.offset), torch.float32, what)
+        return torch.from_numpy(u)
 
 
 def tokens(N: int, d: int, L: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,3 +120,17 @@ def test_expert_weights_are_only_gathered_per_hit_expert():
     body = helper.get_attribute_value(loop.attribute[0])
     readers = [n for n in body.node if set(n.input) & set(experts)]
     assert sorted(n.input[0] for n in readers) == sorted(experts) and {n.op_type for n in readers} == {"Gather"}
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_expert_parallel_ranks_compute_their_share(ep):
+    """Each rank's node holds E / ep experts from `expert_offset` on and routes over all E: its u is the
+    reference's partial sum over the pairs routed to its experts, and the ranks' sum is the whole MoE."""
+    E, k, d, L, I = 8, 3, 24, 16, 12
+    w, n = weights(E, d, L, I), E // ep
+    x, z = tokens(9, d, L, seed=3)
+    parts = []
+    for r in range(ep):
+        local = {**w, **{name: w[name][r * n:(r + 1) * n] for name in ("w1", "w3", "w2")}}
+        parts.append(MoESession(local, k, offset=r * n).check(x, z, f"rank {r} of {ep}"))
+    assert_close(sum(parts), moe(x, z, *w.values(), k, 1.0, True, "situ", 4.0, 25.0), torch.float32, "sum of ranks")

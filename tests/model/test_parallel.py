@@ -85,7 +85,7 @@ def test_rank_program_is_the_local_model_plus_collectives():
     assert sd["model.layers.1.block_sparse_moe.experts.w1"].shape == (4, 32, 32)  # 4 of 8 experts
     assert sd["model.layers.1.block_sparse_moe.gate.weight"].shape == (8, 64)  # router: all experts
     assert sd["model.embed_tokens.weight"].shape == sd["lm_head.weight"].shape == (256, 64)
-    assert {"model.embed_tokens.vocab_start", "model.layers.1.block_sparse_moe.local_experts"} <= set(sd)
+    assert {"model.embed_tokens.vocab_start", "model.layers.1.block_sparse_moe.expert_offset"} <= set(sd)
     assert m.cfg.kda.num_heads == 2 and m.cfg.vocab_size == 256
 
 
@@ -102,7 +102,7 @@ def test_sharded_loading_reads_each_ranks_slice_from_the_checkpoint(tmp_path):
         bad = [k for k in want if not torch.equal(got[k], want[k])]
         assert not bad, bad[:5]
     e = model.model.layers[1].block_sparse_moe
-    assert e.local_experts.tolist() == [4, 5, 6, 7] and model.model.embed_tokens.vocab_start.item() == 0
+    assert e.expert_offset.tolist() == [4] and model.model.embed_tokens.vocab_start.item() == 0
     assert torch.equal(e.experts.w1, sd["model.layers.1.block_sparse_moe.experts.w1"][4:])
 
 
@@ -133,6 +133,24 @@ def test_sharded_loading_opens_only_the_ranks_experts(tmp_path, monkeypatch):
     load_rank(tmp_path / "ck", plan, 1)
     experts = {int(n.split(".experts.")[1].split(".")[0]) for n in read if ".experts." in n}
     assert experts == {4, 5, 6, 7}
+
+
+def test_packed_checkpoint_stays_packed_in_each_rank(tmp_path):
+    """MXFP4 experts are read as stored into the rank's packed experts (its slice of the expert axis, bytes
+    and scales unchanged); expert_format="dense" decodes them as the single-GPU loader does."""
+    from k3x.model.checkpoint import load_checkpoint
+
+    cfg, plan = mini4(), ParallelPlan(1, 2)
+    save_checkpoint(build_model(cfg, seed=0), tmp_path / "ck", expert_format="mxfp4")
+    whole = load_checkpoint(tmp_path / "ck").state_dict()  # packed
+    got_cfg, model = load_rank(tmp_path / "ck", plan, 1)
+    sd = model.state_dict()
+    assert got_cfg.expert_format == "mxfp4"
+    for name in ("experts.w1", "experts.w2_scale"):
+        key = f"model.layers.1.block_sparse_moe.{name}"
+        assert sd[key].dtype == torch.uint8 and torch.equal(sd[key], whole[key][4:])
+    dense = load_rank(tmp_path / "ck", plan, 1, expert_format="dense")[1].state_dict()
+    assert dense["model.layers.1.block_sparse_moe.experts.w1"].dtype == torch.float32
 
 
 def test_budget_per_rank_bytes_collectives_and_fit():

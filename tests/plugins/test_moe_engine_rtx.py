@@ -33,7 +33,8 @@ def _moe_model(path: Path) -> None:
                "w1": rng.standard_normal((E, I, L)), "w3": rng.standard_normal((E, I, L)),
                "w2": rng.standard_normal((E, L, I))}
     inits = [numpy_helper.from_array(v.astype(np.float32), k) for k, v in weights.items()]
-    node = helper.make_node("MoE", ["x", "z", *weights], ["u"], domain="k3", plugin_namespace="k3", top_k=K,
+    inits.append(numpy_helper.from_array(np.zeros(1, np.int32), "expert_offset"))  # one GPU: every expert local
+    node = helper.make_node("MoE", ["x", "z", *weights, "expert_offset"], ["u"], domain="k3", plugin_namespace="k3", top_k=K,
                             routed_scaling_factor=2.5, renormalize=1, activation="situ", situ_beta=4.0,
                             situ_linear_beta=25.0, num_experts=E, hidden_size=d, expert_dim=L, intermediate_size=I)
     graph = helper.make_graph([node], "moe", [helper.make_tensor_value_info("x", T.FLOAT16, ["batch", d]),

@@ -105,18 +105,20 @@ def test_bundle_roundtrip_and_workspace():
 MOE_ATTRS = dict(top_k=2, routed_scaling_factor=1.5, renormalize=1, activation="situ", situ_beta=4.0,
                  situ_linear_beta=25.0, num_experts=8, hidden_size=64, expert_dim=64, intermediate_size=32)
 MOE_DIMS = [dict(N=1, d=64, L=64, E=8, I=32), dict(N=16, d=64, L=64, E=8, I=32), dict(N=256, d=64, L=64, E=8, I=32)]
-MOE_TYPES = ["bf16"] * 3 + ["fp32"] + ["bf16"] * 4  # x z gate_weight gate_bias w1 w3 w2 u
+MOE_TYPES = ["bf16"] * 3 + ["fp32"] + ["bf16"] * 3 + ["int32", "bf16"]  # x z gate_weight gate_bias w1 w3 w2 expert_offset u
 
 
 def test_moe_formats_enforced():
     moe = SPECS["MoE"]
     moe.check_dtypes(MOE_TYPES)
-    moe.check_dtypes(["fp16", "fp16", "fp32", "fp32", "bf16", "bf16", "bf16", "fp16"])  # mixed operands: IEEE dots
+    moe.check_dtypes(["fp16", "fp16", "fp32", "fp32", "bf16", "bf16", "bf16", "int32", "fp16"])  # mixed: IEEE dots
     with pytest.raises(PluginError, match="'gate_bias' has dtype bf16, supported: fp32"):
         moe.check_dtypes(MOE_TYPES[:3] + ["bf16"] + MOE_TYPES[4:])
     with pytest.raises(PluginError, match="'w2' has dtype fp16, supported: the dtype of w1"):
-        moe.check_dtypes(MOE_TYPES[:6] + ["fp16", "bf16"])
-    assert not moe.supports(7, MOE_TYPES[:7] + ["fp32"])  # u must match z
+        moe.check_dtypes(MOE_TYPES[:6] + ["fp16", "int32", "bf16"])
+    with pytest.raises(PluginError, match="'expert_offset' has dtype int64, supported: int32"):
+        moe.check_dtypes(MOE_TYPES[:7] + ["int64", "bf16"])
+    assert not moe.supports(8, MOE_TYPES[:8] + ["fp32"])  # u must match z
     assert "LINEAR only" in moe.format_table()
 
 
@@ -132,9 +134,10 @@ def test_moe_aot_kernels_sm90():
     ks = {k.name: k for k in compile_plan(spec, plan, MOE_TYPES, 90, MOE_DIMS)}
     assert len(ks) == 8
     args = {n: (k.arg_names, k.arg_types) for n, k in ks.items()}
-    assert args["_router_kernel"] == (("x", "gate_weight", "s", "N", "E", "d"),
+    assert args["_router_kernel"] == (("x", "gate_weight", "s", "N", "EG", "d"),  # routes over all EG experts
                                       ("*bf16", "*bf16", "*fp32", "i32", "i32", "i32"))
-    assert args["_topk_kernel"] == (("s", "gate_bias", "ids", "wts", "E"), ("*fp32", "*fp32", "*i64", "*fp32", "i32"))
+    assert args["_topk_kernel"] == (("s", "gate_bias", "ids", "wts", "expert_offset", "EG", "E"),
+                                    ("*fp32", "*fp32", "*i64", "*fp32", "*i32", "i32", "i32"))
     assert args["_moe_align_count_kernel"][0] == ("ids", "counts", "NK", "E")
     assert args["_moe_align_scan_kernel"][0] == ("counts", "offsets", "sorted_pair", "block_expert", "NK", "E", "NB",
                                                  "P")
@@ -143,7 +146,7 @@ def test_moe_aot_kernels_sm90():
                                          ("*bf16",) * 3 + ("*i32",) * 2 + ("*bf16",) + ("i32",) * 4)
     assert args["_moe_gemm2_kernel"][0] == ("h", "w2", "sorted_pair", "block_expert", "wts", "y", "NK", "I", "L",
                                             "E", "num_m")
-    assert args["_moe_sum_kernel"] == (("y", "u", "L"), ("*bf16", "*bf16", "i32"))  # y in z's dtype
+    assert args["_moe_sum_kernel"] == (("y", "ids", "u", "L"), ("*bf16", "*i64", "*bf16", "i32"))  # y in z's dtype
     for k in ks.values():  # routing factor, betas, top_k and tiles are specialised: no float arguments
         assert k.sm == 90 and k.cubin[:4] == b"\x7fELF" and k.n_params == len(k.arg_names) + 2
         assert set(k.arg_types) <= {"*bf16", "*fp32", "*i32", "*i64", "i32"}

@@ -92,7 +92,7 @@ def _run(spec, opt_dims: dict, tensors: list[torch.Tensor], attrs: dict) -> list
     from k3x.plugins.adapter import run_plan
     from k3x.plugins.core import workspace_layout
 
-    names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+    names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "int32"}
     dtypes = [names[t.dtype] for t in tensors]
     shapes = [tuple(t.shape) for t in tensors]
     plan = spec.plan(opt_dims, dtypes, attrs)
@@ -125,7 +125,8 @@ def test_child_moe_plan(N, opt_N, E, k, hot):
     u = torch.full((N, L), float("nan"))
     attrs = spec.attrs(dict(top_k=k, routed_scaling_factor=1.5, renormalize=1, activation="situ", situ_beta=4.0,
                             situ_linear_beta=25.0, num_experts=E, hidden_size=d, expert_dim=L, intermediate_size=I))
-    launched = _run(spec, dict(N=opt_N, d=d, L=L, E=E, I=I), [x, z, gw, gb, w1, w3, w2, u], attrs)
+    off = torch.zeros(1, dtype=torch.int32)  # one GPU: every expert is local
+    launched = _run(spec, dict(N=opt_N, d=d, L=L, E=E, I=I), [x, z, gw, gb, w1, w3, w2, off, u], attrs)
     assert len(launched) == 8
     want = reference.moe(x, z, gw, gb, w1, w3, w2, k, 1.5, True, "situ", 4.0, 25.0)
     torch.testing.assert_close(u, want, rtol=1e-4, atol=1e-5)
