@@ -127,7 +127,7 @@ def moe_steps(kern, z, ids, wts, w1, w3, w2, sm: int) -> dict:
     d = {"N": N, "d": 16, "L": L, "E": E, "I": I}
     t = dtype_name(z.dtype)
     attrs = {"top_k": k, "activation": "situ", "situ_beta": 4.0, "situ_linear_beta": 25.0, "sm": sm}
-    plan = kern.plan(d, [t, t, t, "fp32", t, t, t, t], attrs)
+    plan = kern.plan(d, [t, t, t, "fp32", t, t, t, "int32", t], attrs)  # ports ..., w2, expert_offset, u
     env = {"z": z, "w1": w1, "w3": w3, "w2": w2, "ids": ids.reshape(-1).contiguous(),
            "wts": wts.reshape(-1).float().contiguous(), "u": torch.empty_like(z)}
     env = run(plan, env, d, only=kern.ALIGN + ("_moe_gemm1_kernel", "_moe_gemm2_kernel"))  # every buffer, once

@@ -59,7 +59,7 @@ def main() -> None:
         dims = {"N": N, "d": K3["d"], "L": K3["L"], "E": K3["E"], "I": K3["I"]}
         for fam, wtype, nw in (("moe_mxfp4", "uint8", 6), ("moe", a.dtype, 3)):
             spec = Family(fam).plugin.SPEC
-            dtypes = [a.dtype, a.dtype, a.dtype, "fp32"] + [wtype] * nw + [a.dtype]
+            dtypes = [a.dtype, a.dtype, a.dtype, "fp32"] + [wtype] * nw + ["int32", a.dtype]  # ..., expert_offset, u
             for sm, arch in ((90, "sm_90a"), (100, "sm_100a")):
                 plan = Family(fam).triton.plan(dims, dtypes, {"top_k": K3["top_k"], "activation": "situ", "sm": sm})
                 types = dict(zip([p.name for p in spec.ports], dtypes)) | {b.name: b.dtype for b in plan.workspace}
