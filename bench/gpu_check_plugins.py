@@ -30,7 +30,7 @@ from typing import Any, Callable
 PORTS = {
     "KDA": ("kda", ("q", "k", "v", "g", "beta", "initial_state"), ("o", "final_state")),
     "AttnRes": ("attn_res", ("prefix", "bank", "norm_weight", "proj_weight"), ("out",)),
-    "MoE": ("moe", ("x", "z", "gate_weight", "gate_bias", "w1", "w3", "w2"), ("u",)),
+    "MoE": ("moe", ("x", "z", "gate_weight", "gate_bias", "w1", "w3", "w2", "expert_offset"), ("u",)),
 }
 
 

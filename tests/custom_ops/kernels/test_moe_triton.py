@@ -51,8 +51,10 @@ def run_with(module, args: list, names: tuple[str, ...], overrides: dict) -> tor
     from k3x.custom_ops.launch import run
     from k3x.custom_ops.dtypes import dtype_name
 
+    names = tuple(n for n in names if n != "expert_offset")  # one GPU: offset 0, every expert local
     tensors = dict(zip(names, (t.contiguous() for t in args[:len(names)])))
     z = tensors["z"]
+    tensors["expert_offset"] = torch.zeros(1, dtype=torch.int32, device=z.device)
     tensors["u"] = torch.empty(z.shape[0], z.shape[1], dtype=z.dtype, device=z.device)
     attrs = kernels._attrs(*args[len(names):]) | overrides
     d = module.dims([t.shape for t in tensors.values()])
