@@ -124,7 +124,12 @@ def stage_pt2(ep: ExportedProgram, ctx: StageContext) -> str:
     name = "model.pt2"
     with artifacts.write_artifact(ctx.work_dir, "pt2", {"weights": ctx.options.weights,
                                                        "load": "k3x.exporter.trace.load_pt2"}) as tmp:
-        save_pt2(ep, tmp / name)
+        if ctx.weight_stream is not None:  # traced on meta: weights written tensor by tensor from the checkpoint
+            from .pt2_weights import save_streamed_pt2
+
+            save_streamed_pt2(ep, tmp / name, ctx.weight_stream())
+        else:
+            save_pt2(ep, tmp / name)
     if ctx.options.weights:
         return f"pt2: {ctx.out_dir / name}"
     return (f"pt2: {ctx.out_dir / name} (weightless: names/shapes/dtypes only; "
@@ -241,9 +246,9 @@ def _load(options: ExportOptions, dtype: torch.dtype, *, stream: bool = False
 
 
 def _weight_stream(options: ExportOptions, dtype: torch.dtype, cfg: K3Config) -> Callable:
-    from ..model.checkpoint import stream_tensors
+    from ..model.checkpoint_ranges import stream_weights
 
-    return lambda: stream_tensors(options.checkpoint, dtype=dtype, expert_format=cfg.expert_format)
+    return lambda: stream_weights(options.checkpoint, dtype=dtype, expert_format=cfg.expert_format)
 
 
 def export(options: ExportOptions, progress: Progress | None = None) -> ExportResult:
@@ -256,8 +261,9 @@ def export(options: ExportOptions, progress: Progress | None = None) -> ExportRe
     stages = options.stages()
     dtype = artifacts.DTYPES[DType(options.dtype).value]
     timings: dict[str, float] = {}
-    # ONNX alone from a checkpoint: traced on meta, weights streamed tensor by tensor (exporter/onnx_weights.py)
-    stream = options.checkpoint is not None and options.weights and set(stages) == {"onnx"}
+    # pt2 / ONNX from a checkpoint: traced on meta, weights streamed tensor by tensor into each artifact
+    # (exporter/pt2_weights.py, exporter/onnx_weights.py); AOTInductor compiles real weights: it loads the model
+    stream = options.checkpoint is not None and options.weights and set(stages) <= {"pt2", "onnx"}
     with _timed("config", progress, timings):
         cfg, build, ckpt_hash = _load(options, dtype, stream=stream)
         # the TensorRT flavor of the ONNX export runs the Triton kernels in its plugins: their limits apply

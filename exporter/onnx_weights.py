@@ -4,17 +4,22 @@ The program is traced on the meta device (no weights in memory) and exported wei
 graph input; `attach_streamed_weights` then takes the checkpoint's tensors one at a time
 (`model.checkpoint.stream_tensors`: memory-mapped shards, stacked experts assembled as the model holds them,
 MXFP4 experts packed), appends each to the external data file (4 KiB-aligned from 1 MiB, so ONNX Runtime
-can map it; 64 B below) and turns its graph input back into an initializer that points there. Peak memory is one tensor (the largest:
+can map it; 64 B below) and turns its graph input back into an initializer that points there. A tensor
+whose bytes are the checkpoint's (`model.checkpoint_ranges.StoredTensor`: bf16 -> bf16, packed MXFP4) is
+copied file to file (`copy_file_range`), never read into memory; a converted one is written from memory. Peak memory is one tensor (the largest:
 one stacked expert tensor) plus the graph; both flavor files reference the one data file.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Iterable
 
 import onnx_ir as ir
 import torch
+
+from ..model.checkpoint_ranges import StoredTensor, WriteLog, copy_ranges
 
 ALIGN, SMALL_ALIGN, SMALL = 4096, 64, 1 << 20  # tensors under 1 MiB: 64-byte alignment (no page padding)
 
@@ -24,7 +29,7 @@ IR_DTYPE = {torch.float32: ir.DataType.FLOAT, torch.bfloat16: ir.DataType.BFLOAT
 
 
 def attach_streamed_weights(model: ir.Model, out_dir: Path, data_name: str,
-                            tensors: Iterable[tuple[str, torch.Tensor]], weight_names: set[str]) -> Path:
+                            tensors: Iterable[tuple[str, torch.Tensor | StoredTensor]], weight_names: set[str]) -> Path:
     """Write every tensor that a weight input of `model` names into `out_dir / data_name`; each such input
     becomes an external initializer. ValueError naming the tensor on a dtype/shape mismatch, or naming the
     weight inputs the stream did not provide."""
@@ -32,6 +37,7 @@ def attach_streamed_weights(model: ir.Model, out_dir: Path, data_name: str,
     inputs = {v.name: v for v in g.inputs}
     path = Path(out_dir) / data_name
     filled: list[ir.Value] = []
+    log, start = WriteLog(), time.perf_counter()
     with open(path, "wb") as f:
         for name, t in tensors:
             v = inputs.get(name)
@@ -43,12 +49,18 @@ def attach_streamed_weights(model: ir.Model, out_dir: Path, data_name: str,
             align = ALIGN if t.nbytes >= SMALL else SMALL_ALIGN
             offset = -f.tell() % align + f.tell()
             f.seek(offset)
-            data = t.contiguous().view(torch.uint8).numpy()
-            f.write(memoryview(data))
-            v.const_value = ir.ExternalTensor(data_name, offset, data.nbytes, v.dtype, shape=v.shape, name=name,
+            if isinstance(t, StoredTensor):
+                copy_ranges(t.ranges, f)
+                log.copied += t.nbytes
+            else:
+                f.write(memoryview(t.contiguous().view(torch.uint8).numpy()))
+                log.converted += t.nbytes
+            v.const_value = ir.ExternalTensor(data_name, offset, t.nbytes, v.dtype, shape=v.shape, name=name,
                                               base_dir=out_dir)
             filled.append(v)
-            del t, data
+            del t
+    log.seconds = time.perf_counter() - start
+    log.report(data_name)
     missing = sorted((set(inputs) & weight_names) - {v.name for v in filled})
     if missing:
         raise ValueError(f"weights not in the checkpoint stream: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
