@@ -4,7 +4,7 @@
     python bench/export_weights.py --preset k3 --layers 2 --targets onnx --workdir DIR
 
 1. Synthesises an MXFP4 checkpoint of the preset (optionally truncated to its first `--layers` layers):
-   random bytes for the packed experts, E8M0 scales in [2^-9, 2^-2], small random bf16 for everything else,
+   random bytes for the packed experts (windows of a 64 MiB random pool), E8M0 scales in [2^-9, 2^-2], small random bf16 for everything else,
    written shard by shard (2 GiB each) from the meta model's names, so it is fast and never holds the model.
 2. Measures the disk's sequential write speed in the same folder: as many bytes as the checkpoint holds (at
    least 1 GiB), fsync'd, best of 2 (one short write swings with the page cache and the other users).
@@ -31,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -44,6 +45,15 @@ def synth_checkpoint(cfg, path: Path, seed: int = 0) -> int:
     from k3x.model.hf_config import config_to_hf
 
     g = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    pool = rng.integers(0, 256, 64 << 20, dtype=np.uint8)  # random bytes are slow to make (~40-200 MB/s here):
+    scale_pool = (pool & 7) + 118  # each tensor is a window of a 64 MiB random pool at a random start
+
+    def window(src: np.ndarray, shape) -> torch.Tensor:
+        n, start = int(np.prod(shape)), int(rng.integers(0, len(src)))
+        reps = -(-(start + n) // len(src))
+        return torch.from_numpy(np.tile(src, reps)[start: start + n].reshape(shape) if reps > 1
+                                else src[start: start + n].reshape(shape).copy())
     meta = build_model(dataclasses.replace(cfg, expert_format="mxfp4"), device="meta", dtype=torch.bfloat16, seed=None)
     path.mkdir(parents=True)
     state, shard, size, weight_map, files, total = meta.state_dict(), {}, 0, {}, 0, 0
@@ -70,9 +80,9 @@ def synth_checkpoint(cfg, path: Path, seed: int = 0) -> int:
         if base:
             for e in range(m.shape[0]):
                 stem = f"{base.group(1)}.{e}.{base.group(2)}"
-                put(f"{stem}.weight_packed", torch.randint(0, 256, m.shape[1:], dtype=torch.uint8, generator=g))
+                put(f"{stem}.weight_packed", window(pool, m.shape[1:]))
                 sshape = state[f"{name}_scale"].shape[1:]
-                put(f"{stem}.weight_scale", torch.randint(118, 126, sshape, dtype=torch.uint8, generator=g))
+                put(f"{stem}.weight_scale", window(scale_pool, sshape))
         elif m.dtype == torch.float32:
             put(name, torch.rand(m.shape, generator=g) * 0.02)
         else:

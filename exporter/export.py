@@ -121,13 +121,13 @@ def stage_pt2(ep: ExportedProgram, ctx: StageContext) -> str:
     from . import artifacts
     from .trace import save_pt2
 
-    name = "model.pt2"
+    name, digests = "model.pt2", {}
     with artifacts.write_artifact(ctx.work_dir, "pt2", {"weights": ctx.options.weights,
-                                                       "load": "k3x.exporter.trace.load_pt2"}) as tmp:
+                                                       "load": "k3x.exporter.trace.load_pt2"}, digests=digests) as tmp:
         if ctx.weight_stream is not None:  # traced on meta: weights written tensor by tensor from the checkpoint
             from .pt2_weights import save_streamed_pt2
 
-            save_streamed_pt2(ep, tmp / name, ctx.weight_stream())
+            digests[name] = save_streamed_pt2(ep, tmp / name, ctx.weight_stream())
         else:
             save_pt2(ep, tmp / name)
     if ctx.options.weights:

@@ -12,6 +12,7 @@ one stacked expert tensor) plus the graph; both flavor files reference the one d
 
 from __future__ import annotations
 
+import hashlib
 import time
 from pathlib import Path
 from typing import Iterable
@@ -29,15 +30,17 @@ IR_DTYPE = {torch.float32: ir.DataType.FLOAT, torch.bfloat16: ir.DataType.BFLOAT
 
 
 def attach_streamed_weights(model: ir.Model, out_dir: Path, data_name: str,
-                            tensors: Iterable[tuple[str, torch.Tensor | StoredTensor]], weight_names: set[str]) -> Path:
+                            tensors: Iterable[tuple[str, torch.Tensor | StoredTensor]], weight_names: set[str]
+                            ) -> tuple[Path, str]:
     """Write every tensor that a weight input of `model` names into `out_dir / data_name`; each such input
-    becomes an external initializer. ValueError naming the tensor on a dtype/shape mismatch, or naming the
-    weight inputs the stream did not provide."""
+    becomes an external initializer. Returns the data file and its sha256, taken as it is written (copied
+    bytes are seen in `pread` chunks just before the copy). ValueError naming the tensor on a dtype/shape
+    mismatch, or naming the weight inputs the stream did not provide."""
     g = model.graph
     inputs = {v.name: v for v in g.inputs}
     path = Path(out_dir) / data_name
     filled: list[ir.Value] = []
-    log, start = WriteLog(), time.perf_counter()
+    log, start, sha = WriteLog(), time.perf_counter(), hashlib.sha256()
     with open(path, "wb") as f:
         for name, t in tensors:
             v = inputs.get(name)
@@ -47,13 +50,17 @@ def attach_streamed_weights(model: ir.Model, out_dir: Path, data_name: str,
                 raise ValueError(f"weight {name!r}: checkpoint gives {t.dtype} {list(t.shape)}, the graph wants "
                                  f"{v.dtype} {list(v.shape)}")
             align = ALIGN if t.nbytes >= SMALL else SMALL_ALIGN
-            offset = -f.tell() % align + f.tell()
-            f.seek(offset)
+            pad = -f.tell() % align
+            f.write(bytes(pad))
+            sha.update(bytes(pad))
+            offset = f.tell()
             if isinstance(t, StoredTensor):
-                copy_ranges(t.ranges, f)
+                copy_ranges(t.ranges, f, see=sha.update)
                 log.copied += t.nbytes
             else:
-                f.write(memoryview(t.contiguous().view(torch.uint8).numpy()))
+                data = memoryview(t.contiguous().view(torch.uint8).numpy())
+                f.write(data)
+                sha.update(data)
                 log.converted += t.nbytes
             v.const_value = ir.ExternalTensor(data_name, offset, t.nbytes, v.dtype, shape=v.shape, name=name,
                                               base_dir=out_dir)
@@ -67,4 +74,4 @@ def attach_streamed_weights(model: ir.Model, out_dir: Path, data_name: str,
     for v in filled:
         g.inputs.remove(v)
         g.register_initializer(v)
-    return path
+    return path, sha.hexdigest()

@@ -20,6 +20,7 @@ result like any saved program; the names/shapes/dtypes are checked against the t
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import os
@@ -33,7 +34,7 @@ from typing import BinaryIO, Iterable, Iterator
 import torch
 from torch.export import ExportedProgram
 
-from ..model.checkpoint_ranges import CHUNK, StoredTensor, WriteLog, copy_ranges
+from ..model.checkpoint_ranges import StoredTensor, WriteLog, copy_ranges
 
 ROOT = "archive/"
 WEIGHTS_CONFIG = "archive/data/weights/model_weights_config.json"
@@ -67,56 +68,66 @@ def cpu_devices(obj: object) -> object:
 
 
 class _ZipWriter:
-    """Stored (uncompressed) zip records, data 64-byte aligned, zip64 where sizes or offsets need it."""
+    """Stored (uncompressed) zip records, data 64-byte aligned, zip64 where sizes or offsets need it, written
+    strictly in order so the file's sha256 is taken as it is written (`digest`). A copied record's CRC-32 is
+    known only after its bytes went by: it is flagged "data descriptor" (general-purpose bit 3) and its CRC and
+    sizes follow the data (and sit in the central directory), so the source is read once, by `pread` chunks
+    that feed CRC and sha256, each chunk then copied file to file (already in the page cache)."""
 
     def __init__(self, f: BinaryIO) -> None:
-        self.f, self.central = f, []
+        self.f, self.central, self.sha = f, [], hashlib.sha256()
 
-    def _local(self, name: str, size: int, crc: int) -> None:
+    def _write(self, data: bytes | memoryview) -> None:
+        self.f.write(data)
+        self.sha.update(data)
+
+    def _local(self, name: str, size: int, crc: int, descriptor: bool) -> None:
         raw = name.encode()
         offset = self.f.tell()
-        zip64 = struct.pack("<HHQQ", 1, 16, size, size) if size >= _ZIP64 else b""
-        pad = -(offset + 30 + len(raw) + len(zip64) + 4) % ALIGN
-        extra = zip64 + struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # "FB": torch's padding field
-        small = min(size, _ZIP64)
-        self.f.write(struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0, 0, 0, 0x21, crc, small, small,
-                                 len(raw), len(extra)) + raw + extra)
-        self.central.append((raw, size, crc, offset))
+        zip64 = size >= _ZIP64
+        known = 0 if descriptor else size
+        extra64 = struct.pack("<HHQQ", 1, 16, known, known) if zip64 else b""
+        pad = -(offset + 30 + len(raw) + len(extra64) + 4) % ALIGN
+        extra = extra64 + struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # "FB": torch's padding field
+        small = _ZIP64 if zip64 else known
+        self._write(struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 8 if descriptor else 0, 0, 0, 0x21,
+                                0 if descriptor else crc, small, small, len(raw), len(extra)) + raw + extra)
+        self.central.append([raw, size, crc, offset, 8 if descriptor else 0])
 
     def add_bytes(self, name: str, data: bytes | memoryview) -> None:
         data = memoryview(data).cast("B")
-        self._local(name, data.nbytes, zlib.crc32(data))
-        self.f.write(data)
+        self._local(name, data.nbytes, zlib.crc32(data), descriptor=False)
+        self._write(data)
 
     def add_stored(self, name: str, t: StoredTensor) -> None:
+        self._local(name, t.nbytes, 0, descriptor=True)
         crc = 0
-        for r in t.ranges:
-            with open(r.file, "rb") as src:
-                for start in range(0, r.nbytes, CHUNK):
-                    crc = zlib.crc32(_pread(src, min(CHUNK, r.nbytes - start), r.offset + start), crc)
-        self._local(name, t.nbytes, crc)
-        copy_ranges(t.ranges, self.f)
 
-    def close(self) -> None:
+        def see(chunk: bytes) -> None:
+            nonlocal crc
+            crc = zlib.crc32(chunk, crc)
+            self.sha.update(chunk)
+
+        copy_ranges(t.ranges, self.f, see=see)
+        self.central[-1][2] = crc
+        size = "Q" if t.nbytes >= _ZIP64 else "I"
+        self._write(struct.pack(f"<II{size}{size}", 0x08074B50, crc, t.nbytes, t.nbytes))
+
+    def close(self) -> str:
+        """Central directory and end records; returns the file's sha256 (hex)."""
         start = self.f.tell()
-        for raw, size, crc, offset in self.central:
+        for raw, size, crc, offset, flags in self.central:
             fields = [v for v in (size, size, offset) if v >= _ZIP64]
             extra = struct.pack("<HH", 1, 8 * len(fields)) + struct.pack(f"<{len(fields)}Q", *fields) if fields else b""
-            self.f.write(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45 if extra else 20, 0, 0, 0, 0x21, crc,
-                                     min(size, _ZIP64), min(size, _ZIP64), len(raw), len(extra), 0, 0, 0, 0,
-                                     min(offset, _ZIP64)) + raw + extra)
+            self._write(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45 if extra else 20, flags, 0, 0, 0x21, crc,
+                                    min(size, _ZIP64), min(size, _ZIP64), len(raw), len(extra), 0, 0, 0, 0,
+                                    min(offset, _ZIP64)) + raw + extra)
         end, n = self.f.tell(), len(self.central)
-        self.f.write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, n, n, end - start, start))
-        self.f.write(struct.pack("<IIQI", 0x07064B50, 0, end, 1))
-        self.f.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(n, 0xFFFF), min(n, 0xFFFF),
-                                 min(end - start, _ZIP64), min(start, _ZIP64), 0))
-
-
-def _pread(f: BinaryIO, n: int, offset: int) -> bytes:
-    b = os.pread(f.fileno(), n, offset)
-    if len(b) != n:
-        raise OSError(f"{f.name}: short read at byte {offset} (file truncated?)")
-    return b
+        self._write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, n, n, end - start, start))
+        self._write(struct.pack("<IIQI", 0x07064B50, 0, end, 1))
+        self._write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(n, 0xFFFF), min(n, 0xFFFF),
+                                min(end - start, _ZIP64), min(start, _ZIP64), 0))
+        return self.sha.hexdigest()
 
 
 @contextlib.contextmanager
@@ -131,8 +142,9 @@ def _naming(path: str | Path) -> Iterator[None]:
 
 
 def save_streamed_pt2(ep: ExportedProgram, path: str | Path,
-                      weights: Iterable[tuple[str, torch.Tensor | StoredTensor]]) -> None:
-    """Write `ep` (traced on meta) to `path` as a `.pt2` whose weights come from `weights`, one at a time.
+                      weights: Iterable[tuple[str, torch.Tensor | StoredTensor]]) -> str:
+    """Write `ep` (traced on meta) to `path` as a `.pt2` whose weights come from `weights`, one at a time;
+    returns the file's sha256 (taken as it was written).
     ValueError naming the tensor on a dtype/shape mismatch or naming the weights the stream did not give."""
     buf = io.BytesIO()
     torch.export.save(skeleton(ep), buf)
@@ -173,4 +185,4 @@ def save_streamed_pt2(ep: ExportedProgram, path: str | Path,
                 if info.filename.startswith(MODELS) and info.filename.endswith(".json"):
                     data = json.dumps(cpu_devices(json.loads(data))).encode()
                 z.add_bytes(info.filename, data)
-            z.close()
+            return z.close()

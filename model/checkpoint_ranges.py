@@ -22,7 +22,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 import numpy as np
 import torch
@@ -135,23 +135,32 @@ class WriteLog:
                                               artifact, self.copied, self.converted, self.seconds)
 
 
-def copy_ranges(ranges: tuple[ByteRange, ...], out: BinaryIO) -> None:
+def copy_ranges(ranges: tuple[ByteRange, ...], out: BinaryIO, *, see: Callable[[bytes], None] | None = None) -> None:
     """Append the ranges' bytes to `out` at its current position, file to file (`os.copy_file_range`; a
-    plain `pread`/`write` loop where the kernel or filesystem refuses)."""
+    plain `pread`/`write` loop where the kernel or filesystem refuses). `see`: called with every chunk, in
+    order, read with `pread` just before it is copied (a checksum or digest of the bytes; the copy then finds
+    them in the page cache)."""
     out.flush()
     fd, pos = out.fileno(), out.tell()
     for r in ranges:
         with open(r.file, "rb") as src:
-            done = 0
-            while done < r.nbytes:
-                n = min(CHUNK << 2, r.nbytes - done)
-                try:
-                    got = os.copy_file_range(src.fileno(), fd, n, r.offset + done, pos)
-                except OSError as e:  # not between these files (another filesystem, kernel < 5.3): copy via memory
-                    if e.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                        raise
-                    got = os.pwrite(fd, os.pread(src.fileno(), n, r.offset + done), pos)
-                if got <= 0:
-                    raise OSError(f"{r.file}: short read at byte {r.offset + done} (file truncated?)")
-                done, pos = done + got, pos + got
+            for done in range(0, r.nbytes, CHUNK):
+                n, at = min(CHUNK, r.nbytes - done), r.offset + done
+                if see is not None:
+                    chunk = os.pread(src.fileno(), n, at)
+                    if len(chunk) != n:
+                        raise OSError(f"{r.file}: short read at byte {at} (file truncated?)")
+                    see(chunk)
+                copied = 0
+                while copied < n:
+                    try:
+                        got = os.copy_file_range(src.fileno(), fd, n - copied, at + copied, pos + copied)
+                    except OSError as e:  # not between these files (another filesystem, old kernel): via memory
+                        if e.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                            raise
+                        got = os.pwrite(fd, os.pread(src.fileno(), n - copied, at + copied), pos + copied)
+                    if got <= 0:
+                        raise OSError(f"{r.file}: short read at byte {at + copied} (file truncated?)")
+                    copied += got
+                pos += n
     out.seek(pos)

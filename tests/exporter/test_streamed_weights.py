@@ -87,6 +87,12 @@ def test_pt2_and_onnx_stream_without_loading_the_model(ckpt, tmp_path, monkeypat
     monkeypatch.undo()
     assert copies  # file-to-file copies, not reads into memory
 
+    from k3x.fileio import sha256
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    for art in ("pt2", "onnx"):  # digests taken while writing == the files' bytes
+        for f in manifest["artifacts"][art]["files"]:
+            assert f["sha256"] == sha256(out / f["path"]), f["path"]
     with zipfile.ZipFile(out / "model.pt2") as z:
         assert z.testzip() is None  # every CRC matches
         assert all(i.compress_type == zipfile.ZIP_STORED for i in z.infolist())
