@@ -9,6 +9,9 @@ Notable choices:
 - `kernels` (reference | triton) is the k3 custom-op implementation baked into the traced program; it is
   not the runner (`k3x run --backend`).
 - `weights=False` builds on the meta device: any size traces on an ordinary CPU machine.
+- From a checkpoint, pt2 and ONNX never hold the model: it is traced on meta and each stage streams the
+  checkpoint's tensors into its artifact (`StageContext.weight_stream`); aoti (AOTInductor compiles real
+  weights) loads the model as before.
 - Whole exports (exporter/staging.py): everything is written into a sibling temporary folder
   (`StageContext.work_dir`) that replaces `out_dir` only once every stage succeeded; `out_dir` must be
   missing, empty or an earlier k3x export, and is locked against concurrent exports.
