@@ -20,6 +20,8 @@ import errno
 import json
 import os
 import struct
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
@@ -33,6 +35,7 @@ from .checkpoint import CheckpointError, _fill, _open_checkpoint, _pieces
 # safetensors dtype names whose bytes a model tensor of this torch dtype holds unchanged
 _SAFETENSORS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "U8": torch.uint8}
 CHUNK = 16 << 20  # pread / copy granularity
+AHEAD = 4  # chunks read but not yet seen by `see` (64 MiB)
 
 
 @dataclass(frozen=True)
@@ -139,28 +142,43 @@ def copy_ranges(ranges: tuple[ByteRange, ...], out: BinaryIO, *, see: Callable[[
     """Append the ranges' bytes to `out` at its current position, file to file (`os.copy_file_range`; a
     plain `pread`/`write` loop where the kernel or filesystem refuses). `see`: called with every chunk, in
     order, read with `pread` just before it is copied (a checksum or digest of the bytes; the copy then finds
-    them in the page cache)."""
+    them in the page cache), on one worker thread so hashing overlaps the copy and the next read (hashlib and
+    zlib release the GIL); every call has returned when this returns. The next chunk is `WILLNEED`-advised
+    while one is handled, so the reads queue on the disk instead of waiting one by one."""
     out.flush()
     fd, pos = out.fileno(), out.tell()
-    for r in ranges:
-        with open(r.file, "rb") as src:
-            for done in range(0, r.nbytes, CHUNK):
-                n, at = min(CHUNK, r.nbytes - done), r.offset + done
-                if see is not None:
-                    chunk = os.pread(src.fileno(), n, at)
-                    if len(chunk) != n:
-                        raise OSError(f"{r.file}: short read at byte {at} (file truncated?)")
-                    see(chunk)
-                copied = 0
-                while copied < n:
-                    try:
-                        got = os.copy_file_range(src.fileno(), fd, n - copied, at + copied, pos + copied)
-                    except OSError as e:  # not between these files (another filesystem, old kernel): via memory
-                        if e.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                            raise
-                        got = os.pwrite(fd, os.pread(src.fileno(), n - copied, at + copied), pos + copied)
-                    if got <= 0:
-                        raise OSError(f"{r.file}: short read at byte {at + copied} (file truncated?)")
-                    copied += got
-                pos += n
+    with ThreadPoolExecutor(max_workers=1) as seer:  # one worker: `see` runs on the chunks in order
+        pending: deque = deque()
+        for r in ranges:
+            with open(r.file, "rb") as src:
+                for done in range(0, r.nbytes, CHUNK):
+                    n, at = min(CHUNK, r.nbytes - done), r.offset + done
+                    if done + n < r.nbytes:  # let the kernel read the next chunk while this one is handled
+                        os.posix_fadvise(src.fileno(), at + n, min(CHUNK, r.nbytes - done - n),
+                                         os.POSIX_FADV_WILLNEED)
+                    if see is not None:
+                        chunk = os.pread(src.fileno(), n, at)
+                        if len(chunk) != n:
+                            raise OSError(f"{r.file}: short read at byte {at} (file truncated?)")
+                        pending.append(seer.submit(see, chunk))  # hashing overlaps the copy and the next read
+                        while len(pending) > AHEAD:
+                            pending.popleft().result()
+                    _copy(src.fileno(), fd, n, at, pos, r.file)
+                    pos += n
+        while pending:
+            pending.popleft().result()
     out.seek(pos)
+
+
+def _copy(src: int, dst: int, n: int, at: int, pos: int, name: Path) -> None:
+    copied = 0
+    while copied < n:
+        try:
+            got = os.copy_file_range(src, dst, n - copied, at + copied, pos + copied)
+        except OSError as e:  # not between these files (another filesystem, old kernel): via memory
+            if e.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                raise
+            got = os.pwrite(dst, os.pread(src, n - copied, at + copied), pos + copied)
+        if got <= 0:
+            raise OSError(f"{name}: short read at byte {at + copied} (file truncated?)")
+        copied += got
