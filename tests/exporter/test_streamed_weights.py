@@ -163,3 +163,25 @@ def test_peak_rss_does_not_grow_with_the_model(tmp_path):
     assert after - before <= 2 * largest + (64 << 20), (before, after, ckpt_bytes)
     assert after <= (1 << 30) + 2 * largest, (after, largest)
     assert (tmp_path / "weights" / "model.pt2").stat().st_size >= ckpt_bytes
+
+
+def test_copy_ranges_in_many_chunks_sees_every_byte_once_in_order(tmp_path, monkeypatch):
+    import hashlib
+
+    import k3x.model.checkpoint_ranges as cr
+
+    monkeypatch.setattr(cr, "CHUNK", 1000)  # several chunks per range, a short last one
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_bytes(os.urandom(10_000))
+    b.write_bytes(os.urandom(7_777))
+    ranges = (cr.ByteRange(a, 123, 4_567), cr.ByteRange(b, 0, 7_777), cr.ByteRange(a, 9_000, 1_000))
+    want = a.read_bytes()[123:4_690] + b.read_bytes() + a.read_bytes()[9_000:]
+    seen = hashlib.sha256()
+    with open(tmp_path / "out", "wb") as f:
+        f.write(b"head")
+        cr.copy_ranges(ranges, f, see=seen.update)
+        f.write(b"tail")
+    assert (tmp_path / "out").read_bytes() == b"head" + want + b"tail"
+    assert seen.hexdigest() == hashlib.sha256(want).hexdigest()
+    with open(tmp_path / "short", "wb") as f, pytest.raises(OSError, match="short read"):
+        cr.copy_ranges((cr.ByteRange(b, 7_000, 1_000),), f, see=seen.update)  # past the end of b
