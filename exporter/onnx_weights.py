@@ -55,7 +55,7 @@ def attach_streamed_weights(model: ir.Model, out_dir: Path, data_name: str,
             sha.update(bytes(pad))
             offset = f.tell()
             if isinstance(t, StoredTensor):
-                copy_ranges(t.ranges, f, see=sha.update)
+                copy_ranges(t.ranges, f, see=(sha.update,))
                 log.copied += t.nbytes
             else:
                 data = memoryview(t.contiguous().view(torch.uint8).numpy())

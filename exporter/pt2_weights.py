@@ -103,12 +103,11 @@ class _ZipWriter:
         self._local(name, t.nbytes, 0, descriptor=True)
         crc = 0
 
-        def see(chunk: bytes) -> None:
+        def checksum(chunk: bytes) -> None:
             nonlocal crc
             crc = zlib.crc32(chunk, crc)
-            self.sha.update(chunk)
 
-        copy_ranges(t.ranges, self.f, see=see)
+        copy_ranges(t.ranges, self.f, see=(checksum, self.sha.update))
         self.central[-1][2] = crc
         size = "Q" if t.nbytes >= _ZIP64 else "I"
         self._write(struct.pack(f"<II{size}{size}", 0x08074B50, crc, t.nbytes, t.nbytes))

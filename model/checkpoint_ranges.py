@@ -138,16 +138,19 @@ class WriteLog:
                                               artifact, self.copied, self.converted, self.seconds)
 
 
-def copy_ranges(ranges: tuple[ByteRange, ...], out: BinaryIO, *, see: Callable[[bytes], None] | None = None) -> None:
+def copy_ranges(ranges: tuple[ByteRange, ...], out: BinaryIO, *, see: tuple[Callable[[bytes], None], ...] = ()
+                ) -> None:
     """Append the ranges' bytes to `out` at its current position, file to file (`os.copy_file_range`; a
-    plain `pread`/`write` loop where the kernel or filesystem refuses). `see`: called with every chunk, in
-    order, read with `pread` just before it is copied (a checksum or digest of the bytes; the copy then finds
-    them in the page cache), on one worker thread so hashing overlaps the copy and the next read (hashlib and
-    zlib release the GIL); every call has returned when this returns. The next chunk is `WILLNEED`-advised
+    plain `pread`/`write` loop where the kernel or filesystem refuses). `see`: functions called with every
+    chunk, in order, read with `pread` just before it is copied (checksums or digests of the bytes; the copy
+    then finds them in the page cache), each on its own worker thread so the hashes run side by side and
+    overlap the copy and the next read (hashlib and zlib release the GIL); every call has returned when
+    this returns. The next chunk is `WILLNEED`-advised
     while one is handled, so the reads queue on the disk instead of waiting one by one."""
     out.flush()
     fd, pos = out.fileno(), out.tell()
-    with ThreadPoolExecutor(max_workers=1) as seer:  # one worker: `see` runs on the chunks in order
+    seers = [ThreadPoolExecutor(max_workers=1) for _ in see]  # one worker per function: chunks in order
+    try:
         pending: deque = deque()
         for r in ranges:
             with open(r.file, "rb") as src:
@@ -156,17 +159,20 @@ def copy_ranges(ranges: tuple[ByteRange, ...], out: BinaryIO, *, see: Callable[[
                     if done + n < r.nbytes:  # let the kernel read the next chunk while this one is handled
                         os.posix_fadvise(src.fileno(), at + n, min(CHUNK, r.nbytes - done - n),
                                          os.POSIX_FADV_WILLNEED)
-                    if see is not None:
+                    if see:
                         chunk = os.pread(src.fileno(), n, at)
                         if len(chunk) != n:
                             raise OSError(f"{r.file}: short read at byte {at} (file truncated?)")
-                        pending.append(seer.submit(see, chunk))  # hashing overlaps the copy and the next read
+                        pending.append([w.submit(fn, chunk) for w, fn in zip(seers, see)])
                         while len(pending) > AHEAD:
-                            pending.popleft().result()
+                            [f.result() for f in pending.popleft()]
                     _copy(src.fileno(), fd, n, at, pos, r.file)
                     pos += n
         while pending:
-            pending.popleft().result()
+            [f.result() for f in pending.popleft()]
+    finally:
+        for w in seers:
+            w.shutdown()
     out.seek(pos)
 
 

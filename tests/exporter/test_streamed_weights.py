@@ -176,12 +176,13 @@ def test_copy_ranges_in_many_chunks_sees_every_byte_once_in_order(tmp_path, monk
     b.write_bytes(os.urandom(7_777))
     ranges = (cr.ByteRange(a, 123, 4_567), cr.ByteRange(b, 0, 7_777), cr.ByteRange(a, 9_000, 1_000))
     want = a.read_bytes()[123:4_690] + b.read_bytes() + a.read_bytes()[9_000:]
-    seen = hashlib.sha256()
+    seen, chunks = hashlib.sha256(), []
     with open(tmp_path / "out", "wb") as f:
         f.write(b"head")
-        cr.copy_ranges(ranges, f, see=seen.update)
+        cr.copy_ranges(ranges, f, see=(seen.update, chunks.append))
         f.write(b"tail")
     assert (tmp_path / "out").read_bytes() == b"head" + want + b"tail"
-    assert seen.hexdigest() == hashlib.sha256(want).hexdigest()
+    assert seen.hexdigest() == hashlib.sha256(want).hexdigest() and b"".join(chunks) == want
+    assert max(map(len, chunks)) == 1000
     with open(tmp_path / "short", "wb") as f, pytest.raises(OSError, match="short read"):
-        cr.copy_ranges((cr.ByteRange(b, 7_000, 1_000),), f, see=seen.update)  # past the end of b
+        cr.copy_ranges((cr.ByteRange(b, 7_000, 1_000),), f, see=(seen.update,))  # past the end of b
