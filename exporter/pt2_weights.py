@@ -41,7 +41,12 @@ WEIGHTS_CONFIG = "archive/data/weights/model_weights_config.json"
 WEIGHT_RECORD = "archive/data/weights/"
 MODELS = "archive/models/"
 ALIGN = 64  # torch's PyTorchFileWriter alignment of record data
-_ZIP64 = 0xFFFFFFFF
+_MARK = 0xFFFFFFFF  # a 32-bit field whose value is in the zip64 extra field
+ZIP64_FROM = 0xFFFFFFFF  # sizes / offsets from here on go to zip64 fields (a test lowers it)
+
+
+def _m(v: int) -> int:
+    return _MARK if v >= ZIP64_FROM else v
 
 
 def skeleton(ep: ExportedProgram) -> ExportedProgram:
@@ -84,12 +89,12 @@ class _ZipWriter:
     def _local(self, name: str, size: int, crc: int, descriptor: bool) -> None:
         raw = name.encode()
         offset = self.f.tell()
-        zip64 = size >= _ZIP64
+        zip64 = size >= ZIP64_FROM
         known = 0 if descriptor else size
         extra64 = struct.pack("<HHQQ", 1, 16, known, known) if zip64 else b""
         pad = -(offset + 30 + len(raw) + len(extra64) + 4) % ALIGN
         extra = extra64 + struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # "FB": torch's padding field
-        small = _ZIP64 if zip64 else known
+        small = _MARK if zip64 else known
         self._write(struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 8 if descriptor else 0, 0, 0, 0x21,
                                 0 if descriptor else crc, small, small, len(raw), len(extra)) + raw + extra)
         self.central.append([raw, size, crc, offset, 8 if descriptor else 0])
@@ -109,23 +114,22 @@ class _ZipWriter:
 
         copy_ranges(t.ranges, self.f, see=(checksum, self.sha.update))
         self.central[-1][2] = crc
-        size = "Q" if t.nbytes >= _ZIP64 else "I"
+        size = "Q" if t.nbytes >= ZIP64_FROM else "I"
         self._write(struct.pack(f"<II{size}{size}", 0x08074B50, crc, t.nbytes, t.nbytes))
 
     def close(self) -> str:
         """Central directory and end records; returns the file's sha256 (hex)."""
         start = self.f.tell()
         for raw, size, crc, offset, flags in self.central:
-            fields = [v for v in (size, size, offset) if v >= _ZIP64]
+            fields = [v for v in (size, size, offset) if v >= ZIP64_FROM]
             extra = struct.pack("<HH", 1, 8 * len(fields)) + struct.pack(f"<{len(fields)}Q", *fields) if fields else b""
             self._write(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45 if extra else 20, flags, 0, 0, 0x21, crc,
-                                    min(size, _ZIP64), min(size, _ZIP64), len(raw), len(extra), 0, 0, 0, 0,
-                                    min(offset, _ZIP64)) + raw + extra)
+                                    _m(size), _m(size), len(raw), len(extra), 0, 0, 0, 0, _m(offset)) + raw + extra)
         end, n = self.f.tell(), len(self.central)
         self._write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, n, n, end - start, start))
         self._write(struct.pack("<IIQI", 0x07064B50, 0, end, 1))
         self._write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(n, 0xFFFF), min(n, 0xFFFF),
-                                min(end - start, _ZIP64), min(start, _ZIP64), 0))
+                                min(end - start, _MARK), min(start, _MARK), 0))
         return self.sha.hexdigest()
 
 

@@ -186,3 +186,20 @@ def test_copy_ranges_in_many_chunks_sees_every_byte_once_in_order(tmp_path, monk
     assert max(map(len, chunks)) == 1000
     with open(tmp_path / "short", "wb") as f, pytest.raises(OSError, match="short read"):
         cr.copy_ranges((cr.ByteRange(b, 7_000, 1_000),), f, see=(seen.update,))  # past the end of b
+
+
+def test_zip64_records_read_back(ckpt, tmp_path, monkeypatch):
+    """Records and offsets past 4 GiB (K3's stacked experts: 4.9 GB) take zip64 fields; with the threshold
+    lowered every record does, and zipfile and torch.export.load still read the archive exactly."""
+    import k3x.exporter.pt2_weights as pw
+
+    monkeypatch.setattr(pw, "ZIP64_FROM", 1000)
+    out = tmp_path / "out"
+    export(ExportOptions((Target.PT2,), out, checkpoint=ckpt, dtype="bf16"))
+    with zipfile.ZipFile(out / "model.pt2") as z:
+        assert z.testzip() is None
+        big = [i for i in z.infolist() if i.file_size >= 1000]
+        assert big and all(i.header_offset for i in big[1:])
+    ep = torch.export.load(str(out / "model.pt2"))
+    ref = load_checkpoint(ckpt, dtype=torch.bfloat16).state_dict()
+    assert all(torch.equal(t, ref[n]) for n, t in ep.state_dict.items())
