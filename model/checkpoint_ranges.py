@@ -145,35 +145,45 @@ def copy_ranges(ranges: tuple[ByteRange, ...], out: BinaryIO, *, see: tuple[Call
     chunk, in order, read with `pread` just before it is copied (checksums or digests of the bytes; the copy
     then finds them in the page cache), each on its own worker thread so the hashes run side by side and
     overlap the copy and the next read (hashlib and zlib release the GIL); every call has returned when
-    this returns. The next chunk is `WILLNEED`-advised
+    this returns. The chunks ahead are `WILLNEED`-advised
     while one is handled, so the reads queue on the disk instead of waiting one by one."""
     out.flush()
     fd, pos = out.fileno(), out.tell()
+    # every chunk of every range, in order: the one AHEAD chunks on is WILLNEED-advised while this one is
+    # handled (expert ranges are one chunk each: the read-ahead must cross ranges and files)
+    chunks = [(r.file, r.offset + d, min(CHUNK, r.nbytes - d)) for r in ranges for d in range(0, r.nbytes, CHUNK)]
     seers = [ThreadPoolExecutor(max_workers=1) for _ in see]  # one worker per function: chunks in order
+    files: dict[Path, int] = {}
     try:
         pending: deque = deque()
-        for r in ranges:
-            with open(r.file, "rb") as src:
-                for done in range(0, r.nbytes, CHUNK):
-                    n, at = min(CHUNK, r.nbytes - done), r.offset + done
-                    if done + n < r.nbytes:  # let the kernel read the next chunk while this one is handled
-                        os.posix_fadvise(src.fileno(), at + n, min(CHUNK, r.nbytes - done - n),
-                                         os.POSIX_FADV_WILLNEED)
-                    if see:
-                        chunk = os.pread(src.fileno(), n, at)
-                        if len(chunk) != n:
-                            raise OSError(f"{r.file}: short read at byte {at} (file truncated?)")
-                        pending.append([w.submit(fn, chunk) for w, fn in zip(seers, see)])
-                        while len(pending) > AHEAD:
-                            [f.result() for f in pending.popleft()]
-                    _copy(src.fileno(), fd, n, at, pos, r.file)
-                    pos += n
+        for i, (name, at, n) in enumerate(chunks):
+            window = chunks[1: 1 + AHEAD] if i == 0 else chunks[i + AHEAD: i + AHEAD + 1]  # each advised once
+            for ahead_name, ahead_at, ahead_n in window:
+                os.posix_fadvise(_fd(files, ahead_name), ahead_at, ahead_n, os.POSIX_FADV_WILLNEED)
+            src = _fd(files, name)
+            if see:
+                chunk = os.pread(src, n, at)
+                if len(chunk) != n:
+                    raise OSError(f"{name}: short read at byte {at} (file truncated?)")
+                pending.append([w.submit(fn, chunk) for w, fn in zip(seers, see)])
+                while len(pending) > AHEAD:
+                    [f.result() for f in pending.popleft()]
+            _copy(src, fd, n, at, pos, name)
+            pos += n
         while pending:
             [f.result() for f in pending.popleft()]
     finally:
         for w in seers:
             w.shutdown()
+        for f in files.values():
+            os.close(f)
     out.seek(pos)
+
+
+def _fd(files: dict[Path, int], name: Path) -> int:
+    if name not in files:
+        files[name] = os.open(name, os.O_RDONLY)
+    return files[name]
 
 
 def _copy(src: int, dst: int, n: int, at: int, pos: int, name: Path) -> None:
