@@ -1,13 +1,14 @@
 """Weights streamed into an ONNX export: tensor by tensor from the checkpoint into `model.onnx.data`.
 
 The program is traced on the meta device (no weights in memory) and exported weightless, so every weight is a
-graph input; `attach_streamed_weights` then takes the checkpoint's tensors one at a time
-(`model.checkpoint.stream_tensors`: memory-mapped shards, stacked experts assembled as the model holds them,
-MXFP4 experts packed), appends each to the external data file (4 KiB-aligned from 1 MiB, so ONNX Runtime
-can map it; 64 B below) and turns its graph input back into an initializer that points there. A tensor
-whose bytes are the checkpoint's (`model.checkpoint_ranges.StoredTensor`: bf16 -> bf16, packed MXFP4) is
-copied file to file (`copy_file_range`), never read into memory; a converted one is written from memory. Peak memory is one tensor (the largest:
-one stacked expert tensor) plus the graph; both flavor files reference the one data file.
+graph input; `attach_streamed_weights` then takes the checkpoint's entries one at a time
+(`model.checkpoint_ranges.stream_weights`: stacked experts as the model holds them, MXFP4 experts packed),
+appends each to the external data file (4 KiB-aligned from 1 MiB, so ONNX Runtime can map it; 64 B below)
+and turns its graph input back into an initializer that points there. An entry whose bytes are the
+checkpoint's (`StoredTensor`: bf16 -> bf16, packed MXFP4) is copied file to file (`copy_file_range`), seen
+only in 16 MiB `pread` chunks by the sha256 the manifest records; a converted one is written from memory.
+Peak memory is one converted tensor (or a few chunks) plus the graph; both flavor files reference the one
+data file.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
 where the model tensor's bytes ARE the checkpoint's bytes (same dtype, no decoding or trimming: bf16 -> bf16,
 packed MXFP4 uint8 -> uint8) the entry is a `StoredTensor`: the (shard file, offset, length) ranges that,
 concatenated, are the tensor's bytes (one range, or one per expert of a stacked expert tensor). A writer
-copies them with `copy_ranges` (`os.copy_file_range`: the kernel copies page cache to page cache). Any other
+copies them with `copy_ranges` (`os.copy_file_range`: the kernel copies page cache to page cache; the writer's
+CRC / sha256 see the bytes in 16 MiB `pread` chunks on worker threads). Any other
 entry (a dtype conversion, dense-decoded experts, a trimmed `A_log`) is a filled `torch.Tensor` as before.
 
 Notable choices:
@@ -145,12 +146,11 @@ def copy_ranges(ranges: tuple[ByteRange, ...], out: BinaryIO, *, see: tuple[Call
     chunk, in order, read with `pread` just before it is copied (checksums or digests of the bytes; the copy
     then finds them in the page cache), each on its own worker thread so the hashes run side by side and
     overlap the copy and the next read (hashlib and zlib release the GIL); every call has returned when
-    this returns. The chunks ahead are `WILLNEED`-advised
-    while one is handled, so the reads queue on the disk instead of waiting one by one."""
+    this returns. The chunks ahead are `WILLNEED`-advised while one is handled, so the reads queue on the
+    disk instead of waiting one by one."""
     out.flush()
     fd, pos = out.fileno(), out.tell()
-    # every chunk of every range, in order: the one AHEAD chunks on is WILLNEED-advised while this one is
-    # handled (expert ranges are one chunk each: the read-ahead must cross ranges and files)
+    # every chunk of every range, in order; the read-ahead crosses ranges and files (an expert is one chunk)
     chunks = [(r.file, r.offset + d, min(CHUNK, r.nbytes - d)) for r in ranges for d in range(0, r.nbytes, CHUNK)]
     seers = [ThreadPoolExecutor(max_workers=1) for _ in see]  # one worker per function: chunks in order
     files: dict[Path, int] = {}
