@@ -5,7 +5,8 @@
 
 1. Synthesises an MXFP4 checkpoint of the preset (optionally truncated to its first `--layers` layers):
    random bytes for the packed experts (windows of a 64 MiB random pool), E8M0 scales in [2^-9, 2^-2], small
-   random bf16 for everything else, written shard by shard (2 GiB each) from the meta model's names, so it is fast and never holds the model.
+   random bf16 for everything else, written shard by shard (2 GiB each) from the meta model's names, so it is
+   fast and never holds the model.
 2. Measures the disk's sequential write speed in the same folder: as many bytes as the checkpoint holds (at
    least 1 GiB), fsync'd, best of 2 (one short write swings with the page cache and the other users).
 3. Exports one target at a time in a child process (`k3x export --checkpoint ... --target T --dtype bf16`),
