@@ -41,8 +41,6 @@ WEIGHTS_CONFIG = "archive/data/weights/model_weights_config.json"
 WEIGHT_RECORD = "archive/data/weights/"
 MODELS = "archive/models/"
 ALIGN = 64  # torch's PyTorchFileWriter alignment of record data
-PAGE, PAGE_FROM = 4096, 1 << 20  # records from 1 MiB are page-aligned (copy_file_range to an unaligned
-# destination ran at about half the speed on the K3 two-layer export)
 _MARK = 0xFFFFFFFF  # a 32-bit field whose value is in the zip64 extra field
 ZIP64_FROM = 0xFFFFFFFF  # sizes / offsets from here on go to zip64 fields (a test lowers it)
 
@@ -94,8 +92,7 @@ class _ZipWriter:
         zip64 = size >= ZIP64_FROM
         known = 0 if descriptor else size
         extra64 = struct.pack("<HHQQ", 1, 16, known, known) if zip64 else b""
-        align = PAGE if size >= PAGE_FROM else ALIGN  # page-aligned copies: the kernel copies whole pages
-        pad = -(offset + 30 + len(raw) + len(extra64) + 4) % align
+        pad = -(offset + 30 + len(raw) + len(extra64) + 4) % ALIGN
         extra = extra64 + struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # "FB": torch's padding field
         small = _MARK if zip64 else known
         self._write(struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 8 if descriptor else 0, 0, 0, 0x21,
