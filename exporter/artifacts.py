@@ -149,9 +149,11 @@ def init_manifest(out_dir: str | Path, cfg: K3Config, *, dtype: torch.dtype, wei
 
 
 def update_manifest(out_dir: str | Path, artifact_name: str, files: list[str | Path],
-                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
+                    extra: dict[str, Any] | None = None, digests: dict[str, str] | None = None) -> dict[str, Any]:
     """Record (or replace) artifact `artifact_name`: its files (inside `out_dir`) with size and sha256,
-    plus JSON-serialisable `extra` fields. Returns the updated manifest."""
+    plus JSON-serialisable `extra` fields. `digests`: file name -> sha256 its writer took of the bytes as
+    it wrote them (streamed weights: saves reading tens of GB back); other files are hashed here.
+    Returns the updated manifest."""
     out = Path(out_dir)
     data = read_manifest(out)
     entries = []
@@ -161,7 +163,8 @@ def update_manifest(out_dir: str | Path, artifact_name: str, files: list[str | P
             raise ManifestError(f"{p}: artifact {artifact_name!r} lists a file that does not exist")
         if p.resolve().parent != out.resolve():
             raise ManifestError(f"{p}: artifact files must sit directly in {out}")
-        entries.append({"path": p.name, "bytes": p.stat().st_size, "sha256": sha256(p)})
+        digest = (digests or {}).get(p.name) or sha256(p)
+        entries.append({"path": p.name, "bytes": p.stat().st_size, "sha256": digest})
     data["artifacts"][artifact_name] = {"files": entries, **(extra or {})}
     _write_json_atomic(out / MANIFEST, data)
     return data
@@ -169,11 +172,11 @@ def update_manifest(out_dir: str | Path, artifact_name: str, files: list[str | P
 
 @contextlib.contextmanager
 def write_artifact(out_dir: str | Path, artifact_name: str, extra: dict[str, Any] | None = None, *,
-                   primary: str | None = None) -> Iterator[Path]:
+                   primary: str | None = None, digests: dict[str, str] | None = None) -> Iterator[Path]:
     """Yield an empty staging folder inside `out_dir`; on success move every file written there into
     `out_dir` (same file names) and record them in the manifest, `primary` first (else by name; see
     `ExportFolder.artifact`). On any exception nothing moves and the staging folder is deleted.
-    `extra` may be filled in by the caller inside the block."""
+    `extra` and `digests` (file name -> sha256 taken while writing) may be filled in inside the block."""
     out = Path(out_dir)
     if not (out / MANIFEST).is_file():
         raise ManifestError(f"{out / MANIFEST}: no manifest; call init_manifest first")
@@ -188,7 +191,7 @@ def write_artifact(out_dir: str | Path, artifact_name: str, extra: dict[str, Any
             raise ManifestError(f"artifact {artifact_name!r}: {bad} are not plain files")
         for n in names:
             os.replace(tmp / n, out / n)
-        update_manifest(out, artifact_name, names, extra)
+        update_manifest(out, artifact_name, names, extra, digests)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -9,6 +9,9 @@ Notable choices:
 - `kernels` (reference | triton) is the k3 custom-op implementation baked into the traced program; it is
   not the runner (`k3x run --backend`).
 - `weights=False` builds on the meta device: any size traces on an ordinary CPU machine.
+- From a checkpoint, pt2 and ONNX never hold the model: it is traced on meta and each stage streams the
+  checkpoint's tensors into its artifact (`StageContext.weight_stream`); aoti (AOTInductor compiles real
+  weights) loads the model as before.
 - Whole exports (exporter/staging.py): everything is written into a sibling temporary folder
   (`StageContext.work_dir`) that replaces `out_dir` only once every stage succeeded; `out_dir` must be
   missing, empty or an earlier k3x export, and is locked against concurrent exports.
@@ -122,10 +125,15 @@ def stage_pt2(ep: ExportedProgram, ctx: StageContext) -> str:
     from . import artifacts
     from .trace import save_pt2
 
-    name = "model.pt2"
+    name, digests = "model.pt2", {}
     with artifacts.write_artifact(ctx.work_dir, "pt2", {"weights": ctx.options.weights,
-                                                       "load": "k3x.exporter.trace.load_pt2"}) as tmp:
-        save_pt2(ep, tmp / name)
+                                                       "load": "k3x.exporter.trace.load_pt2"}, digests=digests) as tmp:
+        if ctx.weight_stream is not None:  # traced on meta: weights written tensor by tensor from the checkpoint
+            from .pt2_weights import save_streamed_pt2
+
+            digests[name] = save_streamed_pt2(ep, tmp / name, ctx.weight_stream())
+        else:
+            save_pt2(ep, tmp / name)
     if ctx.options.weights:
         return f"pt2: {ctx.out_dir / name}"
     return (f"pt2: {ctx.out_dir / name} (weightless: names/shapes/dtypes only; "
@@ -244,9 +252,9 @@ def _load(options: ExportOptions, dtype: torch.dtype, *, stream: bool = False
 
 
 def _weight_stream(options: ExportOptions, dtype: torch.dtype, cfg: K3Config) -> Callable:
-    from ..model.checkpoint import stream_tensors
+    from ..model.checkpoint_ranges import stream_weights
 
-    return lambda: stream_tensors(options.checkpoint, dtype=dtype, expert_format=cfg.expert_format)
+    return lambda: stream_weights(options.checkpoint, dtype=dtype, expert_format=cfg.expert_format)
 
 
 def export(options: ExportOptions, progress: Progress | None = None) -> ExportResult:
@@ -259,8 +267,9 @@ def export(options: ExportOptions, progress: Progress | None = None) -> ExportRe
     stages = options.stages()
     dtype = artifacts.DTYPES[DType(options.dtype).value]
     timings: dict[str, float] = {}
-    # ONNX alone from a checkpoint: traced on meta, weights streamed tensor by tensor (exporter/onnx_weights.py)
-    stream = options.checkpoint is not None and options.weights and set(stages) == {"onnx"}
+    # pt2 / ONNX from a checkpoint: traced on meta, weights streamed tensor by tensor into each artifact
+    # (exporter/pt2_weights.py, exporter/onnx_weights.py); AOTInductor compiles real weights: it loads the model
+    stream = options.checkpoint is not None and options.weights and set(stages) <= {"pt2", "onnx"}
     with _timed("config", progress, timings):
         cfg, build, ckpt_hash = _load(options, dtype, stream=stream)
         # the TensorRT flavor of the ONNX export runs the Triton kernels in its plugins: their limits apply

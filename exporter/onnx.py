@@ -74,6 +74,7 @@ class OnnxArtifact:
     num_nodes: int
     op_counts: dict[str, int] = field(default_factory=dict)
     collectives: dict[str, int] = field(default_factory=dict)  # AllReduce / AllGather nodes (rank programs)
+    digests: dict[str, str] = field(default_factory=dict)  # file name -> sha256 taken while writing
 
 
 # --- custom translations: torch.ops.k3.<family> -> k3::<Op> nodes (attributes = plugin fields) ---------
@@ -250,12 +251,13 @@ def export_onnx(ep: ExportedProgram, cfg: K3Config, out_dir: Path, options: Onnx
     external = options.external_data
     if external is None:
         external = _weight_bytes(model) > EXTERNAL_DATA_THRESHOLD
-    data_path = None
+    data_path, digests = None, {}
     if streamed:
         from .onnx_weights import attach_streamed_weights
 
-        data_path = attach_streamed_weights(model, out_dir, EXTERNAL_DATA, options.weight_stream(),
-                                            set(ep.state_dict) | set(ep.constants))
+        data_path, digests[EXTERNAL_DATA] = attach_streamed_weights(model, out_dir, EXTERNAL_DATA,
+                                                                    options.weight_stream(),
+                                                                    set(ep.state_dict) | set(ep.constants))
     elif external and options.weights:  # one data file, referenced by every flavor file
         # small tensors (shape constants ORT must read during shape inference) stay in the graph
         ir.external_data.unload_from_model(model, out_dir, EXTERNAL_DATA, size_threshold_bytes=1024)
@@ -271,7 +273,8 @@ def export_onnx(ep: ExportedProgram, cfg: K3Config, out_dir: Path, options: Onnx
     from .onnx_collectives import counts as collective_counts
 
     return OnnxArtifact(files=files, external_data=data_path, num_nodes=len(model.graph),
-                        op_counts=dict(sorted(counts.items())), collectives=collective_counts(model))
+                        op_counts=dict(sorted(counts.items())), collectives=collective_counts(model),
+                        digests=digests)
 
 
 def onnx_stage(out_dir: Path, ep: ExportedProgram, cfg: K3Config, options: OnnxOptions = OnnxOptions(),
@@ -284,8 +287,10 @@ def onnx_stage(out_dir: Path, ep: ExportedProgram, cfg: K3Config, options: OnnxO
     from .artifacts import write_artifact
 
     extra: dict = {}
-    with write_artifact(out_dir, "onnx", extra) as tmp:
+    digests: dict[str, str] = {}
+    with write_artifact(out_dir, "onnx", extra, digests=digests) as tmp:
         art = export_onnx(ep, cfg, tmp, options, model)
+        digests.update(art.digests)
         extra.update(flavors={f: p.name for f, p in art.files.items()}, opset=options.opset,
                      weights=options.weights, external_data=art.external_data.name if art.external_data else None,
                      nodes=art.num_nodes, k3_nodes=art.op_counts)

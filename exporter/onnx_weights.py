@@ -1,20 +1,27 @@
 """Weights streamed into an ONNX export: tensor by tensor from the checkpoint into `model.onnx.data`.
 
 The program is traced on the meta device (no weights in memory) and exported weightless, so every weight is a
-graph input; `attach_streamed_weights` then takes the checkpoint's tensors one at a time
-(`model.checkpoint.stream_tensors`: memory-mapped shards, stacked experts assembled as the model holds them,
-MXFP4 experts packed), appends each to the external data file (4 KiB-aligned from 1 MiB, so ONNX Runtime
-can map it; 64 B below) and turns its graph input back into an initializer that points there. Peak memory is one tensor (the largest:
-one stacked expert tensor) plus the graph; both flavor files reference the one data file.
+graph input; `attach_streamed_weights` then takes the checkpoint's entries one at a time
+(`model.checkpoint_ranges.stream_weights`: stacked experts as the model holds them, MXFP4 experts packed),
+appends each to the external data file (4 KiB-aligned from 1 MiB, so ONNX Runtime can map it; 64 B below)
+and turns its graph input back into an initializer that points there. An entry whose bytes are the
+checkpoint's (`StoredTensor`: bf16 -> bf16, packed MXFP4) is copied file to file (`copy_file_range`), seen
+only in 16 MiB `pread` chunks by the sha256 the manifest records; a converted one is written from memory.
+Peak memory is one converted tensor (or a few chunks) plus the graph; both flavor files reference the one
+data file.
 """
 
 from __future__ import annotations
 
+import hashlib
+import time
 from pathlib import Path
 from typing import Iterable
 
 import onnx_ir as ir
 import torch
+
+from ..model.checkpoint_ranges import StoredTensor, WriteLog, copy_ranges
 
 ALIGN, SMALL_ALIGN, SMALL = 4096, 64, 1 << 20  # tensors under 1 MiB: 64-byte alignment (no page padding)
 
@@ -24,14 +31,17 @@ IR_DTYPE = {torch.float32: ir.DataType.FLOAT, torch.bfloat16: ir.DataType.BFLOAT
 
 
 def attach_streamed_weights(model: ir.Model, out_dir: Path, data_name: str,
-                            tensors: Iterable[tuple[str, torch.Tensor]], weight_names: set[str]) -> Path:
+                            tensors: Iterable[tuple[str, torch.Tensor | StoredTensor]], weight_names: set[str]
+                            ) -> tuple[Path, str]:
     """Write every tensor that a weight input of `model` names into `out_dir / data_name`; each such input
-    becomes an external initializer. ValueError naming the tensor on a dtype/shape mismatch, or naming the
-    weight inputs the stream did not provide."""
+    becomes an external initializer. Returns the data file and its sha256, taken as it is written (copied
+    bytes are seen in `pread` chunks just before the copy). ValueError naming the tensor on a dtype/shape
+    mismatch, or naming the weight inputs the stream did not provide."""
     g = model.graph
     inputs = {v.name: v for v in g.inputs}
     path = Path(out_dir) / data_name
     filled: list[ir.Value] = []
+    log, start, sha = WriteLog(), time.perf_counter(), hashlib.sha256()
     with open(path, "wb") as f:
         for name, t in tensors:
             v = inputs.get(name)
@@ -41,18 +51,28 @@ def attach_streamed_weights(model: ir.Model, out_dir: Path, data_name: str,
                 raise ValueError(f"weight {name!r}: checkpoint gives {t.dtype} {list(t.shape)}, the graph wants "
                                  f"{v.dtype} {list(v.shape)}")
             align = ALIGN if t.nbytes >= SMALL else SMALL_ALIGN
-            offset = -f.tell() % align + f.tell()
-            f.seek(offset)
-            data = t.contiguous().view(torch.uint8).numpy()
-            f.write(memoryview(data))
-            v.const_value = ir.ExternalTensor(data_name, offset, data.nbytes, v.dtype, shape=v.shape, name=name,
+            pad = -f.tell() % align
+            f.write(bytes(pad))
+            sha.update(bytes(pad))
+            offset = f.tell()
+            if isinstance(t, StoredTensor):
+                copy_ranges(t.ranges, f, see=(sha.update,))
+                log.copied += t.nbytes
+            else:
+                data = memoryview(t.contiguous().view(torch.uint8).numpy())
+                f.write(data)
+                sha.update(data)
+                log.converted += t.nbytes
+            v.const_value = ir.ExternalTensor(data_name, offset, t.nbytes, v.dtype, shape=v.shape, name=name,
                                               base_dir=out_dir)
             filled.append(v)
-            del t, data
+            del t
+    log.seconds = time.perf_counter() - start
+    log.report(data_name)
     missing = sorted((set(inputs) & weight_names) - {v.name for v in filled})
     if missing:
         raise ValueError(f"weights not in the checkpoint stream: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     for v in filled:
         g.inputs.remove(v)
         g.register_initializer(v)
-    return path
+    return path, sha.hexdigest()
