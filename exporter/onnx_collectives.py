@@ -121,20 +121,20 @@ def _set_attributes(nodes: list[ir.Node], namespace: bool) -> None:
 
 def trt_pass(model: ir.Model) -> None:
     """Plugin nodes in `k3.dist` with every plugin field and the plugin namespace."""
-    nodes = collective_nodes(model)
-    _set_attributes(nodes, namespace=True)
-    for n in nodes:
-        n.domain = DIST_DOMAIN
-    _set_import(model, DIST_DOMAIN if nodes else None)
+    _flavor_pass(model, DIST_DOMAIN, namespace=True)
 
 
 def ort_pass(model: ir.Model) -> None:
     """onnxruntime-extensions Python ops: domain `ai.onnx.contrib`, no plugin namespace."""
+    _flavor_pass(model, PYOP_DOMAIN, namespace=False)
+
+
+def _flavor_pass(model: ir.Model, domain: str, *, namespace: bool) -> None:
     nodes = collective_nodes(model)
-    _set_attributes(nodes, namespace=False)
+    _set_attributes(nodes, namespace=namespace)
     for n in nodes:
-        n.domain = PYOP_DOMAIN
-    _set_import(model, PYOP_DOMAIN if nodes else None)
+        n.domain = domain
+    _set_import(model, domain if nodes else None)
 
 
 def _set_import(model: ir.Model, domain: str | None) -> None:
