@@ -220,6 +220,15 @@ def _tile(t, num_m, num_n, block_expert, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _tile_pairs(pid_m, sorted_pair, NK, BM: tl.constexpr):
+    """Rows of row block pid_m -> (row indices [BM], their (token, slot) pairs, which pairs are real: padding
+    rows hold NK)."""
+    o_m = pid_m * BM + tl.arange(0, BM)
+    pair = tl.load(sorted_pair + o_m)
+    return o_m, pair, pair < NK
+
+
+@triton.jit
 def _offset_to(p, q):
     """q − p in elements of p's type, declared a multiple of 16 bytes (both are 16-byte aligned: the AOT launcher
     refuses other pointers, `moe` copies misaligned experts). GEMM1's wide operand addresses w3's rows as
@@ -293,9 +302,7 @@ def _moe_gemm1_kernel(
     for t in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):  # persistent: tiles in a loop
         pid_m, pid_n, e = _tile(t, num_m, num_n, block_expert, GROUP_M)
         if e >= 0:
-            o_m = pid_m * BM + tl.arange(0, BM)
-            pair = tl.load(sorted_pair + o_m)
-            valid = pair < NK
+            o_m, pair, valid = _tile_pairs(pid_m, sorted_pair, NK, BM)
             a_row = z + (pair // TOPK).to(tl.int64)[:, None] * L  # gathered rows [BM, 1]
             o_n = pid_n * BN + o_j // 2
             m_n = o_n < I
@@ -325,9 +332,7 @@ def _moe_gemm2_kernel(
     for t in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
         pid_m, pid_n, e = _tile(t, num_m, num_n, block_expert, GROUP_M)
         if e >= 0:
-            o_m = pid_m * BM + tl.arange(0, BM)
-            pair = tl.load(sorted_pair + o_m)
-            valid = pair < NK
+            o_m, pair, valid = _tile_pairs(pid_m, sorted_pair, NK, BM)
             a_ptr = h + o_m[:, None].to(tl.int64) * I + o_k[None, :]
             o_n = pid_n * BN + o_j
             m_n = o_n < L

@@ -33,7 +33,8 @@ from torch import Tensor
 from ..dtypes import dtype_name
 from ..launch import Plan, device_sm, run
 from ..moe import triton as dense
-from ..moe.triton import _offset_to, _store_h, _store_y, _tile, _tile_acc, _tile_dot, _tile_out
+from ..moe.triton import (_offset_to, _store_h, _store_y, _tile, _tile_acc, _tile_dot, _tile_out,
+                          _tile_pairs)
 from .codec import BLOCK
 
 PORTS = ("x", "z", "gate_weight", "gate_bias", "w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale", "expert_offset")
@@ -110,9 +111,7 @@ def _moe_mxfp4_gemm1_kernel(
     for t in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):  # persistent: tiles in a loop
         pid_m, pid_n, e = _tile(t, num_m, num_n, block_expert, GROUP_M)
         if e >= 0:
-            o_m = pid_m * BM + tl.arange(0, BM)
-            pair = tl.load(sorted_pair + o_m)
-            valid = pair < NK
+            o_m, pair, valid = _tile_pairs(pid_m, sorted_pair, NK, BM)
             a_ptr = z + (pair // TOPK).to(tl.int64)[:, None] * L + o_k[None, :]
             o_n = pid_n * BN + o_j[:, None] // 2
             rows = e.to(tl.int64) * I + o_n
@@ -142,9 +141,7 @@ def _moe_mxfp4_gemm2_kernel(
     for t in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
         pid_m, pid_n, e = _tile(t, num_m, num_n, block_expert, GROUP_M)
         if e >= 0:
-            o_m = pid_m * BM + tl.arange(0, BM)
-            pair = tl.load(sorted_pair + o_m)
-            valid = pair < NK
+            o_m, pair, valid = _tile_pairs(pid_m, sorted_pair, NK, BM)
             a_ptr = h + o_m[:, None].to(tl.int64) * I + o_k[None, :]
             o_n = pid_n * BN + o_j[:, None]
             rows = e.to(tl.int64) * L + o_n
