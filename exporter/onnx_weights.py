@@ -21,7 +21,7 @@ from typing import Iterable
 import onnx_ir as ir
 import torch
 
-from ..model.checkpoint_ranges import StoredTensor, WriteLog, copy_ranges
+from ..model.checkpoint_ranges import StoredTensor, WriteLog, copy_ranges, require_all, wrong_entry
 
 ALIGN, SMALL_ALIGN, SMALL = 4096, 64, 1 << 20  # tensors under 1 MiB: 64-byte alignment (no page padding)
 
@@ -48,8 +48,7 @@ def attach_streamed_weights(model: ir.Model, out_dir: Path, data_name: str,
             if v is None:
                 continue  # a state_dict entry the graph does not read
             if v.dtype != IR_DTYPE.get(t.dtype) or list(v.shape) != list(t.shape):
-                raise ValueError(f"weight {name!r}: checkpoint gives {t.dtype} {list(t.shape)}, the graph wants "
-                                 f"{v.dtype} {list(v.shape)}")
+                raise wrong_entry(name, t, f"the graph wants {v.dtype} {list(v.shape)}")
             align = ALIGN if t.nbytes >= SMALL else SMALL_ALIGN
             pad = -f.tell() % align
             f.write(bytes(pad))
@@ -69,9 +68,7 @@ def attach_streamed_weights(model: ir.Model, out_dir: Path, data_name: str,
             del t
     log.seconds = time.perf_counter() - start
     log.report(data_name)
-    missing = sorted((set(inputs) & weight_names) - {v.name for v in filled})
-    if missing:
-        raise ValueError(f"weights not in the checkpoint stream: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    require_all((set(inputs) & weight_names) - {v.name for v in filled})
     for v in filled:
         g.inputs.remove(v)
         g.register_initializer(v)

@@ -23,7 +23,6 @@ import contextlib
 import hashlib
 import io
 import json
-import os
 import struct
 import time
 import zipfile
@@ -34,7 +33,7 @@ from typing import BinaryIO, Iterable, Iterator
 import torch
 from torch.export import ExportedProgram
 
-from ..model.checkpoint_ranges import StoredTensor, WriteLog, copy_ranges
+from ..model.checkpoint_ranges import StoredTensor, WriteLog, copy_ranges, require_all, wrong_entry
 
 ROOT = "archive/"
 WEIGHTS_CONFIG = "archive/data/weights/model_weights_config.json"
@@ -164,8 +163,7 @@ def save_streamed_pt2(ep: ExportedProgram, path: str | Path,
                 if name not in want:
                     continue  # a state_dict entry the program does not read
                 if (t.dtype, tuple(t.shape)) != want[name]:
-                    raise ValueError(f"weight {name!r}: checkpoint gives {t.dtype} {list(t.shape)}, the program wants "
-                                     f"{want[name][0]} {list(want[name][1])}")
+                    raise wrong_entry(name, t, f"the program wants {want[name][0]} {list(want[name][1])}")
                 record = f"weight_{len(done)}"
                 if isinstance(t, StoredTensor):
                     z.add_stored(WEIGHT_RECORD + record, t)
@@ -178,10 +176,7 @@ def save_streamed_pt2(ep: ExportedProgram, path: str | Path,
                 del t
             log.seconds = time.perf_counter() - start
             log.report(Path(path).name)
-            missing = sorted(set(want) - done)
-            if missing:
-                raise ValueError(f"weights not in the checkpoint stream: {missing[:5]}"
-                                 f"{' ...' if len(missing) > 5 else ''}")
+            require_all(set(want) - done)
             z.add_bytes(WEIGHTS_CONFIG, json.dumps(cpu_devices(config)).encode())
             for info in others:
                 data = skel.read(info)

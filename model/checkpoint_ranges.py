@@ -124,6 +124,18 @@ def stream_weights(path: str | Path, *, dtype: torch.dtype = torch.float32, expe
     return entries()
 
 
+def wrong_entry(name: str, t: torch.Tensor | StoredTensor, wants: str) -> ValueError:
+    """The error of a weights writer given an entry of another dtype/shape than its artifact declares."""
+    return ValueError(f"weight {name!r}: checkpoint gives {t.dtype} {list(t.shape)}, {wants}")
+
+
+def require_all(missing: set[str]) -> None:
+    """ValueError naming (up to five of) the weights a writer's artifact declares but the stream did not give."""
+    if missing:
+        names = sorted(missing)
+        raise ValueError(f"weights not in the checkpoint stream: {names[:5]}{' ...' if len(names) > 5 else ''}")
+
+
 @dataclass
 class WriteLog:
     """What a weights writer wrote: bytes copied file to file, bytes converted in memory, seconds; logged
