@@ -69,8 +69,8 @@ def _refused(export_dir: Path, marker: Path, reason: str) -> None:
     for args in (("run", export_dir, "--backend", "pt2", "--max-new-tokens", "2"),
                  ("verify", export_dir, "--backends", "pt2", "--steps", "1")):
         code, out = k3x(*args)
+        assert not marker.exists(), f"the payload ran: {out}"
         assert code == 1 and reason in out and "Traceback" not in out and len(out.strip().splitlines()) == 1, out
-        assert not marker.exists()
 
 
 @pytest.mark.parametrize("rel", [WEIGHTS_CONFIG, SAMPLE_INPUTS, CONSTANTS_CONFIG])
@@ -104,7 +104,7 @@ def _non_utf8(records, marker):
 
 
 def _case(records, marker):  # torch finds names case-insensitively
-    return records + [(ROOT + WEIGHTS_CONFIG.upper().encode(), dict(records)[ROOT + WEIGHTS_CONFIG.encode()])]
+    return records + [(ROOT + b"data/weights/MODEL_weights_config.json", dict(records)[ROOT + WEIGHTS_CONFIG.encode()])]
 
 
 def _overlap(records, marker):  # a record hidden in the data of another, listed in the central directory only
