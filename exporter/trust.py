@@ -177,7 +177,7 @@ def _torch_reader(view: FrozenArchive, records: list[Record], rels: list[str], p
         for record, rel in zip(records, rels):
             if reader.get_record_header_offset(rel) != record.header:
                 raise RuntimeError(f"it finds {rel} at another record")
-    except RuntimeError as e:
+    except (RuntimeError, ValueError, OSError) as e:
         reason = (str(e).strip().splitlines() or ["?"])[-1][:200]
         raise UnsafeArtifactError(f"{path}: torch's archive reader disagrees ({reason}); refused") from None
     return reader

@@ -164,3 +164,44 @@ def test_the_checked_file_is_the_file_loaded(export_dir, tmp_path):
 def test_a_valid_pt2_still_loads_and_runs(export_dir):
     code, out = k3x("run", export_dir, "--backend", "pt2", "--max-new-tokens", "2")
     assert code == 0, out
+
+
+def _zipfile_bytes(write, *, prefix: bytes = b"") -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    buf.write(prefix)
+    with zipfile.ZipFile(buf, "w") as z:
+        write(z)
+    return buf.getvalue()
+
+
+def _unknown_extra(z):
+    info = zipfile.ZipInfo("a/x.json")
+    info.extra = struct.pack("<HHB", 0x5455, 1, 0)  # an extended timestamp: other readers act on such fields
+    z.writestr(info, b"{}")
+
+
+@pytest.mark.parametrize("data,reason", [
+    (_zipfile_bytes(lambda z: setattr(z, "comment", b"PK\x05\x06")), "not the last 22 bytes"),
+    (_zipfile_bytes(lambda z: z.writestr("a/x.json", b"{}" * 99, zipfile.ZIP_DEFLATED)), "compressed"),
+    (_zipfile_bytes(_unknown_extra), "extra field 0x5455"),
+    (_zipfile_bytes(lambda z: z.writestr("a/x.json", b"{}"), prefix=b"junk"), "local header at byte 4, expected 0"),
+    (_zipfile_bytes(lambda z: z.writestr("a/x.json", b"{}"))[:-30], "end-of-central-directory"),
+])
+def test_zip_structures_the_parser_refuses(data, reason):
+    from k3x.exporter.zip_check import ZipLayoutError, read_layout
+
+    with pytest.raises(ZipLayoutError, match=reason):
+        read_layout(lambda at, n: data[at:at + n], len(data))
+
+
+def test_the_parser_finds_the_records_zipfile_finds(export_dir):
+    """On the real export (zip64 end records, data descriptors, torch's padding fields) both agree exactly."""
+    from k3x.exporter.zip_check import read_layout
+
+    data = (export_dir / "model.pt2").read_bytes()
+    records = read_layout(lambda at, n: data[at:at + n], len(data))
+    with zipfile.ZipFile(export_dir / "model.pt2") as z:
+        assert [(r.name, r.header, r.size) for r in records] == \
+            [(i.filename, i.header_offset, i.file_size) for i in z.infolist()]
