@@ -161,6 +161,15 @@ def test_the_checked_file_is_the_file_loaded(export_dir, tmp_path):
     assert not marker.exists() and len(ep.state_dict) > 0
 
 
+def test_a_file_written_to_while_it_is_loaded_is_refused(export_dir):
+    from k3x.exporter.trust import UnsafeArtifactError, checked_pt2
+
+    with pytest.raises(UnsafeArtifactError, match="changed while it was being loaded"):
+        with checked_pt2(export_dir / "model.pt2"):
+            with open(export_dir / "model.pt2", "ab") as f:
+                f.write(b"x")
+
+
 def test_a_valid_pt2_still_loads_and_runs(export_dir):
     code, out = k3x("run", export_dir, "--backend", "pt2", "--max-new-tokens", "2")
     assert code == 0, out
