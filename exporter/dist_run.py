@@ -85,9 +85,7 @@ def rank_runner(export_dir: Path, data: dict, rank: int, options: RunnerOptions,
     runs the rank's ort-flavor ONNX (its collectives call torch.distributed from ONNX Runtime)."""
     from torch.export.passes import move_to_device_pass
 
-    from .runners import _artifact, make_runner
-    from .trace import load_pt2
-    from .trust import UnsafeArtifactError, check_pt2_archive
+    from .runners import load_pt2_artifact, make_runner
     from .ranks import rank_folder
 
     folder = rank_folder(export_dir, data, rank)
@@ -95,14 +93,7 @@ def rank_runner(export_dir: Path, data: dict, rank: int, options: RunnerOptions,
         raise RunnerError(f"backend={backend!r}: rank programs run on {sorted(RANK_BACKENDS)}")
     if backend == "ort":
         return make_runner("ort", folder, options)
-    path = _artifact(folder, "pt2", options)[0]
-    try:
-        check_pt2_archive(path)
-        ep = load_pt2(path)
-    except UnsafeArtifactError as e:
-        raise RunnerError(str(e)) from None
-    except Exception as e:  # noqa: BLE001 - name the file
-        raise RunnerError(f"{path}: cannot load the rank program: {e}") from None
+    ep = load_pt2_artifact(folder, options, "the rank program")
     dev = device()
     module = ep.module() if dev.type == "cpu" else _OnDevice(move_to_device_pass(ep, str(dev)).module(), dev)
     return ModuleRunner(f"pt2 rank {rank}", module, _folder_cfg(export_dir, data, rank))

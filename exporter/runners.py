@@ -124,21 +124,27 @@ def _eager(export_dir: Path, options: RunnerOptions) -> Runner:
     return ModuleRunner("eager", model.to(options.device), cfg, options.device)
 
 
-def _pt2(export_dir: Path, options: RunnerOptions) -> Runner:
+def load_pt2_artifact(folder: Path, options: RunnerOptions, what: str):
+    """The folder's pt2 program: hashed (unless options.check_hashes is off), checked and loaded from one
+    open file (exporter/trust.py `checked_pt2`), so the path cannot be swapped between check and load."""
     from .trace import load_pt2
-    from .trust import UnsafeArtifactError, check_pt2_archive
+    from .trust import UnsafeArtifactError, checked_pt2
 
-    path = _artifact(export_dir, "pt2", options)[0]
-    if not _folder(export_dir).manifest.get("weights", True):
+    path = _artifact(folder, "pt2", replace(options, check_hashes=False))[0]  # hashed below, from the open file
+    if not _folder(folder).manifest.get("weights", True):
         raise RunnerError(f"{path}: weightless program (exported with --no-weights); it cannot run")
+    sha = _folder(folder).manifest["artifacts"]["pt2"]["files"][0]["sha256"] if options.check_hashes else None
     try:
-        check_pt2_archive(path)
+        with checked_pt2(path, sha256=sha) as f:
+            return load_pt2(f)
     except UnsafeArtifactError as e:
         raise RunnerError(str(e)) from None
-    try:
-        ep = load_pt2(path)
     except Exception as e:  # noqa: BLE001 - name the file
-        raise RunnerError(f"{path}: cannot load the ExportedProgram: {e}") from None
+        raise RunnerError(f"{path}: cannot load {what}: {e}") from None
+
+
+def _pt2(export_dir: Path, options: RunnerOptions) -> Runner:
+    ep = load_pt2_artifact(export_dir, options, "the ExportedProgram")
     if options.device != "cpu":  # weights, constants and the devices named in the graph
         from torch.export.passes import move_to_device_pass
 

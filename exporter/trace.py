@@ -22,6 +22,7 @@ import io
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 from torch.export import Dim, ExportedProgram
@@ -126,11 +127,12 @@ def save_pt2(ep: ExportedProgram, path: str | Path) -> None:
             raise OSError(sink.error.errno, f"{path}: {sink.error.strerror}") from None
 
 
-def load_pt2(path: str | Path) -> ExportedProgram:
-    """Load a `.pt2` in any process: importing k3x.custom_ops registers the torch.ops.k3.* it calls."""
+def load_pt2(f: str | Path | BinaryIO) -> ExportedProgram:
+    """Load a `.pt2` (a path, or a file object: exporter/trust.py `checked_pt2` for one from an export folder)
+    in any process: importing k3x.custom_ops registers the torch.ops.k3.* it calls."""
     from .. import custom_ops  # noqa: F401
 
-    return torch.export.load(str(path))
+    return torch.export.load(str(f) if isinstance(f, (str, Path)) else f)
 
 
 def with_weights(ep: ExportedProgram, state_dict: dict[str, torch.Tensor], *,

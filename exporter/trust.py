@@ -6,26 +6,34 @@ Export folders are shared between machines and people, so nothing read from one 
   `ManifestError` line naming the field (e.g. `artifacts.onnx.files[0].sha256`).
 - `confined` resolves an artifact file name (symlinks too) and refuses anything outside the folder:
   manifest paths are bare file names (no `/`, `..`, absolute paths).
-- `check_pt2_archive` reads a `.pt2` zip's own tables before `torch.export.load` sees it. torch unpickles
+- `checked_pt2` opens a `.pt2` once and hands `torch.export.load` the very bytes it checked. torch unpickles
   (`weights_only=False`) every weight or constant whose payload config says `use_pickle`, every opaque /
   script-object constant, the legacy `weights/<model>.pt` files, and falls back to a full unpickle of
   `sample_inputs` when the safe load fails. k3x writes none of these (plain tensors are raw bytes), so an
-  archive that has one is refused, and `sample_inputs` must load with `weights_only=True`.
+  archive that has one is refused, and `sample_inputs` must load with `weights_only=True`. Python's `zipfile`
+  and torch's reader can resolve one archive to different records (a duplicate name, a name cut at NUL, a
+  case-insensitive lookup): the zip structure is read strictly first (exporter/zip_check.py: anything two
+  readers could read differently is refused), torch's reader must then list the same entries and find each
+  at the same record, and the payloads are checked with the bytes that reader returns. The check and the load
+  share one open file; what is parsed is served from the copy that was checked (`zip_check.FrozenArchive`).
 - AOTInductor packages are native code by design (a shared library that is dlopen'ed): they are loaded
   only after their sha256 matches the manifest, which makes them exactly as trusted as the manifest.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import io
 import json
 import math
+import os
 import re
-import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from .artifacts import DTYPES, SCHEMA, ManifestError
+from .zip_check import FrozenArchive, Record, ZipLayoutError, freeze
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 # entries a torch.export.save archive of one program may hold (after the archive's top folder)
@@ -33,6 +41,7 @@ _PT2_ENTRIES = re.compile(r"^(archive_format|archive_version|byteorder|version|\
                           r"models/[\w.-]+\.json|data/weights/(weight_\d+|[\w.-]+_weights_config\.json)|"
                           r"data/constants/(tensor_\d+|[\w.-]+_constants_config\.json)|"
                           r"data/sample_inputs/[\w.-]+\.pt)$")
+_RAW = re.compile(r"data/(weights/weight|constants/tensor)_\d+$")  # raw tensor bytes, never unpickled
 _MAX_FIELD = 80  # longest value echoed in an error
 
 
@@ -132,50 +141,102 @@ def confined(folder: Path, name: str) -> Path:
 
 # --- pt2 archives --------------------------------------------------------------------------------
 
-def _payload_config(z: zipfile.ZipFile, name: str, path: Path) -> dict[str, Any]:
+def _payload_config(data: bytes, rel: str, path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(z.read(name), parse_constant=lambda c: math.nan)
-        config = data["config"]
+        config = json.loads(data, parse_constant=lambda c: math.nan)["config"]
         if not isinstance(config, dict):
             raise TypeError("config is not an object")
         return config
     except (ValueError, KeyError, TypeError, RecursionError) as e:
-        raise UnsafeArtifactError(f"{path}: {name} is not a payload config ({e}); refused") from None
+        raise UnsafeArtifactError(f"{path}: {rel} is not a payload config ({e}); refused") from None
+
+
+def _entry_names(records: list[Record], path: Path) -> list[str]:
+    """The entries' names below the archive's one top folder, each one a torch.export archive may hold."""
+    tops = {r.name.split("/", 1)[0] for r in records}
+    if len(tops) != 1 or any("/" not in r.name for r in records):
+        raise UnsafeArtifactError(f"{path}: not one torch.export archive (top folders {sorted(tops)[:4]})")
+    top = tops.pop() + "/"
+    rels = [r.name[len(top):] for r in records]
+    for rel in rels:
+        if not _PT2_ENTRIES.match(rel):
+            raise UnsafeArtifactError(f"{path}: unexpected archive entry {_short(rel)} (k3x archives hold raw "
+                                      "tensors and JSON only); refused")
+    return rels
+
+
+def _torch_reader(view: FrozenArchive, records: list[Record], rels: list[str], path: Path):
+    """torch's own reader of `view`, shown to list the same entries and find each at the same record."""
+    import torch
+
+    view.seek(0)
+    try:
+        reader = torch._C.PyTorchFileReader(view)
+        if reader.get_all_records() != rels:
+            raise RuntimeError("it lists other entries than the central directory")
+        for record, rel in zip(records, rels):
+            if reader.get_record_header_offset(rel) != record.header:
+                raise RuntimeError(f"it finds {rel} at another record")
+    except (RuntimeError, ValueError, OSError) as e:
+        reason = (str(e).strip().splitlines() or ["?"])[-1][:200]
+        raise UnsafeArtifactError(f"{path}: torch's archive reader disagrees ({reason}); refused") from None
+    return reader
+
+
+def _check_payloads(reader, rels: list[str], path: Path) -> None:
+    """The records torch would unpickle, read with torch's reader: none may be marked pickled."""
+    import torch
+
+    for rel in rels:
+        if rel.endswith(("_weights_config.json", "_constants_config.json")):
+            for fqn, meta in _payload_config(reader.get_record(rel), rel, path).items():
+                if not isinstance(meta, dict) or meta.get("use_pickle") is not False:
+                    raise UnsafeArtifactError(f"{path}: {rel} marks {_short(fqn)} as pickled; loading it would run "
+                                              "code, refused")
+                if not _RAW.fullmatch(f"data/{rel.split('/')[1]}/{meta.get('path_name')}"):
+                    raise UnsafeArtifactError(f"{path}: {rel}: {_short(fqn)} is not a raw tensor "
+                                              f"(path_name {_short(meta.get('path_name'))}); refused")
+        elif rel.startswith("data/sample_inputs/"):
+            try:
+                torch.load(io.BytesIO(reader.get_record(rel)), weights_only=True)
+            except Exception as e:  # noqa: BLE001 - any failure would make torch retry with a full unpickle
+                raise UnsafeArtifactError(f"{path}: {rel} does not load as plain tensors "
+                                          f"({type(e).__name__}); loading it would run code, refused") from None
+
+
+def _stamp(fd: int) -> tuple[int, int, int]:
+    """What a write to the file changes (not ctime: renaming another file over the path changes that too)."""
+    st = os.fstat(fd)
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+@contextlib.contextmanager
+def checked_pt2(path: str | Path, *, sha256: str | None = None) -> Iterator[FrozenArchive]:
+    """The `.pt2` at `path`, opened once, as a file object to give `torch.export.load` (module docstring):
+    its bytes hashed (when `sha256` is given), its zip structure read strictly (exporter/zip_check.py), its
+    entries listed and found by torch's own reader exactly as the central directory says, and every record
+    torch could unpickle checked with the bytes that reader returns. The view serves all but the raw tensor
+    bytes from the copy that was checked; a file written to (size, mtime) before the `with` block ends is
+    refused: the raw tensor bytes torch read may then differ from the hashed ones (never from the checked)."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        stamp = _stamp(f.fileno())
+        if sha256 is not None and hashlib.file_digest(f, "sha256").hexdigest() != sha256:
+            raise UnsafeArtifactError(f"{path}: sha256 differs from the manifest (hashed from the file that is "
+                                      "then checked and loaded): changed since the export; refused")
+        try:
+            view, records = freeze(f.fileno(), stamp[1], lambda r: bool(_RAW.fullmatch(r.name.partition("/")[2])))
+        except ZipLayoutError as e:
+            raise UnsafeArtifactError(f"{path}: not a pt2 archive torch and k3x read alike: {e}; refused") from None
+        rels = _entry_names(records, path)
+        _check_payloads(_torch_reader(view, records, rels, path), rels, path)
+        view.seek(0)
+        yield view
+        if _stamp(f.fileno()) != stamp:
+            raise UnsafeArtifactError(f"{path}: changed while it was being loaded; refused")
 
 
 def check_pt2_archive(path: str | Path) -> None:
-    """Refuse a `.pt2` archive that `torch.export.load` would unpickle anything from (module docstring)."""
-    import torch
-
-    path = Path(path)
-    try:
-        z = zipfile.ZipFile(path)
-    except (zipfile.BadZipFile, OSError) as e:
-        raise UnsafeArtifactError(f"{path}: not a pt2 (zip) archive ({e})") from None
-    with z:
-        names = z.namelist()
-        tops = {n.split("/", 1)[0] for n in names}
-        if len(tops) != 1 or any("/" not in n for n in names):
-            raise UnsafeArtifactError(f"{path}: not one torch.export archive (top folders {sorted(tops)[:4]})")
-        top = tops.pop() + "/"
-        for n in names:
-            rel = n[len(top):]
-            if rel and not rel.endswith("/") and not _PT2_ENTRIES.match(rel):
-                raise UnsafeArtifactError(f"{path}: unexpected archive entry {_short(rel)} (k3x archives hold raw "
-                                          "tensors and JSON only); refused")
-        for n in names:
-            rel = n[len(top):]
-            if rel.endswith(("_weights_config.json", "_constants_config.json")):
-                for fqn, meta in _payload_config(z, n, path).items():
-                    if not isinstance(meta, dict) or meta.get("use_pickle") is not False:
-                        raise UnsafeArtifactError(f"{path}: {rel} marks {_short(fqn)} as pickled; loading it would run "
-                                                  "code, refused")
-                    if not re.fullmatch(r"(weight|tensor)_\d+", str(meta.get("path_name"))):
-                        raise UnsafeArtifactError(f"{path}: {rel}: {_short(fqn)} is not a raw tensor "
-                                                  f"(path_name {_short(meta.get('path_name'))}); refused")
-            elif rel.startswith("data/sample_inputs/"):
-                try:
-                    torch.load(io.BytesIO(z.read(n)), weights_only=True)
-                except Exception as e:  # noqa: BLE001 - any failure would make torch retry with a full unpickle
-                    raise UnsafeArtifactError(f"{path}: {rel} does not load as plain tensors "
-                                              f"({type(e).__name__}); loading it would run code, refused") from None
+    """Refuse a `.pt2` archive that `torch.export.load` would unpickle anything from (`checked_pt2`)."""
+    with checked_pt2(path):
+        pass

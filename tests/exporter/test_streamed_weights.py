@@ -96,7 +96,8 @@ def test_pt2_and_onnx_stream_without_loading_the_model(ckpt, tmp_path, monkeypat
     with zipfile.ZipFile(out / "model.pt2") as z:
         assert z.testzip() is None  # every CRC matches
         assert all(i.compress_type == zipfile.ZIP_STORED for i in z.infolist())
-    ep = torch.export.load(str(out / "model.pt2"))
+    with checked_pt2(out / "model.pt2") as f:
+        ep = load_pt2(f)
     ref = load_checkpoint(ckpt, dtype=torch.bfloat16).state_dict()
     assert set(ep.state_dict) == set(ref)
     for name, t in ep.state_dict.items():
@@ -195,8 +196,11 @@ def test_copy_ranges_in_many_chunks_sees_every_byte_once_in_order(tmp_path, monk
 
 def test_zip64_records_read_back(ckpt, tmp_path, monkeypatch):
     """Records and offsets past 4 GiB (K3's stacked experts: 4.9 GB) take zip64 fields; with the threshold
-    lowered every record does, and zipfile and torch.export.load still read the archive exactly."""
+    lowered every record does, and zipfile and torch.export.load (through k3x's strict zip check, which must
+    accept zip64 fields and data descriptors) still read the archive exactly."""
     import k3x.exporter.pt2_weights as pw
+    from k3x.exporter.trace import load_pt2
+    from k3x.exporter.trust import checked_pt2
 
     monkeypatch.setattr(pw, "ZIP64_FROM", 1000)
     out = tmp_path / "out"
@@ -205,6 +209,7 @@ def test_zip64_records_read_back(ckpt, tmp_path, monkeypatch):
         assert z.testzip() is None
         big = [i for i in z.infolist() if i.file_size >= 1000]
         assert big and all(i.header_offset for i in big[1:])
-    ep = torch.export.load(str(out / "model.pt2"))
+    with checked_pt2(out / "model.pt2") as f:
+        ep = load_pt2(f)
     ref = load_checkpoint(ckpt, dtype=torch.bfloat16).state_dict()
     assert all(torch.equal(t, ref[n]) for n, t in ep.state_dict.items())

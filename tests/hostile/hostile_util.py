@@ -35,3 +35,13 @@ def rehash(folder: Path, artifact: str) -> None:
             p = folder / f["path"]
             f["bytes"], f["sha256"] = p.stat().st_size, sha256(p)
     edit_manifest(folder, change)
+
+
+class Payload:
+    """Unpickling it writes `marker`: the proof that a file ran code."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').write('pwned')",)

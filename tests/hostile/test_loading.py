@@ -10,18 +10,10 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from hostile_util import edit_manifest, k3x, rehash
+from hostile_util import Payload, edit_manifest, k3x, rehash
 
 from k3x.exporter.artifacts import ExportFolder, ManifestError
 from k3x.exporter.trust import UnsafeArtifactError, check_pt2_archive
-
-
-class _Payload:
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return exec, (f"open({str(self.marker)!r}, 'w').write('pwned')",)
 
 
 def _rewrite_pt2(path: Path, change) -> None:
@@ -44,7 +36,7 @@ def _poison_weights(export_dir: Path, marker: Path) -> None:
     fqn = next(iter(cfg["config"]))
     cfg["config"][fqn]["use_pickle"] = True
     target = cfg["config"][fqn]["path_name"]
-    poison = pickle.dumps(_Payload(marker))
+    poison = pickle.dumps(Payload(marker))
 
     def change(name: str, data: bytes):
         if name == cfg_name:
@@ -71,13 +63,13 @@ def test_pickled_pt2_weights_are_refused_and_nothing_runs(export_dir, tmp_path, 
 def test_pickled_constant_and_sample_inputs_are_refused(export_dir, tmp_path):
     marker = tmp_path / "marker"
     pt2 = export_dir / "model.pt2"
-    _rewrite_pt2(pt2, lambda n, d: pickle.dumps(_Payload(marker)) if "sample_inputs" in n else d)
+    _rewrite_pt2(pt2, lambda n, d: pickle.dumps(Payload(marker)) if "sample_inputs" in n else d)
     with pytest.raises(UnsafeArtifactError, match="sample_inputs"):
         check_pt2_archive(pt2)
     _rewrite_pt2(pt2, lambda n, d: d if "sample_inputs" not in n else None)
     with zipfile.ZipFile(pt2, "a") as z:
         top = z.namelist()[0].split("/")[0]
-        z.writestr(f"{top}/data/constants/opaque_obj_0", pickle.dumps(_Payload(marker)))
+        z.writestr(f"{top}/data/constants/opaque_obj_0", pickle.dumps(Payload(marker)))
     with pytest.raises(UnsafeArtifactError, match="unexpected archive entry"):
         check_pt2_archive(pt2)
     assert not marker.exists()
