@@ -54,8 +54,20 @@ class PluginSpec:
     notes: str = ""  # which path the plugin takes, for docs and build logs
     namespace: str = "k3"
     version: str = "1"
-    qdp_aot: bool = False  # a single-kernel launch in QDP argument order exists (inputs, scalars, outputs)
+    # QDP aot_impl (one kernel in QDP argument order: inputs, scalars, outputs) exists: the dims it pins over
+    # the opt dims ({} none); None: no aot_impl, QDP registers `impl` only
+    qdp_aot_dims: dict | None = None
     paths: tuple[str, ...] = ("aot", "jit")  # implementations this plugin has
+
+    @classmethod
+    def of(cls, sig, **parts) -> PluginSpec:
+        """The plugin of an op family's signature (custom_ops/signature.py, read duck-typed): its ports with
+        their dtypes, its fields (the node attributes, all required), its output-shape and output-type rules;
+        `parts` are the rest (dims, check, plan, notes, ...)."""
+        ports = lambda ts: tuple(Port(t.name, t.dtypes, t.same_as) for t in ts)  # noqa: E731
+        return cls(name=sig.node, inputs=ports(sig.inputs), outputs=ports(sig.outputs),
+                   fields=tuple(Field(a.name, a.field_kind, None) for a in sig.node_attrs()),
+                   output_shapes=sig.output_shapes, output_dtypes=sig.output_dtypes, **parts)
 
     def resolve_path(self, requested: str) -> str:
         """The path this plugin takes when `requested` is asked for: it, or the one the plugin has (the
@@ -112,11 +124,3 @@ def dims_match(got: Sequence, want: Sequence) -> bool:
     """Shapes agree where both dims are known (None = unknown at this point of the build)."""
     return len(got) == len(want) and all(a is None or b is None or a == b for a, b in zip(got, want))
 
-
-def fields_of(node) -> tuple[Field, ...]:
-    """The plugin fields of a `k3::<Op>` node: exactly its NodeSpec attributes (custom_ops/onnx_node.py), in
-    order, all required — one source of truth for ONNX attributes and plugin fields."""
-    from ..custom_ops.onnx_node import AttrType
-
-    kinds = {AttrType.FLOAT: float, AttrType.INT: int, AttrType.STRING: str}
-    return tuple(Field(name, kinds[t], None) for name, t in node.fields)
