@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from . import aot
-from .core import PluginError, PluginSpec, workspace_layout
+from ..custom_ops.launch import workspace_layout
+from .core import PluginError, PluginSpec
 
 log = logging.getLogger("k3x.plugins")
 ERRORS: list[str] = []  # exceptions caught in plugin callbacks (an exception escaping into TensorRT aborts it)

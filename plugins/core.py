@@ -15,11 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from ..custom_ops.dtypes import FLOAT, ITEMSIZE, TRITON_POINTER
-from ..custom_ops.launch import Buffer, Launch, Plan, PlanError, Variant, cdiv, workspace_layout
+from ..custom_ops.dtypes import dtype_name
+from ..custom_ops.launch import Plan, run
 
-__all__ = ["FLOAT", "ITEMSIZE", "TRITON_POINTER", "Buffer", "Field", "Launch", "Plan", "PlanError", "PluginError",
-           "PluginSpec", "Port", "Variant", "cdiv", "dims_match", "fields_of", "workspace_layout"]
+__all__ = ["Field", "PluginError", "PluginSpec", "Port", "dims_match"]
 
 
 class PluginError(ValueError):
@@ -80,9 +79,6 @@ class PluginSpec:
 
     def jit(self, inputs: list, outputs: list, attrs: dict) -> None:
         """The JIT path: the plan run by Triton's JIT on torch tensors (TensorRT's buffers); outputs in place."""
-        from ..custom_ops.dtypes import dtype_name
-        from ..custom_ops.launch import run
-
         tensors = list(inputs) + list(outputs)
         dims = self.dims([tuple(t.shape) for t in inputs])
         plan = self.plan(dims, [dtype_name(t.dtype) for t in tensors], attrs)
