@@ -2,12 +2,13 @@
 `custom_ops/<family>/plugin.py`) and shared by every TensorRT front end (adapter.py, qdp.py).
 
 A `PluginSpec` states the node's I/O ports with the data types each accepts (LINEAR layout only), its fields
-(= the ONNX node attributes, read from the family's `NodeSpec`), the output-shape rule (the op's own
-`*_output_shape(s)` function), the output types, a shape check, and the family's launch plan
+(= the ONNX node attributes), the output-shape and output-type rules — all made from the family's signature
+(`PluginSpec.of`, custom_ops/signature.py) — a shape check, and the family's launch plan
 (`custom_ops/<family>/triton.plan`, custom_ops/launch.py), which the AOT path runs from cubins and the JIT
 path runs with Triton on torch tensors — the same plan the op's `triton` kernels execute.
 
-Nothing here imports TensorRT, torch or Triton, so specs can be checked on any machine.
+Nothing here imports TensorRT or Triton. (torch comes in through `k3x.custom_ops`, whose package import
+registers the ops, until the plan machinery it reads — dtypes, launch, signature — has a package of its own.)
 """
 
 from __future__ import annotations

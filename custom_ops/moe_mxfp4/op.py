@@ -5,9 +5,9 @@
                   top_k, routed_scaling_factor, renormalize, activation, situ_beta, situ_linear_beta, kernels,
                   expert_offset [1] int32 = None) -> u [N, L]
 (`expert_offset`: expert parallelism, as in `k3::moe`: E above is E_local for the expert tensors.)
-A sibling of `k3::moe` (same routing and expert math, `custom_ops/moe`), its own family so every stage
-(ONNX node, TensorRT plugin with uint8 ports, op counts) handles it through the registry; still one graph node
-per MoE layer. The model picks it when `K3Config.expert_format == "mxfp4"`. Torch-only; Triton lazily.
+A variant of `k3::moe` (same routing and expert math, `custom_ops/moe`): its `SIGNATURE` is moe's with the
+packed expert ports; its own family so every stage (ONNX node, TensorRT plugin with uint8 ports, op counts)
+handles it through the registry; still one graph node per MoE layer. The model picks it when `K3Config.expert_format == "mxfp4"`. Torch-only; Triton lazily.
 """
 
 from __future__ import annotations
