@@ -49,10 +49,11 @@ def imports() -> dict:
     from k3x.custom_ops.attn_res import reference as ar_ref
     from k3x.custom_ops.dtypes import FLOAT, dtype_name
     from k3x.custom_ops.kda import reference as kda_ref
+    from k3x.custom_ops.launch import workspace_layout
     from k3x.custom_ops.moe import reference as moe_ref
     from k3x.plugins import aot
     from k3x.plugins.adapter import compile_plan, run_plan, scratch_size
-    from k3x.plugins.core import Port, workspace_layout
+    from k3x.plugins.core import Port
 
     return dict(ar_ref=ar_ref, kda_ref=kda_ref, moe_ref=moe_ref, aot=aot, compile_plan=compile_plan,
                 run_plan=run_plan, scratch_size=scratch_size, workspace_layout=workspace_layout,

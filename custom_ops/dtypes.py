@@ -13,6 +13,9 @@ ITEMSIZE: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2, "int32": 4, "int64"
 FLOAT: tuple[str, ...] = ("fp32", "fp16", "bf16")  # float dtypes a model may be exported in
 TRITON_POINTER: dict[str, str] = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16", "int32": "*i32",
                                   "int64": "*i64", "uint8": "*u8", "int8": "*i8"}
+ONNX_TYPES: dict[str, str] = {"fp32": "tensor(float)", "fp16": "tensor(float16)", "bf16": "tensor(bfloat16)",
+                             "int32": "tensor(int32)", "int64": "tensor(int64)", "uint8": "tensor(uint8)",
+                             "int8": "tensor(int8)"}
 _TORCH_ATTR = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int32": "int32", "int64": "int64",
                "uint8": "uint8", "int8": "int8"}
 

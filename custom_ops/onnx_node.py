@@ -9,7 +9,8 @@ Notable choices:
 - Every node also carries `plugin_namespace="k3"` (TensorRT's parser looks plugins up by op_type +
   namespace); it is not a plugin field, so it is in `COMMON_ATTRIBUTES`.
 - Tensors whose dtype may differ get their own type variable (norm weights are fp32 while projection
-  weights are bf16; activations may differ from weights).
+  weights are bf16; activations may differ from weights); the variables are signature.TYPE_VARS.
+- A family's node is made from its signature (`NodeSpec.of(SIGNATURE)`, custom_ops/signature.py).
 - Function-body nodes are named `<Op>/<step>/<op_type>_<n>` (e.g. `MoE/route/TopK_7`); ONNX Runtime prefixes
   them with the calling node's name (`/model/layers.3/mlp/MoE`) when it inlines the function, so a profile
   or a Netron view maps back to the model.
@@ -23,24 +24,18 @@ import onnx
 from onnx import helper
 from onnx.defs import OpSchema
 
+from .dtypes import FLOAT, ONNX_TYPES
+from .signature import TYPE_VARS as SIGNATURE_TYPE_VARS, Signature
+
 DOMAIN = "k3"
 VERSION = 1
 PLUGIN_NAMESPACE = "k3"
 COMMON_ATTRIBUTES: dict[str, str] = {"plugin_namespace": PLUGIN_NAMESPACE}
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime contrib ops (LinearAttention)
 AttrType = OpSchema.AttrType
-FLOAT_TYPES = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
-TYPE_VARS = {
-    "T": (FLOAT_TYPES, "activations in the model dtype"),
-    "F": (["tensor(float)"], "fp32 gates / routing bias"),
-    "S": (["tensor(float)"], "fp32 recurrent state"),
-    "W": (FLOAT_TYPES, "weights"),
-    "N": (FLOAT_TYPES, "norm weights (fp32 in K3's precision plan, independent of W)"),
-    "G": (FLOAT_TYPES, "router weights (independent of the expert weights)"),
-    "O": (["tensor(int32)"], "expert_offset [1]: global id of the first local expert (expert parallelism)"),
-    "U": (["tensor(uint8)", "tensor(int8)"], "packed weights (two 4-bit codes per byte) and their E8M0 scale "
-                                             "bytes: uint8 (ort flavor) or the same bytes as int8 (trt flavor)"),
-}
+TYPE_VARS = {v: ([ONNX_TYPES[d] for d in dtypes], what) for v, (dtypes, what) in SIGNATURE_TYPE_VARS.items()}
+FLOAT_TYPES = [ONNX_TYPES[d] for d in FLOAT]
+ATTR_TYPES = {float: AttrType.FLOAT, int: AttrType.INT, str: AttrType.STRING}  # by Attr.field_kind (bool -> INT)
 
 
 @dataclass(frozen=True)
@@ -52,6 +47,13 @@ class NodeSpec:
     outputs: tuple[tuple[str, str], ...]
     fields: tuple[tuple[str, AttrType], ...]  # plugin fields = node attributes, in this order
     doc: str
+
+    @classmethod
+    def of(cls, sig: Signature) -> NodeSpec:
+        """The node of an op family's signature: every tensor port, the node attributes in order."""
+        return cls(sig.node, inputs=tuple((t.name, t.var) for t in sig.inputs),
+                   outputs=tuple((t.name, t.var) for t in sig.outputs),
+                   fields=tuple((a.name, ATTR_TYPES[a.field_kind]) for a in sig.node_attrs()), doc=sig.doc)
 
     def schema(self) -> OpSchema:
         used = [v for v in TYPE_VARS if any(t == v for _, t in self.inputs + self.outputs)]

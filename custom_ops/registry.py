@@ -3,11 +3,13 @@
     FAMILIES = ("kda", "attn_res", "moe", ...)      # one entry per family: its folder under custom_ops/
 
 A family folder `custom_ops/<name>/` has fixed roles (docs/architecture.md):
-    op.py         torch.library schema `k3::<name>`, fake impl, output-shape rule, `check_config` (limits)
+    op.py         `SIGNATURE` (custom_ops/signature.py: ports, dtypes, attributes, shape rule; it makes the
+                  torch schema and fake impl, the ONNX node spec, the plugin ports and the QDP functions),
+                  the torch op `k3::<name>`, `check_config` (limits)
     reference.py  PyTorch reference (fp32 oracle)
     triton.py     Triton kernels and their launch plan (`dims`, `plan`, torch launchers)
     onnx.py       `NODE` (ONNX node spec), `translate` (torch.onnx), `function` (ONNX Runtime body)
-    plugin.py     `SPEC` (TensorRT plugin spec) and `register_qdp`
+    plugin.py     `SPEC` (TensorRT plugin spec: the signature's ports plus shape check and launch plan)
 Roles other than op.py are imported only when asked for (`family.onnx`, `family.plugin`, `family.triton`),
 so torch-only use never imports onnx, Triton or TensorRT.
 """
@@ -17,10 +19,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Iterator
-
-if TYPE_CHECKING:
-    from ..model.config import K3Config
+from typing import Any, Iterator
 
 FAMILIES: tuple[str, ...] = ("kda", "attn_res", "moe", "moe_mxfp4")
 
@@ -71,8 +70,9 @@ def by_onnx_op(op_type: str) -> Family:
     raise KeyError(f"unknown ONNX op k3::{op_type} (known: {[f.onnx.NODE.op_type for f in families()]})")
 
 
-def check_config(cfg: K3Config, *, kernels: bool) -> str | None:
-    """The first reason any family's op cannot run `cfg`, or None. `kernels=True` adds the Triton kernel
+def check_config(cfg: Any, *, kernels: bool) -> str | None:
+    """The first reason any family's op cannot run `cfg` (a model config, read duck-typed: the op families sit
+    below model/, which calls this), or None. `kernels=True` adds the Triton kernel
     (and TensorRT plugin) limits; the reference limits always apply."""
     for f in families():
         reason = f.op.check_config(cfg, kernels=kernels)

@@ -1,11 +1,13 @@
 """The TensorRT plumbing shared by every op family's plugin (each family states its own plugin in
-`custom_ops/<family>/plugin.py`: a `PluginSpec` and `register_qdp`; the registry lists the families).
+`custom_ops/<family>/plugin.py`: a `PluginSpec` made from the family's signature; the registry lists the
+families).
 
 `core.py` is the spec type (ports and formats, fields, shape/type rules, the family's launch plan); `aot.py`
 compiles plans to cubins and launches them through the CUDA driver; `adapter.py` exposes a spec as an
-IPluginV3 creator (TensorRT 11 and TensorRT-RTX); `qdp.py` holds the bodies of the QDP decorator functions
-(TensorRT 11 only); `collectives.py` the AllReduce / AllGather plugins of rank programs (NCCL through
-torch.distributed), registered with the op families' creators. Each family's plugin docstring says which paths (aot, jit, QDP aot_impl/impl) it has.
+IPluginV3 creator (TensorRT 11 and TensorRT-RTX); `qdp.py` registers a spec's QDP decorator functions,
+made from its ports and fields (TensorRT 11 only); `collectives.py` the AllReduce / AllGather plugins of rank
+programs (NCCL through torch.distributed), registered with the op families' creators. Each family's plugin
+docstring says which paths (aot, jit, QDP aot_impl/impl) it has.
 """
 
 from __future__ import annotations
@@ -68,10 +70,9 @@ def register_qdp(*, sm: int, opt_dims: dict[str, dict]) -> None:
         import tensorrt.plugin as trtp
     except ImportError as e:
         raise PluginError(f"QDP plugins need TensorRT 11 (`pip install tensorrt-cu13`): {e}") from None
-    from ..custom_ops.registry import families
+    from . import qdp
 
-    for f in families():
-        m = f.plugin
-        m.register_qdp(trtp, sm=sm, opt_dims=opt_dims.get(m.SPEC.name, {}))
+    for name, spec in specs().items():
+        qdp.register(trtp, spec, sm=sm, opt_dims=opt_dims.get(name, {}))
 
 __all__ = ["PluginError", "PluginSpec", "register_creators", "register_qdp", "specs"]

@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from . import aot
-from .core import PluginError, PluginSpec, workspace_layout
+from ..custom_ops.launch import workspace_layout
+from .core import PluginError, PluginSpec
 
 log = logging.getLogger("k3x.plugins")
 ERRORS: list[str] = []  # exceptions caught in plugin callbacks (an exception escaping into TensorRT aborts it)
@@ -37,7 +38,7 @@ def format_failures() -> list[str]:
             in FORMATS.items() if refused]
 
 
-def _guard(default):
+def guard(default):
     """Run a plugin callback; on an exception record it in ERRORS (the builder raises them after the build)
     and return `default(self, *args)`, because a Python exception crossing into TensorRT kills the process."""
     def wrap(fn):
@@ -67,7 +68,7 @@ def to_trt_dtype(trt, name: str):
     return {v: getattr(trt.DataType, k) for k, v in TRT_DTYPE_NAMES.items()}[name]
 
 
-def _field_value(trt, f) -> Any:
+def field_value(trt, f) -> Any:
     data = np.asarray(f.data)
     if f.type == trt.PluginFieldType.CHAR:
         return data.astype(np.uint8).tobytes().rstrip(b"\0").decode()
@@ -76,7 +77,7 @@ def _field_value(trt, f) -> Any:
     return data.reshape(-1)[0].item()
 
 
-def _field(trt, name: str, value: Any):
+def plugin_field(trt, name: str, value: Any):
     if isinstance(value, bytes):
         return trt.PluginField(name, np.frombuffer(value, dtype=np.int8).copy(), trt.PluginFieldType.UNKNOWN)
     if isinstance(value, str):
@@ -116,7 +117,7 @@ class _Builder:
         return self.eb.operation(op, a, b)
 
 
-def _cuda_tensor(ptr: int, shape: tuple[int, ...], dtype: str):
+def cuda_tensor(ptr: int, shape: tuple[int, ...], dtype: str):
     """Zero-copy torch view of a TensorRT device buffer (bf16 travels as int16, then is re-viewed)."""
     import torch
 
@@ -202,11 +203,11 @@ def creator(trt, spec: PluginSpec, *, sm: int, path: str = "aot"):
             pass
 
         # ---- build
-        @_guard(lambda self, types: [types[0]] * len(spec.outputs))
+        @guard(lambda self, types: [types[0]] * len(spec.outputs))
         def get_output_data_types(self, input_types):
             return [to_trt_dtype(trt, t) for t in spec.output_dtypes([dtype_name(t) for t in input_types])]
 
-        @_guard(lambda self, inputs, *_: [inputs[0]] * len(spec.outputs))
+        @guard(lambda self, inputs, *_: [inputs[0]] * len(spec.outputs))
         def get_output_shapes(self, inputs, shape_inputs, expr_builder):
             b = _Builder(trt, expr_builder)
             shapes = [[_Sym(d[i], b) for i in range(len(d))] for d in inputs]
@@ -222,7 +223,7 @@ def creator(trt, spec: PluginSpec, *, sm: int, path: str = "aot"):
                 outs.append(de)
             return outs
 
-        @_guard(lambda self, *_: False)
+        @guard(lambda self, *_: False)
         def supports_format_combination(self, pos, in_out, num_inputs):
             if in_out[pos].desc.format != trt.TensorFormat.LINEAR:
                 return False
@@ -234,7 +235,7 @@ def creator(trt, spec: PluginSpec, *, sm: int, path: str = "aot"):
                 FORMATS.setdefault(key, set()).add(dtypes[pos])
             return spec.supports(pos, dtypes)
 
-        @_guard(lambda self, *_: None)
+        @guard(lambda self, *_: None)
         def configure_plugin(self, inp, out):
             dtypes = [dtype_name(d.desc.type) for d in list(inp) + list(out)]
             spec.check_dtypes(dtypes)
@@ -252,7 +253,7 @@ def creator(trt, spec: PluginSpec, *, sm: int, path: str = "aot"):
                 log.debug("k3::%s: %d AOT kernels for sm_%d: %s", spec.name, len(kernels), sm,
                           [k.name for k in kernels])
 
-        @_guard(lambda self, *_: 0)
+        @guard(lambda self, *_: 0)
         def get_workspace_size(self, inp, out):
             if path != "aot" or not self.config:
                 return 0
@@ -266,10 +267,10 @@ def creator(trt, spec: PluginSpec, *, sm: int, path: str = "aot"):
             return [1]
 
         def get_fields_to_serialize(self):
-            fields = [_field(trt, k, v) for k, v in self.attrs.items()]
-            fields.append(_field(trt, "k3_config", json.dumps(self.config, sort_keys=True)))
+            fields = [plugin_field(trt, k, v) for k, v in self.attrs.items()]
+            fields.append(plugin_field(trt, "k3_config", json.dumps(self.config, sort_keys=True)))
             if self.kernels_blob:
-                fields.append(_field(trt, "k3_kernels", self.kernels_blob))
+                fields.append(plugin_field(trt, "k3_kernels", self.kernels_blob))
             self._serialized = fields  # TensorRT reads the numpy buffers after we return: keep them alive
             return trt.PluginFieldCollection(fields)
 
@@ -283,7 +284,7 @@ def creator(trt, spec: PluginSpec, *, sm: int, path: str = "aot"):
         def attach_to_context(self, context):
             return self.clone()
 
-        @_guard(lambda self, *_: None)
+        @guard(lambda self, *_: None)
         def enqueue(self, input_desc, output_desc, inputs, outputs, workspace, stream):
             descs = list(input_desc) + list(output_desc)
             shapes = [tuple(d.dims) for d in descs]
@@ -293,7 +294,7 @@ def creator(trt, spec: PluginSpec, *, sm: int, path: str = "aot"):
                 import torch
 
                 with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-                    ts = [_cuda_tensor(p, s, t) for p, s, t in zip(ptrs, shapes, dtypes)]
+                    ts = [cuda_tensor(p, s, t) for p, s, t in zip(ptrs, shapes, dtypes)]
                     spec.jit(ts[:len(spec.inputs)], ts[len(spec.inputs):], self.attrs)
                 return
             if self._runtime is None:
@@ -308,11 +309,11 @@ def creator(trt, spec: PluginSpec, *, sm: int, path: str = "aot"):
             trt.IPluginCreatorV3One.__init__(self)
             self.name, self.plugin_namespace, self.plugin_version = spec.name, spec.namespace, spec.version
             self.field_names = trt.PluginFieldCollection(
-                [_field(trt, f.name, f.kind(f.default) if f.default is not None else f.kind()) for f in spec.fields])
+                [plugin_field(trt, f.name, f.kind(f.default) if f.default is not None else f.kind()) for f in spec.fields])
             self.path, self.sm = path, sm
 
         def create_plugin(self, name, fc, phase):
-            given = {f.name: _field_value(trt, f) for f in fc}
+            given = {f.name: field_value(trt, f) for f in fc}
             extra = {k: given.pop(k) for k in ("k3_kernels", "k3_config") if k in given}
             if isinstance(extra.get("k3_config"), bytes):
                 extra["k3_config"] = extra["k3_config"].decode()

@@ -23,7 +23,9 @@ import struct
 import zlib
 from dataclasses import asdict, dataclass
 
-from .core import TRITON_POINTER, Launch, PluginError
+from ..custom_ops.dtypes import TRITON_POINTER
+from ..custom_ops.launch import Launch
+from .core import PluginError
 
 MAGIC = b"K3AOT2\0\0"  # the cubins zlib-compressed (K3AOT1: raw, still read)
 _RAW_MAGIC = b"K3AOT1\0\0"

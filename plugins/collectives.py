@@ -65,7 +65,7 @@ def run(op: str, attrs: dict, x, y) -> None:
 
 def creator(trt, op: str):
     """An `IPluginCreatorV3One` for `op` (register with `register_creator(c, "k3")`)."""
-    from .adapter import _cuda_tensor, _field, _field_value, _guard, dtype_name
+    from .adapter import cuda_tensor, plugin_field, field_value, guard, dtype_name
 
     class Plugin(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild, trt.IPluginV3OneRuntime):
         def __init__(self, attrs: dict, node: str = ""):
@@ -87,11 +87,11 @@ def creator(trt, op: str):
         def destroy(self):
             pass
 
-        @_guard(lambda self, types: [types[0]])
+        @guard(lambda self, types: [types[0]])
         def get_output_data_types(self, input_types):
             return [input_types[0]]
 
-        @_guard(lambda self, inputs, *_: [inputs[0]])
+        @guard(lambda self, inputs, *_: [inputs[0]])
         def get_output_shapes(self, inputs, shape_inputs, expr_builder):
             d = inputs[0]
             out = trt.DimsExprs(len(d))
@@ -102,7 +102,7 @@ def creator(trt, op: str):
                                                 expr_builder.constant(self.attrs["group_size"]))
             return [out]
 
-        @_guard(lambda self, *_: False)
+        @guard(lambda self, *_: False)
         def supports_format_combination(self, pos, in_out, num_inputs):
             desc = in_out[pos].desc
             if desc.format != trt.TensorFormat.LINEAR or dtype_name(desc.type) not in TYPES:
@@ -119,7 +119,7 @@ def creator(trt, op: str):
             return [1]
 
         def get_fields_to_serialize(self):
-            self._serialized = [_field(trt, k, v) for k, v in self.attrs.items()]  # kept alive for TensorRT
+            self._serialized = [plugin_field(trt, k, v) for k, v in self.attrs.items()]  # kept alive for TensorRT
             return trt.PluginFieldCollection(self._serialized)
 
         def set_tactic(self, tactic):
@@ -131,27 +131,27 @@ def creator(trt, op: str):
         def attach_to_context(self, context):
             return self.clone()
 
-        @_guard(lambda self, *_: None)
+        @guard(lambda self, *_: None)
         def enqueue(self, input_desc, output_desc, inputs, outputs, workspace, stream):
             import torch
 
             t = dtype_name(input_desc[0].type)
             with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-                x = _cuda_tensor(inputs[0], tuple(input_desc[0].dims), t)
-                y = _cuda_tensor(outputs[0], tuple(output_desc[0].dims), t)
+                x = cuda_tensor(inputs[0], tuple(input_desc[0].dims), t)
+                y = cuda_tensor(outputs[0], tuple(output_desc[0].dims), t)
                 run(op, self.attrs, x, y)
 
     class Creator(trt.IPluginCreatorV3One):
         def __init__(self):
             trt.IPluginCreatorV3One.__init__(self)
             self.name, self.plugin_namespace, self.plugin_version = op, NAMESPACE, VERSION
-            self.field_names = trt.PluginFieldCollection([_field(trt, n, k()) for n, k in FIELDS[op]])
+            self.field_names = trt.PluginFieldCollection([plugin_field(trt, n, k()) for n, k in FIELDS[op]])
 
         def create_plugin(self, name, fc, phase):
             from .adapter import ERRORS
 
             try:
-                return Plugin(check_attrs(op, {f.name: _field_value(trt, f) for f in fc}), node=name)
+                return Plugin(check_attrs(op, {f.name: field_value(trt, f) for f in fc}), node=name)
             except PluginError as e:  # an exception escaping into TensorRT aborts it; the builder reports ERRORS
                 ERRORS.append(f"node {name!r}: {e}")
                 return None

@@ -2,12 +2,13 @@
 `custom_ops/<family>/plugin.py`) and shared by every TensorRT front end (adapter.py, qdp.py).
 
 A `PluginSpec` states the node's I/O ports with the data types each accepts (LINEAR layout only), its fields
-(= the ONNX node attributes, read from the family's `NodeSpec`), the output-shape rule (the op's own
-`*_output_shape(s)` function), the output types, a shape check, and the family's launch plan
+(= the ONNX node attributes), the output-shape and output-type rules — all made from the family's signature
+(`PluginSpec.of`, custom_ops/signature.py) — a shape check, and the family's launch plan
 (`custom_ops/<family>/triton.plan`, custom_ops/launch.py), which the AOT path runs from cubins and the JIT
 path runs with Triton on torch tensors — the same plan the op's `triton` kernels execute.
 
-Nothing here imports TensorRT, torch or Triton, so specs can be checked on any machine.
+Nothing here imports TensorRT or Triton. (torch comes in through `k3x.custom_ops`, whose package import
+registers the ops, until the plan machinery it reads — dtypes, launch, signature — has a package of its own.)
 """
 
 from __future__ import annotations
@@ -15,11 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from ..custom_ops.dtypes import FLOAT, ITEMSIZE, TRITON_POINTER
-from ..custom_ops.launch import Buffer, Launch, Plan, PlanError, Variant, cdiv, workspace_layout
+from ..custom_ops.dtypes import dtype_name
+from ..custom_ops.launch import Plan, run
 
-__all__ = ["FLOAT", "ITEMSIZE", "TRITON_POINTER", "Buffer", "Field", "Launch", "Plan", "PlanError", "PluginError",
-           "PluginSpec", "Port", "Variant", "cdiv", "dims_match", "fields_of", "workspace_layout"]
+__all__ = ["Field", "PluginError", "PluginSpec", "Port", "dims_match"]
 
 
 class PluginError(ValueError):
@@ -54,8 +54,20 @@ class PluginSpec:
     notes: str = ""  # which path the plugin takes, for docs and build logs
     namespace: str = "k3"
     version: str = "1"
-    qdp_aot: bool = False  # a single-kernel launch in QDP argument order exists (inputs, scalars, outputs)
+    # QDP aot_impl (one kernel in QDP argument order: inputs, scalars, outputs) exists: the dims it pins over
+    # the opt dims ({} none); None: no aot_impl, QDP registers `impl` only
+    qdp_aot_dims: dict | None = None
     paths: tuple[str, ...] = ("aot", "jit")  # implementations this plugin has
+
+    @classmethod
+    def of(cls, sig, **parts) -> PluginSpec:
+        """The plugin of an op family's signature (custom_ops/signature.py, read duck-typed): its ports with
+        their dtypes, its fields (the node attributes, all required), its output-shape and output-type rules;
+        `parts` are the rest (dims, check, plan, notes, ...)."""
+        ports = lambda ts: tuple(Port(t.name, t.dtypes, t.same_as) for t in ts)  # noqa: E731
+        return cls(name=sig.node, inputs=ports(sig.inputs), outputs=ports(sig.outputs),
+                   fields=tuple(Field(a.name, a.field_kind, None) for a in sig.node_attrs()),
+                   output_shapes=sig.output_shapes, output_dtypes=sig.output_dtypes, **parts)
 
     def resolve_path(self, requested: str) -> str:
         """The path this plugin takes when `requested` is asked for: it, or the one the plugin has (the
@@ -68,9 +80,6 @@ class PluginSpec:
 
     def jit(self, inputs: list, outputs: list, attrs: dict) -> None:
         """The JIT path: the plan run by Triton's JIT on torch tensors (TensorRT's buffers); outputs in place."""
-        from ..custom_ops.dtypes import dtype_name
-        from ..custom_ops.launch import run
-
         tensors = list(inputs) + list(outputs)
         dims = self.dims([tuple(t.shape) for t in inputs])
         plan = self.plan(dims, [dtype_name(t.dtype) for t in tensors], attrs)
@@ -112,11 +121,3 @@ def dims_match(got: Sequence, want: Sequence) -> bool:
     """Shapes agree where both dims are known (None = unknown at this point of the build)."""
     return len(got) == len(want) and all(a is None or b is None or a == b for a, b in zip(got, want))
 
-
-def fields_of(node) -> tuple[Field, ...]:
-    """The plugin fields of a `k3::<Op>` node: exactly its NodeSpec attributes (custom_ops/onnx_node.py), in
-    order, all required — one source of truth for ONNX attributes and plugin fields."""
-    from ..custom_ops.onnx_node import AttrType
-
-    kinds = {AttrType.FLOAT: float, AttrType.INT: int, AttrType.STRING: str}
-    return tuple(Field(name, kinds[t], None) for name, t in node.fields)

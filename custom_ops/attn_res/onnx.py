@@ -6,16 +6,10 @@ from __future__ import annotations
 
 import onnx
 
-from ..onnx_node import COMMON_ATTRIBUTES, AttrType, Body, NodeSpec, opset, static
+from ..onnx_node import COMMON_ATTRIBUTES, Body, NodeSpec, opset, static
+from .op import SIGNATURE
 
-NODE = NodeSpec(
-    "AttnRes",
-    inputs=(("prefix", "T"), ("bank", "T"), ("norm_weight", "N"), ("proj_weight", "W")),
-    outputs=(("out", "T"),),
-    fields=(("eps", AttrType.FLOAT), ("hidden_size", AttrType.INT)),
-    doc="Block Attention Residuals mixer: prefix [..., d], bank [..., N, d], norm_weight [d], proj_weight [d] "
-        "-> [..., d]; softmax over N + 1 RMS-normalised sources, in fp32. Same contract as torch.ops.k3.attn_res.",
-)
+NODE = NodeSpec.of(SIGNATURE)
 NODE.register()  # onnx.checker and the exporter need the schema before any node is emitted
 
 

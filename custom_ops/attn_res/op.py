@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import Kernels, require_kernels
+from ..signature import KERNELS, Attr, Signature, TensorPort
 from . import reference
 
 
@@ -32,7 +33,19 @@ def attn_res_output_shape(prefix_shape):
     return tuple(prefix_shape)
 
 
-@torch.library.custom_op("k3::attn_res", mutates_args=())
+SIGNATURE = Signature(
+    "attn_res", "AttnRes",
+    inputs=(TensorPort("prefix", "T"), TensorPort("bank", "T", "prefix"), TensorPort("norm_weight", "N"),
+            TensorPort("proj_weight", "W")),
+    outputs=(TensorPort("out", "T", "prefix"),),
+    attrs=(Attr("eps", float), Attr("hidden_size", int, op=False), KERNELS),
+    shapes=lambda s: [attn_res_output_shape(s[0])],
+    doc="Block Attention Residuals mixer: prefix [..., d], bank [..., N, d], norm_weight [d], proj_weight [d] "
+        "-> [..., d]; softmax over N + 1 RMS-normalised sources, in fp32. Same contract as torch.ops.k3.attn_res.",
+)
+
+
+@SIGNATURE.define
 def _attn_res(prefix: Tensor, bank: Tensor, norm_weight: Tensor, proj_weight: Tensor, eps: float,
               kernels: str) -> Tensor:
     if require_kernels("k3::attn_res", kernels, prefix, bank, norm_weight, proj_weight) is Kernels.TRITON:
@@ -40,11 +53,6 @@ def _attn_res(prefix: Tensor, bank: Tensor, norm_weight: Tensor, proj_weight: Te
 
         return triton.attn_res(prefix, bank, norm_weight, proj_weight, eps)
     return reference.attn_res(prefix, bank, norm_weight, proj_weight, eps)
-
-
-@_attn_res.register_fake
-def _(prefix, bank, norm_weight, proj_weight, eps, kernels):
-    return prefix.new_empty(attn_res_output_shape(prefix.shape))
 
 
 def attn_res(prefix: Tensor, bank: Tensor, norm_weight: Tensor, proj_weight: Tensor, *, eps: float,

@@ -2,7 +2,7 @@
 
     AttnRes(prefix [..., d], bank [..., N, d] (prefix's dtype, fp32|fp16|bf16), norm_weight [d], proj_weight [d]
             (fp32|fp16|bf16 each); eps, hidden_size) -> out [..., d] (prefix's dtype).  LINEAR only.
-    Output shape: `attn_res_output_shape` (op.py).
+    Ports, fields, output shape and type: `SIGNATURE` (op.py).
 
 One kernel, one program per token row (grid R = prod(prefix.shape[:-1])), N, d and eps specialised into the
 code. Paths: IPluginV3 "aot" and QDP `aot_impl` embed the same cubin; "jit" runs the plan with Triton's JIT.
@@ -10,10 +10,9 @@ code. Paths: IPluginV3 "aot" and QDP `aot_impl` embed the same cubin; "jit" runs
 
 from __future__ import annotations
 
-from ...plugins.core import FLOAT, PluginSpec, Port, dims_match, fields_of
+from ...plugins.core import PluginSpec, dims_match
 from . import triton as kt
-from .onnx import NODE
-from .op import KERNEL_MAX_BANK, attn_res_output_shape
+from .op import KERNEL_MAX_BANK, SIGNATURE
 
 
 def check(shapes, attrs: dict) -> str | None:
@@ -34,37 +33,7 @@ def check(shapes, attrs: dict) -> str | None:
     return None
 
 
-SPEC = PluginSpec(
-    name=NODE.op_type,
-    inputs=(Port("prefix", FLOAT), Port("bank", FLOAT, "prefix"), Port("norm_weight", FLOAT),
-            Port("proj_weight", FLOAT)),
-    outputs=(Port("out", FLOAT, "prefix"),),
-    fields=fields_of(NODE),
-    output_shapes=lambda s: [attn_res_output_shape(s[0])],
-    output_dtypes=lambda t: [t[0]],
-    dims=kt.dims, check=check, plan=kt.plan, qdp_aot=True,
+SPEC = PluginSpec.of(
+    SIGNATURE, dims=kt.dims, check=check, plan=kt.plan, qdp_aot_dims={},
     notes="IPluginV3 aot and QDP aot_impl: one cubin (_attn_res_kernel)",
 )
-
-
-def register_qdp(trtp, *, sm: int, opt_dims: dict) -> None:
-    """TensorRT 11 QDP registration of `k3::AttnRes` (needs `tensorrt.plugin`)."""
-    from ...plugins import qdp
-
-    @trtp.register("k3::AttnRes")
-    def _desc(prefix: trtp.TensorDesc, bank: trtp.TensorDesc, norm_weight: trtp.TensorDesc,
-              proj_weight: trtp.TensorDesc, eps: float, hidden_size: int) -> trtp.TensorDesc:
-        return qdp.output_descs(trtp, SPEC, [prefix, bank, norm_weight, proj_weight], {})
-
-    @trtp.autotune("k3::AttnRes")
-    def _tune(prefix, bank, norm_weight, proj_weight, outputs):
-        return qdp.autotune(trtp, SPEC)
-
-    @trtp.impl("k3::AttnRes")
-    def _impl(prefix, bank, norm_weight, proj_weight, eps: float, hidden_size: int, outputs, stream: int) -> None:
-        qdp.jit(SPEC, [prefix, bank, norm_weight, proj_weight], list(outputs), {"eps": eps}, stream)
-
-    @trtp.aot_impl("k3::AttnRes")
-    def _aot(prefix, bank, norm_weight, proj_weight, eps: float, hidden_size: int, outputs, tactic: int):
-        return qdp.aot(trtp, SPEC, [prefix, bank, norm_weight, proj_weight], list(outputs),
-                       {"eps": eps, "hidden_size": hidden_size}, sm, opt_dims)

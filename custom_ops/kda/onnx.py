@@ -11,19 +11,10 @@ from __future__ import annotations
 
 import onnx
 
-from ..onnx_node import COMMON_ATTRIBUTES, MS_DOMAIN, AttrType, Body, NodeSpec, opset, static
+from ..onnx_node import COMMON_ATTRIBUTES, MS_DOMAIN, Body, NodeSpec, opset, static
+from .op import SIGNATURE
 
-NODE = NodeSpec(
-    "KDA",
-    inputs=(("q", "T"), ("k", "T"), ("v", "T"), ("g", "F"), ("beta", "F"), ("initial_state", "S")),
-    outputs=(("o", "T"), ("final_state", "S")),
-    fields=(("scale", AttrType.FLOAT), ("num_heads", AttrType.INT), ("head_dim", AttrType.INT),
-            ("value_dim", AttrType.INT), ("gate_lower_bound", AttrType.FLOAT)),
-    doc="Kimi Delta Attention (gated delta rule, per-key decay). q, k [B, T, H, K] L2-normalised; "
-        "v [B, T, H, V]; g [B, T, H, K] log-decay; beta [B, T, H] post-sigmoid; initial_state [B, H, K, V] "
-        "fp32 -> o [B, T, H, V], final_state [B, H, K, V] fp32. Same contract as torch.ops.k3.kda. "
-        "gate_lower_bound: g >= it everywhere (0 = no bound); selects the kernel, not the math.",
-)
+NODE = NodeSpec.of(SIGNATURE)
 NODE.register()  # onnx.checker and the exporter need the schema before any node is emitted
 
 

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import Kernels, require_kernels
+from ..signature import KERNELS, Attr, Signature, TensorPort
 from . import reference
 
 
@@ -42,7 +43,22 @@ def kda_output_shapes(q_shape, v_shape):
     return (B, T, H, V), (B, H, K, V)
 
 
-@torch.library.custom_op("k3::kda", mutates_args=())
+SIGNATURE = Signature(
+    "kda", "KDA",
+    inputs=(TensorPort("q", "T"), TensorPort("k", "T", "q"), TensorPort("v", "T", "q"), TensorPort("g", "F"), TensorPort("beta", "F"),
+            TensorPort("initial_state", "S")),
+    outputs=(TensorPort("o", "T", "v"), TensorPort("final_state", "S")),
+    attrs=(Attr("scale", float), Attr("num_heads", int, op=False), Attr("head_dim", int, op=False),
+           Attr("value_dim", int, op=False), KERNELS, Attr("gate_lower_bound", float, 0.0)),
+    shapes=lambda s: kda_output_shapes(s[0], s[2]),
+    doc="Kimi Delta Attention (gated delta rule, per-key decay). q, k [B, T, H, K] L2-normalised; "
+        "v [B, T, H, V]; g [B, T, H, K] log-decay; beta [B, T, H] post-sigmoid; initial_state [B, H, K, V] "
+        "fp32 -> o [B, T, H, V], final_state [B, H, K, V] fp32. Same contract as torch.ops.k3.kda. "
+        "gate_lower_bound: g >= it everywhere (0 = no bound); selects the kernel, not the math.",
+)
+
+
+@SIGNATURE.define
 def _kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor, scale: float,
          kernels: str, gate_lower_bound: float = 0.0) -> tuple[Tensor, Tensor]:
     if require_kernels("k3::kda", kernels, q, k, v, g, beta, initial_state) is Kernels.TRITON:
@@ -53,12 +69,6 @@ def _kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state
     if q.shape[1] == 1:
         return reference.kda_recurrent(q, k, v, g, beta, scale=scale, initial_state=initial_state)
     return reference.kda_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state)
-
-
-@_kda.register_fake
-def _(q, k, v, g, beta, initial_state, scale, kernels, gate_lower_bound=0.0):
-    o_shape, s_shape = kda_output_shapes(q.shape, v.shape)
-    return v.new_empty(o_shape), initial_state.new_empty(s_shape, dtype=torch.float32)
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
     KDA(q, k, v [B, T, H, K|V] fp32|fp16|bf16 (one dtype), g [B, T, H, K] fp32, beta [B, T, H] fp32,
         initial_state [B, H, K, V] fp32; scale, num_heads, head_dim, value_dim, gate_lower_bound) -> (o [B, T, H, V] (v's dtype),
-        final_state [B, H, K, V] fp32).  LINEAR only.  Output shapes: `kda_output_shapes` (op.py).
+        final_state [B, H, K, V] fp32).  LINEAR only.  Ports, fields, output shapes and types: `SIGNATURE` (op.py).
 
 Kernels per runtime T, as the op runs them (`triton.plan`): T <= RECURRENT_MAX_T -> the recurrent kernel (one
 launch, arguments already in QDP order: inputs, int32 scalars, outputs); above -> the chunked pair
@@ -15,10 +15,9 @@ IPluginV3 path for prefill engines. "jit" runs the same plan with Triton's JIT.
 
 from __future__ import annotations
 
-from ...plugins.core import FLOAT, PluginSpec, Port, dims_match, fields_of
+from ...plugins.core import PluginSpec, dims_match
 from . import triton as kt
-from .onnx import NODE
-from .op import KERNEL_HEAD_DIM, kda_output_shapes
+from .op import KERNEL_HEAD_DIM, SIGNATURE
 
 
 def check(shapes, attrs: dict) -> str | None:
@@ -41,43 +40,7 @@ def check(shapes, attrs: dict) -> str | None:
     return None
 
 
-SPEC = PluginSpec(
-    name=NODE.op_type,
-    inputs=(Port("q", FLOAT), Port("k", FLOAT, "q"), Port("v", FLOAT, "q"), Port("g", ("fp32",)),
-            Port("beta", ("fp32",)), Port("initial_state", ("fp32",))),
-    outputs=(Port("o", FLOAT, "v"), Port("final_state", ("fp32",))),
-    fields=fields_of(NODE),
-    output_shapes=lambda s: list(kda_output_shapes(s[0], s[2])),
-    output_dtypes=lambda t: [t[2], "fp32"],
-    dims=kt.dims, check=check, plan=kt.plan, qdp_aot=True,
+SPEC = PluginSpec.of(
+    SIGNATURE, dims=kt.dims, check=check, plan=kt.plan, qdp_aot_dims={"T": 1},
     notes="IPluginV3 aot: recurrent (T<=16) or chunked intra+state (T>16) cubins; QDP aot_impl: recurrent only",
 )
-
-
-def register_qdp(trtp, *, sm: int, opt_dims: dict) -> None:
-    """TensorRT 11 QDP registration of `k3::KDA` (needs `tensorrt.plugin`)."""
-    from typing import Tuple
-
-    from ...plugins import qdp
-
-    @trtp.register("k3::KDA")
-    def _desc(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDesc, g: trtp.TensorDesc, beta: trtp.TensorDesc,
-              initial_state: trtp.TensorDesc, scale: float, num_heads: int, head_dim: int,
-              value_dim: int, gate_lower_bound: float) -> Tuple[trtp.TensorDesc, trtp.TensorDesc]:
-        return qdp.output_descs(trtp, SPEC, [q, k, v, g, beta, initial_state], {})
-
-    @trtp.autotune("k3::KDA")
-    def _tune(q, k, v, g, beta, initial_state, outputs):
-        return qdp.autotune(trtp, SPEC)
-
-    @trtp.impl("k3::KDA")
-    def _impl(q, k, v, g, beta, initial_state, scale: float, num_heads: int, head_dim: int, value_dim: int,
-              gate_lower_bound: float, outputs, stream: int) -> None:
-        qdp.jit(SPEC, [q, k, v, g, beta, initial_state], list(outputs),
-                {"scale": scale, "gate_lower_bound": gate_lower_bound}, stream)
-
-    @trtp.aot_impl("k3::KDA")
-    def _aot(q, k, v, g, beta, initial_state, scale: float, num_heads: int, head_dim: int, value_dim: int,
-             gate_lower_bound: float, outputs, tactic: int):
-        return qdp.aot(trtp, SPEC, [q, k, v, g, beta, initial_state], list(outputs),
-                       {"scale": scale, "gate_lower_bound": gate_lower_bound}, sm, opt_dims | {"T": 1})

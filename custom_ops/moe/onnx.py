@@ -16,25 +16,12 @@ from typing import Callable
 import onnx
 from onnx import TensorProto, helper
 
-from ..onnx_node import COMMON_ATTRIBUTES, AttrType, Body, NodeSpec, opset, static
+from ..onnx_node import COMMON_ATTRIBUTES, Body, NodeSpec, opset, static
+from .op import SIGNATURE
 
 FLOAT, INT64, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
 
-NODE = NodeSpec(
-    "MoE",
-    inputs=(("x", "T"), ("z", "T"), ("gate_weight", "G"), ("gate_bias", "F"), ("w1", "W"), ("w3", "W"),
-            ("w2", "W"), ("expert_offset", "O")),
-    outputs=(("u", "T"),),
-    fields=(("top_k", AttrType.INT), ("routed_scaling_factor", AttrType.FLOAT), ("renormalize", AttrType.INT),
-            ("activation", AttrType.STRING), ("situ_beta", AttrType.FLOAT), ("situ_linear_beta", AttrType.FLOAT),
-            ("num_experts", AttrType.INT), ("hidden_size", AttrType.INT), ("expert_dim", AttrType.INT),
-            ("intermediate_size", AttrType.INT)),
-    doc="Routed MoE: sigmoid router on x [N, d] (gate_weight [EG, d]), top_k on scores + gate_bias [EG], weights "
-        "from unbiased scores (renormalised, x routed_scaling_factor); experts w1, w3 [E, I, L], w2 [E, L, I] on "
-        "z [N, L] with SiTU-GLU or SiLU-GLU -> u [N, L], summed over the pairs routed to experts "
-        "[expert_offset, expert_offset + E) (expert parallelism; EG = E, offset 0 on one GPU). Same contract as "
-        "torch.ops.k3.moe.",
-)
+NODE = NodeSpec.of(SIGNATURE)
 NODE.register()  # onnx.checker and the exporter need the schema before any node is emitted
 
 

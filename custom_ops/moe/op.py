@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import Kernels, require_kernels
+from ..signature import KERNELS, Attr, Signature, TensorPort
 from . import reference
 
 
@@ -50,7 +51,26 @@ class MoEOptions:
                 float(self.situ_beta), float(self.situ_linear_beta))
 
 
-@torch.library.custom_op("k3::moe", mutates_args=())
+SIGNATURE = Signature(
+    "moe", "MoE",
+    inputs=(TensorPort("x", "T"), TensorPort("z", "T", "x"), TensorPort("gate_weight", "G"),
+            TensorPort("gate_bias", "F"), TensorPort("w1", "W"), TensorPort("w3", "W", "w1"),
+            TensorPort("w2", "W", "w1"), TensorPort("expert_offset", "O", optional=True)),
+    outputs=(TensorPort("u", "T", "z"),),
+    attrs=(Attr("top_k", int), Attr("routed_scaling_factor", float), Attr("renormalize", bool),
+           Attr("activation", str), Attr("situ_beta", float), Attr("situ_linear_beta", float),
+           *(Attr(n, int, op=False) for n in ("num_experts", "hidden_size", "expert_dim", "intermediate_size")),
+           KERNELS),
+    shapes=lambda s: [moe_output_shape(s[1])],
+    doc="Routed MoE: sigmoid router on x [N, d] (gate_weight [EG, d]), top_k on scores + gate_bias [EG], weights "
+        "from unbiased scores (renormalised, x routed_scaling_factor); experts w1, w3 [E, I, L], w2 [E, L, I] on "
+        "z [N, L] with SiTU-GLU or SiLU-GLU -> u [N, L], summed over the pairs routed to experts "
+        "[expert_offset, expert_offset + E) (expert parallelism; EG = E, offset 0 on one GPU). Same contract as "
+        "torch.ops.k3.moe.",
+)
+
+
+@SIGNATURE.define
 def _moe(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
          top_k: int, routed_scaling_factor: float, renormalize: bool, activation: str, situ_beta: float,
          situ_linear_beta: float, kernels: str, expert_offset: Optional[Tensor] = None) -> Tensor:
@@ -61,12 +81,6 @@ def _moe(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tenso
 
         return triton.moe(*args)
     return reference.moe(*args)
-
-
-@_moe.register_fake
-def _(x, z, gate_weight, gate_bias, w1, w3, w2, top_k, routed_scaling_factor, renormalize, activation,
-      situ_beta, situ_linear_beta, kernels, expert_offset=None):
-    return z.new_empty(moe_output_shape(z.shape))
 
 
 def moe(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, *,

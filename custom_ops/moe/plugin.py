@@ -4,8 +4,8 @@
         w1, w3 [E, I, L], w2 [E, L, I] (one dtype, fp32|fp16|bf16), expert_offset [1] int32 (the first local
         expert's global id; EG = E and 0 on one GPU); top_k, routed_scaling_factor, renormalize,
         activation, situ_beta, situ_linear_beta, num_experts, hidden_size, expert_dim, intermediate_size)
-        -> u [N, L] (z's dtype).  LINEAR only; N dynamic, d/L/E/I static (weights).  Output shape:
-    `moe_output_shape` (op.py) — static (= z's shape) although the work inside is data-dependent.
+        -> u [N, L] (z's dtype).  LINEAR only; N dynamic, d/L/E/I static (weights).  Ports, fields, output
+    shape and type: `SIGNATURE` (op.py) — the shape static (= z's) although the work inside is data-dependent.
 
 Eight launches in one variant (router -> top-k -> align count / scan / scatter -> GEMM1 -> GEMM2 -> sum), the
 intermediates in the TensorRT workspace, sized for the worst case so grids and workspace depend on N alone
@@ -16,10 +16,9 @@ with Triton's JIT (debugging). QDP (TensorRT 11): `impl` only — `aot_impl` car
 
 from __future__ import annotations
 
-from ...plugins.core import FLOAT, PluginSpec, Port, dims_match, fields_of
+from ...plugins.core import PluginSpec, dims_match
 from . import triton as kt
-from .onnx import NODE
-from .op import moe_output_shape
+from .op import SIGNATURE
 
 
 def check(shapes, attrs: dict) -> str | None:
@@ -44,41 +43,7 @@ def check(shapes, attrs: dict) -> str | None:
     return None
 
 
-SPEC = PluginSpec(
-    name=NODE.op_type,
-    inputs=(Port("x", FLOAT), Port("z", FLOAT, "x"), Port("gate_weight", FLOAT), Port("gate_bias", ("fp32",)),
-            Port("w1", FLOAT), Port("w3", FLOAT, "w1"), Port("w2", FLOAT, "w1"), Port("expert_offset", ("int32",))),
-    outputs=(Port("u", FLOAT, "z"),),
-    fields=fields_of(NODE),
-    output_shapes=lambda s: [moe_output_shape(s[1])],
-    output_dtypes=lambda t: [t[1]],
-    dims=kt.dims, check=check, plan=kt.plan,
+SPEC = PluginSpec.of(
+    SIGNATURE, dims=kt.dims, check=check, plan=kt.plan,
     notes="IPluginV3 aot: 8 cubins (router, top-k, align count/scan/scatter, GEMM1, GEMM2, sum); QDP: impl only",
 )
-
-
-def register_qdp(trtp, *, sm: int, opt_dims: dict) -> None:
-    """TensorRT 11 QDP registration of `k3::MoE` (JIT `impl` only: `aot_impl` carries one kernel, MoE needs
-    eight; needs `tensorrt.plugin`)."""
-    from ...plugins import qdp
-
-    @trtp.register("k3::MoE")
-    def _desc(x: trtp.TensorDesc, z: trtp.TensorDesc, gate_weight: trtp.TensorDesc, gate_bias: trtp.TensorDesc,
-              w1: trtp.TensorDesc, w3: trtp.TensorDesc, w2: trtp.TensorDesc, expert_offset: trtp.TensorDesc,
-              top_k: int, routed_scaling_factor: float,
-              renormalize: int, activation: str, situ_beta: float, situ_linear_beta: float, num_experts: int,
-              hidden_size: int, expert_dim: int, intermediate_size: int) -> trtp.TensorDesc:
-        return qdp.output_descs(trtp, SPEC, [x, z, gate_weight, gate_bias, w1, w3, w2, expert_offset], {})
-
-    @trtp.autotune("k3::MoE")
-    def _tune(x, z, gate_weight, gate_bias, w1, w3, w2, expert_offset, outputs):
-        return qdp.autotune(trtp, SPEC)
-
-    @trtp.impl("k3::MoE")
-    def _impl(x, z, gate_weight, gate_bias, w1, w3, w2, expert_offset, top_k: int, routed_scaling_factor: float,
-              renormalize: int,
-              activation: str, situ_beta: float, situ_linear_beta: float, num_experts: int, hidden_size: int,
-              expert_dim: int, intermediate_size: int, outputs, stream: int) -> None:
-        attrs = {"top_k": top_k, "routed_scaling_factor": routed_scaling_factor, "renormalize": renormalize,
-                 "activation": activation, "situ_beta": situ_beta, "situ_linear_beta": situ_linear_beta}
-        qdp.jit(SPEC, [x, z, gate_weight, gate_bias, w1, w3, w2, expert_offset], list(outputs), attrs, stream)

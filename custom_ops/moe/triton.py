@@ -19,7 +19,7 @@ Pipeline of `moe`:
      only (CUDA graphs, TensorRT AOT plugins).
   3. `_moe_gemm1_kernel`: grouped GEMM over tiles (row block × column block), A rows gathered from z by token
      id; gate (w1) and up (w3) rows of the same expert interleaved into one [2·BN, BK] operand (w3's rows
-     addressed from w1's base, `_offset_to`), so each k step is one wide dot; SiTU-GLU or SiLU-GLU on each
+     addressed from w1's base, `offset_to`), so each k step is one wide dot; SiTU-GLU or SiLU-GLU on each
      (gate, up) column pair in the fp32 epilogue; h [P, I] in z's dtype.
   4. `_moe_gemm2_kernel`: h @ w2ᵀ per tile, epilogue × routing weight (fp32), rows scattered to y [NK, L] in
      z's dtype by pair id (un-permute).
@@ -209,7 +209,7 @@ def _moe_align_scatter_kernel(
 
 
 @triton.jit
-def _tile(t, num_m, num_n, block_expert, GROUP_M: tl.constexpr):
+def tile_coords(t, num_m, num_n, block_expert, GROUP_M: tl.constexpr):
     """Tile t of a grouped GEMM -> (row block, column block, expert or -1). GROUP_M swizzle: GROUP_M
     consecutive row blocks sweep all column blocks together, so each weight tile is read from HBM about once."""
     in_group = GROUP_M * num_n
@@ -220,7 +220,7 @@ def _tile(t, num_m, num_n, block_expert, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _tile_pairs(pid_m, sorted_pair, NK, BM: tl.constexpr):
+def tile_pairs(pid_m, sorted_pair, NK, BM: tl.constexpr):
     """Rows of row block pid_m -> (row indices [BM], their (token, slot) pairs, which pairs are real: padding
     rows hold NK)."""
     o_m = pid_m * BM + tl.arange(0, BM)
@@ -229,7 +229,7 @@ def _tile_pairs(pid_m, sorted_pair, NK, BM: tl.constexpr):
 
 
 @triton.jit
-def _offset_to(p, q):
+def offset_to(p, q):
     """q − p in elements of p's type, declared a multiple of 16 bytes (both are 16-byte aligned: the AOT launcher
     refuses other pointers, `moe` copies misaligned experts). GEMM1's wide operand addresses w3's rows as
     w1 + this: an offset times the row's parity, not a `where` on pointers, which loses the contiguity the
@@ -239,7 +239,7 @@ def _offset_to(p, q):
 
 
 @triton.jit
-def _tile_dot(a, b, acc, SWAP: tl.constexpr, IEEE: tl.constexpr):
+def tile_dot(a, b, acc, SWAP: tl.constexpr, IEEE: tl.constexpr):
     """One k step of a grouped GEMM tile: a [BM, BK] activation rows, b [R, BK] weight rows (both k-contiguous,
     as loaded). SWAP: acc [R, BM] += b aᵀ (weight rows on the MMA's wide M side, few tokens on its N side);
     else acc [BM, R] += a bᵀ."""
@@ -251,7 +251,7 @@ def _tile_dot(a, b, acc, SWAP: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _tile_acc(R: tl.constexpr, BM: tl.constexpr, SWAP: tl.constexpr):
+def tile_acc(R: tl.constexpr, BM: tl.constexpr, SWAP: tl.constexpr):
     if SWAP:
         acc = tl.zeros([R, BM], dtype=tl.float32)
     else:
@@ -260,7 +260,7 @@ def _tile_acc(R: tl.constexpr, BM: tl.constexpr, SWAP: tl.constexpr):
 
 
 @triton.jit
-def _tile_out(acc, SWAP: tl.constexpr):
+def tile_out(acc, SWAP: tl.constexpr):
     """The accumulator as [BM, R] whatever the MMA orientation."""
     if SWAP:
         acc = tl.trans(acc)
@@ -268,7 +268,7 @@ def _tile_out(acc, SWAP: tl.constexpr):
 
 
 @triton.jit
-def _store_h(h, acc, o_m, pid_n, I, beta1, beta2, BM: tl.constexpr, BN: tl.constexpr, ACT: tl.constexpr):
+def store_h(h, acc, o_m, pid_n, I, beta1, beta2, BM: tl.constexpr, BN: tl.constexpr, ACT: tl.constexpr):
     """GEMM1 epilogue: acc [BM, 2·BN] holds gate (even) and up (odd) columns of BN intermediate units; the GLU of
     each pair is stored to h [P, I] in h's dtype."""
     acc1, acc3 = tl.split(tl.reshape(acc, [BM, BN, 2]))
@@ -278,7 +278,7 @@ def _store_h(h, acc, o_m, pid_n, I, beta1, beta2, BM: tl.constexpr, BN: tl.const
 
 
 @triton.jit
-def _store_y(y, acc, topk_w, pair, valid, pid_n, L, BN: tl.constexpr):
+def store_y(y, acc, topk_w, pair, valid, pid_n, L, BN: tl.constexpr):
     """GEMM2 epilogue: acc [BM, BN] × routing weight, rows scattered to y [NK, L] (pair order, y's dtype)."""
     o_n = pid_n * BN + tl.arange(0, BN)
     wt = tl.load(topk_w + pair, mask=valid, other=0.0)
@@ -298,22 +298,22 @@ def _moe_gemm1_kernel(
     num_n = tl.cdiv(I, BN)
     o_j = tl.arange(0, 2 * BN)  # wide operand row j: gate (w1, even j) or up (w3, odd j) of unit j // 2
     o_k = tl.arange(0, BK)
-    d3 = _offset_to(w1, w3)
+    d3 = offset_to(w1, w3)
     for t in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):  # persistent: tiles in a loop
-        pid_m, pid_n, e = _tile(t, num_m, num_n, block_expert, GROUP_M)
+        pid_m, pid_n, e = tile_coords(t, num_m, num_n, block_expert, GROUP_M)
         if e >= 0:
-            o_m, pair, valid = _tile_pairs(pid_m, sorted_pair, NK, BM)
+            o_m, pair, valid = tile_pairs(pid_m, sorted_pair, NK, BM)
             a_row = z + (pair // TOPK).to(tl.int64)[:, None] * L  # gathered rows [BM, 1]
             o_n = pid_n * BN + o_j // 2
             m_n = o_n < I
             b_row = w1 + ((e.to(tl.int64) * I + o_n[:, None]) * L + (o_j[:, None] % 2) * d3)  # [2·BN, 1]
-            acc = _tile_acc(2 * BN, BM, SWAP)
+            acc = tile_acc(2 * BN, BM, SWAP)
             for k0 in range(0, L, BK):
                 m_k = o_k < L - k0
                 a = tl.load(a_row + (k0 + o_k)[None, :], mask=valid[:, None] & m_k[None, :], other=0.0)
                 b = tl.load(b_row + (k0 + o_k)[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)  # [2·BN, BK]
-                acc = _tile_dot(a, b, acc, SWAP, IEEE)
-            _store_h(h, _tile_out(acc, SWAP), o_m, pid_n, I, beta1, beta2, BM, BN, ACT)
+                acc = tile_dot(a, b, acc, SWAP, IEEE)
+            store_h(h, tile_out(acc, SWAP), o_m, pid_n, I, beta1, beta2, BM, BN, ACT)
 
 
 @triton.jit
@@ -330,14 +330,14 @@ def _moe_gemm2_kernel(
     if TMA:  # w2 as [E·L, I] rows: TMA boxes of [BN, BK] (rows past an expert's L are read but never stored)
         w2_desc = tl.make_tensor_descriptor(w2, shape=[E * L, I], strides=[I, 1], block_shape=[BN, BK])
     for t in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
-        pid_m, pid_n, e = _tile(t, num_m, num_n, block_expert, GROUP_M)
+        pid_m, pid_n, e = tile_coords(t, num_m, num_n, block_expert, GROUP_M)
         if e >= 0:
-            o_m, pair, valid = _tile_pairs(pid_m, sorted_pair, NK, BM)
+            o_m, pair, valid = tile_pairs(pid_m, sorted_pair, NK, BM)
             a_ptr = h + o_m[:, None].to(tl.int64) * I + o_k[None, :]
             o_n = pid_n * BN + o_j
             m_n = o_n < L
             b_ptr = w2 + (e.to(tl.int64) * L + o_n[:, None]) * I + o_k[None, :]  # rows of w2[e] [BN, BK]
-            acc = _tile_acc(BN, BM, SWAP)
+            acc = tile_acc(BN, BM, SWAP)
             for k0 in range(0, I, BK):
                 m_k = o_k < I - k0
                 a = tl.load(a_ptr + k0, mask=valid[:, None] & m_k[None, :], other=0.0)
@@ -345,8 +345,8 @@ def _moe_gemm2_kernel(
                     b = w2_desc.load([e * L + pid_n * BN, k0])
                 else:
                     b = tl.load(b_ptr + k0, mask=m_n[:, None] & m_k[None, :], other=0.0)
-                acc = _tile_dot(a, b, acc, SWAP, IEEE)
-            _store_y(y, _tile_out(acc, SWAP), topk_w, pair, valid, pid_n, L, BN)
+                acc = tile_dot(a, b, acc, SWAP, IEEE)
+            store_y(y, tile_out(acc, SWAP), topk_w, pair, valid, pid_n, L, BN)
 
 
 @triton.jit
@@ -554,12 +554,13 @@ ALIGN = ("_moe_align_count_kernel", "_moe_align_scan_kernel", "_moe_align_scatte
 
 
 def aligned(t: Tensor) -> Tensor:
-    """`t` contiguous and 16-byte aligned (copied if not): GEMM1 addresses w3 from w1's base (`_offset_to`)."""
+    """`t` contiguous and 16-byte aligned (copied if not): GEMM1 addresses w3 from w1's base (`offset_to`)."""
     t = t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-def _attrs(top_k, routed_scaling_factor, renormalize, activation, situ_beta, situ_linear_beta) -> dict:
+def plan_attrs(top_k, routed_scaling_factor, renormalize, activation, situ_beta, situ_linear_beta) -> dict:
+    """The plan attributes of the op's routing arguments (activation checked)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r}: expected one of {sorted(ACTIVATIONS)}")
     return {"top_k": int(top_k), "routed_scaling_factor": float(routed_scaling_factor),
@@ -578,7 +579,7 @@ def route(x: Tensor, gate_weight: Tensor, gate_bias: Tensor, top_k: int, routed_
                          f"top_k={top_k} do not fit")
     d = {"N": N, "d": D, "L": 1, "E": E, "I": 1, "EG": E}
     dts = [dtype_name(x.dtype), dtype_name(x.dtype), dtype_name(gate_weight.dtype), "fp32", "fp32"]
-    p = plan(d, dts, _attrs(top_k, routed_scaling_factor, renormalize, "silu", 1.0, 1.0))
+    p = plan(d, dts, plan_attrs(top_k, routed_scaling_factor, renormalize, "silu", 1.0, 1.0))
     env = run(p, {"x": x.contiguous(), "gate_weight": gate_weight.contiguous(), "gate_bias": gate_bias.contiguous(),
                   "expert_offset": no_offset(x.device)}, d, only=ROUTE)
     return env["ids"].view(N, top_k), env["wts"].view(N, top_k)
@@ -591,7 +592,7 @@ def moe_align(ids: Tensor, E: int, BM: int) -> tuple[Tensor, Tensor]:
     P = `padded_rows(NK, E, BM)`."""
     N, k = ids.shape
     d = {"N": N, "d": 1, "L": 1, "E": E, "I": 1, "EG": E}
-    p = plan(d, ["fp32"] * 5, _attrs(k, 1.0, True, "silu", 1.0, 1.0) | {"block_m": BM})
+    p = plan(d, ["fp32"] * 5, plan_attrs(k, 1.0, True, "silu", 1.0, 1.0) | {"block_m": BM})
     env = run(p, {"ids": ids.reshape(-1).contiguous()}, d, only=ALIGN)
     return env["sorted_pair"], env["block_expert"]
 
@@ -612,7 +613,7 @@ def moe(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tensor
             or gate_weight.shape != (EG, x.shape[-1]) or (EG != E if expert_offset is None else EG < E)):
         raise ValueError(f"moe: shapes x {tuple(x.shape)} z {tuple(z.shape)} gate {tuple(gate_weight.shape)} "
                          f"w1 {tuple(w1.shape)} w3 {tuple(w3.shape)} w2 {tuple(w2.shape)} do not fit")
-    attrs = _attrs(top_k, routed_scaling_factor, renormalize, activation, situ_beta, situ_linear_beta)
+    attrs = plan_attrs(top_k, routed_scaling_factor, renormalize, activation, situ_beta, situ_linear_beta)
     off = no_offset(x.device) if expert_offset is None else expert_offset.reshape(1).to(torch.int32)
     tensors = dict(zip(("x", "z", "gate_weight", "gate_bias", "w1", "w3", "w2", "expert_offset"),
                        (aligned(t) for t in (x, z, gate_weight, gate_bias, w1, w3, w2, off))))

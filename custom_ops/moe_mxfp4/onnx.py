@@ -14,23 +14,14 @@ from __future__ import annotations
 
 from onnx import TensorProto, helper
 
-from ..moe.onnx import NODE as DENSE_NODE, moe_function, offset_input
+from ..moe.onnx import moe_function, offset_input
 from ..onnx_node import COMMON_ATTRIBUTES, Body, NodeSpec, opset, static
 from .codec import BLOCK, E2M1
+from .op import SIGNATURE, WEIGHTS
 
 FLOAT, INT64, UINT8 = TensorProto.FLOAT, TensorProto.INT64, TensorProto.UINT8
-WEIGHTS = ("w1", "w3", "w2")
 
-NODE = NodeSpec(
-    "MoEMXFP4",
-    inputs=DENSE_NODE.inputs[:4] + tuple((n, "U") for n in WEIGHTS) + tuple((f"{n}_scale", "U") for n in WEIGHTS)
-    + DENSE_NODE.inputs[-1:],  # expert_offset
-    outputs=DENSE_NODE.outputs,
-    fields=DENSE_NODE.fields,
-    doc="k3::MoE with MXFP4-packed experts: w1, w3 [E, I, L/2] uint8 (element 2j in the low nibble), w2 "
-        "[E, L, I/2] uint8, and E8M0 scale bytes w1_scale, w3_scale [E, I, L/32], w2_scale [E, L, I/32] "
-        "(scale 2^(byte-127) per 32 elements), expert_offset as k3::MoE's. Same contract as torch.ops.k3.moe_mxfp4.",
-)
+NODE = NodeSpec.of(SIGNATURE)
 NODE.register()
 
 

@@ -5,22 +5,26 @@
                   top_k, routed_scaling_factor, renormalize, activation, situ_beta, situ_linear_beta, kernels,
                   expert_offset [1] int32 = None) -> u [N, L]
 (`expert_offset`: expert parallelism, as in `k3::moe`: E above is E_local for the expert tensors.)
-A sibling of `k3::moe` (same routing and expert math, `custom_ops/moe`), its own family so every stage
-(ONNX node, TensorRT plugin with uint8 ports, op counts) handles it through the registry; still one graph node
-per MoE layer. The model picks it when `K3Config.expert_format == "mxfp4"`. Torch-only; Triton lazily.
+A variant of `k3::moe` (same routing and expert math, `custom_ops/moe`): its `SIGNATURE` is moe's with the
+packed expert ports; its own family so every stage (ONNX node, TensorRT plugin with uint8 ports, op counts)
+handles it through the registry; still one graph node per MoE layer. The model picks it when `K3Config.expert_format == "mxfp4"`. Torch-only; Triton lazily.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from ..kernels import Kernels, require_kernels
-from ..moe.op import MoEOptions, check_config as _moe_limits, moe_output_shape
+from ..moe.op import SIGNATURE as MOE, MoEOptions, check_config as moe_limits
+from ..signature import TensorPort
 from . import reference
 from .codec import BLOCK
+
+WEIGHTS = ("w1", "w3", "w2")
 
 
 def check_config(cfg, *, kernels: bool) -> str | None:
@@ -32,10 +36,20 @@ def check_config(cfg, *, kernels: bool) -> str | None:
                     ("moe.intermediate_size", cfg.moe.intermediate_size)):
         if n % BLOCK:
             return f"{what}={n}: MXFP4 experts need a multiple of {BLOCK} (expert_format='dense' has no such limit)"
-    return _moe_limits(cfg, kernels=kernels)
+    return moe_limits(cfg, kernels=kernels)
 
 
-@torch.library.custom_op("k3::moe_mxfp4", mutates_args=())
+SIGNATURE = replace(
+    MOE, name="moe_mxfp4", node="MoEMXFP4",
+    inputs=MOE.inputs[:4] + tuple(TensorPort(n, "U") for n in (*WEIGHTS, *(f"{w}_scale" for w in WEIGHTS)))
+    + MOE.inputs[-1:],  # expert_offset
+    doc="k3::MoE with MXFP4-packed experts: w1, w3 [E, I, L/2] uint8 (element 2j in the low nibble), w2 "
+        "[E, L, I/2] uint8, and E8M0 scale bytes w1_scale, w3_scale [E, I, L/32], w2_scale [E, L, I/32] "
+        "(scale 2^(byte-127) per 32 elements), expert_offset as k3::MoE's. Same contract as torch.ops.k3.moe_mxfp4.",
+)
+
+
+@SIGNATURE.define
 def _moe_mxfp4(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
                w1_scale: Tensor, w3_scale: Tensor, w2_scale: Tensor, top_k: int, routed_scaling_factor: float,
                renormalize: bool, activation: str, situ_beta: float, situ_linear_beta: float, kernels: str,
@@ -47,12 +61,6 @@ def _moe_mxfp4(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1:
 
         return triton.moe(*args)
     return reference.moe(*args)
-
-
-@_moe_mxfp4.register_fake
-def _(x, z, gate_weight, gate_bias, w1, w3, w2, w1_scale, w3_scale, w2_scale, top_k, routed_scaling_factor,
-      renormalize, activation, situ_beta, situ_linear_beta, kernels, expert_offset=None):
-    return z.new_empty(moe_output_shape(z.shape))
 
 
 def moe_mxfp4(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,

@@ -12,15 +12,11 @@ LINEAR only; N dynamic, d/L/E/I static. QDP (TensorRT 11): `impl` only, as k3::M
 
 from __future__ import annotations
 
-from ...plugins.core import FLOAT, PluginSpec, Port, dims_match, fields_of
+from ...plugins.core import PluginSpec, dims_match
 from ..moe import plugin as dense
-from ..moe.op import moe_output_shape
 from . import triton as kt
 from .codec import BLOCK
-from .onnx import NODE
-
-U8 = ("uint8", "int8")
-INPUTS = ("x", "z", "gate_weight", "gate_bias", "w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale")  # + expert_offset
+from .op import SIGNATURE
 
 
 def check(shapes, attrs: dict) -> str | None:
@@ -46,44 +42,8 @@ def check(shapes, attrs: dict) -> str | None:
     return None
 
 
-SPEC = PluginSpec(
-    name=NODE.op_type,
-    inputs=(Port("x", FLOAT), Port("z", FLOAT, "x"), Port("gate_weight", FLOAT), Port("gate_bias", ("fp32",)),
-            *(Port(n, U8) for n in INPUTS[4:]), Port("expert_offset", ("int32",))),
-    outputs=(Port("u", FLOAT, "z"),),
-    fields=fields_of(NODE),
-    output_shapes=lambda s: [moe_output_shape(s[1])],
-    output_dtypes=lambda t: [t[1]],
-    dims=kt.dims, check=check, plan=kt.plan,
+SPEC = PluginSpec.of(
+    SIGNATURE, dims=kt.dims, check=check, plan=kt.plan,
     notes="IPluginV3 aot: 8 cubins (router, top-k, align count/scan/scatter, packed GEMM1, packed GEMM2, sum); "
           "QDP: impl only",
 )
-
-
-def register_qdp(trtp, *, sm: int, opt_dims: dict) -> None:
-    """TensorRT 11 QDP registration of `k3::MoEMXFP4` (JIT `impl` only; needs `tensorrt.plugin`)."""
-    from ...plugins import qdp
-
-    @trtp.register("k3::MoEMXFP4")
-    def _desc(x: trtp.TensorDesc, z: trtp.TensorDesc, gate_weight: trtp.TensorDesc, gate_bias: trtp.TensorDesc,
-              w1: trtp.TensorDesc, w3: trtp.TensorDesc, w2: trtp.TensorDesc, w1_scale: trtp.TensorDesc,
-              w3_scale: trtp.TensorDesc, w2_scale: trtp.TensorDesc, expert_offset: trtp.TensorDesc, top_k: int,
-              routed_scaling_factor: float,
-              renormalize: int, activation: str, situ_beta: float, situ_linear_beta: float, num_experts: int,
-              hidden_size: int, expert_dim: int, intermediate_size: int) -> trtp.TensorDesc:
-        return qdp.output_descs(trtp, SPEC, [x, z, gate_weight, gate_bias, w1, w3, w2, w1_scale, w3_scale,
-                                             w2_scale, expert_offset], {})
-
-    @trtp.autotune("k3::MoEMXFP4")
-    def _tune(x, z, gate_weight, gate_bias, w1, w3, w2, w1_scale, w3_scale, w2_scale, expert_offset, outputs):
-        return qdp.autotune(trtp, SPEC)
-
-    @trtp.impl("k3::MoEMXFP4")
-    def _impl(x, z, gate_weight, gate_bias, w1, w3, w2, w1_scale, w3_scale, w2_scale, expert_offset, top_k: int,
-              routed_scaling_factor: float, renormalize: int, activation: str, situ_beta: float,
-              situ_linear_beta: float, num_experts: int, hidden_size: int, expert_dim: int, intermediate_size: int,
-              outputs, stream: int) -> None:
-        attrs = {"top_k": top_k, "routed_scaling_factor": routed_scaling_factor, "renormalize": renormalize,
-                 "activation": activation, "situ_beta": situ_beta, "situ_linear_beta": situ_linear_beta}
-        qdp.jit(SPEC, [x, z, gate_weight, gate_bias, w1, w3, w2, w1_scale, w3_scale, w2_scale, expert_offset],
-                list(outputs), attrs, stream)

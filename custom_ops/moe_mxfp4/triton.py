@@ -18,7 +18,7 @@ in the plan (attrs["sm"]):
   times 2^(scale − 127) (`_e8m0`: the byte is fp32's exponent field; byte 0 is the subnormal 2^-127), the two
   halves interleaved back to [R, BK]. Both are exact, so a tile equals `codec.dequantize` bit for bit; it is
   cast to z's dtype (exact for bf16/fp16 too, save scales below their normal range) and goes to the same
-  `_tile_dot` as the dense kernels: 16-bit operands on tensor cores, fp32 operands as IEEE dots.
+  `tile_dot` as the dense kernels: 16-bit operands on tensor cores, fp32 operands as IEEE dots.
 Swap-AB, the interleaved gate/up operand and the persistent grid are the dense kernels' (`moe.triton`); packed
 tiles are half as wide (the decoded [R, BK] fp32 values live in registers).
 """
@@ -33,8 +33,7 @@ from torch import Tensor
 from ..dtypes import dtype_name
 from ..launch import Plan, device_sm, run
 from ..moe import triton as dense
-from ..moe.triton import (_offset_to, _store_h, _store_y, _tile, _tile_acc, _tile_dot, _tile_out,
-                          _tile_pairs)
+from ..moe.triton import offset_to, store_h, store_y, tile_acc, tile_coords, tile_dot, tile_out, tile_pairs
 from .codec import BLOCK
 
 PORTS = ("x", "z", "gate_weight", "gate_bias", "w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale", "expert_offset")
@@ -77,7 +76,7 @@ def _load_scales(ws, rows, k0, K, m_row, BK: tl.constexpr):
 @triton.jit
 def _packed_dot(a, byte, s, acc, R: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr, IEEE: tl.constexpr,
                 SCALED: tl.constexpr, AFMT: tl.constexpr):
-    """One k step against a packed [R, BK] weight tile (see `_tile_dot` for a, acc and SWAP). SCALED (sm_100+,
+    """One k step against a packed [R, BK] weight tile (see `tile_dot` for a, acc and SWAP). SCALED (sm_100+,
     16-bit a): `tl.dot_scaled`, E2M1 codes with their E8M0 scales against a in AFMT. Else (Hopper, fp32):
     decode in registers — the low and high nibbles as two [R, BK/2] halves interleaved (k = 2i + high), no
     per-element index math for the compiler to carry into the MMA operand's layout — and a plain dot."""
@@ -90,7 +89,7 @@ def _packed_dot(a, byte, s, acc, R: tl.constexpr, BK: tl.constexpr, SWAP: tl.con
         code = byte.to(tl.int32)
         scale = tl.reshape(tl.broadcast_to(_e8m0(s.to(tl.int32))[:, :, None], [R, BK // 32, 16]), [R, BK // 2])
         b = tl.reshape(tl.join(_e2m1(code & 15) * scale, _e2m1(code >> 4) * scale), [R, BK])
-        acc = _tile_dot(a, b.to(a.dtype), acc, SWAP, IEEE)
+        acc = tile_dot(a, b.to(a.dtype), acc, SWAP, IEEE)
     return acc
 
 
@@ -106,21 +105,21 @@ def _moe_mxfp4_gemm1_kernel(
     num_n = tl.cdiv(I, BN)
     o_j = tl.arange(0, 2 * BN)  # wide operand row j: gate (w1, even j) or up (w3, odd j) of unit j // 2
     o_k = tl.arange(0, BK)
-    up = o_j[:, None] % 2  # w3's rows are addressed from w1's base (see moe.triton._offset_to)
-    d3, ds3 = up * _offset_to(w1, w3), up * _offset_to(w1s, w3s)
+    up = o_j[:, None] % 2  # w3's rows are addressed from w1's base (see moe.triton.offset_to)
+    d3, ds3 = up * offset_to(w1, w3), up * offset_to(w1s, w3s)
     for t in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):  # persistent: tiles in a loop
-        pid_m, pid_n, e = _tile(t, num_m, num_n, block_expert, GROUP_M)
+        pid_m, pid_n, e = tile_coords(t, num_m, num_n, block_expert, GROUP_M)
         if e >= 0:
-            o_m, pair, valid = _tile_pairs(pid_m, sorted_pair, NK, BM)
+            o_m, pair, valid = tile_pairs(pid_m, sorted_pair, NK, BM)
             a_ptr = z + (pair // TOPK).to(tl.int64)[:, None] * L + o_k[None, :]
             o_n = pid_n * BN + o_j[:, None] // 2
             rows = e.to(tl.int64) * I + o_n
-            acc = _tile_acc(2 * BN, BM, SWAP)
+            acc = tile_acc(2 * BN, BM, SWAP)
             for k0 in range(0, L, BK):
                 a = tl.load(a_ptr + k0, mask=valid[:, None] & (o_k[None, :] < L - k0), other=0.0)
                 byte, s = _load_packed(w1 + d3, w1s + ds3, rows, k0, L, o_n < I, BK)  # [2·BN, BK/2], [2·BN, BK/32]
                 acc = _packed_dot(a, byte, s, acc, 2 * BN, BK, SWAP, IEEE, SCALED, AFMT)
-            _store_h(h, _tile_out(acc, SWAP), o_m, pid_n, I, beta1, beta2, BM, BN, ACT)
+            store_h(h, tile_out(acc, SWAP), o_m, pid_n, I, beta1, beta2, BM, BN, ACT)
 
 
 @triton.jit
@@ -139,13 +138,13 @@ def _moe_mxfp4_gemm2_kernel(
         w2_desc = tl.make_tensor_descriptor(w2, shape=[E * L, I // 2], strides=[I // 2, 1],
                                             block_shape=[BN, BK // 2])
     for t in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
-        pid_m, pid_n, e = _tile(t, num_m, num_n, block_expert, GROUP_M)
+        pid_m, pid_n, e = tile_coords(t, num_m, num_n, block_expert, GROUP_M)
         if e >= 0:
-            o_m, pair, valid = _tile_pairs(pid_m, sorted_pair, NK, BM)
+            o_m, pair, valid = tile_pairs(pid_m, sorted_pair, NK, BM)
             a_ptr = h + o_m[:, None].to(tl.int64) * I + o_k[None, :]
             o_n = pid_n * BN + o_j[:, None]
             rows = e.to(tl.int64) * L + o_n
-            acc = _tile_acc(BN, BM, SWAP)
+            acc = tile_acc(BN, BM, SWAP)
             for k0 in range(0, I, BK):
                 a = tl.load(a_ptr + k0, mask=valid[:, None] & (o_k[None, :] < I - k0), other=0.0)
                 if TMA:
@@ -154,7 +153,7 @@ def _moe_mxfp4_gemm2_kernel(
                 else:
                     byte, s = _load_packed(w2, w2s, rows, k0, I, o_n < L, BK)
                 acc = _packed_dot(a, byte, s, acc, BN, BK, SWAP, IEEE, SCALED, AFMT)
-            _store_y(y, _tile_out(acc, SWAP), topk_w, pair, valid, pid_n, L, BN)
+            store_y(y, tile_out(acc, SWAP), topk_w, pair, valid, pid_n, L, BN)
 
 
 def dims(shapes) -> dict:
@@ -200,7 +199,7 @@ def moe(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tensor
             EG != E if expert_offset is None else EG < E):
         raise ValueError(f"moe_mxfp4: x {tuple(x.shape)} z {tuple(z.shape)} gate {tuple(gate_weight.shape)} "
                          f"w1 {tuple(w1.shape)} {w1.dtype} do not fit" + (f" ({', '.join(bad)})" if bad else ""))
-    attrs = dense._attrs(top_k, routed_scaling_factor, renormalize, activation, situ_beta, situ_linear_beta)
+    attrs = dense.plan_attrs(top_k, routed_scaling_factor, renormalize, activation, situ_beta, situ_linear_beta)
     attrs["sm"] = device_sm(z.device)  # sm_100+: tl.dot_scaled
     off = dense.no_offset(x.device) if expert_offset is None else expert_offset.reshape(1).to(torch.int32)
     tensors = dict(zip(PORTS, (dense.aligned(t) for t in (x, z, gate_weight, gate_bias, w1, w3, w2, w1_scale,

@@ -18,19 +18,17 @@ from k3x.custom_ops import registry
 FILES = {
     "__init__.py": "",
     "op.py": '''
-        import torch
-        from torch import Tensor
+        from k3x.custom_ops.signature import KERNELS, Attr, Signature, TensorPort
 
         def check_config(cfg, *, kernels: bool):
             return "toy: refuses rms_norm_eps=0.5" if cfg.rms_norm_eps == 0.5 else None
 
-        @torch.library.custom_op("k3::toy", mutates_args=())
-        def _toy(x: Tensor, scale: float, kernels: str) -> Tensor:
-            return x * scale
+        SIGNATURE = Signature("toy", "Toy", inputs=(TensorPort("x", "T"),), outputs=(TensorPort("y", "T", "x"),),
+                              attrs=(Attr("scale", float), KERNELS), shapes=lambda s: [s[0]], doc="y = scale * x")
 
-        @_toy.register_fake
-        def _(x, scale, kernels):
-            return x.new_empty(x.shape)
+        @SIGNATURE.define
+        def _toy(x, scale, kernels):
+            return x * scale
     ''',
     "reference.py": "def toy(x, scale):\n    return x * scale\n",
     "triton.py": '''
@@ -56,10 +54,10 @@ FILES = {
     ''',
     "onnx.py": '''
         import onnx
-        from k3x.custom_ops.onnx_node import COMMON_ATTRIBUTES, AttrType, Body, NodeSpec, opset
+        from k3x.custom_ops.onnx_node import COMMON_ATTRIBUTES, Body, NodeSpec, opset
+        from .op import SIGNATURE
 
-        NODE = NodeSpec("Toy", inputs=(("x", "T"),), outputs=(("y", "T"),), fields=(("scale", AttrType.FLOAT),),
-                        doc="y = scale * x")
+        NODE = NodeSpec.of(SIGNATURE)
         NODE.register()
 
         def translate(x, scale: float, kernels: str):
@@ -71,16 +69,11 @@ FILES = {
             return b.function(NODE, {"": opset_version}), {}
     ''',
     "plugin.py": '''
-        from k3x.plugins.core import FLOAT, PluginSpec, Port, fields_of
+        from k3x.plugins.core import PluginSpec
         from . import triton as kt
-        from .onnx import NODE
+        from .op import SIGNATURE
 
-        SPEC = PluginSpec(name=NODE.op_type, inputs=(Port("x", FLOAT),), outputs=(Port("y", FLOAT, "x"),),
-                          fields=fields_of(NODE), output_shapes=lambda s: [s[0]], output_dtypes=lambda t: [t[0]],
-                          dims=kt.dims, check=lambda shapes, attrs: None, plan=kt.plan)
-
-        def register_qdp(trtp, *, sm, opt_dims):
-            raise NotImplementedError
+        SPEC = PluginSpec.of(SIGNATURE, dims=kt.dims, check=lambda shapes, attrs: None, plan=kt.plan)
     ''',
 }
 

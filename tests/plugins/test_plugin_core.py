@@ -12,11 +12,10 @@ import pytest
 
 from k3x.custom_ops.attn_res import attn_res_output_shape
 from k3x.custom_ops.kda import kda_output_shapes
-from k3x.custom_ops.launch import PlanError
+from k3x.custom_ops.launch import PlanError, workspace_layout
 from k3x.custom_ops.registry import families
 from k3x.plugins import PluginError, aot, specs
 from k3x.plugins.adapter import compile_plan
-from k3x.plugins.core import workspace_layout
 
 NODE_SPECS = {f.onnx.NODE.op_type: f.onnx.NODE for f in families()}
 

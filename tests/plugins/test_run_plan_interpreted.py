@@ -90,7 +90,7 @@ def _fake_kernels(spec, plan, dtypes: list[str], dims: dict) -> dict:
 
 def _run(spec, opt_dims: dict, tensors: list[torch.Tensor], attrs: dict) -> list[str]:
     from k3x.plugins.adapter import run_plan
-    from k3x.plugins.core import workspace_layout
+    from k3x.custom_ops.launch import workspace_layout
 
     names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "int32"}
     dtypes = [names[t.dtype] for t in tensors]

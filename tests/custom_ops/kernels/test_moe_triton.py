@@ -56,7 +56,7 @@ def run_with(module, args: list, names: tuple[str, ...], overrides: dict) -> tor
     z = tensors["z"]
     tensors["expert_offset"] = torch.zeros(1, dtype=torch.int32, device=z.device)
     tensors["u"] = torch.empty(z.shape[0], z.shape[1], dtype=z.dtype, device=z.device)
-    attrs = kernels._attrs(*args[len(names):]) | overrides
+    attrs = kernels.plan_attrs(*args[len(names):]) | overrides
     d = module.dims([t.shape for t in tensors.values()])
     plan = module.plan(d, [dtype_name(t.dtype) for t in tensors.values()], attrs)
     gemms = [x for x in plan.select(d).launches if "gemm" in x.kernel_name]
