@@ -4,8 +4,8 @@ sha256 matches, and `.pt2` archives that cannot run code when loaded.
 Export folders are shared between machines and people, so nothing read from one is taken on faith:
 - `validate_manifest` checks the manifest's schema before any field is used; every problem is one
   `ManifestError` line naming the field (e.g. `artifacts.onnx.files[0].sha256`).
-- `confined` resolves an artifact file name (symlinks too) and refuses anything outside the folder:
-  manifest paths are bare file names (no `/`, `..`, absolute paths).
+- `confined` resolves an artifact file name (symlinks too) and refuses anything outside the folder
+  (fileio.confined, the one rule): manifest paths are bare file names (no `/`, `..`, absolute paths).
 - `check_pt2_archive` reads a `.pt2` zip's own tables before `torch.export.load` sees it. torch unpickles
   (`weights_only=False`) every weight or constant whose payload config says `use_pickle`, every opaque /
   script-object constant, the legacy `weights/<model>.pt` files, and falls back to a full unpickle of
@@ -25,6 +25,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+from ..fileio import confined as _confined, safe_file_name
 from .artifacts import DTYPES, SCHEMA, ManifestError
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -62,12 +63,6 @@ def _need(d: dict, key: str, where: str, field: str, kind: type | tuple, want: s
     if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
         raise _err(where, field, v, want)
     return v
-
-
-def safe_file_name(name: Any) -> bool:
-    """A bare file name: no folder part, not `.`/`..`, no NUL, not hidden staging names."""
-    return (isinstance(name, str) and 0 < len(name) <= 255 and "/" not in name and "\\" not in name
-            and "\x00" not in name and name not in (".", "..") and not name.startswith(".tmp-"))
 
 
 def validate_manifest(data: Any, where: str) -> dict[str, Any]:
@@ -121,13 +116,8 @@ def validate_manifest(data: Any, where: str) -> dict[str, Any]:
 # --- files inside the folder ---------------------------------------------------------------------
 
 def confined(folder: Path, name: str) -> Path:
-    """`folder / name`, refused unless it resolves (symlinks followed) to a file directly in `folder`."""
-    if not safe_file_name(name):
-        raise UnsafeArtifactError(f"{folder}: artifact path {_short(name)} is not a bare file name; refused")
-    p = Path(folder) / name
-    if p.resolve().parent != Path(folder).resolve():
-        raise UnsafeArtifactError(f"{p}: resolves to {p.resolve()}, outside the export folder; refused")
-    return p
+    """`folder / name` under fileio's one confinement rule, refused as an `UnsafeArtifactError`."""
+    return _confined(folder, name, error=UnsafeArtifactError, what="export folder")
 
 
 # --- pt2 archives --------------------------------------------------------------------------------
