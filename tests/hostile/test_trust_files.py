@@ -154,7 +154,7 @@ def test_build_engine_refuses_a_tampered_trt_onnx(export_dir, which):
     names = _trt_files(export_dir)
     target = export_dir / (names[0] if which == "graph" or len(names) == 1 else names[1])
     _flip_last_byte(target)
-    code, text = k3x("build-engine", export_dir, "--runtime", "trt-rtx")
+    code, text = k3x("build-engine", export_dir, "--runtime", "trt")
     _refused(code, text, target.name, "changed since the export")
     assert not (export_dir / "model.engine").exists() and "trt" not in ExportFolder.open(export_dir).manifest["artifacts"]
 
@@ -163,7 +163,7 @@ def test_build_engine_refuses_a_trt_onnx_symlinked_out_of_the_folder(export_dir,
     moved = tmp_path / "model.trt.onnx"
     shutil.move(export_dir / "model.trt.onnx", moved)
     os.symlink(moved, export_dir / "model.trt.onnx")
-    code, text = k3x("build-engine", export_dir, "--runtime", "trt-rtx")
+    code, text = k3x("build-engine", export_dir, "--runtime", "trt")
     _refused(code, text, "model.trt.onnx", "outside the export folder")
     assert not (export_dir / "model.engine").exists()
 
@@ -256,6 +256,6 @@ def test_reexport_refuses_a_users_file_inside_a_rank_folder(sharded_dir):
 @pytest.mark.parametrize("name", ["model.engine", "model.engine.json", "timing.cache"])
 def test_build_engine_never_overwrites_a_users_file(export_dir, name):
     (export_dir / name).write_text("my own")
-    code, text = k3x("build-engine", export_dir, "--runtime", "trt-rtx")
+    code, text = k3x("build-engine", export_dir, "--runtime", "trt")
     _refused(code, text, name, "manifest lists", "refusing to overwrite")
     assert (export_dir / name).read_text() == "my own"
