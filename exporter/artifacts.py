@@ -47,7 +47,7 @@ from typing import Any, Iterator
 import torch
 
 from ..custom_ops.dtypes import FLOAT, dtype_name, torch_dtype
-from ..fileio import normal_permissions, sha256
+from ..fileio import confined, normal_permissions, sha256
 from ..model.config import K3Config
 from ..model.state import state_specs
 
@@ -158,11 +158,11 @@ def update_manifest(out_dir: str | Path, artifact_name: str, files: list[str | P
     data = read_manifest(out)
     entries = []
     for f in files:
-        p = Path(f) if Path(f).is_absolute() else out / f
+        f = Path(f)
+        p = confined(out, f.name if f.is_absolute() and f.parent.resolve() == out.resolve() else str(f),
+                     error=ManifestError, what="export folder")
         if not p.is_file():
             raise ManifestError(f"{p}: artifact {artifact_name!r} lists a file that does not exist")
-        if p.resolve().parent != out.resolve():
-            raise ManifestError(f"{p}: artifact files must sit directly in {out}")
         digest = (digests or {}).get(p.name) or sha256(p)
         entries.append({"path": p.name, "bytes": p.stat().st_size, "sha256": digest})
     data["artifacts"][artifact_name] = {"files": entries, **(extra or {})}
