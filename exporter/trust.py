@@ -4,8 +4,8 @@ sha256 matches, and `.pt2` archives that cannot run code when loaded.
 Export folders are shared between machines and people, so nothing read from one is taken on faith:
 - `validate_manifest` checks the manifest's schema before any field is used; every problem is one
   `ManifestError` line naming the field (e.g. `artifacts.onnx.files[0].sha256`).
-- `confined` resolves an artifact file name (symlinks too) and refuses anything outside the folder
-  (fileio.confined, the one rule): manifest paths are bare file names (no `/`, `..`, absolute paths).
+- `confined` resolves an artifact file name (symlinks too) and refuses anything outside the folder:
+  manifest paths are bare file names (no `/`, `..`, absolute paths).
 - `check_pt2_archive` reads a `.pt2` zip's own tables before `torch.export.load` sees it. torch unpickles
   (`weights_only=False`) every weight or constant whose payload config says `use_pickle`, every opaque /
   script-object constant, the legacy `weights/<model>.pt` files, and falls back to a full unpickle of
