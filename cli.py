@@ -50,13 +50,14 @@ def load_model_or_fail(checkpoint: Path, dtype: str = "fp32"):
 
 
 def config_or_fail(preset_name: str | None, checkpoint: Path | None):
+    from .model.checkpoint import CheckpointError, checkpoint_file
     from .model.config import ConfigError, K3Config, preset
 
     if (preset_name is None) == (checkpoint is None):
         fail("give exactly one of --preset NAME or --checkpoint DIR")
     try:
-        return preset(preset_name) if preset_name else K3Config.from_hf(checkpoint / "config.json")
-    except ConfigError as e:
+        return preset(preset_name) if preset_name else K3Config.from_hf(checkpoint_file(checkpoint, "config.json"))
+    except (ConfigError, CheckpointError) as e:
         fail(str(e))
 
 
@@ -322,7 +323,7 @@ def run(
         return
     folder = _export_folder(export_dir)
     cfg = folder.config()
-    p = prepare(export_dir, cfg.vocab_size, prompt, prompt_ids, chat, sampling)
+    p = prepare(export_dir, cfg.vocab_size, prompt, prompt_ids, chat, sampling, folder)
     try:
         check_request(cfg, batch=1, prompt_len=len(p.ids), new_tokens=max_new_tokens, backend=backend,
                       dims=None if backend == "eager" else folder.manifest["dynamic_dims"])

@@ -45,9 +45,11 @@ class Prepared:
 
 
 def prepare(folder: Path, vocab_size: int, prompt: str | None, prompt_ids: str | None, chat: bool,
-            sampling: Sampling) -> Prepared:
-    """Prompt ids (from --prompt-ids, or --prompt through the folder's tokenizer) and sampling options."""
+            sampling: Sampling, export: Any = None) -> Prepared:
+    """Prompt ids (from --prompt-ids, or --prompt through the folder's tokenizer) and sampling options.
+    `export` (an ExportFolder): the folder is an export; only its manifest's hash-checked tokenizer files are read."""
     from .cli import fail, parse_ids
+    from .exporter.artifacts import ManifestError
     from .model.sampling import SamplingOptions
     from .model.tokenizer import TokenizerError, eos_token_ids, find_tokenizer
 
@@ -56,7 +58,8 @@ def prepare(folder: Path, vocab_size: int, prompt: str | None, prompt_ids: str |
     if chat and prompt is None:
         fail("--chat applies the chat template to --prompt TEXT; give --prompt")
     try:
-        tokenizer = find_tokenizer(folder)
+        listed = None if export is None else export.tokenizer_files()
+        tokenizer = find_tokenizer(folder, listed)
         if prompt is not None:
             if tokenizer is None:
                 fail(f"{folder}: no tokenizer (tokenizer.json or tiktoken.model) for --prompt; use --prompt-ids")
@@ -65,8 +68,8 @@ def prepare(folder: Path, vocab_size: int, prompt: str | None, prompt_ids: str |
                 fail("--prompt: the text encodes to no tokens")
         else:
             ids = parse_ids(prompt_ids or "1,2,3", "--prompt-ids")
-        eos = tokenizer.eos_token_ids if tokenizer else eos_token_ids(folder)
-    except TokenizerError as e:
+        eos = tokenizer.eos_token_ids if tokenizer else eos_token_ids(folder, listed=listed)
+    except (TokenizerError, ManifestError) as e:
         fail(str(e))
     if max(ids) >= vocab_size or min(ids) < 0:
         fail(f"prompt: token ids must be in [0, {vocab_size}), got [{min(ids)}, {max(ids)}]"

@@ -110,7 +110,7 @@ def run_sharded(export_dir: Path, prompt, prompt_ids, chat: bool, sampling, skip
 
     from .cli_decode import Printer, prepare
     from .exporter import dist_run
-    from .exporter.artifacts import DTYPES
+    from .exporter.artifacts import DTYPES, ExportFolder
     from .exporter.runners import RunnerError, check_request, generate
 
     found = _sharded(export_dir)
@@ -123,7 +123,7 @@ def run_sharded(export_dir: Path, prompt, prompt_ids, chat: bool, sampling, skip
     from .model.config import K3Config
 
     cfg = K3Config.from_dict(data["config"])
-    p = prepare(export_dir, cfg.vocab_size, prompt, prompt_ids, chat, sampling)
+    p = prepare(export_dir, cfg.vocab_size, prompt, prompt_ids, chat, sampling, ExportFolder(export_dir, data))
     local = dist_run._folder_cfg(export_dir, data, rank)
     printer = Printer(p.tokenizer if rank == 0 else None)
     try:

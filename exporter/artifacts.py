@@ -47,7 +47,7 @@ from typing import Any, Iterator
 import torch
 
 from ..custom_ops.dtypes import FLOAT, dtype_name, torch_dtype
-from ..fileio import normal_permissions, sha256
+from ..fileio import confined, normal_permissions, sha256
 from ..model.config import K3Config
 from ..model.state import state_specs
 
@@ -158,11 +158,11 @@ def update_manifest(out_dir: str | Path, artifact_name: str, files: list[str | P
     data = read_manifest(out)
     entries = []
     for f in files:
-        p = Path(f) if Path(f).is_absolute() else out / f
+        f = Path(f)
+        p = confined(out, f.name if f.is_absolute() and f.parent.resolve() == out.resolve() else str(f),
+                     error=ManifestError, what="export folder")
         if not p.is_file():
             raise ManifestError(f"{p}: artifact {artifact_name!r} lists a file that does not exist")
-        if p.resolve().parent != out.resolve():
-            raise ManifestError(f"{p}: artifact files must sit directly in {out}")
         digest = (digests or {}).get(p.name) or sha256(p)
         entries.append({"path": p.name, "bytes": p.stat().st_size, "sha256": digest})
     data["artifacts"][artifact_name] = {"files": entries, **(extra or {})}
@@ -170,12 +170,42 @@ def update_manifest(out_dir: str | Path, artifact_name: str, files: list[str | P
     return data
 
 
+def listed_files(manifest: dict[str, Any]) -> tuple[set[str], set[str]]:
+    """(files, folders) a manifest lists, as paths relative to its folder: manifest.json, every artifact's
+    files and, for a sharded export, each rank folder with its manifest.json and the files the top manifest
+    records for it. Anything else in the folder is not k3x's (exporter/staging.py refuses to replace it)."""
+    files = {MANIFEST} | {f["path"] for a in manifest["artifacts"].values() for f in a["files"]}
+    folders: set[str] = set()
+    try:
+        for r in (manifest.get("parallel") or {}).get("ranks") or []:
+            rank_files = {f["path"] for f in r["files"]}
+            if not (isinstance(r["dir"], str) and all(isinstance(f, str) for f in rank_files)):
+                raise TypeError("not names")
+            folders.add(r["dir"])
+            files |= {f"{r['dir']}/{MANIFEST}"} | rank_files
+    except (AttributeError, KeyError, TypeError):  # a malformed parallel entry lists no rank folder
+        pass
+    return files, folders
+
+
+def refuse_unlisted(out_dir: str | Path, names: list[str]) -> None:
+    """A ManifestError naming the first of `names` that is already in `out_dir` but not listed in its
+    manifest (a user's file): writing an artifact never overwrites one."""
+    out = Path(out_dir)
+    listed = listed_files(read_manifest(out))[0]
+    for n in names:
+        if os.path.lexists(out / n) and n not in listed:
+            raise ManifestError(f"{out / n}: exists and is not a file the manifest lists; refusing to overwrite it "
+                                "(move it out of the folder first)")
+
+
 @contextlib.contextmanager
 def write_artifact(out_dir: str | Path, artifact_name: str, extra: dict[str, Any] | None = None, *,
                    primary: str | None = None, digests: dict[str, str] | None = None) -> Iterator[Path]:
     """Yield an empty staging folder inside `out_dir`; on success move every file written there into
     `out_dir` (same file names) and record them in the manifest, `primary` first (else by name; see
-    `ExportFolder.artifact`). On any exception nothing moves and the staging folder is deleted.
+    `ExportFolder.artifact`); a file of that name the manifest does not list is refused, never overwritten
+    (`refuse_unlisted`). On any exception nothing moves and the staging folder is deleted.
     `extra` and `digests` (file name -> sha256 taken while writing) may be filled in inside the block."""
     out = Path(out_dir)
     if not (out / MANIFEST).is_file():
@@ -189,6 +219,7 @@ def write_artifact(out_dir: str | Path, artifact_name: str, extra: dict[str, Any
         bad = [n for n in names if not (tmp / n).is_file()]
         if bad:
             raise ManifestError(f"artifact {artifact_name!r}: {bad} are not plain files")
+        refuse_unlisted(out, names)
         for n in names:
             os.replace(tmp / n, out / n)
         update_manifest(out, artifact_name, names, extra, digests)
@@ -244,6 +275,13 @@ class ExportFolder:
             if check_hash and sha256(p) != f["sha256"]:
                 raise ManifestError(f"{p}: sha256 differs from the manifest: changed since the export; refused")
         return paths
+
+    def tokenizer_files(self) -> set[str]:
+        """Names of the `tokenizer` artifact's files, each checked (confined, size, sha256) — the only
+        tokenizer files a command may read from an export (model/tokenizer.py `listed`); empty when none."""
+        if "tokenizer" not in self.manifest["artifacts"]:
+            return set()
+        return {p.name for p in self.checked_files("tokenizer")}
 
     def artifact(self, name: str) -> Path:
         """The artifact's primary (first listed) file."""

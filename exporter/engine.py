@@ -7,7 +7,12 @@
 - Precision: TensorRT 11 networks are strongly typed, so the precision plan is the ONNX graph's own dtypes;
   no builder precision flags are set.
 - Plugins: IPluginV3 creators from `k3x.plugins`, one path per plugin (AOT cubins for `sm`, or JIT), printed
-  and recorded. A timing cache file lives next to the engine and is reused.
+  and recorded. A timing cache file lives next to the engine, listed in the `trt` artifact, and is reused
+  only while its recorded sha256 matches.
+- Input: the manifest's `onnx` artifact, every file checked (inside the folder, size, sha256) before the
+  parser opens `model.trt.onnx`, so a tampered or symlinked ONNX is refused instead of becoming a "clean"
+  engine; its recorded sha256 is what `model.engine.json` names. A file the manifest does not list is
+  never overwritten (`artifacts.refuse_unlisted`): a user's own `model.engine` makes the build refuse.
 - TensorRT-RTX's ONNX parser dlopens the unversioned `libtensorrt_rtx.so`, which the pip wheel does not
   ship, and the loader reads LD_LIBRARY_PATH only at process start. `ensure_rtx_library_path` makes the
   symlinks (in `<venv>/trt-rtx-lib`, as scripts/setup_trt_rtx.sh) and, when that folder is not on
@@ -15,8 +20,8 @@
   call) it is one clear error instead of the parser's `terminate` (exit 134).
 - `--runtime auto` (default): TensorRT 11 when `tensorrt` is importable and a CUDA GPU is visible (it
   builds for the GPU it runs on), else TensorRT-RTX.
-- Output: `model.engine` and `model.engine.json` (TensorRT version, runtime, SM, plugin paths, profile, ONNX
-  hash) renamed into place together and recorded as the manifest's `trt` artifact; the runner refuses an engine whose SM or TensorRT version differs.
+- Output: `model.engine`, `model.engine.json` (TensorRT version, runtime, SM, plugin paths, profile, ONNX
+  hash) and `timing.cache` renamed into place together and recorded as the manifest's `trt` artifact; the runner refuses an engine whose SM or TensorRT version differs.
 """
 
 from __future__ import annotations
@@ -28,8 +33,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from ..fileio import sha256
-from .artifacts import atomic_write_bytes, read_manifest, write_artifact
+from .artifacts import ExportFolder, ManifestError, refuse_unlisted, write_artifact
 from .trace import DYNAMIC_DIMS, DimRange
 
 log = logging.getLogger("k3x.trt")
@@ -226,12 +230,29 @@ def build_engine(export_dir: Path, options: EngineOptions = EngineOptions()) -> 
         return _build_engine(export_dir, options)
 
 
+def _checked_input(export_dir: Path) -> tuple[Path, str, bytes]:
+    """(model.trt.onnx, its recorded sha256, the reusable timing cache or b"") once every file of the `onnx`
+    artifact matches the manifest and no file the build writes would overwrite a user's (module docstring)."""
+    try:
+        folder = ExportFolder.open(export_dir)  # the folder must come from `k3x export`
+        files = {p.name: p for p in folder.checked_files("onnx")}
+        if ONNX_FILE not in files:
+            raise EngineBuildError(f"{export_dir / ONNX_FILE}: not a file of the onnx artifact; run `k3x export` "
+                                   "with the trt flavour first")
+        digest = next(f["sha256"] for f in folder.manifest["artifacts"]["onnx"]["files"] if f["path"] == ONNX_FILE)
+        refuse_unlisted(export_dir, [ENGINE_FILE, ENGINE_META, TIMING_CACHE])
+    except ManifestError as e:
+        raise EngineBuildError(str(e)) from None
+    try:  # the last build's cache, only while it is what the manifest recorded
+        cache = {p.name: p for p in folder.checked_files("trt")}.get(TIMING_CACHE)
+    except ManifestError:
+        cache = None
+    return files[ONNX_FILE], digest, cache.read_bytes() if cache is not None else b""
+
+
 def _build_engine(export_dir: Path, options: EngineOptions) -> EngineArtifact:
-    onnx_path = export_dir / ONNX_FILE
-    if not onnx_path.is_file():
-        raise EngineBuildError(f"{onnx_path}: missing; run `k3x export` with the trt flavour first")
+    onnx_path, onnx_sha256, cache_bytes = _checked_input(export_dir)
     ranges = profile_ranges(options.dims)
-    read_manifest(export_dir)  # the folder must come from `k3x export`
     trt = import_trt(options.runtime)
     from .. import plugins
 
@@ -255,10 +276,8 @@ def _build_engine(export_dir: Path, options: EngineOptions) -> EngineArtifact:
     _set_target(trt, config, options)
     prof, table = _profile(trt, builder, network, ranges)
     config.add_optimization_profile(prof)
-    cache_path = export_dir / TIMING_CACHE
     if options.timing_cache:
-        cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
-        config.set_timing_cache(cache, ignore_mismatch=False)
+        config.set_timing_cache(config.create_timing_cache(cache_bytes), ignore_mismatch=False)
     from ..plugins import adapter
 
     adapter.ERRORS.clear()
@@ -274,12 +293,13 @@ def _build_engine(export_dir: Path, options: EngineOptions) -> EngineArtifact:
     data = bytes(blob)
     meta = {"runtime": options.runtime, "tensorrt_version": trt.__version__, "sm": sm, "plugin_paths": paths,
             "profile": {k: asdict(v) for k, v in ranges.items()}, "input_shapes": table, "bytes": len(data),
-            "build_seconds": round(seconds, 2), "onnx_sha256": sha256(onnx_path)}
-    with write_artifact(export_dir, "trt", extra=meta) as tmp:  # engine + metadata renamed into place together
+            "build_seconds": round(seconds, 2), "onnx_sha256": onnx_sha256}
+    # engine, metadata and timing cache renamed into place together
+    with write_artifact(export_dir, "trt", extra=meta, primary=ENGINE_FILE) as tmp:
         (tmp / ENGINE_FILE).write_bytes(data)
         (tmp / ENGINE_META).write_text(json.dumps(meta, indent=2, sort_keys=True))
-    if options.timing_cache:
-        atomic_write_bytes(cache_path, bytes(config.get_timing_cache().serialize()))
+        if options.timing_cache:
+            (tmp / TIMING_CACHE).write_bytes(bytes(config.get_timing_cache().serialize()))
     log.info("engine %s: %.1f MiB in %.1f s (%s %s, sm_%d)", export_dir / ENGINE_FILE, len(data) / 2**20, seconds,
              options.runtime, trt.__version__, sm)
     return EngineArtifact(export_dir / ENGINE_FILE, meta)

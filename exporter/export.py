@@ -166,18 +166,24 @@ def stage_onnx(ep: ExportedProgram, ctx: StageContext) -> str:
 
 def copy_tokenizer(checkpoint: Path, out_dir: Path) -> str:
     """Copy the checkpoint's tokenizer / generation files (model/tokenizer.TOKENIZER_FILES) into the export
-    as artifact `tokenizer`, so `k3x run --prompt` and ONNX Runtime GenAI find them beside the models."""
-    import shutil
+    as artifact `tokenizer`, so `k3x run --prompt` and ONNX Runtime GenAI find them beside the models.
+    Each must resolve inside the checkpoint folder (a symlink to a file elsewhere is refused, CheckpointError);
+    copies never get wider permissions than their source (fileio.copy_file)."""
+    import os
 
+    from ..fileio import copy_file
+    from ..model.checkpoint import checkpoint_file
     from ..model.tokenizer import TOKENIZER_FILES
     from . import artifacts
 
-    found = [Path(checkpoint) / n for n in TOKENIZER_FILES if (Path(checkpoint) / n).is_file()]
+    checkpoint = Path(checkpoint)
+    found = [checkpoint_file(checkpoint, n) for n in TOKENIZER_FILES if os.path.lexists(checkpoint / n)]
+    found = [f for f in found if f.is_file()]
     if not found:
         return f"tokenizer: none in {checkpoint} (text prompts need tokenizer.json or tiktoken.model)"
     with artifacts.write_artifact(out_dir, "tokenizer") as tmp:
         for f in found:
-            shutil.copyfile(f, tmp / f.name)
+            copy_file(f, tmp / f.name)
     return "tokenizer: " + ", ".join(f.name for f in found)
 
 

@@ -192,7 +192,8 @@ def _write_rank(work: Path, rank: int, plan: ParallelPlan, local, dtype, options
 
 
 def read_parallel(export_dir: str | Path) -> tuple[dict[str, Any], ParallelPlan] | None:
-    """(top-level manifest, plan) of a sharded export, None for a single-program export."""
+    """(top-level manifest, plan) of a sharded export, None for a single-program export. Every rank folder
+    is checked to be that rank (`_check_rank`) before anything of it is read."""
     from .artifacts import ManifestError, read_manifest
     from .trust import confined
 
@@ -210,9 +211,34 @@ def read_parallel(export_dir: str | Path) -> tuple[dict[str, Any], ParallelPlan]
             if not isinstance(r.get("dir"), str):
                 raise ValueError(f"rank {r.get('rank')}: dir must be a folder name")
             confined(Path(export_dir), r["dir"])
+            _check_rank(Path(export_dir), r, where)
     except (KeyError, TypeError, ValueError) as e:
         raise ManifestError(f"{where}: parallel: {str(e)[:200]}") from None
     return data, plan
+
+
+def _check_rank(export_dir: Path, r: dict[str, Any], where: Path) -> None:
+    """Rank folder `r["dir"]` is rank `r["rank"]`: named for it, a real folder of the export (not a symlink to
+    another rank's), its manifest listing exactly the files (path, bytes, sha256) the top manifest records for
+    that rank, and its pt2 marked with that rank. The runners then check the bytes against that manifest."""
+    from .artifacts import ManifestError, read_manifest
+
+    rank, name = r["rank"], rank_dir_name(r["rank"])
+    if r["dir"] != name:
+        raise ValueError(f"rank {rank}: dir {str(r['dir'])[:80]!r} must be {name!r}")
+    d = export_dir / name
+    if d.is_symlink() or not d.is_dir():
+        raise ManifestError(f"{d}: rank {rank}'s folder is {'a symlink' if d.is_symlink() else 'missing'}; refused")
+    m = read_manifest(d)
+    have = sorted((f"{name}/{f['path']}", f["bytes"], f["sha256"], a)
+                  for a, e in m["artifacts"].items() for f in e["files"])
+    want = sorted((f["path"], f["bytes"], f["sha256"], f["artifact"]) for f in r["files"])
+    if have != want:
+        raise ManifestError(f"{d}: its files differ from those {where} records for rank {rank} (another rank's "
+                            "folder, or changed since the export); refused")
+    if m["artifacts"].get("pt2", {}).get("rank", rank) != rank:
+        raise ManifestError(f"{d}: its program is rank {str(m['artifacts']['pt2']['rank'])[:20]}'s, not rank {rank}'s; "
+                            "refused")
 
 
 def rank_folder(export_dir: str | Path, data: dict[str, Any], rank: int) -> Path:

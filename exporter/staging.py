@@ -2,11 +2,16 @@
 
     with staged_export(out) as work:      # locked; leftovers of killed exports swept
         ...write everything into work...   # on an exception `work` is deleted, `out` untouched
-    # -> `out` is now exactly what was written (an older export there was replaced whole)
+    # -> `out` is now exactly what was written (an older export there was replaced)
 
 Rules (the one rule for every command that writes a folder):
-- `out` may be missing, an empty folder, or a k3x export (a `manifest.json` that reads back); anything
-  else is refused before any work starts (`FolderError`) — nothing of the user's is ever overwritten.
+- `out` may be missing, an empty folder, or a k3x export (a `manifest.json` that reads back) holding only
+  what its manifest lists (`artifacts.listed_files`; `.tmp-*` staging leftovers of a killed stage count as
+  k3x's); anything else is refused before any work starts and again before the rename (`FolderError`, one
+  line naming the first foreign file) — nothing of the user's is ever overwritten or deleted. Refusing,
+  not keeping: a kept file would sit in a folder whose manifest does not describe it (a `model.engine`
+  built from the old ONNX would pair with the new one), and keeping it would turn the one atomic rename
+  into a per-file merge.
 - A lock (`flock` on `.<name>.k3x-lock` beside `out`) makes concurrent exports to one folder refuse
   instead of mixing; the kernel drops it when the holder dies, so a killed export never blocks the next.
 - The holder of the lock sweeps `.<name>.k3x-tmp-*` / `.<name>.k3x-old-*` beside `out`: with the lock
@@ -31,25 +36,44 @@ class FolderError(RuntimeError):
     """A destination folder that k3x must not write (not ours, or being written by another export)."""
 
 
-def _is_export(path: Path) -> bool:
-    from .artifacts import ManifestError, read_manifest
+def _foreign(out: Path, manifest: dict) -> list[str]:
+    """Paths in `out` (relative) that its manifest does not list: files or folders of someone else's."""
+    from .artifacts import listed_files
 
-    try:
-        read_manifest(path)
-        return True
-    except ManifestError:
-        return False
+    files, folders = listed_files(manifest)
+    found = []
+    for root, dirs, names in os.walk(out):
+        rel = Path(root).relative_to(out)
+        for n in sorted(dirs + names):
+            p = (rel / n).as_posix()
+            ours = n.startswith(".tmp-") or p in files or (p in folders and not (out / p).is_symlink())
+            if not ours:
+                found.append(p)
+        dirs[:] = [d for d in dirs if (rel / d).as_posix() in folders]
+    return found
 
 
 def check_destination(out: Path) -> None:
-    """Refuse `out` unless it is missing, empty, or a k3x export folder (which will be replaced whole)."""
+    """Refuse `out` unless it is missing, empty, or a k3x export folder holding only what its manifest lists
+    (which will be replaced)."""
+    from .artifacts import ManifestError, read_manifest
+
     if not out.exists() and not out.is_symlink():
         return
     if not out.is_dir():
         raise FolderError(f"{out}: exists and is not a folder; refusing to replace it")
-    if any(out.iterdir()) and not _is_export(out):
+    if not any(out.iterdir()):
+        return
+    try:
+        manifest = read_manifest(out)
+    except ManifestError:
         raise FolderError(f"{out}: not empty and not a k3x export folder; refusing to write into it "
-                          "(choose another --out, or empty it yourself)")
+                          "(choose another --out, or empty it yourself)") from None
+    foreign = _foreign(out, manifest)
+    if foreign:
+        more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
+        raise FolderError(f"{out / foreign[0]}{more}: not listed in {out}'s manifest; refusing to replace the "
+                          "export folder and lose it (move it out, or choose another --out)")
 
 
 @contextlib.contextmanager

@@ -32,6 +32,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterator
 
+from ..fileio import confined as _confined, safe_file_name
 from .artifacts import DTYPES, SCHEMA, ManifestError
 from .zip_check import FrozenArchive, Record, ZipLayoutError, freeze
 
@@ -71,12 +72,6 @@ def _need(d: dict, key: str, where: str, field: str, kind: type | tuple, want: s
     if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
         raise _err(where, field, v, want)
     return v
-
-
-def safe_file_name(name: Any) -> bool:
-    """A bare file name: no folder part, not `.`/`..`, no NUL, not hidden staging names."""
-    return (isinstance(name, str) and 0 < len(name) <= 255 and "/" not in name and "\\" not in name
-            and "\x00" not in name and name not in (".", "..") and not name.startswith(".tmp-"))
 
 
 def validate_manifest(data: Any, where: str) -> dict[str, Any]:
@@ -130,13 +125,8 @@ def validate_manifest(data: Any, where: str) -> dict[str, Any]:
 # --- files inside the folder ---------------------------------------------------------------------
 
 def confined(folder: Path, name: str) -> Path:
-    """`folder / name`, refused unless it resolves (symlinks followed) to a file directly in `folder`."""
-    if not safe_file_name(name):
-        raise UnsafeArtifactError(f"{folder}: artifact path {_short(name)} is not a bare file name; refused")
-    p = Path(folder) / name
-    if p.resolve().parent != Path(folder).resolve():
-        raise UnsafeArtifactError(f"{p}: resolves to {p.resolve()}, outside the export folder; refused")
-    return p
+    """`folder / name` under fileio's one confinement rule, refused as an `UnsafeArtifactError`."""
+    return _confined(folder, name, error=UnsafeArtifactError, what="export folder")
 
 
 # --- pt2 archives --------------------------------------------------------------------------------

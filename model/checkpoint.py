@@ -14,8 +14,8 @@ checkpoint's bytes); `expert_format="dense"` decodes them on load into float exp
 Linear): the first H values are used. A `language_model.` prefix is stripped; vision-tower tensors are ignored.
 Names as transformers 5 writes them are renamed at load (`hf_transformers.WEIGHT_RENAMES`).
 
-A checkpoint folder is not trusted: every shard the index names must resolve (symlinks followed) inside
-the folder; a tensor in two shards, a tensor in a shard that the index does not list, or one the index
+A checkpoint folder is not trusted: every file read from it (config.json, the index, every shard the index
+names, the tokenizer files) must resolve (symlinks followed) directly inside the folder (`checkpoint_file`); a tensor in two shards, a tensor in a shard that the index does not list, or one the index
 lists in a shard that lacks it is a `CheckpointError` naming tensor and files. Each shard is opened
 once (`_Shards`). `checkpoint_hash` covers exactly the files the weights come from (config.json, the
 index, the shards in use), so any change to them reads as "changed since the export".
@@ -39,7 +39,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..custom_ops.kernels import Kernels
-from ..fileio import normal_permissions, sha256
+from ..fileio import confined, normal_permissions, sha256
 from . import mxfp4
 from .config import ConfigError, K3Config
 from .hf_config import config_to_hf
@@ -85,30 +85,26 @@ class _Shards(dict):
         return h
 
 
-def _inside(path: Path, name: object, where: Path) -> Path:
-    """`path / name` for a shard name from the index, refused unless it resolves inside `path`."""
-    if not isinstance(name, str) or not name or "\x00" in name:
-        raise CheckpointError(f"{where}: shard name {str(name)[:80]!r} is not a file name")
-    f = path / name
-    if not f.resolve().is_relative_to(path.resolve()):
-        raise CheckpointError(f"{where}: shard {name[:80]!r} resolves to {f.resolve()}, outside {path}; refused")
-    return f
+def checkpoint_file(path: Path, name: object) -> Path:
+    """`path / name` for any file read from a checkpoint folder (config, index, shards, tokenizer files),
+    refused unless it resolves directly inside the folder (fileio.confined)."""
+    return confined(path, name, error=CheckpointError, what="checkpoint folder")
 
 
 def _tensor_files(path: Path, shards: _Shards | None = None) -> dict[str, Path]:
     """tensor name -> file, from the index when present (checked against the shards' own headers), else
     by reading every shard's header (a name in two shards is an error)."""
     shards = _Shards() if shards is None else shards
-    if not (path / "config.json").is_file():
+    if not checkpoint_file(path, "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json (not a checkpoint folder)")
-    if (path / INDEX).is_file():
+    if checkpoint_file(path, INDEX).is_file():
         try:
             weight_map = json.loads((path / INDEX).read_bytes().decode("utf-8"))["weight_map"]
         except (ValueError, KeyError, TypeError, RecursionError) as e:
             raise CheckpointError(f"{path / INDEX}: unreadable index ({str(e)[:200]})") from None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{path / INDEX}: weight_map must be an object {{tensor: shard file}}")
-        files = {k: _inside(path, f, path / INDEX) for k, f in weight_map.items()}
+        files = {k: checkpoint_file(path, f) for k, f in weight_map.items()}
         missing = sorted({f.name for f in files.values() if not f.is_file()})
         if missing:
             raise CheckpointError(f"{path / INDEX}: shard file(s) missing: {', '.join(missing)}")
@@ -124,7 +120,7 @@ def _tensor_files(path: Path, shards: _Shards | None = None) -> dict[str, Path]:
         raise CheckpointError(f"{path}: no *.safetensors files")
     out: dict[str, Path] = {}
     for f in found:
-        _inside(path, f.name, path)
+        checkpoint_file(path, f.name)
         for k in shards[f].keys():
             if k in out:
                 raise CheckpointError(f"{path}: tensor {k!r} is in both {out[k].name} and {f.name} (and no {INDEX} "
@@ -220,7 +216,7 @@ def checkpoint_config(path: str | Path, expert_format: str | None = None,
     if expert_format not in (None, "dense", "mxfp4"):
         raise CheckpointError(f"expert_format={expert_format!r}: expected 'dense', 'mxfp4' or None (as stored)")
     try:
-        cfg = K3Config.from_hf(path / "config.json")
+        cfg = K3Config.from_hf(checkpoint_file(path, "config.json"))
         fmt = expert_format or stored_expert_format(_tensor_files(path) if files is None else files)
         return dataclasses.replace(cfg, expert_format=fmt)
     except ConfigError as e:
@@ -390,8 +386,8 @@ def checkpoint_hash(path: str | Path) -> str:
     shard it (or the folder, without an index) uses — streamed, in name order. Shards outside the folder are
     refused (CheckpointError), never silently left out."""
     path = Path(path)
-    used = {path / "config.json", *set(_tensor_files(path).values())}
-    if (path / INDEX).is_file():
+    used = {checkpoint_file(path, "config.json"), *set(_tensor_files(path).values())}
+    if checkpoint_file(path, INDEX).is_file():
         used.add(path / INDEX)
     h = hashlib.sha256()
     for f in sorted(used):

@@ -17,14 +17,20 @@ Notable choices:
 - Streaming decodes all ids so far and emits the new suffix, holding back an incomplete UTF-8
   sequence (byte-level BPE splits characters across tokens).
 - `TOKENIZER_FILES` are what an export copies beside its models.
+- Every file is read through `_file`: it must resolve directly inside the folder (fileio.confined: a
+  `chat_template.jinja` symlinked to a private file elsewhere is refused), and in an export folder
+  (`listed`: the names of the manifest's hash-checked `tokenizer` files) it must be one the manifest lists.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Collection, Protocol
+
+from ..fileio import confined
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tiktoken.model",
                    "chat_template.jinja", "generation_config.json")
@@ -50,6 +56,18 @@ class _Backend(Protocol):
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
     def token_id(self, token: str) -> int | None: ...
+
+
+def _file(folder: Path, name: str, listed: Collection[str] | None) -> Path | None:
+    """`folder / name` when it is there, None when it is not; a TokenizerError when it resolves outside
+    `folder` or (in an export: `listed` given) the manifest does not list it."""
+    p = folder / name
+    if not os.path.lexists(p):
+        return None
+    if listed is not None and name not in listed:
+        raise TokenizerError(f"{p}: not a file the export's manifest lists; refused")
+    p = confined(folder, name, error=TokenizerError, what="folder")
+    return p if p.is_file() else None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -186,9 +204,10 @@ class Tokenizer:
             raise TokenizerError(f"{self.folder}: the chat template fails: {e}") from None
 
 
-def _chat_template(folder: Path, config: dict[str, Any]) -> str | None:
-    if (folder / "chat_template.jinja").is_file():
-        return (folder / "chat_template.jinja").read_text()
+def _chat_template(folder: Path, config: dict[str, Any], listed: Collection[str] | None) -> str | None:
+    path = _file(folder, "chat_template.jinja", listed)
+    if path is not None:
+        return path.read_text()
     t = config.get("chat_template")
     if isinstance(t, list):  # [{"name": ..., "template": ...}]
         t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
@@ -201,13 +220,15 @@ def _ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in (value if isinstance(value, list) else [value]))
 
 
-def eos_token_ids(folder: Path, backend: _Backend | None = None, config: dict[str, Any] | None = None
-                  ) -> tuple[int, ...]:
-    """EOS ids of a checkpoint / export folder: generation_config.json, config.json, then the tokenizer's."""
+def eos_token_ids(folder: Path, backend: _Backend | None = None, config: dict[str, Any] | None = None,
+                  listed: Collection[str] | None = None) -> tuple[int, ...]:
+    """EOS ids of a checkpoint / export folder: generation_config.json, config.json, then the tokenizer's.
+    `listed`: in an export, the tokenizer files its manifest lists (hash-checked); others are refused."""
     folder = Path(folder)
     for name in ("generation_config.json", "config.json"):
-        if (folder / name).is_file():
-            data = _read_json(folder / name)
+        path = _file(folder, name, listed)
+        if path is not None:
+            data = _read_json(path)
             ids = _ids(data.get("eos_token_id", (data.get("text_config") or {}).get("eos_token_id")))
             if ids:
                 return ids
@@ -218,14 +239,17 @@ def eos_token_ids(folder: Path, backend: _Backend | None = None, config: dict[st
     return ()
 
 
-def find_tokenizer(folder: str | Path) -> Tokenizer | None:
-    """The tokenizer in `folder`, or None when it has neither tokenizer.json nor tiktoken.model."""
+def find_tokenizer(folder: str | Path, listed: Collection[str] | None = None) -> Tokenizer | None:
+    """The tokenizer in `folder`, or None when it has neither tokenizer.json nor tiktoken.model.
+    `listed`: in an export, the tokenizer files its manifest lists (hash-checked); others are refused."""
     folder = Path(folder)
-    config = _read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
-    if (folder / "tokenizer.json").is_file():
-        backend: _Backend = _HfTokenizer(folder / "tokenizer.json")
-    elif (folder / "tiktoken.model").is_file():
-        backend = _TiktokenTokenizer(folder / "tiktoken.model", config)
+    config_path = _file(folder, "tokenizer_config.json", listed)
+    config = _read_json(config_path) if config_path is not None else {}
+    if (hf := _file(folder, "tokenizer.json", listed)) is not None:
+        backend: _Backend = _HfTokenizer(hf)
+    elif (tik := _file(folder, "tiktoken.model", listed)) is not None:
+        backend = _TiktokenTokenizer(tik, config)
     else:
         return None
-    return Tokenizer(folder, backend, config, eos_token_ids(folder, backend, config), _chat_template(folder, config))
+    return Tokenizer(folder, backend, config, eos_token_ids(folder, backend, config, listed),
+                     _chat_template(folder, config, listed))

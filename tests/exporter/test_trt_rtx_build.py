@@ -50,7 +50,15 @@ def k3_mini_export(tmp_path_factory) -> Path:
     ep = trace(model)
     init_manifest(out, cfg, dtype=torch.float32, weights=True, op_counts=op_counts(ep))
     export_onnx(ep, cfg, out, OnnxOptions(flavors=("trt",)))
+    _list_onnx(out)
     return out
+
+
+def _list_onnx(folder: Path) -> None:
+    """Record the folder's ONNX files as its `onnx` artifact: build-engine reads only hash-checked input."""
+    from k3x.exporter.artifacts import update_manifest
+
+    update_manifest(folder, "onnx", sorted(p.name for p in folder.iterdir() if p.name.startswith("model.")))
 
 
 def test_k3_mini_engine_builds_with_plugins(k3_mini_export):
@@ -93,6 +101,7 @@ def _kda_model(path: Path, *, g_type: int, v_heads: int) -> None:
         [inp("o", T.FLOAT, None), inp("s_out", T.FLOAT, None)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("k3", 1)])
     path.write_bytes(model.SerializeToString())
+    _list_onnx(path.parent)
 
 
 @pytest.fixture()
