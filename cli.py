@@ -272,20 +272,18 @@ def build_engine_cmd(
     plugin_path: Annotated[str, typer.Option(help="aot (embedded cubins) | jit (Triton via torch).")] = "aot",
 ) -> None:
     """Build model.engine from the trt-flavour ONNX with the k3 plugins (profiles from DYNAMIC_DIMS)."""
-    from .exporter.engine import EngineBuildError, EngineOptions, build_engine
+    from .exporter.artifacts import ManifestError
+    from .exporter.engine import EngineBuildError, EngineOptions, build_engine, parse_profile
     from .exporter.staging import FolderError
 
-    dims: dict[str, dict[str, int]] = {}
-    for key, items in (("min", min_), ("opt", opt), ("max", max_)):
-        for item in items or []:
-            name, _, value = item.partition("=")
-            if not value.isdigit():
-                fail(f"--{key} {item!r}: expected NAME=INT, e.g. batch=8")
-            dims.setdefault(name, {})[key] = int(value)
     try:
+        dims = parse_profile({"min": min_ or [], "opt": opt or [], "max": max_ or []})
         art = build_engine(export_dir, EngineOptions(runtime=runtime, sm=sm, plugin_path=plugin_path, dims=dims))
-    except (EngineBuildError, ValueError, FolderError) as e:
+    except (EngineBuildError, ValueError, FolderError, ManifestError) as e:
         fail(str(e))
+    except OSError as e:  # the lock, the staging folder or the engine file: nothing was renamed into place
+        where = f" ({e.filename})" if e.filename else ""
+        fail(f"build-engine in {export_dir} failed: {e.strerror or e}{where}; nothing was written")
     typer.echo(f"{art.path}: {art.meta['bytes'] / 2**20:.1f} MiB, sm_{art.meta['sm']}, "
                f"{art.meta['runtime']} {art.meta['tensorrt_version']}, plugins "
                + ", ".join(f"{k}={v}" for k, v in art.meta["plugin_paths"].items()))

@@ -19,7 +19,7 @@ PromptIds = Annotated[Optional[str], typer.Option(help="Comma-separated prompt t
 PromptText = Annotated[Optional[str], typer.Option("--prompt", help="Prompt text (needs a tokenizer in the folder).")]
 Chat = Annotated[bool, typer.Option("--chat", help="Wrap --prompt in the tokenizer's chat template.")]
 MaxNewTokens = Annotated[int, typer.Option(min=1, help="Most tokens to generate (stops earlier on EOS).")]
-Temperature = Annotated[float, typer.Option(min=0.0, help="0 = greedy (default); > 0 samples at this temperature.")]
+Temperature = Annotated[float, typer.Option(help="0 = greedy (default); > 0 samples at this temperature.")]
 TopK = Annotated[int, typer.Option(min=0, help="Sample among the k most likely tokens (0 = off).")]
 TopP = Annotated[float, typer.Option(help="Sample among the smallest set of tokens whose probability sum reaches "
                                           "this (1 = off).")]
