@@ -48,6 +48,8 @@ class SamplingOptions:
             raise ValueError(f"top_k={self.top_k}: must be >= 0 (0 = off)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p}: must be in (0, 1] (1 = off)")
+        if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:
+            raise ValueError(f"seed={self.seed}: must fit in 64 bits")
         if self.temperature == 0 and (self.top_k or self.top_p < 1):
             raise ValueError("top_k / top_p apply only when sampling: give temperature > 0 (e.g. 1.0)")
 

@@ -165,7 +165,7 @@ def _added_tokens(config: dict[str, Any], where: Path, ranks: set[int]) -> dict[
     special = {}
     for key, value in added.items():
         tid = _token_id(int(key) if key.isdecimal() else key, f"{where}: added_tokens_decoder")
-        if _token_text(value) is None:
+        if not isinstance(value, dict) or _token_text(value) is None:
             raise TokenizerError(f"{where}: added_tokens_decoder[{key!r}] has no \"content\" string")
         if tid not in ranks:
             special[_token_text(value)] = tid
@@ -209,7 +209,11 @@ class Tokenizer:
         return self.backend.encode(text)
 
     def decode(self, ids: list[int]) -> str:
-        return self.backend.decode([int(i) for i in ids])
+        try:
+            return self.backend.decode([int(i) for i in ids])
+        except KeyError as e:  # tiktoken: an id it has no token for
+            raise TokenizerError(f"{self.folder}: the tokenizer has no token {e.args[0].split()[-1]} (does it "
+                                 "belong to this model?)") from None
 
     def stream(self) -> TextStream:
         return TextStream(self)
