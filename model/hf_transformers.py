@@ -70,7 +70,7 @@ def _per_layer(text: dict[str, Any], key: str, kinds: dict[str, str], n: int, wh
         raise ConfigError(f"{where}: {key} must list one entry per layer (num_hidden_layers={n}), got {values!r}")
     bad = sorted({repr(v) for v in values if not isinstance(v, str) or v not in kinds})
     if bad:
-        raise ConfigError(f"{where}: {key} has {', '.join(bad)[:200]}; entries must be one of {sorted(kinds)}")
+        raise ConfigError(f"{where}: {key} has [{', '.join(bad)[:200]}]; entries must be one of {sorted(kinds)}")
     return [kinds[v] for v in values]
 
 
