@@ -154,3 +154,17 @@ def test_a_generated_id_the_tokenizer_lacks_is_one_line(ckpt_dir):
     _tiktoken()(ckpt_dir)  # 256 byte tokens; the model's vocabulary is larger
     code, out = k3x("generate", "--checkpoint", ckpt_dir, "--prompt", "hi", "--max-new-tokens", "3")
     assert code == 1 and "the tokenizer has no token" in out and "CRASH" not in out, out[-800:]
+
+
+def test_a_token_that_decodes_to_a_terminal_escape_is_printed_escaped(ckpt_dir, capsys):
+    import torch
+
+    from k3x.cli_decode import Printer
+    from k3x.model.tokenizer import find_tokenizer
+
+    _tiktoken("G1sySg== 256\n")(ckpt_dir)  # token 256 = ESC [ 2 J (clear the screen)
+    printer = Printer(find_tokenizer(ckpt_dir))
+    printer(torch.tensor([256]))
+    printer.stream.flush()
+    out = capsys.readouterr().out
+    assert out == "\\x1b[2J", repr(out)
