@@ -274,14 +274,12 @@ def build_engine_cmd(
     plugin_path: Annotated[str, typer.Option(help="aot (embedded cubins) | jit (Triton via torch).")] = "aot",
 ) -> None:
     """Build model.engine from the trt-flavour ONNX with the k3 plugins (profiles from DYNAMIC_DIMS)."""
-    from .exporter.artifacts import ManifestError
-    from .exporter.engine import EngineBuildError, EngineOptions, build_engine, parse_profile
-    from .exporter.staging import FolderError
+    from .exporter.engine import EngineOptions, build_engine, parse_profile
 
-    try:
+    try:  # EngineBuildError, FolderError, ManifestError: one line by App (cli_support.one_line_errors)
         dims = parse_profile({"min": min_ or [], "opt": opt or [], "max": max_ or []})
         art = build_engine(export_dir, EngineOptions(runtime=runtime, sm=sm, plugin_path=plugin_path, dims=dims))
-    except (EngineBuildError, ValueError, FolderError, ManifestError) as e:
+    except ValueError as e:  # a profile flag or option
         fail(str(e))
     except OSError as e:  # the lock, the staging folder or the engine file: nothing was renamed into place
         where = f" ({e.filename})" if e.filename else ""
