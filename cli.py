@@ -11,8 +11,8 @@ import typer
 from .cli_decode import Chat, MaxNewTokens, PromptIds, PromptText, Seed, Temperature, TopK, TopP
 from .cli_parallel import EP, TP, FitBatch, FitContext, inspect_parallel
 from .cli_runner import CudaGraph, MaxContext, SkipHashCheck, eager_generate, reference_options, runner_options
-from .cli_support import App, Progress, default_backends as _default_backends, export_folder as _export_folder, \
-    fail, load_ids_npy, one_line
+from .cli_support import App, Progress, default_backends as _default_backends, echo, \
+    export_folder as _export_folder, fail, load_ids_npy, one_line
 from .exporter.export import DType, ExpertFormat, KernelChoice, Target
 
 app = App(
@@ -81,7 +81,7 @@ def init_checkpoint(
         save_checkpoint(build_model(cfg, seed=seed), out, expert_format=expert_format, extra_files=extra)
     except (ValueError, OSError) as e:
         fail(str(e))
-    typer.echo(f"wrote {cfg.name} checkpoint (seed {seed}, experts {expert_format}"
+    echo(f"wrote {cfg.name} checkpoint (seed {seed}, experts {expert_format}"
                + (", tokenizer" if tokenizer else "") + f") to {out}")
 
 
@@ -101,7 +101,7 @@ def inspect(
     if tp * ep > 1:
         return inspect_parallel(config_or_fail(preset, checkpoint), tp, ep, batch, context, json_out)
     s = summarize(config_or_fail(preset, checkpoint))
-    typer.echo(json.dumps(s) if json_out else format_summary(s))
+    echo(json.dumps(s) if json_out else format_summary(s))
 
 
 @app.command()
@@ -182,7 +182,7 @@ def logits(
         save_npy_atomic(out, result.numpy())
     except OSError as e:
         fail(f"{out}: cannot write ({e})")
-    typer.echo(f"wrote logits {list(result.shape)} float32 to {out}")
+    echo(f"wrote logits {list(result.shape)} float32 to {out}")
 
 
 def _export_logits(backend: str, export_dir: Path | None, ids, options):
@@ -253,12 +253,14 @@ def export(
             result = run_export(options, progress)
     except (ValueError, FileNotFoundError, ManifestError, FolderError) as e:  # ConfigError, ...: name the input
         fail(str(e))
+    except typer.Exit:  # a `fail` inside (typer.Exit is a RuntimeError): already one line
+        raise
     except OSError as e:  # nothing was renamed into place: `out` is as it was
         what = "no space left on device" if e.errno == errno.ENOSPC else f"{type(e).__name__}: {e}"
         fail(f"export to {out} failed: {what}; nothing was written")
     except RuntimeError as e:  # a stage failed; its artifacts were not renamed into place
         fail(f"export to {out} failed: {type(e).__name__}: {e}")
-    typer.echo("\n".join(result.notes + [f"manifest: {out / 'manifest.json'}"]))
+    echo("\n".join(result.notes + [f"manifest: {out / 'manifest.json'}"]))
 
 
 @app.command("build-engine")
@@ -273,21 +275,17 @@ def build_engine_cmd(
     plugin_path: Annotated[str, typer.Option(help="aot (embedded cubins) | jit (Triton via torch).")] = "aot",
 ) -> None:
     """Build model.engine from the trt-flavour ONNX with the k3 plugins (profiles from DYNAMIC_DIMS)."""
-    from .exporter.engine import EngineBuildError, EngineOptions, build_engine
-    from .exporter.staging import FolderError
+    from .exporter.engine import EngineOptions, build_engine, parse_profile
 
-    dims: dict[str, dict[str, int]] = {}
-    for key, items in (("min", min_), ("opt", opt), ("max", max_)):
-        for item in items or []:
-            name, _, value = item.partition("=")
-            if not value.isdigit():
-                fail(f"--{key} {item!r}: expected NAME=INT, e.g. batch=8")
-            dims.setdefault(name, {})[key] = int(value)
-    try:
+    try:  # EngineBuildError, FolderError, ManifestError: one line by App (cli_support.one_line_errors)
+        dims = parse_profile({"min": min_ or [], "opt": opt or [], "max": max_ or []})
         art = build_engine(export_dir, EngineOptions(runtime=runtime, sm=sm, plugin_path=plugin_path, dims=dims))
-    except (EngineBuildError, ValueError, FolderError) as e:
+    except ValueError as e:  # a profile flag or option
         fail(str(e))
-    typer.echo(f"{art.path}: {art.meta['bytes'] / 2**20:.1f} MiB, sm_{art.meta['sm']}, "
+    except OSError as e:  # the lock, the staging folder or the engine file: nothing was renamed into place
+        where = f" ({e.filename})" if e.filename else ""
+        fail(f"build-engine in {export_dir} failed: {e.strerror or e}{where}; nothing was written")
+    echo(f"{art.path}: {art.meta['bytes'] / 2**20:.1f} MiB, sm_{art.meta['sm']}, "
                f"{art.meta['runtime']} {art.meta['tensorrt_version']}, plugins "
                + ", ".join(f"{k}={v}" for k, v in art.meta["plugin_paths"].items()))
 
@@ -328,7 +326,7 @@ def run(
         check_request(cfg, batch=1, prompt_len=len(p.ids), new_tokens=max_new_tokens, backend=backend,
                       dims=None if backend == "eager" else folder.manifest["dynamic_dims"])
         runner = make_runner(backend, export_dir, runner_options(provider, skip_hash_check, cuda_graph=cuda_graph))
-        typer.echo(f"backend {backend}" + (f" on {runner.provider}" if hasattr(runner, "provider") else ""))
+        echo(f"backend {backend}" + (f" on {runner.provider}" if hasattr(runner, "provider") else ""))
         printer = Printer(p.tokenizer)
         g = run_generate(runner, cfg, torch.tensor([p.ids]), p.options, dtype=folder.dtype(), on_token=printer)
     except RunnerError as e:
@@ -382,8 +380,8 @@ def verify(
         fail(f"verify: {one_line(e)}")
     for r in runners:
         if hasattr(r, "provider"):
-            typer.echo(f"{r.name}: provider {r.provider}")
-    typer.echo(report.table())
+            echo(f"{r.name}: provider {r.provider}")
+    echo(report.table())
     if json_out:
         from .exporter.artifacts import atomic_write_bytes
 

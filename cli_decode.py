@@ -2,8 +2,8 @@
 
 Both commands take the same flags (the `Annotated` aliases below) and go through `prepare` (prompt ids,
 tokenizer, sampling options with the folder's EOS ids) and `Printer` (streams decoded text while tokens
-come when the folder holds a tokenizer, then prints the ids and the timing). Errors are one line naming
-the flag or file (`cli.fail`).
+come when the folder holds a tokenizer, control characters escaped, then prints the ids and the timing).
+Errors are one line naming the flag or file (`cli.fail`).
 """
 
 from __future__ import annotations
@@ -15,11 +15,13 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from .cli_support import printable
+
 PromptIds = Annotated[Optional[str], typer.Option(help="Comma-separated prompt token ids (default 1,2,3).")]
 PromptText = Annotated[Optional[str], typer.Option("--prompt", help="Prompt text (needs a tokenizer in the folder).")]
 Chat = Annotated[bool, typer.Option("--chat", help="Wrap --prompt in the tokenizer's chat template.")]
 MaxNewTokens = Annotated[int, typer.Option(min=1, help="Most tokens to generate (stops earlier on EOS).")]
-Temperature = Annotated[float, typer.Option(min=0.0, help="0 = greedy (default); > 0 samples at this temperature.")]
+Temperature = Annotated[float, typer.Option(help="0 = greedy (default); > 0 samples at this temperature.")]
 TopK = Annotated[int, typer.Option(min=0, help="Sample among the k most likely tokens (0 = off).")]
 TopP = Annotated[float, typer.Option(help="Sample among the smallest set of tokens whose probability sum reaches "
                                           "this (1 = off).")]
@@ -90,12 +92,12 @@ class Printer:
 
     def __call__(self, token) -> None:
         if self.stream is not None:
-            sys.stdout.write(self.stream.push(int(token[0])))
+            sys.stdout.write(printable(self.stream.push(int(token[0]))))  # a token may decode to an escape
             sys.stdout.flush()
 
     def finish(self, generation, prompt_len: int, where: str) -> None:
         if self.stream is not None:
-            typer.echo(self.stream.flush())
+            typer.echo(printable(self.stream.flush()))
         typer.echo("tokens: " + ",".join(str(t) for t in generation.tokens[0].tolist()))
         g = generation
         rate = f"{g.decode_tokens_per_s:.1f} tokens/s" if g.tokens.shape[1] > 1 and g.decode_s > 0 else "n/a"

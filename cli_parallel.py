@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .cli_support import Progress, fail, one_line
+from .cli_support import Progress, echo, fail, one_line
 
 TP = Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel ranks (attention heads, FFN, vocab).")]
 EP = Annotated[int, typer.Option("--ep", min=1, help="Expert-parallel ranks (routed experts).")]
@@ -35,7 +35,7 @@ def export_sharded(options, tp: int, ep: int, out: Path) -> None:
         fail(str(e))
     except (OSError, RuntimeError) as e:
         fail(f"export to {out} failed: {one_line(e)}; nothing was written")
-    typer.echo("\n".join(result.notes + [f"manifest: {out / 'manifest.json'}"]))
+    echo("\n".join(result.notes + [f"manifest: {out / 'manifest.json'}"]))
 
 
 def _sharded(export_dir: Path):
@@ -63,7 +63,7 @@ def _backends(export_dir: Path, data, requested: list[str], default_ort: bool = 
     have = rank_backends(export_dir, data)
     if default_ort and requested == ["ort"] and "ort" not in have and "pt2" in have:
         if os.environ.get("RANK", "0") == "0":  # the launching process and rank 0 say it
-            typer.echo("backend ort: this sharded export has no ONNX; running the pt2 rank programs")
+            echo("backend ort: this sharded export has no ONNX; running the pt2 rank programs")
         return ["pt2"]
     missing = [b for b in requested if b not in have]
     if missing:
@@ -100,7 +100,7 @@ def _report_rss(rank: int) -> None:
     rss: list = [None] * dist.get_world_size()
     dist.all_gather_object(rss, round(peak_rss_mib(), 1))
     if rank == 0:
-        typer.echo("peak RSS per rank (MiB): " + ", ".join(f"{r}: {m}" for r, m in enumerate(rss)))
+        echo("peak RSS per rank (MiB): " + ", ".join(f"{r}: {m}" for r, m in enumerate(rss)))
 
 
 def run_sharded(export_dir: Path, prompt, prompt_ids, chat: bool, sampling, skip_hash_check: bool,
@@ -183,8 +183,8 @@ def verify_sharded(export_dir: Path, steps: int, prompt_len: int, batch: int, se
     same = all(torch.equal(want, got) for got in gots)
     got = next((g for g in gots if not torch.equal(want, g)), want)
     if rank == 0:
-        typer.echo(report.table())
-        typer.echo(f"greedy tokens ({steps + 1}): " + ("identical" if same else f"DIFFER {got.tolist()} != "
+        echo(report.table())
+        echo(f"greedy tokens ({steps + 1}): " + ("identical" if same else f"DIFFER {got.tolist()} != "
                                                                                  f"{want.tolist()}"))
         if json_out:
             json_out.write_text(json.dumps({**report.to_json(), "greedy_identical": same,
@@ -208,4 +208,4 @@ def inspect_parallel(cfg, tp: int, ep: int, batch: int, context: int, json_out: 
         b = budget(cfg, ParallelPlan(tp, ep), batch=batch, context=context)
     except ConfigError as e:
         fail(str(e))
-    typer.echo(json.dumps(b) if json_out else format_budget(b))
+    echo(json.dumps(b) if json_out else format_budget(b))

@@ -2,7 +2,9 @@
 stage progress with elapsed time, and the export-folder helpers `run` / `verify` share.
 
 Notable choices:
-- `fail` cuts messages to MAX_ERROR characters (an error once printed 7.9 MB).
+- `fail` cuts messages to MAX_ERROR characters (an error once printed 7.9 MB); it and `echo` escape control
+  characters (`printable`): a config's name or a path may carry terminal escape sequences.
+- Every command registered on `App` maps the library's typed input errors to one line (`one_line_errors`).
 - `-v` may follow the command (`_App` moves it before the command; click only accepts it there).
 - `load_ids_npy` reads the `.npy` header first: no `.npz`, no pickles, no header promising more bytes than
   the file holds (a header claiming 8 TiB is refused before numpy allocates).
@@ -10,21 +12,55 @@ Notable choices:
 
 from __future__ import annotations
 
+import functools
+import re
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import typer
 
 
 class App(typer.Typer):
-    """`k3x CMD ... -v` works like `k3x -v CMD ...`: the global flag is moved before the command."""
+    """`k3x CMD ... -v` works like `k3x -v CMD ...`: the global flag is moved before the command; every
+    command's typed input errors are one line (`one_line_errors`)."""
 
     def __call__(self, *args, **kwargs):
         if not args and "args" not in kwargs:
             kwargs["args"] = hoist_global_flags(sys.argv[1:])
         return super().__call__(*args, **kwargs)
+
+    def command(self, *args, **kwargs):
+        register = super().command(*args, **kwargs)
+        return lambda f: register(one_line_errors(f))
+
+
+def input_errors() -> tuple[type[Exception], ...]:
+    """The library's typed errors for bad input: each message names the file or field."""
+    from .exporter.artifacts import ManifestError
+    from .exporter.engine import EngineBuildError
+    from .exporter.runners import RunnerError
+    from .exporter.staging import FolderError
+    from .model.checkpoint import CheckpointError
+    from .model.config import ConfigError
+    from .model.tokenizer import TokenizerError
+
+    return ConfigError, TokenizerError, CheckpointError, ManifestError, FolderError, EngineBuildError, RunnerError
+
+
+def one_line_errors(command: Callable[..., Any]) -> Callable[..., Any]:
+    """`command` with the library's typed input errors (`input_errors`) turned into one `fail` line, wherever
+    in the command they are raised (the one mapping; no per-command try/except needed for them)."""
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except input_errors() as e:  # evaluated only when an exception propagates
+            fail(str(e))
+
+    return wrapper
 
 
 def hoist_global_flags(argv: list[str]) -> list[str]:
@@ -35,11 +71,27 @@ def hoist_global_flags(argv: list[str]) -> list[str]:
 MAX_ERROR = 2000
 
 
+# C0 / C1 control characters but newline and tab, and the bidi overrides that reorder what a terminal shows
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """`text` with control characters shown escaped (`\\x1b`): a name or path from a config can hold
+    terminal escape sequences, which must never reach the terminal raw."""
+    return _CONTROL.sub(lambda m: ascii(m[0])[1:-1], text)
+
+
+def echo(text: str, err: bool = False) -> None:
+    """typer.echo of text that may hold user strings (config names, paths), control characters escaped."""
+    typer.echo(printable(text), err=err)
+
+
 def fail(message: str) -> None:
-    """Print an error that names the bad input and exit 1 (cut to MAX_ERROR characters)."""
+    """Print an error that names the bad input and exit 1 (cut to MAX_ERROR characters, control characters
+    escaped)."""
     if len(message) > MAX_ERROR:
         message = message[:MAX_ERROR] + f"... ({len(message)} characters in all)"
-    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    typer.secho(f"error: {printable(message)}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code=1)
 
 

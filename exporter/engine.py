@@ -2,8 +2,9 @@
 
 - Runtimes: "trt" (TensorRT 11, package `tensorrt`, needs the GPU it builds for) and "trt-rtx"
   (TensorRT-RTX 1.7 from PyPI, builds on a CPU-only machine; targets SM75/80/86/89/120/121, not SM90).
-- Optimisation profile: one, derived from `trace.DYNAMIC_DIMS` (every input dim named batch / seq /
-  past_seq gets that dim's min/opt/max; `EngineOptions.dims` overrides single values). Static dims stay.
+- Optimisation profile: one, derived from the export's recorded dynamic dims (every input dim named batch /
+  seq / past_seq gets that dim's min/opt/max; `EngineOptions.dims` overrides single values, which must stay
+  within the exported range: a profile past it corrupted TensorRT's heap). Static dims stay.
 - Precision: TensorRT 11 networks are strongly typed, so the precision plan is the ONNX graph's own dtypes;
   no builder precision flags are set.
 - Plugins: IPluginV3 creators from `k3x.plugins`, one path per plugin (AOT cubins for `sm`, or JIT), printed
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -98,7 +100,6 @@ _REEXEC = "K3X_RTX_LIBRARY_PATH_SET"
 def ensure_rtx_library_path() -> None:
     """Make `libtensorrt_rtx.so` loadable (module docstring): symlinks, then LD_LIBRARY_PATH by re-exec."""
     import importlib.util
-    import os
     import sys
 
     spec = importlib.util.find_spec("tensorrt_rtx_libs")
@@ -144,17 +145,39 @@ def import_trt(runtime: str):
     raise EngineBuildError(f"runtime={runtime!r}: cannot import {' or '.join(names)} ({err}); install {packages}")
 
 
-def profile_ranges(overrides: dict[str, dict[str, int]]) -> dict[str, DimRange]:
-    """DYNAMIC_DIMS with per-dim overrides, checked min <= opt <= max."""
+_PROFILE_SPEC = re.compile(r"([a-z_]+)=([0-9]{1,10})", re.ASCII)
+
+
+def parse_profile(flags: dict[str, list[str]]) -> dict[str, dict[str, int]]:
+    """`{"max": ["batch=8"], ...}` (the --min/--opt/--max flags) -> `{"batch": {"max": 8}}`; ValueError naming
+    the flag (ASCII digits only: `batch=²` passes str.isdigit but not int())."""
+    dims: dict[str, dict[str, int]] = {}
+    for key, items in flags.items():
+        for item in items:
+            m = _PROFILE_SPEC.fullmatch(item)
+            if m is None:
+                raise ValueError(f"--{key} {item[:80]!r}: expected NAME=INT, e.g. batch=8")
+            dims.setdefault(m[1], {})[key] = int(m[2])
+    return dims
+
+
+def profile_ranges(overrides: dict[str, dict[str, int]],
+                   exported: dict[str, dict[str, int]] | None = None) -> dict[str, DimRange]:
+    """The export's dynamic dims (`exported`, the manifest's `dynamic_dims`; default DYNAMIC_DIMS) with
+    per-dim overrides, checked min <= opt <= max and within what the export was traced for."""
+    unknown = sorted(set(overrides) - set(exported or DYNAMIC_DIMS))
+    if unknown:
+        raise ValueError(f"dims {unknown}: not dynamic dims; known: {sorted(exported or DYNAMIC_DIMS)}")
+    base = {n: DimRange(n, r["min"], r["opt"], r["max"]) for n, r in exported.items()} if exported else DYNAMIC_DIMS
     out = {}
-    for name, r in DYNAMIC_DIMS.items():
-        r = replace(r, **overrides.get(name, {}))
+    for name, traced in base.items():
+        r = replace(traced, **overrides.get(name, {}))
         if not r.min <= r.opt <= r.max:
             raise ValueError(f"dim {name!r}: need min <= opt <= max, got {r.min}/{r.opt}/{r.max}")
+        if r.min < traced.min or r.max > traced.max:
+            raise ValueError(f"dim {name!r}: profile {r.min}..{r.max} leaves the exported range "
+                             f"{traced.min}..{traced.max}")
         out[name] = r
-    unknown = sorted(set(overrides) - set(DYNAMIC_DIMS))
-    if unknown:
-        raise ValueError(f"dims {unknown}: not dynamic dims; known: {sorted(DYNAMIC_DIMS)}")
     return out
 
 
@@ -224,6 +247,8 @@ def build_engine(export_dir: Path, options: EngineOptions = EngineOptions()) -> 
     from .staging import folder_lock
 
     export_dir = Path(export_dir)
+    if export_dir.is_dir() and not os.access(export_dir, os.W_OK):  # refuse before a build of minutes
+        raise EngineBuildError(f"{export_dir}: read-only; build-engine writes {ENGINE_FILE} and {ENGINE_META} there")
     with folder_lock(export_dir):
         for leftover in export_dir.glob(".tmp-trt-*"):  # write_artifact's staging folder of a killed build
             shutil.rmtree(leftover, ignore_errors=True)
@@ -252,7 +277,7 @@ def _checked_input(export_dir: Path) -> tuple[Path, str, bytes]:
 
 def _build_engine(export_dir: Path, options: EngineOptions) -> EngineArtifact:
     onnx_path, onnx_sha256, cache_bytes = _checked_input(export_dir)
-    ranges = profile_ranges(options.dims)
+    ranges = profile_ranges(options.dims, ExportFolder.open(export_dir).manifest["dynamic_dims"])
     trt = import_trt(options.runtime)
     from .. import plugins
 

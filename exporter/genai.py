@@ -18,7 +18,8 @@ How the k3x model meets GenAI's contract (onnxruntime-genai 0.18, its generic de
   models under 2 GB, else references into the shared `model.onnx.data`.
 - `genai_config.json`: model type "llama" selects GenAI's generic decoder-only pipeline; I/O name
   templates; token ids from the tokenizer / generation config; context length from the export's
-  dynamic-dim bounds; greedy search defaults. Without an EOS id (no tokenizer, no generation config) the
+  dynamic-dim bounds; greedy search defaults. BOS / EOS ids outside the vocabulary (or not integers:
+  `Infinity`) skip the package with a note; the file is written with allow_nan=False. Without an EOS id (no tokenizer, no generation config) the
   package is skipped with a note: GenAI refuses a config without one. The provider list is empty (CPU); add CUDA with
   `config.append_provider("cuda")`.
 - Static latent cache (`--max-context`): no package; the export notes why in one line (`STATIC_CACHE_NOTE`).
@@ -149,17 +150,26 @@ def genai_config(cfg: K3Config, bos: int | None, eos: tuple[int, ...]) -> dict:
 
 
 def _token_ids(out_dir: Path) -> tuple[int | None, tuple[int, ...]]:
-    from ..model.tokenizer import eos_token_ids, find_tokenizer
+    from ..model.tokenizer import eos_token_ids, find_tokenizer, read_json
 
     tok = find_tokenizer(out_dir)
     eos = tok.eos_token_ids if tok else eos_token_ids(out_dir)
     bos = None
     gen = out_dir / "generation_config.json"
     if gen.is_file():
-        bos = json.loads(gen.read_text()).get("bos_token_id")
+        bos = read_json(gen).get("bos_token_id")
     if bos is None and tok is not None and tok.special_token("bos_token"):
         bos = tok.backend.token_id(tok.special_token("bos_token"))
     return bos, tuple(eos)
+
+
+def _outside_vocab(cfg: K3Config, bos: object, eos: tuple[int, ...]) -> str | None:
+    """`name=value` of the first BOS / EOS id that is not a token of the model (GenAI would index past its
+    logits), else None."""
+    for name, tid in [("bos_token_id", bos)] + [("eos_token_id", e) for e in eos]:
+        if tid is not None and (isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < cfg.vocab_size):
+            return f"{name}={repr(tid)[:40]}"
+    return None
 
 
 def genai_stage(out_dir: Path, cfg: K3Config, ort_file: str, final_dir: Path | None = None) -> str:
@@ -177,10 +187,14 @@ def genai_stage(out_dir: Path, cfg: K3Config, ort_file: str, final_dir: Path | N
     if not eos:  # GenAI refuses a config without an EOS id in the vocabulary
         return (f"genai: skipped — no EOS id in {shown} (export from a checkpoint with a tokenizer or "
                 "generation_config.json to get an onnxruntime-genai package)")
+    bad = _outside_vocab(cfg, bos, eos)
+    if bad:
+        return (f"genai: skipped — {bad} in {shown} is not a token id of the model (vocab_size={cfg.vocab_size}); "
+                "fix generation_config.json / the tokenizer files for an onnxruntime-genai package")
     model = ir.load(out_dir / ort_file)
     wrap_for_genai(model, cfg)
     with write_artifact(out_dir, "genai", {"runtime": "onnxruntime-genai", "model_type": MODEL_TYPE},
                         primary=GENAI_CONFIG) as tmp:
         ir.save(model, tmp / GENAI_MODEL)  # external tensors stay references into model.onnx.data
-        (tmp / GENAI_CONFIG).write_text(json.dumps(genai_config(cfg, bos, eos), indent=2) + "\n")
+        (tmp / GENAI_CONFIG).write_text(json.dumps(genai_config(cfg, bos, eos), indent=2, allow_nan=False) + "\n")
     return f"genai: {shown / GENAI_CONFIG} (og.Model({str(shown)!r}))"

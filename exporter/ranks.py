@@ -203,9 +203,14 @@ def read_parallel(export_dir: str | Path) -> tuple[dict[str, Any], ParallelPlan]
         return None
     where = Path(export_dir) / "manifest.json"
     try:
-        plan = ParallelPlan(int(par["tp"]), int(par["ep"]))
+        for key in ("tp", "ep"):  # 2.9 is refused, never truncated to 2
+            if isinstance(par[key], bool) or not isinstance(par[key], int):
+                raise ValueError(f"{key}={repr(par[key])[:40]}: must be an integer")
+        plan = ParallelPlan(par["tp"], par["ep"])
         ranks = par["ranks"]
-        if not isinstance(ranks, list) or [r.get("rank") for r in ranks] != list(range(len(ranks))):
+        if not isinstance(ranks, list) or not all(isinstance(r, dict) for r in ranks):
+            raise ValueError("ranks must be a list of objects")
+        if [r.get("rank") for r in ranks] != list(range(len(ranks))):
             raise ValueError("ranks must list rank 0, 1, ... in order")
         for r in ranks:
             if not isinstance(r.get("dir"), str):

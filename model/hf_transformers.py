@@ -68,10 +68,17 @@ def _per_layer(text: dict[str, Any], key: str, kinds: dict[str, str], n: int, wh
     values = text[key]
     if not isinstance(values, list) or len(values) != n:
         raise ConfigError(f"{where}: {key} must list one entry per layer (num_hidden_layers={n}), got {values!r}")
-    bad = sorted({v for v in values if v not in kinds}, key=str)
+    bad = sorted({repr(v) for v in values if not isinstance(v, str) or v not in kinds})
     if bad:
-        raise ConfigError(f"{where}: {key} has {bad}; entries must be one of {sorted(kinds)}")
+        raise ConfigError(f"{where}: {key} has [{', '.join(bad)[:200]}]; entries must be one of {sorted(kinds)}")
     return [kinds[v] for v in values]
+
+
+def _sorted_ints(values: Any, where: str) -> list[int]:
+    values = values or []
+    if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ConfigError(f"{where}={str(values)[:80]}: must be a list of integers")
+    return sorted(values)
 
 
 def _linear_attn_config(text: dict[str, Any], n: int, where: str) -> dict[str, Any]:
@@ -108,9 +115,12 @@ def to_published(text: dict[str, Any], where: str) -> dict[str, Any]:
         return out
     lac = _linear_attn_config(out, n, where)
     given = out.get("linear_attn_config")
+    if given is not None and not isinstance(given, dict):
+        raise ConfigError(f"{where}: linear_attn_config={str(given)[:80]}: must be a dict")
     if given:  # both styles: they must describe the same model
         for key, value in lac.items():
-            mine = sorted(given.get(key) or []) if key.endswith("_layers") else given.get(key)
+            mine = _sorted_ints(given.get(key), f"{where}: linear_attn_config.{key}") if key.endswith("_layers") \
+                else given.get(key)
             if key in given and mine != value:
                 raise ConfigError(f"{where}: linear_attn_config.{key}={given[key]!r} disagrees with "
                                   f"layer_types / linear_* fields ({value!r})")

@@ -4,7 +4,9 @@
     gen = decode_loop(prefill, step, prompt, options, on_token=print)
 
 Notable choices:
-- Greedy by default (`temperature=0`): argmax, no randomness. `top_k` / `top_p` only apply when sampling;
+- Greedy by default (`temperature=0`): argmax, no randomness. Temperatures are finite; logits are shifted
+  by their row maximum before the division and the top stays 0, so a tiny temperature (1e-300, 0 as fp32)
+  samples among the top tokens rather than producing nan. `top_k` / `top_p` only apply when sampling;
   asking for them with `temperature=0` is refused rather than silently ignored.
 - Sampling order as Hugging Face's warpers: logits / temperature -> top-k -> top-p -> softmax -> draw.
   Top-k keeps exactly k tokens (ties broken by index); top-p keeps the smallest set of most likely tokens
@@ -19,6 +21,7 @@ Notable choices:
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -39,12 +42,14 @@ class SamplingOptions:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature={self.temperature}: must be >= 0 (0 = greedy)")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature={self.temperature}: must be a finite number >= 0 (0 = greedy)")
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k}: must be >= 0 (0 = off)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p}: must be in (0, 1] (1 = off)")
+        if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:
+            raise ValueError(f"seed={self.seed}: must fit in 64 bits")
         if self.temperature == 0 and (self.top_k or self.top_p < 1):
             raise ValueError("top_k / top_p apply only when sampling: give temperature > 0 (e.g. 1.0)")
 
@@ -89,7 +94,9 @@ class Sampler:
         o = self.options
         if o.greedy:
             return logits.argmax(-1).cpu()
-        scores = logits.detach().float().cpu() / o.temperature
+        shifted = logits.detach().float().cpu()
+        shifted = shifted - shifted.amax(-1, keepdim=True)  # <= 0, the top token 0
+        scores = torch.where(shifted == 0, 0.0, shifted / o.temperature)  # a tiny temperature: -inf, never nan
         scores = mask_top_p(mask_top_k(scores, o.top_k), o.top_p)
         return torch.multinomial(scores.softmax(-1), 1, generator=self.generator)[:, 0]
 

@@ -11,11 +11,14 @@ Notable choices:
 - EOS ids, first found: `generation_config.json`, `config.json` (or its `text_config`), the tokenizer
   config's `eos_token`. Both `k3x generate/run` and the GenAI config read them from here.
 - The chat template is `chat_template.jinja` or `tokenizer_config.json`'s `chat_template` (a string, or
-  the `default` entry of a list), rendered in a sandboxed Jinja environment as transformers does, with
+  the `default` entry of a list), rendered in a sandboxed Jinja environment as transformers does, bounded in
+  time, memory, loop count and output (model/chat_template.py), with
   `add_generation_prompt=True`; the rendered text already holds its special tokens, so it is encoded
   without adding more.
 - Streaming decodes all ids so far and emits the new suffix, holding back an incomplete UTF-8
   sequence (byte-level BPE splits characters across tokens).
+- Every file is strict UTF-8; token ids (EOS, tiktoken ranks, added tokens) are JSON integers in
+  [0, 2**32), ranks and added-token ids distinct (tiktoken panics otherwise): one TokenizerError line.
 - `TOKENIZER_FILES` are what an export copies beside its models.
 - Every file is read through `_file`: it must resolve directly inside the folder (fileio.confined: a
   `chat_template.jinja` symlinked to a private file elsewhere is refused), and in an export folder
@@ -70,19 +73,38 @@ def _file(folder: Path, name: str, listed: Collection[str] | None) -> Path | Non
     return p if p.is_file() else None
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_text(path: Path) -> str:
+    """A tokenizer-side text file as UTF-8 (one TokenizerError line naming it otherwise)."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise TokenizerError(f"{path}: unreadable ({e})") from None
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TokenizerError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise TokenizerError(f"{path}: unreadable ({e.strerror})") from None
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(_read_text(path))
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise TokenizerError(f"{path}: not valid JSON ({str(e)[:200]})") from None
     if not isinstance(data, dict):
         raise TokenizerError(f"{path}: expected a JSON object")
     return data
 
 
+def _token_id(value: Any, where: str) -> int:
+    """A token id as a JSON integer in [0, 2**32) (no floats, strings or booleans)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 32:
+        text = repr(value)
+        raise TokenizerError(f"{where}: {text[:80]}: a token id must be an integer in [0, 2**32)")
+    return value
+
+
 def _token_text(value: Any) -> str | None:
-    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
-    return value.get("content") if isinstance(value, dict) else value
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict (else None)."""
+    value = value.get("content") if isinstance(value, dict) else value
+    return value if isinstance(value, str) else None
 
 
 class _HfTokenizer:
@@ -106,23 +128,13 @@ class _HfTokenizer:
 
 class _TiktokenTokenizer:
     def __init__(self, path: Path, config: dict[str, Any]) -> None:
-        import base64
-
         try:
             import tiktoken
         except ImportError:
             raise TokenizerError(f"{path}: reading a tiktoken model needs the tiktoken package "
                                  "(pip install tiktoken)") from None
-        ranks: dict[bytes, int] = {}
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    token, rank = line.split()
-                    ranks[base64.b64decode(token)] = int(rank)
-                except ValueError:
-                    raise TokenizerError(f"{path}: line {n} is not 'base64-token rank'") from None
-        special = {v["content"]: int(k) for k, v in (config.get("added_tokens_decoder") or {}).items()
-                   if int(k) not in ranks.values()}
+        ranks = _tiktoken_ranks(path)
+        special = _added_tokens(config, path.with_name("tokenizer_config.json"), set(ranks.values()))
         self.enc = tiktoken.Encoding(name=path.parent.name, pat_str=KIMI_PATTERN, mergeable_ranks=ranks,
                                      special_tokens=special)
 
@@ -137,6 +149,47 @@ class _TiktokenTokenizer:
             return self.enc.encode_single_token(token)
         except KeyError:
             return None
+
+
+def _tiktoken_ranks(path: Path) -> dict[bytes, int]:
+    """`base64(bytes) rank` per line; ranks distinct integers in [0, 2**32) (tiktoken panics otherwise)."""
+    import base64
+    import binascii
+
+    ranks: dict[bytes, int] = {}
+    for n, line in enumerate(_read_text(path).splitlines(), 1):
+        if line.strip():
+            try:
+                token, rank = line.split()
+                ranks[base64.b64decode(token, validate=True)] = _token_id(int(rank), f"{path}: line {n}")
+            except TokenizerError:
+                raise
+            except (ValueError, binascii.Error):
+                raise TokenizerError(f"{path}: line {n} is not 'base64-token rank'") from None
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise TokenizerError(f"{path}: {len(missing)} of the 256 single bytes have no rank (first: {missing[0]}); "
+                             "a byte-level BPE needs every byte")
+    if len(set(ranks.values())) != len(ranks):
+        raise TokenizerError(f"{path}: a rank is given to two tokens")
+    return ranks
+
+
+def _added_tokens(config: dict[str, Any], where: Path, ranks: set[int]) -> dict[str, int]:
+    """tokenizer_config.json's `added_tokens_decoder` ({"id": {"content": ...}}) as special tokens."""
+    added = config.get("added_tokens_decoder") or {}
+    if not isinstance(added, dict):
+        raise TokenizerError(f"{where}: added_tokens_decoder must be an object of id -> token")
+    special = {}
+    for key, value in added.items():
+        tid = _token_id(int(key) if key.isdecimal() else key, f"{where}: added_tokens_decoder")
+        if not isinstance(value, dict) or _token_text(value) is None:
+            raise TokenizerError(f"{where}: added_tokens_decoder[{key!r}] has no \"content\" string")
+        if tid not in ranks:
+            special[_token_text(value)] = tid
+    if len(set(special.values())) != len(special):
+        raise TokenizerError(f"{where}: added_tokens_decoder gives two tokens one id")
+    return special
 
 
 @dataclass
@@ -174,7 +227,11 @@ class Tokenizer:
         return self.backend.encode(text)
 
     def decode(self, ids: list[int]) -> str:
-        return self.backend.decode([int(i) for i in ids])
+        try:
+            return self.backend.decode([int(i) for i in ids])
+        except KeyError as e:  # tiktoken: an id it has no token for
+            raise TokenizerError(f"{self.folder}: the tokenizer has no token {e.args[0].split()[-1]} (does it "
+                                 "belong to this model?)") from None
 
     def stream(self) -> TextStream:
         return TextStream(self)
@@ -187,37 +244,31 @@ class Tokenizer:
         if not self.chat_template:
             raise TokenizerError(f"{self.folder}: --chat needs a chat template (chat_template.jinja or "
                                  "tokenizer_config.json's chat_template); none found")
-        from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from .chat_template import ChatTemplateError, render_chat_template
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-        def raise_exception(message: str) -> None:
-            raise TemplateError(message)
-
-        env.globals["raise_exception"] = raise_exception
+        variables = {"messages": [{"role": "user", "content": user_text}], "add_generation_prompt": True,
+                     "bos_token": self.special_token("bos_token") or "",
+                     "eos_token": self.special_token("eos_token") or ""}
         try:
-            return env.from_string(self.chat_template).render(
-                messages=[{"role": "user", "content": user_text}], add_generation_prompt=True,
-                bos_token=self.special_token("bos_token") or "", eos_token=self.special_token("eos_token") or "")
-        except TemplateError as e:
-            raise TokenizerError(f"{self.folder}: the chat template fails: {e}") from None
+            return render_chat_template(self.chat_template, variables, str(self.folder))
+        except ChatTemplateError as e:
+            raise TokenizerError(str(e)) from None
 
 
 def _chat_template(folder: Path, config: dict[str, Any], listed: Collection[str] | None) -> str | None:
     path = _file(folder, "chat_template.jinja", listed)
     if path is not None:
-        return path.read_text()
+        return _read_text(path)
     t = config.get("chat_template")
     if isinstance(t, list):  # [{"name": ..., "template": ...}]
         t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
     return t if isinstance(t, str) else None
 
 
-def _ids(value: Any) -> tuple[int, ...]:
+def _ids(value: Any, where: str) -> tuple[int, ...]:
     if value is None:
         return ()
-    return tuple(int(v) for v in (value if isinstance(value, list) else [value]))
+    return tuple(_token_id(v, where) for v in (value if isinstance(value, list) else [value]))
 
 
 def eos_token_ids(folder: Path, backend: _Backend | None = None, config: dict[str, Any] | None = None,
@@ -228,8 +279,9 @@ def eos_token_ids(folder: Path, backend: _Backend | None = None, config: dict[st
     for name in ("generation_config.json", "config.json"):
         path = _file(folder, name, listed)
         if path is not None:
-            data = _read_json(path)
-            ids = _ids(data.get("eos_token_id", (data.get("text_config") or {}).get("eos_token_id")))
+            data = read_json(path)
+            text = data.get("text_config") if isinstance(data.get("text_config"), dict) else {}
+            ids = _ids(data.get("eos_token_id", text.get("eos_token_id")), f"{path}: eos_token_id")
             if ids:
                 return ids
     token = _token_text((config or {}).get("eos_token"))
@@ -244,7 +296,7 @@ def find_tokenizer(folder: str | Path, listed: Collection[str] | None = None) ->
     `listed`: in an export, the tokenizer files its manifest lists (hash-checked); others are refused."""
     folder = Path(folder)
     config_path = _file(folder, "tokenizer_config.json", listed)
-    config = _read_json(config_path) if config_path is not None else {}
+    config = read_json(config_path) if config_path is not None else {}
     if (hf := _file(folder, "tokenizer.json", listed)) is not None:
         backend: _Backend = _HfTokenizer(hf)
     elif (tik := _file(folder, "tiktoken.model", listed)) is not None:
