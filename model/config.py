@@ -323,13 +323,14 @@ def _kimi_linear_48b() -> K3Config:
 
 def _k3_mini() -> K3Config:
     # 6 layers: KDA(dense) KDA MLA KDA(block write at 4) MLA MLA -- every branch, incl. the final double MLA.
+    # 4 heads, 8 experts, even FFN widths and vocab: splits at TP=2 x EP=2 (the README's multi-GPU lines).
     lt = ("kda", "kda", "mla", "kda", "mla", "mla")
     mt = ("dense",) + ("moe",) * 5
     return K3Config(
         name="k3-mini", hidden_size=64, vocab_size=512, layer_types=lt, mlp_types=mt,
         dense_intermediate_size=128,
-        kda=KDAConfig(num_heads=3, head_dim=16, gate_lower_bound=-5.0, full_rank_output_gate=True),
-        mla=MLAConfig(num_heads=3, q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16,
+        kda=KDAConfig(num_heads=4, head_dim=16, gate_lower_bound=-5.0, full_rank_output_gate=True),
+        mla=MLAConfig(num_heads=4, q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16,
                       qk_rope_head_dim=8, v_head_dim=16, output_gate=True),
         moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=32, num_shared_experts=2,
                       latent_dim=32, latent_norm=True, routed_scaling_factor=1.0),
