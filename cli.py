@@ -192,10 +192,11 @@ def _export_logits(backend: str, export_dir: Path | None, ids, options):
         fail(f"backend {backend} needs --export-dir DIR")
     folder = _export_folder(export_dir)
     try:
+        cache = folder.options().cache
         check_request(folder.config(), batch=ids.shape[0], prompt_len=ids.shape[1], new_tokens=1,
-                      dims=folder.manifest["dynamic_dims"], backend=backend)
+                      dims=folder.manifest["dynamic_dims"], backend=backend, cache=cache)
         runner = make_runner(backend, export_dir, options)
-        return prefill_logits(runner, folder.config(), ids, dtype=folder.dtype())
+        return prefill_logits(runner, folder.config(), ids, dtype=folder.dtype(), cache=cache)
     except (RunnerError, ValueError) as e:
         fail(str(e))
     except Exception as e:  # noqa: BLE001 - one line, no traceback
@@ -237,17 +238,12 @@ def export(
     import errno
 
     from .exporter.artifacts import ManifestError
-    from .cli_parallel import export_sharded
     from .exporter.export import ExportOptions, export as run_export
     from .exporter.staging import FolderError
 
-    if tp * ep > 1 and max_context is not None:
-        fail("--max-context: the static latent cache is not available for rank programs (--tp/--ep > 1)")
     try:
         options = ExportOptions(tuple(target), out, preset, checkpoint, not no_weights, dtype, seed, kernels,
-                                expert_format, max_context)
-        if tp * ep > 1:  # rank programs (cli_parallel.py); tp = ep = 1 is the single program
-            return export_sharded(options, tp, ep, out)
+                                expert_format, max_context, tp, ep)
         with Progress() as progress:
             result = run_export(options, progress)
     except (ValueError, FileNotFoundError, ManifestError, FolderError) as e:  # ConfigError, ...: name the input
@@ -321,15 +317,16 @@ def run(
     if run_sharded(export_dir, prompt, prompt_ids, chat, sampling, skip_hash_check, backend):
         return
     folder = _export_folder(export_dir)
-    cfg = folder.config()
+    cfg, cache = folder.config(), folder.options().cache
     p = prepare(export_dir, cfg.vocab_size, prompt, prompt_ids, chat, sampling)
     try:
         check_request(cfg, batch=1, prompt_len=len(p.ids), new_tokens=max_new_tokens, backend=backend,
-                      dims=None if backend == "eager" else folder.manifest["dynamic_dims"])
+                      dims=None if backend == "eager" else folder.manifest["dynamic_dims"], cache=cache)
         runner = make_runner(backend, export_dir, runner_options(provider, skip_hash_check, cuda_graph=cuda_graph))
         typer.echo(f"backend {backend}" + (f" on {runner.provider}" if hasattr(runner, "provider") else ""))
         printer = Printer(p.tokenizer)
-        g = run_generate(runner, cfg, torch.tensor([p.ids]), p.options, dtype=folder.dtype(), on_token=printer)
+        g = run_generate(runner, cfg, torch.tensor([p.ids]), p.options, dtype=folder.dtype(), on_token=printer,
+                         cache=cache)
     except RunnerError as e:
         fail(str(e))
     except Exception as e:  # noqa: BLE001 - one line, no traceback
@@ -368,13 +365,14 @@ def verify(
         fail(f"{export_dir}: no runnable artifact (exported with --no-weights?); name runners with --backends")
     options = runner_options(provider, skip_hash_check, checkpoint, cuda_graph)
     try:
+        cache = folder.options().cache
         for n in ["eager"] + names:
             check_request(folder.config(), batch=batch, prompt_len=prompt_len, new_tokens=steps + 1, backend=n,
-                          dims=None if n == "eager" else folder.manifest["dynamic_dims"])
+                          dims=None if n == "eager" else folder.manifest["dynamic_dims"], cache=cache)
         reference = make_runner("eager", export_dir, reference_options(options))
         runners = [make_runner(n, export_dir, options) for n in names]
         report = run_parity(reference, runners, folder.config(), steps=steps, batch=batch, prompt_len=prompt_len,
-                            dtype=folder.dtype(), seed=seed)
+                            dtype=folder.dtype(), seed=seed, cache=cache)
     except RunnerError as e:
         fail(str(e))
     except Exception as e:  # noqa: BLE001 - e.g. the eager reference failing: one line, no traceback

@@ -14,28 +14,12 @@ from typing import Annotated, Optional
 
 import typer
 
-from .cli_support import Progress, fail, one_line
+from .cli_support import fail, one_line
 
 TP = Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel ranks (attention heads, FFN, vocab).")]
 EP = Annotated[int, typer.Option("--ep", min=1, help="Expert-parallel ranks (routed experts).")]
 FitBatch = Annotated[int, typer.Option("--batch", min=1, help="inspect --tp/--ep: sequences for the fit table.")]
 FitContext = Annotated[int, typer.Option("--context", min=1, help="inspect --tp/--ep: tokens per sequence.")]
-
-
-def export_sharded(options, tp: int, ep: int, out: Path) -> None:
-    from .exporter.artifacts import ManifestError
-    from .exporter.ranks import export_ranks
-    from .exporter.staging import FolderError
-    from .model.parallel import ParallelPlan
-
-    try:
-        with Progress() as progress:
-            result = export_ranks(options, ParallelPlan(tp, ep), progress)
-    except (ValueError, FileNotFoundError, ManifestError, FolderError) as e:
-        fail(str(e))
-    except (OSError, RuntimeError) as e:
-        fail(f"export to {out} failed: {one_line(e)}; nothing was written")
-    typer.echo("\n".join(result.notes + [f"manifest: {out / 'manifest.json'}"]))
 
 
 def _sharded(export_dir: Path):

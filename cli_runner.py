@@ -55,8 +55,11 @@ def eager_generate(model, prompt, options, on_token, cuda_graph: bool):
         return plain_generate(model, prompt, options, on_token=on_token)
     from .exporter.cuda_graph import require_cuda_graph
 
-    cfg = dataclasses.replace(model.cfg, max_context=min(prompt.shape[1] + options.max_new_tokens,
-                                                         model.cfg.max_position_embeddings))
-    runner = require_cuda_graph(ModuleRunner("eager", model, cfg, "cuda"), "generate")  # refused without CUDA
+    from .model.options import CacheOptions
+
+    cfg = model.cfg
+    cache = CacheOptions(min(prompt.shape[1] + options.max_new_tokens, cfg.max_position_embeddings))
+    runner = require_cuda_graph(ModuleRunner("eager", model, cfg, "cuda", cache), "generate")  # refused without CUDA
     model.to("cuda")
-    return generate(runner, cfg, prompt, options, dtype=model.model.embed_tokens.weight.dtype, on_token=on_token)
+    return generate(runner, cfg, prompt, options, dtype=model.model.embed_tokens.weight.dtype, on_token=on_token,
+                    cache=cache)

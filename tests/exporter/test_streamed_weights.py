@@ -19,6 +19,7 @@ import torch
 from k3x.exporter.export import ExportOptions, Target, export
 from k3x.model import build_model, preset
 from k3x.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from k3x.model.options import BuildOptions
 from k3x.model.checkpoint_ranges import StoredTensor, stream_weights
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -158,7 +159,7 @@ def test_peak_rss_does_not_grow_with_the_model(tmp_path):
         mini.moe, num_experts=64, intermediate_size=512, latent_dim=1024))
     ckpt_bytes = bench.synth_checkpoint(cfg, tmp_path / "ckpt")
     largest = max(t.numel() * t.element_size() for t in build_model(
-        dataclasses.replace(cfg, expert_format="mxfp4"), device="meta", dtype=torch.bfloat16).state_dict().values())
+        cfg, BuildOptions(expert_format="mxfp4"), device="meta", dtype=torch.bfloat16).state_dict().values())
     assert ckpt_bytes > 16 * largest
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / ".pyshim"), os.environ.get("PYTHONPATH")]))}
     r = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path / "ckpt"), str(tmp_path)], capture_output=True,

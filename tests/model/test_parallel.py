@@ -142,7 +142,7 @@ def test_packed_checkpoint_stays_packed_in_each_rank(tmp_path):
     whole = load_checkpoint(tmp_path / "ck").state_dict()  # packed
     got_cfg, model = load_rank(tmp_path / "ck", plan, 1)
     sd = model.state_dict()
-    assert got_cfg.expert_format == "mxfp4"
+    assert got_cfg == cfg and model.build.expert_format == "mxfp4"
     for name in ("experts.w1", "experts.w2_scale"):
         key = f"model.layers.1.block_sparse_moe.{name}"
         assert sd[key].dtype == torch.uint8 and torch.equal(sd[key], whole[key][4:])
