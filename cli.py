@@ -11,7 +11,7 @@ import typer
 from .cli_decode import Chat, MaxNewTokens, PromptIds, PromptText, Seed, Temperature, TopK, TopP
 from .cli_parallel import EP, TP, FitBatch, FitContext, inspect_parallel
 from .cli_runner import CudaGraph, MaxContext, SkipHashCheck, eager_generate, reference_options, runner_options
-from .cli_support import App, Progress, default_backends as _default_backends, export_folder as _export_folder, \
+from .cli_support import App, Progress, export_folder as _export_folder, \
     fail, load_ids_npy, one_line
 from .exporter.export import DType, ExpertFormat, KernelChoice, Target
 
@@ -309,29 +309,28 @@ def run(
     import torch
 
     from .cli_decode import Printer, Sampling, prepare
-    from .exporter.runners import RunnerError, check_request, generate as run_generate, make_runner
+    from .exporter import session as sessions
+    from .exporter.runners import RunnerError
 
-    from .cli_parallel import run_sharded
-
-    sampling = Sampling(max_new_tokens, temperature, top_k, top_p, seed)
-    if run_sharded(export_dir, prompt, prompt_ids, chat, sampling, skip_hash_check, backend):
-        return
-    folder = _export_folder(export_dir)
-    cfg, cache = folder.config(), folder.options().cache
-    p = prepare(export_dir, cfg.vocab_size, prompt, prompt_ids, chat, sampling)
+    p = prepare(export_dir, _export_folder(export_dir).config().vocab_size, prompt, prompt_ids, chat,
+                Sampling(max_new_tokens, temperature, top_k, top_p, seed))
+    s = _open_session(export_dir, [backend], runner_options(provider, skip_hash_check, cuda_graph=cuda_graph),
+                      default_ort=True)
+    (backend,) = s.runners
     try:
-        check_request(cfg, batch=1, prompt_len=len(p.ids), new_tokens=max_new_tokens, backend=backend,
-                      dims=None if backend == "eager" else folder.manifest["dynamic_dims"], cache=cache)
-        runner = make_runner(backend, export_dir, runner_options(provider, skip_hash_check, cuda_graph=cuda_graph))
-        typer.echo(f"backend {backend}" + (f" on {runner.provider}" if hasattr(runner, "provider") else ""))
-        printer = Printer(p.tokenizer)
-        g = run_generate(runner, cfg, torch.tensor([p.ids]), p.options, dtype=folder.dtype(), on_token=printer,
-                         cache=cache)
+        sessions.check(s, batch=1, prompt_len=len(p.ids), new_tokens=max_new_tokens, backends=[backend])
+        runner = s.runners[backend]
+        if s.speaks:
+            typer.echo(f"backend {backend}" + (f" on {runner.provider}" if hasattr(runner, "provider") else ""))
+        printer = Printer(p.tokenizer if s.speaks else None)
+        g = sessions.decode(s, backend, torch.tensor([p.ids]), p.options, on_token=printer)
     except RunnerError as e:
-        fail(str(e))
-    except Exception as e:  # noqa: BLE001 - one line, no traceback
-        fail(f"backend {backend}: {one_line(e)}")
-    printer.finish(g, len(p.ids), backend)
+        fail(f"{s.who}{e}")
+    except Exception as e:  # noqa: BLE001 - one line (per rank), no traceback
+        fail(f"{s.who}backend {backend}: {one_line(e)}")
+    if s.speaks:
+        printer.finish(g, len(p.ids), s.describe(backend))
+    _close_session(s)
 
 
 @app.command()
@@ -353,37 +352,68 @@ def verify(
     """Parity of every backend vs the eager reference over prefill + decode steps; exit 1 on any failure."""
     import json
 
-    from .exporter.runners import RunnerError, check_request, make_runner
-    from .cli_parallel import verify_sharded
-    from .exporter.verify import run_parity
+    from .exporter import session as sessions
+    from .exporter.runners import RunnerError, make_runner
 
-    if verify_sharded(export_dir, steps, prompt_len, batch, seed, checkpoint, json_out, skip_hash_check, backends):
-        return
-    folder = _export_folder(export_dir)
-    names = [b.strip() for b in backends.split(",") if b.strip()] or _default_backends(folder)
+    _export_folder(export_dir)
+    options = runner_options(provider, skip_hash_check, checkpoint, cuda_graph)
+    s = _open_session(export_dir, [b.strip() for b in backends.split(",") if b.strip()], options)
+    names = list(s.runners)
     if not names:
         fail(f"{export_dir}: no runnable artifact (exported with --no-weights?); name runners with --backends")
-    options = runner_options(provider, skip_hash_check, checkpoint, cuda_graph)
     try:
-        cache = folder.options().cache
-        for n in ["eager"] + names:
-            check_request(folder.config(), batch=batch, prompt_len=prompt_len, new_tokens=steps + 1, backend=n,
-                          dims=None if n == "eager" else folder.manifest["dynamic_dims"], cache=cache)
+        sessions.check(s, batch=batch, prompt_len=prompt_len, new_tokens=steps + 1, backends=["eager"] + names)
         reference = make_runner("eager", export_dir, reference_options(options))
-        runners = [make_runner(n, export_dir, options) for n in names]
-        report = run_parity(reference, runners, folder.config(), steps=steps, batch=batch, prompt_len=prompt_len,
-                            dtype=folder.dtype(), seed=seed, cache=cache)
+        verdict = sessions.verify_session(s, reference, names, steps=steps, batch=batch, prompt_len=prompt_len,
+                                          seed=seed)
+    except RunnerError as e:
+        fail(f"{s.who}{e}")
+    except Exception as e:  # noqa: BLE001 - e.g. the eager reference failing: one line, no traceback
+        fail(f"{s.who or 'verify: '}{one_line(e)}")
+    if s.speaks:
+        for r in s.runners.values():
+            if hasattr(r, "provider"):
+                typer.echo(f"{r.name}: provider {r.provider}")
+        typer.echo(verdict.report.table())
+        if verdict.greedy is not None:
+            g = verdict.greedy
+            typer.echo(f"greedy tokens ({steps + 1}): " + ("identical" if g["identical"] else
+                                                           f"DIFFER {g['got']} != {g['tokens']}"))
+        if json_out:
+            from .exporter.artifacts import atomic_write_bytes
+
+            atomic_write_bytes(json_out, (json.dumps(verdict.to_json(s, names), indent=2) + "\n").encode())
+    _close_session(s)
+    if not verdict.ok:
+        raise typer.Exit(code=1)
+
+
+def _open_session(export_dir: Path, backends: list[str], options, *, default_ort: bool = False):
+    """The runners of `backends` (default: every one the export has) over an export of any rank count; rank
+    programs outside a launcher: the same command is run in tp x ep processes here, then this one exits."""
+    import sys
+
+    from .exporter import session as sessions
+    from .exporter.runners import RunnerError
+
+    try:
+        world = sessions.world_to_spawn(export_dir)
+        if world:
+            sessions.spawn_world(world, sys.argv[1:])
+            raise typer.Exit(code=0)
+        names, notes = sessions.backends_of(export_dir, backends, default_ort=default_ort)
+        s = sessions.open_session(export_dir, names, options)
     except RunnerError as e:
         fail(str(e))
-    except Exception as e:  # noqa: BLE001 - e.g. the eager reference failing: one line, no traceback
-        fail(f"verify: {one_line(e)}")
-    for r in runners:
-        if hasattr(r, "provider"):
-            typer.echo(f"{r.name}: provider {r.provider}")
-    typer.echo(report.table())
-    if json_out:
-        from .exporter.artifacts import atomic_write_bytes
+    for line in notes if s.speaks else ():
+        typer.echo(line, err=line.startswith("note:"))
+    return s
 
-        atomic_write_bytes(json_out, (json.dumps(report.to_json(), indent=2) + "\n").encode())
-    if not report.ok:
-        raise typer.Exit(code=1)
+
+def _close_session(s) -> None:
+    from .exporter import session as sessions
+
+    line = sessions.peak_rss_line(s)
+    if line and s.speaks:
+        typer.echo(line)
+    s.close()

@@ -190,6 +190,16 @@ def _aoti(export_dir: Path, options: RunnerOptions) -> Runner:
 RUNNERS: dict[str, Callable[[Path, RunnerOptions], Runner]] = {
     "eager": _eager, "pt2": _pt2, "ort": _ort, "trt": _trt, "aoti": _aoti,
 }
+# the one table of which artifact each runner needs (a rank folder holds pt2 / onnx: `RANK_RUNNERS`)
+ARTIFACT_OF: dict[str, str] = {"pt2": "pt2", "ort": "onnx", "aoti": "aoti", "trt": "trt"}
+RANK_RUNNERS = ("pt2", "ort")
+
+
+def runnable(manifest: dict, runners: tuple[str, ...] = tuple(ARTIFACT_OF)) -> list[str]:
+    """The runners (of `runners`) whose artifact the manifest lists with weights."""
+    arts = manifest["artifacts"]
+    return [r for r in runners if ARTIFACT_OF[r] in arts
+            and arts[ARTIFACT_OF[r]].get("weights", manifest.get("weights", True)) is not False]
 
 
 def make_runner(backend: str, export_dir: Path, options: RunnerOptions = RunnerOptions()) -> Runner:
