@@ -397,11 +397,11 @@ def _open_session(export_dir: Path, backends: list[str], options, *, default_ort
     from .exporter.runners import RunnerError
 
     try:
+        names, notes = sessions.backends_of(export_dir, backends, default_ort=default_ort)  # refused before spawning
         world = sessions.world_to_spawn(export_dir)
         if world:
             sessions.spawn_world(world, sys.argv[1:])
             raise typer.Exit(code=0)
-        names, notes = sessions.backends_of(export_dir, backends, default_ort=default_ort)
         s = sessions.open_session(export_dir, names, options)
     except RunnerError as e:
         fail(str(e))
