@@ -10,7 +10,8 @@ import typer
 
 from .cli_decode import Chat, MaxNewTokens, PromptIds, PromptText, Seed, Temperature, TopK, TopP
 from .cli_parallel import EP, TP, FitBatch, FitContext, inspect_parallel
-from .cli_runner import CudaGraph, MaxContext, SkipHashCheck, eager_generate, reference_options, runner_options
+from .cli_runner import CudaGraph, MaxContext, SkipHashCheck, close_session, eager_generate, open_session, \
+    reference_options, runner_options
 from .cli_support import App, Progress, export_folder as _export_folder, \
     fail, load_ids_npy, one_line
 from .exporter.export import DType, ExpertFormat, KernelChoice, Target
@@ -314,7 +315,7 @@ def run(
 
     p = prepare(export_dir, _export_folder(export_dir).config().vocab_size, prompt, prompt_ids, chat,
                 Sampling(max_new_tokens, temperature, top_k, top_p, seed))
-    s = _open_session(export_dir, [backend], runner_options(provider, skip_hash_check, cuda_graph=cuda_graph),
+    s = open_session(export_dir, [backend], runner_options(provider, skip_hash_check, cuda_graph=cuda_graph),
                       default_ort=True)
     (backend,) = s.runners
     try:
@@ -330,7 +331,7 @@ def run(
         fail(f"{s.who}backend {backend}: {one_line(e)}")
     if s.speaks:
         printer.finish(g, len(p.ids), s.describe(backend))
-    _close_session(s)
+    close_session(s)
 
 
 @app.command()
@@ -357,7 +358,7 @@ def verify(
 
     _export_folder(export_dir)
     options = runner_options(provider, skip_hash_check, checkpoint, cuda_graph)
-    s = _open_session(export_dir, [b.strip() for b in backends.split(",") if b.strip()], options)
+    s = open_session(export_dir, [b.strip() for b in backends.split(",") if b.strip()], options)
     names = list(s.runners)
     if not names:
         fail(f"{export_dir}: no runnable artifact (exported with --no-weights?); name runners with --backends")
@@ -383,37 +384,6 @@ def verify(
             from .exporter.artifacts import atomic_write_bytes
 
             atomic_write_bytes(json_out, (json.dumps(verdict.to_json(s, names), indent=2) + "\n").encode())
-    _close_session(s)
+    close_session(s)
     if not verdict.ok:
         raise typer.Exit(code=1)
-
-
-def _open_session(export_dir: Path, backends: list[str], options, *, default_ort: bool = False):
-    """The runners of `backends` (default: every one the export has) over an export of any rank count; rank
-    programs outside a launcher: the same command is run in tp x ep processes here, then this one exits."""
-    import sys
-
-    from .exporter import session as sessions
-    from .exporter.runners import RunnerError
-
-    try:
-        names, notes = sessions.backends_of(export_dir, backends, default_ort=default_ort)  # refused before spawning
-        world = sessions.world_to_spawn(export_dir)
-        if world:
-            sessions.spawn_world(world, sys.argv[1:])
-            raise typer.Exit(code=0)
-        s = sessions.open_session(export_dir, names, options)
-    except RunnerError as e:
-        fail(str(e))
-    for line in notes if s.speaks else ():
-        typer.echo(line, err=line.startswith("note:"))
-    return s
-
-
-def _close_session(s) -> None:
-    from .exporter import session as sessions
-
-    line = sessions.peak_rss_line(s)
-    if line and s.speaks:
-        typer.echo(line)
-    s.close()

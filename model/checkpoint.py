@@ -153,8 +153,7 @@ def _expected_shape(meta: dict[str, torch.Tensor], s: _Slot) -> tuple[int, ...]:
             "weight_shape": (2,)}[s.part]
 
 
-def _validate(cfg: K3Config, build: BuildOptions, files: dict[str, Path], handles: _Shards
-              ) -> dict[str, tuple[str, Path]]:
+def _validate(cfg: K3Config, build: BuildOptions, files: dict[str, Path], handles: _Shards) -> dict[str, tuple]:
     """Check names/shapes/dtypes against a meta model; return model-name -> (stored name, file)."""
     meta = dict(build_model(cfg, build, device="meta", seed=None).state_dict())
     plan: dict[str, tuple[str, Path]] = {}
@@ -216,8 +215,7 @@ def stored_expert_format(files: dict[str, Path]) -> str:
 
 def checkpoint_config(path: str | Path, expert_format: str | None = None, files: dict[str, Path] | None = None,
                       kernels: Kernels = Kernels.REFERENCE) -> tuple[K3Config, BuildOptions]:
-    """(the architecture: config.json, the build a checkpoint loads with: `kernels`, experts as stored or as
-    `expert_format` asks)."""
+    """(config.json's architecture, the build: `kernels`, experts as stored or as `expert_format` asks)."""
     path = Path(path)
     if expert_format not in (None, "dense", "mxfp4"):
         raise CheckpointError(f"expert_format={expert_format!r}: expected 'dense', 'mxfp4' or None (as stored)")
