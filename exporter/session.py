@@ -66,15 +66,20 @@ def _folder(export_dir: Path):
         raise RunnerError(f"{export_dir}: not a k3x export folder ({e})") from None
 
 
-def parallel_plan(export_dir: Path) -> ParallelPlan:
-    """The plan of the export's `parallel` entry (1 x 1 without one); RunnerError naming a bad entry."""
+def _parallel(export_dir: Path) -> tuple[dict, ParallelPlan] | None:
+    """(manifest, plan) of rank programs, None for one program; RunnerError naming a bad `parallel` entry."""
     from .artifacts import ManifestError
     from .ranks import read_parallel
 
     try:
-        found = read_parallel(export_dir)
+        return read_parallel(export_dir)
     except ManifestError as e:
         raise RunnerError(str(e)) from None
+
+
+def parallel_plan(export_dir: Path) -> ParallelPlan:
+    """The plan of the export's `parallel` entry (1 x 1 without one)."""
+    found = _parallel(export_dir)
     return ParallelPlan(1, 1) if found is None else found[1]
 
 
@@ -96,9 +101,8 @@ def backends_of(export_dir: Path, requested: list[str], *, default_ort: bool = F
     """(runners to use, notes): `requested` (each must be in the export) or every one it can run.
     `default_ort`: `k3x run`'s default `--backend ort` on rank programs without ONNX runs pt2 (and says so)."""
     from .dist_run import rank_backends
-    from .ranks import read_parallel
 
-    found = read_parallel(export_dir)
+    found = _parallel(export_dir)
     if found is None:
         if requested:
             return requested, []
@@ -118,10 +122,8 @@ def backends_of(export_dir: Path, requested: list[str], *, default_ort: bool = F
 def open_session(export_dir: Path, backends: list[str], options: RunnerOptions = RunnerOptions()) -> Session:
     """Runners for `backends` over the export folder, whatever its rank count (rank programs: inside a
     launcher, see `world_to_spawn`). RunnerError (one line) when a runner cannot be built."""
-    from .ranks import read_parallel
-
     folder = _folder(export_dir)
-    found = read_parallel(export_dir)
+    found = _parallel(export_dir)
     s = Session(Path(export_dir), folder.config(), folder.options().cache, folder.dtype(),
                 folder.manifest["dynamic_dims"], ParallelPlan(1, 1) if found is None else found[1])
     if found is None:
