@@ -115,8 +115,8 @@ def test_a_stream_that_lacks_a_weight_is_named(ckpt, tmp_path):
     from k3x.exporter.pt2_weights import save_streamed_pt2
     from k3x.exporter.trace import trace
 
-    cfg = load_checkpoint(ckpt, dtype=torch.bfloat16).cfg
-    ep = trace(build_model(cfg, device="meta", dtype=torch.bfloat16, seed=None))
+    loaded = load_checkpoint(ckpt, dtype=torch.bfloat16)  # packed experts, as stored: the build says so
+    ep = trace(build_model(loaded.cfg, loaded.build, device="meta", dtype=torch.bfloat16, seed=None))
     partial = (kv for kv in stream_weights(ckpt, dtype=torch.bfloat16) if "lm_head" not in kv[0])
     with pytest.raises(ValueError, match="not in the checkpoint stream: \\['lm_head.weight'\\]"):
         save_streamed_pt2(ep, tmp_path / "model.pt2", partial)
