@@ -82,6 +82,7 @@ class K3ForCausalLM(nn.Module):
     def __init__(self, cfg: K3Config, build: BuildOptions | None = None) -> None:
         super().__init__()
         self.cfg, self.build = cfg, build or BuildOptions()
+        self.build.check(cfg)  # ConfigError naming the field (e.g. Triton kernel or MXFP4 limits) before building
         self.model = K3Model(cfg, self.build)
         self.lm_head = linear(cfg.hidden_size, cfg.vocab_size)
 

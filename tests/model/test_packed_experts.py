@@ -92,3 +92,5 @@ def test_random_packed_preset_and_mxfp4_limits():
     BuildOptions().check(odd)  # dense experts have no such limit
     with pytest.raises(ConfigError, match="moe.intermediate_size=40: MXFP4"):
         packed.check(odd)
+    with pytest.raises(ConfigError, match="moe.intermediate_size=40: MXFP4"):
+        build_model(odd, packed, device="meta", seed=None)  # refused before anything is built
