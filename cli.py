@@ -10,9 +10,9 @@ import typer
 
 from .cli_decode import Chat, MaxNewTokens, PromptIds, PromptText, Seed, Temperature, TopK, TopP
 from .cli_parallel import EP, TP, FitBatch, FitContext, inspect_parallel
-from .cli_runner import CudaGraph, MaxContext, SkipHashCheck, eager_generate, reference_options, runner_options
-from .cli_support import App, Progress, default_backends as _default_backends, echo, \
-    export_folder as _export_folder, fail, load_ids_npy, one_line
+from .cli_runner import CudaGraph, MaxContext, SkipHashCheck, close_session, eager_generate, open_session, \
+    reference_options, runner_options
+from .cli_support import App, Progress, echo, export_folder as _export_folder, fail, load_ids_npy, one_line
 from .exporter.export import DType, ExpertFormat, KernelChoice, Target
 
 app = App(
@@ -193,10 +193,11 @@ def _export_logits(backend: str, export_dir: Path | None, ids, options):
         fail(f"backend {backend} needs --export-dir DIR")
     folder = _export_folder(export_dir)
     try:
+        cache = folder.options().cache
         check_request(folder.config(), batch=ids.shape[0], prompt_len=ids.shape[1], new_tokens=1,
-                      dims=folder.manifest["dynamic_dims"], backend=backend)
+                      dims=folder.manifest["dynamic_dims"], backend=backend, cache=cache)
         runner = make_runner(backend, export_dir, options)
-        return prefill_logits(runner, folder.config(), ids, dtype=folder.dtype())
+        return prefill_logits(runner, folder.config(), ids, dtype=folder.dtype(), cache=cache)
     except (RunnerError, ValueError) as e:
         fail(str(e))
     except Exception as e:  # noqa: BLE001 - one line, no traceback
@@ -238,17 +239,12 @@ def export(
     import errno
 
     from .exporter.artifacts import ManifestError
-    from .cli_parallel import export_sharded
     from .exporter.export import ExportOptions, export as run_export
     from .exporter.staging import FolderError
 
-    if tp * ep > 1 and max_context is not None:
-        fail("--max-context: the static latent cache is not available for rank programs (--tp/--ep > 1)")
     try:
         options = ExportOptions(tuple(target), out, preset, checkpoint, not no_weights, dtype, seed, kernels,
-                                expert_format, max_context)
-        if tp * ep > 1:  # rank programs (cli_parallel.py); tp = ep = 1 is the single program
-            return export_sharded(options, tp, ep, out)
+                                expert_format, max_context, tp, ep)
         with Progress() as progress:
             result = run_export(options, progress)
     except (ValueError, FileNotFoundError, ManifestError, FolderError) as e:  # ConfigError, ...: name the input
@@ -312,28 +308,29 @@ def run(
     import torch
 
     from .cli_decode import Printer, Sampling, prepare
-    from .exporter.runners import RunnerError, check_request, generate as run_generate, make_runner
+    from .exporter import session as sessions
+    from .exporter.runners import RunnerError
 
-    from .cli_parallel import run_sharded
-
-    sampling = Sampling(max_new_tokens, temperature, top_k, top_p, seed)
-    if run_sharded(export_dir, prompt, prompt_ids, chat, sampling, skip_hash_check, backend):
-        return
     folder = _export_folder(export_dir)
-    cfg = folder.config()
-    p = prepare(export_dir, cfg.vocab_size, prompt, prompt_ids, chat, sampling, folder)
+    p = prepare(export_dir, folder.config().vocab_size, prompt, prompt_ids, chat,
+                Sampling(max_new_tokens, temperature, top_k, top_p, seed), folder)
+    s = open_session(export_dir, [backend], runner_options(provider, skip_hash_check, cuda_graph=cuda_graph),
+                      default_ort=True)
+    (backend,) = s.runners
     try:
-        check_request(cfg, batch=1, prompt_len=len(p.ids), new_tokens=max_new_tokens, backend=backend,
-                      dims=None if backend == "eager" else folder.manifest["dynamic_dims"])
-        runner = make_runner(backend, export_dir, runner_options(provider, skip_hash_check, cuda_graph=cuda_graph))
-        echo(f"backend {backend}" + (f" on {runner.provider}" if hasattr(runner, "provider") else ""))
-        printer = Printer(p.tokenizer)
-        g = run_generate(runner, cfg, torch.tensor([p.ids]), p.options, dtype=folder.dtype(), on_token=printer)
+        sessions.check(s, batch=1, prompt_len=len(p.ids), new_tokens=max_new_tokens, backends=[backend])
+        runner = s.runners[backend]
+        if s.speaks:
+            echo(f"backend {backend}" + (f" on {runner.provider}" if hasattr(runner, "provider") else ""))
+        printer = Printer(p.tokenizer if s.speaks else None)
+        g = sessions.decode(s, backend, torch.tensor([p.ids]), p.options, on_token=printer)
     except RunnerError as e:
-        fail(str(e))
-    except Exception as e:  # noqa: BLE001 - one line, no traceback
-        fail(f"backend {backend}: {one_line(e)}")
-    printer.finish(g, len(p.ids), backend)
+        fail(f"{s.who}{e}")
+    except Exception as e:  # noqa: BLE001 - one line (per rank), no traceback
+        fail(f"{s.who}backend {backend}: {one_line(e)}")
+    if s.speaks:
+        printer.finish(g, len(p.ids), s.describe(backend))
+    close_session(s)
 
 
 @app.command()
@@ -355,36 +352,37 @@ def verify(
     """Parity of every backend vs the eager reference over prefill + decode steps; exit 1 on any failure."""
     import json
 
-    from .exporter.runners import RunnerError, check_request, make_runner
-    from .cli_parallel import verify_sharded
-    from .exporter.verify import run_parity
+    from .exporter import session as sessions
+    from .exporter.runners import RunnerError, make_runner
 
-    if verify_sharded(export_dir, steps, prompt_len, batch, seed, checkpoint, json_out, skip_hash_check, backends):
-        return
-    folder = _export_folder(export_dir)
-    names = [b.strip() for b in backends.split(",") if b.strip()] or _default_backends(folder)
+    _export_folder(export_dir)
+    options = runner_options(provider, skip_hash_check, checkpoint, cuda_graph)
+    s = open_session(export_dir, [b.strip() for b in backends.split(",") if b.strip()], options)
+    names = list(s.runners)
     if not names:
         fail(f"{export_dir}: no runnable artifact (exported with --no-weights?); name runners with --backends")
-    options = runner_options(provider, skip_hash_check, checkpoint, cuda_graph)
     try:
-        for n in ["eager"] + names:
-            check_request(folder.config(), batch=batch, prompt_len=prompt_len, new_tokens=steps + 1, backend=n,
-                          dims=None if n == "eager" else folder.manifest["dynamic_dims"])
+        sessions.check(s, batch=batch, prompt_len=prompt_len, new_tokens=steps + 1, backends=["eager"] + names)
         reference = make_runner("eager", export_dir, reference_options(options))
-        runners = [make_runner(n, export_dir, options) for n in names]
-        report = run_parity(reference, runners, folder.config(), steps=steps, batch=batch, prompt_len=prompt_len,
-                            dtype=folder.dtype(), seed=seed)
+        verdict = sessions.verify_session(s, reference, names, steps=steps, batch=batch, prompt_len=prompt_len,
+                                          seed=seed)
     except RunnerError as e:
-        fail(str(e))
+        fail(f"{s.who}{e}")
     except Exception as e:  # noqa: BLE001 - e.g. the eager reference failing: one line, no traceback
-        fail(f"verify: {one_line(e)}")
-    for r in runners:
-        if hasattr(r, "provider"):
-            echo(f"{r.name}: provider {r.provider}")
-    echo(report.table())
-    if json_out:
-        from .exporter.artifacts import atomic_write_bytes
+        fail(f"{s.who or 'verify: '}{one_line(e)}")
+    if s.speaks:
+        for r in s.runners.values():
+            if hasattr(r, "provider"):
+                echo(f"{r.name}: provider {r.provider}")
+        echo(verdict.report.table())
+        if verdict.greedy is not None:
+            g = verdict.greedy
+            echo(f"greedy tokens ({steps + 1}): " + ("identical" if g["identical"] else
+                                                           f"DIFFER {g['got']} != {g['tokens']}"))
+        if json_out:
+            from .exporter.artifacts import atomic_write_bytes
 
-        atomic_write_bytes(json_out, (json.dumps(report.to_json(), indent=2) + "\n").encode())
-    if not report.ok:
+            atomic_write_bytes(json_out, (json.dumps(verdict.to_json(s, names), indent=2) + "\n").encode())
+    close_session(s)
+    if not verdict.ok:
         raise typer.Exit(code=1)

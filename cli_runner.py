@@ -1,4 +1,5 @@
-"""Runner flags of the k3x CLI shared by `run`, `verify`, `logits` and `generate`, plus `export --max-context`.
+"""Runner flags of the k3x CLI shared by `run`, `verify`, `logits` and `generate`, plus `export --max-context`;
+the session `run` and `verify` open over an export of any rank count (exporter/session.py).
 
 Notable choices:
 - `--cuda-graph` runs the torch runners (eager, pt2) on CUDA and replays repeated-shape decode steps as CUDA
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+
+from .cli_support import fail
 
 SKIP_HASH_HELP = "Do not sha256 the artifact files before loading (huge files; paths and sizes are still checked)."
 SkipHashCheck = Annotated[bool, typer.Option("--skip-hash-check", help=SKIP_HASH_HELP)]
@@ -55,8 +58,42 @@ def eager_generate(model, prompt, options, on_token, cuda_graph: bool):
         return plain_generate(model, prompt, options, on_token=on_token)
     from .exporter.cuda_graph import require_cuda_graph
 
-    cfg = dataclasses.replace(model.cfg, max_context=min(prompt.shape[1] + options.max_new_tokens,
-                                                         model.cfg.max_position_embeddings))
-    runner = require_cuda_graph(ModuleRunner("eager", model, cfg, "cuda"), "generate")  # refused without CUDA
+    from .model.options import CacheOptions
+
+    cfg = model.cfg
+    cache = CacheOptions(min(prompt.shape[1] + options.max_new_tokens, cfg.max_position_embeddings))
+    runner = require_cuda_graph(ModuleRunner("eager", model, cfg, "cuda", cache), "generate")  # refused without CUDA
     model.to("cuda")
-    return generate(runner, cfg, prompt, options, dtype=model.model.embed_tokens.weight.dtype, on_token=on_token)
+    return generate(runner, cfg, prompt, options, dtype=model.model.embed_tokens.weight.dtype, on_token=on_token,
+                    cache=cache)
+
+
+def open_session(export_dir: Path, backends: list[str], options, *, default_ort: bool = False):
+    """The runners of `backends` (default: every one the export has) over an export of any rank count; rank
+    programs outside a launcher: the same command is run in tp x ep processes here, then this one exits."""
+    import sys
+
+    from .exporter import session as sessions
+    from .exporter.runners import RunnerError
+
+    try:
+        names, notes = sessions.backends_of(export_dir, backends, default_ort=default_ort)  # refused before spawning
+        world = sessions.world_to_spawn(export_dir)
+        if world:
+            sessions.spawn_world(world, sys.argv[1:])
+            raise typer.Exit(code=0)
+        s = sessions.open_session(export_dir, names, options)
+    except RunnerError as e:
+        fail(str(e))
+    for line in notes if s.speaks else ():
+        typer.echo(line, err=line.startswith("note:"))
+    return s
+
+
+def close_session(s) -> None:
+    from .exporter import session as sessions
+
+    line = sessions.peak_rss_line(s)
+    if line and s.speaks:
+        typer.echo(line)
+    s.close()

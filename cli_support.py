@@ -156,19 +156,6 @@ class Progress:
         self.thread.join()
 
 
-def default_backends(folder) -> list[str]:
-    """Every runner the export folder has an artifact for (trt only where a CUDA GPU can run it)."""
-    import torch
-
-    arts = folder.manifest["artifacts"]
-    names = [runner for art, runner in (("pt2", "pt2"), ("onnx", "ort"), ("aoti", "aoti"), ("trt", "trt"))
-             if art in arts and arts[art].get("weights", folder.manifest["weights"]) is not False]
-    if "trt" in names and not torch.cuda.is_available():
-        names.remove("trt")
-        typer.echo("note: backend trt skipped (no CUDA GPU here)", err=True)
-    return names
-
-
 def export_folder(export_dir: Path):
     from .exporter.artifacts import ExportFolder, ManifestError
 

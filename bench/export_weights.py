@@ -43,6 +43,7 @@ SHARD = 2 << 30
 def synth_checkpoint(cfg, path: Path, seed: int = 0) -> int:
     """An MXFP4 checkpoint of `cfg` with random contents; returns its tensor bytes."""
     from k3x.model import build_model
+    from k3x.model.options import BuildOptions
     from k3x.model.hf_config import config_to_hf
 
     g = torch.Generator().manual_seed(seed)
@@ -55,7 +56,7 @@ def synth_checkpoint(cfg, path: Path, seed: int = 0) -> int:
         reps = -(-(start + n) // len(src))
         return torch.from_numpy(np.tile(src, reps)[start: start + n].reshape(shape) if reps > 1
                                 else src[start: start + n].reshape(shape).copy())
-    meta = build_model(dataclasses.replace(cfg, expert_format="mxfp4"), device="meta", dtype=torch.bfloat16, seed=None)
+    meta = build_model(cfg, BuildOptions(expert_format="mxfp4"), device="meta", dtype=torch.bfloat16, seed=None)
     path.mkdir(parents=True)
     state, shard, size, weight_map, files, total = meta.state_dict(), {}, 0, {}, 0, 0
 
@@ -184,8 +185,9 @@ def main() -> None:
         speed = disk_write_speed(a.workdir, ckpt_bytes)
         largest = max(p.stat().st_size for p in (a.workdir / "ckpt").glob("*.safetensors"))
         from k3x.model import build_model
+        from k3x.model.options import BuildOptions
 
-        meta = build_model(dataclasses.replace(cfg, expert_format="mxfp4"), device="meta", dtype=torch.bfloat16)
+        meta = build_model(cfg, BuildOptions(expert_format="mxfp4"), device="meta", dtype=torch.bfloat16)
         big = max(t.numel() * t.element_size() for t in meta.state_dict().values())
         print(f"{cfg.name}: checkpoint {ckpt_bytes / 1e9:.3f} GB of tensors (synthesised in {synth:.1f} s, largest "
               f"shard {largest / 1e9:.2f} GB, largest model tensor {big / 1e9:.3f} GB); disk sequential write "

@@ -240,19 +240,19 @@ def parity_model_end_to_end(ctx: Context) -> list[Result]:
     """k3-mini through torch.ops.k3 with kernels=triton vs kernels=reference, same fp32 weights: a 70-token
     prefill (two KDA chunks) then 8 greedy decode steps carrying state, every logit compared at fp32
     tolerance (bf16 accuracy is the per-kernel checks' job; this one proves the op wiring end to end)."""
-    import dataclasses
 
     import torch
 
     from k3x.custom_ops.kernels import Kernels
     from k3x.model import build_model, empty_state, preset
+    from k3x.model.options import BuildOptions
 
     if ctx.device != "cuda":
         return [Result("model e2e triton vs reference", "info", None, note="needs CUDA (kernels=triton)")]
     cfg = preset("k3-mini")
     dtype = torch.float32
     ref = build_model(cfg, device="cuda", dtype=dtype, seed=0)
-    tri = build_model(dataclasses.replace(cfg, kernels=Kernels.TRITON), device="cuda", dtype=dtype, seed=0)
+    tri = build_model(cfg, BuildOptions(Kernels.TRITON), device="cuda", dtype=dtype, seed=0)
     ids = torch.randint(0, cfg.vocab_size, (2, 70), device="cuda")
     out = []
     with torch.no_grad():

@@ -15,9 +15,11 @@ def imports() -> dict:
     from k3x.custom_ops.moe import triton as moe
     from k3x.exporter import cuda_graph, runners, trace
     from k3x.model import build_model, preset
+    from k3x.model.options import BuildOptions
 
     return {"kda": kda, "attn_res": attn_res, "moe": moe, "Kernels": Kernels, "cuda_graph": cuda_graph,
-            "runners": runners, "trace": trace, "build_model": build_model, "preset": preset}
+            "runners": runners, "trace": trace, "build_model": build_model, "preset": preset,
+            "BuildOptions": BuildOptions}
 
 
 def bench_ceilings(ctx) -> list:
@@ -184,16 +186,15 @@ PROMPT, STEPS, WARMUP = 16, 32, 4  # decode graph section: tokens of the prompt,
 
 
 def decode_graph_cases(base) -> list:
-    """(tag, config) of the graph section: hybrid `base` with the static latent cache sized to the run (one
-    shape per decode step: one graph captured, then replayed), and with the growing cache (never replays)."""
-    import dataclasses
+    """(tag, cache options) of the graph section on hybrid `base`: the static latent cache sized to the run
+    (one shape per decode step: one graph captured, then replayed), and the growing cache (never replays)."""
+    from k3x.model.options import CacheOptions
 
     capacity = PROMPT + WARMUP + STEPS
-    return [(f"{base.name}-static-C{capacity}", dataclasses.replace(base, max_context=capacity)),
-            (f"{base.name}-growing", base)]
+    return [(f"{base.name}-static-C{capacity}", CacheOptions(capacity)), (f"{base.name}-growing", CacheOptions())]
 
 
-def decode_tokens(runners, runner, cfg, dtype, device: str) -> tuple[float, object]:
+def decode_tokens(runners, runner, cfg, dtype, device: str, cache=None) -> tuple[float, object]:
     """(ms per timed decode step, greedy tokens [1, WARMUP + STEPS]) of `runner` from a PROMPT-token prefill."""
     import time
 
@@ -201,7 +202,7 @@ def decode_tokens(runners, runner, cfg, dtype, device: str) -> tuple[float, obje
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     feeds = {n: t.to(device) for n, t in runners.start_feeds(cfg, torch.ones(1, PROMPT, dtype=torch.long),
-                                                             dtype).items()}
+                                                             dtype, cache).items()}
     o = runner.infer(feeds)
     toks, t0 = [], 0.0
     for i in range(STEPS + WARMUP):  # warm-up steps: Triton compiles, the graph is captured
@@ -210,26 +211,26 @@ def decode_tokens(runners, runner, cfg, dtype, device: str) -> tuple[float, obje
             t0 = time.perf_counter()
         tok = o["logits"][:, -1:].argmax(-1)
         toks.append(tok)
-        o = runner.infer(runners.next_feeds(cfg, o, tok))
+        o = runner.infer(runners.next_feeds(cfg, o, tok, cache))
     sync()
     return (time.perf_counter() - t0) * 1e3 / STEPS, torch.cat(toks, -1).cpu()
 
 
-def _graph_runners(m, ctx, cfg, model):
+def _graph_runners(m, ctx, cfg, model, cache):
     """(name, plain runner) pairs of one case: the pt2 program on CUDA, and with a static cache outside --quick
     an AOTInductor package compiled for CUDA (the aoti runner's graph path; compiling takes ~30-60 s)."""
     import tempfile
     from pathlib import Path
 
-    ep = m["trace"].trace(model)
-    yield "pt2", m["runners"].ModuleRunner("pt2", ep.module(), cfg, "cuda")
-    if cfg.max_context is None or ctx.quick or ctx.time_left() < 60:
+    ep = m["trace"].trace(model, cache=cache)
+    yield "pt2", m["runners"].ModuleRunner("pt2", ep.module(), cfg, "cuda", cache)
+    if not cache.static or ctx.quick or ctx.time_left() < 60:
         return
     from k3x.exporter.aoti import compile_aoti, load_aoti
 
     with tempfile.TemporaryDirectory() as tmp:
         package = compile_aoti(ep, Path(tmp) / "model.aoti.pt2")
-        yield "aoti", m["runners"].ModuleRunner("aoti", load_aoti(package), cfg, "cuda")
+        yield "aoti", m["runners"].ModuleRunner("aoti", load_aoti(package), cfg, "cuda", cache)
 
 
 def bench_decode_graph(ctx) -> list:
@@ -240,31 +241,30 @@ def bench_decode_graph(ctx) -> list:
     gc = sys.modules[type(ctx).__module__]  # bench/gpu_check.py, run as __main__ or imported
     if not ctx.bench:
         return []
-    import dataclasses
-
     import torch
 
     m = imports()
     out = []
-    for tag, cfg in decode_graph_cases(m["preset"]("k3-mini")):
+    cfg = m["preset"]("k3-mini")
+    for tag, cache in decode_graph_cases(cfg):
         if ctx.time_left() < 15:
             out.append(gc.Result(f"decode graph {tag}", "info", None, note="skipped: section budget"))
             continue
-        cfg = dataclasses.replace(cfg, kernels=m["Kernels"].TRITON)
-        model = m["build_model"](cfg, device="cuda", dtype=torch.bfloat16, seed=0)
-        for kind, plain in _graph_runners(m, ctx, cfg, model):
+        model = m["build_model"](cfg, m["BuildOptions"](m["Kernels"].TRITON), device="cuda", dtype=torch.bfloat16,
+                                 seed=0)
+        for kind, plain in _graph_runners(m, ctx, cfg, model, cache):
             graphed, how = m["cuda_graph"].maybe_graphed(plain)
             res, tokens = {}, {}
             for name, runner in (("eager_launches", plain), ("cuda_graph", graphed)):
                 res[f"{name}_ms_per_token"], tokens[name] = decode_tokens(m["runners"], runner, cfg, torch.bfloat16,
-                                                                          "cuda")
+                                                                          "cuda", cache)
             res["speedup"] = res["eager_launches_ms_per_token"] / res["cuda_graph_ms_per_token"]
             stats = dict(getattr(graphed, "stats", {}))
             note, name = f"{how}; {stats}", f"decode graph {kind} {tag}"
             out.append(gc.Result(f"{name} B1", "bench", None, res, note))
             out.append(gc.Result(f"{name} same tokens", "parity",
                                  bool(torch.equal(tokens["eager_launches"], tokens["cuda_graph"])), note=note))
-            if cfg.max_context is not None:  # the point of the static cache: decode steps replay one graph
+            if cache.static:  # the point of the static cache: decode steps replay one graph
                 out.append(gc.Result(f"{name} replayed", "parity",
                                      stats.get("captured") == 1 and stats.get("replayed", 0) >= STEPS, note=note))
             del plain, graphed

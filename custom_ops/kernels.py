@@ -1,7 +1,7 @@
 """The kernel implementation choice every k3 custom op takes: `kernels=reference|triton`.
 
 Named apart from the runner a user picks (`k3x run --backend ort|pt2|...`): this choice is an argument of
-the custom op, baked into a traced `.pt2`, and set from the config (`K3Config.kernels`, `k3x export
+the custom op, baked into a traced `.pt2`, and set from the build options (`BuildOptions.kernels`, `k3x export
 --kernels`). No silent fallback, no environment probing: an unsupported combination raises with the reason.
 """
 

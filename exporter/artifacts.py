@@ -21,7 +21,9 @@ or, for files already written in place by other means: `update_manifest(out_dir,
 
 manifest.json (schema 1):
     schema, k3x            format version; the k3x version that wrote it
-    config, config_hash    `K3Config.to_dict()` and `K3Config.hash()`
+    config, config_hash    `K3Config.to_dict()` and `K3Config.hash()`: the architecture only
+    options                {"kernels", "expert_format", "max_context"}: the build and cache options
+                           (model/options.ModelOptions; older manifests kept them inside `config`)
     dtype, weights         "fp32" | "bf16"; false when traced on the meta device (no weight values)
     checkpoint             {"path", "hash"} or null (preset with random init / meta)
     versions               torch, triton, onnx, onnxruntime, k3x (null when not installed)
@@ -49,6 +51,7 @@ import torch
 from ..custom_ops.dtypes import FLOAT, dtype_name, torch_dtype
 from ..fileio import confined, normal_permissions, sha256
 from ..model.config import K3Config
+from ..model.options import ModelOptions
 from ..model.state import state_specs
 
 MANIFEST = "manifest.json"
@@ -117,18 +120,21 @@ def _no_constant(name: str) -> None:
 
 def init_manifest(out_dir: str | Path, cfg: K3Config, *, dtype: torch.dtype, weights: bool,
                   op_counts: dict[str, int], checkpoint: str | Path | None = None,
-                  checkpoint_hash: str | None = None) -> dict[str, Any]:
-    """Start a fresh manifest (no artifacts) in `out_dir`, created if needed; replaces an older one."""
+                  checkpoint_hash: str | None = None, options: ModelOptions | None = None) -> dict[str, Any]:
+    """Start a fresh manifest (no artifacts) in `out_dir`, created if needed; replaces an older one.
+    `options`: what the program was built with (default: reference kernels, dense experts, growing cache)."""
     from .trace import DYNAMIC_DIMS  # trace imports torch.export machinery; keep this module light
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    specs = state_specs(cfg)
+    options = options or ModelOptions()
+    specs, capacity = state_specs(cfg, options.cache), options.cache.max_context
     data = {
         "schema": SCHEMA,
         "k3x": package_versions()["k3x"],
         "config": cfg.to_dict(),
         "config_hash": cfg.hash(),
+        "options": options.to_dict(),
         "dtype": dtype_name(dtype),
         "weights": weights,
         "checkpoint": None if checkpoint is None else {"path": str(Path(checkpoint).resolve()),
@@ -140,8 +146,7 @@ def init_manifest(out_dir: str | Path, cfg: K3Config, *, dtype: torch.dtype, wei
                "outputs": ["logits"] + [s.output_name for s in specs]},
         "state": [{"input": s.input_name, "output": s.output_name, "layer": s.layer, "kind": s.kind,
                    "dims": list(s.dims), "dtype": dtype_name(s.dtype(dtype))} for s in specs],
-        "static_cache": None if cfg.max_context is None else {"max_context": cfg.max_context,
-                                                              "length_input": "past_length"},
+        "static_cache": None if capacity is None else {"max_context": capacity, "length_input": "past_length"},
         "artifacts": {},
     }
     _write_json_atomic(out / MANIFEST, data)
@@ -243,6 +248,13 @@ class ExportFolder:
             return K3Config.from_dict(self.manifest["config"])
         except (TypeError, KeyError, ValueError) as e:  # ConfigError names the field
             raise ManifestError(f"{self.path / MANIFEST}: config: {str(e)[:300]}") from None
+
+    def options(self) -> ModelOptions:
+        """The build and cache options the folder was exported with."""
+        try:
+            return ModelOptions.from_manifest(self.manifest)
+        except (TypeError, ValueError) as e:  # ConfigError names the field
+            raise ManifestError(f"{self.path / MANIFEST}: options: {str(e)[:300]}") from None
 
     def dtype(self) -> torch.dtype:
         return DTYPES[self.manifest["dtype"]]

@@ -67,16 +67,14 @@ def init(plan: ParallelPlan) -> tuple[int, object]:
     return rank, mine.get("tp")
 
 
-RANK_BACKENDS = {"pt2": "pt2", "ort": "onnx"}  # runner -> the artifact a rank folder needs for it
-
-
 def rank_backends(export_dir: Path, data: dict) -> list[str]:
     """The runners a sharded export's rank folders hold artifacts for (rank 0's manifest; all ranks alike)."""
     from .artifacts import ExportFolder
     from .ranks import rank_folder
+    from .runners import ARTIFACT_OF, RANK_RUNNERS
 
     have = ExportFolder.open(rank_folder(export_dir, data, 0)).manifest["artifacts"]
-    return [b for b, a in RANK_BACKENDS.items() if a in have]
+    return [r for r in RANK_RUNNERS if ARTIFACT_OF[r] in have]
 
 
 def rank_runner(export_dir: Path, data: dict, rank: int, options: RunnerOptions, backend: str = "pt2"):
@@ -89,8 +87,10 @@ def rank_runner(export_dir: Path, data: dict, rank: int, options: RunnerOptions,
     from .ranks import rank_folder
 
     folder = rank_folder(export_dir, data, rank)
-    if backend not in RANK_BACKENDS:
-        raise RunnerError(f"backend={backend!r}: rank programs run on {sorted(RANK_BACKENDS)}")
+    from .runners import RANK_RUNNERS
+
+    if backend not in RANK_RUNNERS:
+        raise RunnerError(f"backend={backend!r}: rank programs run on {sorted(RANK_RUNNERS)}")
     if backend == "ort":
         return make_runner("ort", folder, options)
     ep = load_pt2_artifact(folder, options, "the rank program")

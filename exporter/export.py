@@ -8,6 +8,10 @@ Notable choices:
   `kernels=triton`, the Triton kernel limits too. A failure raises `ConfigError` naming the field.
 - `kernels` (reference | triton) is the k3 custom-op implementation baked into the traced program; it is
   not the runner (`k3x run --backend`).
+- Any rank count through the one `export` call: the options are resolved once (`resolve`: architecture
+  + `ModelOptions`) and checked (`_job`); the plan (`tp` x `ep`) picks the writer: one program
+  (`write_program`) or one program per rank (exporter/ranks.write_ranks). The manifest records the
+  architecture (`config`), the build and cache options (`options`) and, for ranks, the plan (`parallel`).
 - `weights=False` builds on the meta device: any size traces on an ordinary CPU machine.
 - From a checkpoint, pt2 and ONNX never hold the model: it is traced on meta and each stage streams the
   checkpoint's tensors into its artifact (`StageContext.weight_stream`); aoti (AOTInductor compiles real
@@ -38,6 +42,8 @@ if TYPE_CHECKING:  # this module is imported by the CLI: torch only inside funct
     from torch.export import ExportedProgram
 
     from ..model.config import K3Config
+    from ..model.options import ModelOptions
+    from ..model.parallel import ParallelPlan
 
 
 class Target(str, Enum):
@@ -57,7 +63,7 @@ class KernelChoice(str, Enum):  # the values of custom_ops.kernels.Kernels, impo
     TRITON = "triton"
 
 
-class ExpertFormat(str, Enum):  # model.config.K3Config.expert_format
+class ExpertFormat(str, Enum):  # model.options.BuildOptions.expert_format
     DENSE = "dense"
     MXFP4 = "mxfp4"
 
@@ -80,6 +86,8 @@ class ExportOptions:
     kernels: KernelChoice = KernelChoice.REFERENCE  # k3 custom-op implementation in the traced program
     expert_format: ExpertFormat | None = None  # routed experts: None = as the checkpoint stores them (presets: dense)
     max_context: int | None = None  # static MLA latent cache of this many positions (model/state.py); None = growing
+    tp: int = 1  # the parallel plan (model/parallel.ParallelPlan): tp x ep rank programs; 1 x 1 = one program
+    ep: int = 1
 
     def __post_init__(self) -> None:
         if (self.preset is None) == (self.checkpoint is None):
@@ -89,6 +97,17 @@ class ExportOptions:
         if "aoti" in self.stages() and not self.weights:
             raise _config_error("--no-weights: target 'aoti' embeds the weights in the package; drop --no-weights "
                                 "or export --target pt2 --target onnx")
+        if self.tp * self.ep > 1 and not set(self.stages()) <= {"pt2", "onnx"}:
+            raise _config_error(f"--tp/--ep: rank programs are written for --target pt2 and onnx only "
+                                f"(got {list(self.stages())})")
+        if self.tp * self.ep > 1 and self.max_context is not None:
+            raise _config_error("--max-context: the static latent cache is not available for rank programs "
+                                "(--tp/--ep > 1)")
+
+    def plan(self) -> ParallelPlan:
+        from ..model.parallel import ParallelPlan
+
+        return ParallelPlan(self.tp, self.ep)
 
     def stages(self) -> tuple[str, ...]:
         """The stage names of every target, in order, each once."""
@@ -101,6 +120,7 @@ class StageContext:
     options: ExportOptions
     work_dir: Path  # where stages write (renamed to out_dir when the export is complete)
     weight_stream: Callable | None = None  # the checkpoint's tensors one by one (a meta-traced program)
+    model: ModelOptions | None = None  # the build and cache options the program was traced with
 
     @property
     def out_dir(self) -> Path:
@@ -153,15 +173,16 @@ def stage_aoti(ep: ExportedProgram, ctx: StageContext) -> str:
 def stage_onnx(ep: ExportedProgram, ctx: StageContext) -> str:
     from .onnx import OnnxOptions, onnx_stage
 
+    cache = ctx.model.cache if ctx.model else None
     art = onnx_stage(ctx.work_dir, ep, ctx.cfg, OnnxOptions(weights=ctx.options.weights,
-                                                           weight_stream=ctx.weight_stream))
+                                                           weight_stream=ctx.weight_stream, cache=cache))
     where = ", ".join(f"{flavor} {ctx.out_dir / Path(path).name}" for flavor, path in art.files.items())
     data = f", weights in {ctx.out_dir / Path(art.external_data).name}" if art.external_data else ""
     if not ctx.options.weights:
         return f"onnx: {where}{data} (weightless: weights are graph inputs; no GenAI package)"
     from .genai import genai_stage  # the ort model wrapped for onnxruntime-genai, beside it
 
-    return f"onnx: {where}{data}\n" + genai_stage(ctx.work_dir, ctx.cfg, art.files["ort"].name, ctx.out_dir)
+    return f"onnx: {where}{data}\n" + genai_stage(ctx.work_dir, ctx.cfg, art.files["ort"].name, ctx.out_dir, cache)
 
 
 def copy_tokenizer(checkpoint: Path, out_dir: Path) -> str:
@@ -208,91 +229,136 @@ def _timed(name: str, progress: Progress, timings: dict[str, float]) -> Iterator
     progress(name, timings[name])
 
 
-def _check_fits_in_memory(cfg: K3Config, dtype: torch.dtype) -> None:
+Timed = Callable[[str], "contextlib.AbstractContextManager[None]"]
+
+
+@dataclass(frozen=True)
+class ExportJob:
+    """What an export writes, resolved once from `ExportOptions` before anything is built."""
+    options: ExportOptions
+    cfg: K3Config  # the architecture
+    model: ModelOptions  # kernels, expert format, cache: recorded in the manifest's `options` entry
+    plan: ParallelPlan
+    dtype: torch.dtype
+    checkpoint_hash: str | None
+    stream: bool  # pt2 / ONNX from a checkpoint: traced on meta, weights streamed into each artifact
+
+
+def resolve(options: ExportOptions) -> tuple[K3Config, ModelOptions]:
+    """(architecture, build and cache options) of an export: a preset (dense experts unless asked) or a
+    checkpoint's config.json (experts as stored unless `expert_format` says otherwise)."""
+    from ..custom_ops.kernels import Kernels
+    from ..model.config import preset
+    from ..model.options import BuildOptions, CacheOptions, ModelOptions
+
+    kernels = Kernels(KernelChoice(options.kernels).value)
+    fmt = None if options.expert_format is None else ExpertFormat(options.expert_format).value
+    if options.checkpoint is None:
+        cfg, build = preset(options.preset), BuildOptions(kernels, fmt or "dense")
+    else:
+        from ..model.checkpoint import checkpoint_config
+
+        cfg, build = checkpoint_config(options.checkpoint, fmt, kernels=kernels)
+    return cfg, ModelOptions(build, CacheOptions(options.max_context))
+
+
+def _check_fits_in_memory(cfg: K3Config, build, dtype: torch.dtype) -> None:
     import psutil
 
     from ..model.summary import weight_bytes
 
-    need = weight_bytes(cfg, dtype)  # MXFP4 experts counted packed
+    need = weight_bytes(cfg, dtype, build)  # MXFP4 experts counted packed
     free = psutil.virtual_memory().available
     if need > free:
         raise _config_error(f"preset={cfg.name!r}: its weights need {need / 2**30:,.0f} GiB, "
                             f"{free / 2**30:,.0f} GiB is free; trace it with --no-weights")
 
 
-def _load(options: ExportOptions, dtype: torch.dtype, *, stream: bool = False
-          ) -> tuple[K3Config, Callable, str | None]:
-    """(config, a function building the model, checkpoint hash) — config first, so it can be checked.
-    `stream`: the weights will be streamed from the checkpoint by the stages, so the model is built on meta."""
-    import dataclasses
+def _job(options: ExportOptions) -> ExportJob:
+    """Resolve and check everything before anything is built: ConfigError naming the field."""
+    from . import artifacts
 
-    from ..custom_ops.kernels import Kernels
+    dtype = artifacts.DTYPES[DType(options.dtype).value]
+    stages, plan = options.stages(), options.plan()
+    cfg, model = resolve(options)
+    # the TensorRT flavor of the ONNX export runs the Triton kernels in its plugins: their limits apply
+    model.check(cfg, kernel_limits="onnx" in stages)
+    plan.check(cfg)
+    # pt2 / ONNX from a checkpoint: traced on meta, weights streamed tensor by tensor into each artifact
+    # (exporter/pt2_weights.py, exporter/onnx_weights.py); AOTInductor compiles real weights: it loads the model
+    stream = plan.world == 1 and options.checkpoint is not None and options.weights and set(stages) <= {"pt2", "onnx"}
+    if plan.world == 1 and options.weights and not stream:
+        _check_fits_in_memory(cfg, model.build, dtype)
+    ckpt_hash = None
+    if options.checkpoint is not None and options.weights:  # the graph alone depends on the config
+        from ..model.checkpoint import checkpoint_hash
+
+        ckpt_hash = checkpoint_hash(options.checkpoint)
+    return ExportJob(options, cfg, model, plan, dtype, ckpt_hash, stream)
+
+
+def _build(job: ExportJob):
+    """The whole model: on meta (no weights, or weights streamed by the stages), a preset's random init,
+    or loaded from the checkpoint."""
     from ..model import build_model
-    from ..model.config import preset
 
-    kernels = Kernels(KernelChoice(options.kernels).value)
-    fmt = None if options.expert_format is None else ExpertFormat(options.expert_format).value
+    o, build = job.options, job.model.build
+    if not o.weights or job.stream:
+        return build_model(job.cfg, build, device="meta", dtype=job.dtype, seed=None)
+    if o.checkpoint is None:
+        return build_model(job.cfg, build, device="cpu", dtype=job.dtype, seed=o.seed)
+    from ..model.checkpoint import load_checkpoint
 
-    if options.checkpoint is None:
-        cfg = dataclasses.replace(preset(options.preset), kernels=kernels, expert_format=fmt or "dense",
-                                  max_context=options.max_context)
-        if options.weights:
-            _check_fits_in_memory(cfg, dtype)
-        seed = options.seed if options.weights else None
-        device = "cpu" if options.weights else "meta"
-        return cfg, lambda: build_model(cfg, device=device, dtype=dtype, seed=seed), None
-    from ..model.checkpoint import checkpoint_config
-
-    cfg = dataclasses.replace(checkpoint_config(options.checkpoint, fmt), kernels=kernels,
-                              max_context=options.max_context)
-    if not options.weights:  # the graph depends on the config alone; no need to hash the shards
-        return cfg, lambda: build_model(cfg, device="meta", dtype=dtype, seed=None), None
-    from ..model.checkpoint import checkpoint_hash, load_checkpoint
-
-    if stream:
-        return cfg, lambda: build_model(cfg, device="meta", dtype=dtype, seed=None), checkpoint_hash(options.checkpoint)
-    _check_fits_in_memory(cfg, dtype)
-    return cfg, lambda: load_checkpoint(options.checkpoint, dtype=dtype, device="cpu", kernels=kernels,
-                                        expert_format=cfg.expert_format), \
-        checkpoint_hash(options.checkpoint)
+    return load_checkpoint(o.checkpoint, dtype=job.dtype, device="cpu", kernels=build.kernels,
+                           expert_format=build.expert_format)
 
 
-def _weight_stream(options: ExportOptions, dtype: torch.dtype, cfg: K3Config) -> Callable:
+def _weight_stream(job: ExportJob) -> Callable:
     from ..model.checkpoint_ranges import stream_weights
 
-    return lambda: stream_weights(options.checkpoint, dtype=dtype, expert_format=cfg.expert_format)
+    return lambda: stream_weights(job.options.checkpoint, dtype=job.dtype, expert_format=job.model.build.expert_format)
 
 
-def export(options: ExportOptions, progress: Progress | None = None) -> ExportResult:
-    """Run every stage of `options.targets` into `options.out_dir`. Raises ConfigError (bad config or
-    options, before anything is built) or the failing stage's error (nothing half-written)."""
+def write_program(work: Path, job: ExportJob, timed: Timed) -> list[str]:
+    """One program (world size 1): trace, manifest, tokenizer, then every target stage from the one trace."""
     from . import artifacts
     from .trace import op_counts, trace
 
-    progress = progress or (lambda name, seconds: None)
-    stages = options.stages()
-    dtype = artifacts.DTYPES[DType(options.dtype).value]
-    timings: dict[str, float] = {}
-    # pt2 / ONNX from a checkpoint: traced on meta, weights streamed tensor by tensor into each artifact
-    # (exporter/pt2_weights.py, exporter/onnx_weights.py); AOTInductor compiles real weights: it loads the model
-    stream = options.checkpoint is not None and options.weights and set(stages) <= {"pt2", "onnx"}
-    with _timed("config", progress, timings):
-        cfg, build, ckpt_hash = _load(options, dtype, stream=stream)
-        # the TensorRT flavor of the ONNX export runs the Triton kernels in its plugins: their limits apply
-        cfg.check_ops(kernels=cfg.kernels.value == "triton" or "onnx" in stages)
+    with timed("model"):
+        model = _build(job)
+    with timed("trace"):
+        ep = trace(model, cache=job.model.cache)
+    o = job.options
+    with timed("manifest"):
+        artifacts.init_manifest(work, job.cfg, dtype=job.dtype, weights=o.weights, op_counts=op_counts(ep),
+                                checkpoint=o.checkpoint, checkpoint_hash=job.checkpoint_hash, options=job.model)
+    ctx = StageContext(job.cfg, o, work, _weight_stream(job) if job.stream else None, job.model)
+    notes = [copy_tokenizer(o.checkpoint, work)] if o.checkpoint else []
+    for name in o.stages():
+        with timed(name):
+            notes.append(str(STAGES[name](ep, ctx)))
+    return notes
+
+
+def export(options: ExportOptions, progress: Progress | None = None) -> ExportResult:
+    """Export `options` into `options.out_dir`, for any rank count: one program (tp = ep = 1) or one program
+    per rank of the plan (exporter/ranks.py). Raises ConfigError (bad config or options, before anything is
+    built) or the failing stage's error (nothing half-written: the folder is staged, exporter/staging.py)."""
+    from . import artifacts
     from .staging import staged_export
 
+    progress = progress or (lambda name, seconds: None)
+    timings: dict[str, float] = {}
+
+    def timed(name: str) -> contextlib.AbstractContextManager[None]:
+        return _timed(name, progress, timings)
+
+    with timed("config"):
+        job = _job(options)
+    if job.plan.world == 1:
+        write = write_program
+    else:
+        from .ranks import write_ranks as write
     with staged_export(options.out_dir) as work:
-        with _timed("model", progress, timings):
-            model = build()
-        with _timed("trace", progress, timings):
-            ep = trace(model, cfg=cfg)
-        with _timed("manifest", progress, timings):
-            artifacts.init_manifest(work, cfg, dtype=dtype, weights=options.weights, op_counts=op_counts(ep),
-                                    checkpoint=options.checkpoint, checkpoint_hash=ckpt_hash)
-        ctx = StageContext(cfg, options, work, _weight_stream(options, dtype, cfg) if stream else None)
-        notes = [copy_tokenizer(options.checkpoint, work)] if options.checkpoint else []
-        for name in stages:
-            with _timed(name, progress, timings):
-                notes.append(str(STAGES[name](ep, ctx)))
+        notes = write(work, job, timed)
     return ExportResult(options.out_dir, artifacts.read_manifest(options.out_dir), timings, notes)

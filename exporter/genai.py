@@ -40,6 +40,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..model.config import K3Config
+from ..model.options import CacheOptions
 from ..model.state import state_specs
 from .trace import DYNAMIC_DIMS
 
@@ -53,8 +54,8 @@ STATIC_CACHE_NOTE = ("genai: skipped — a static latent cache (--max-context) h
                      "in-place KV update); export without --max-context for a GenAI package")
 
 
-def _no_static_cache(cfg: K3Config) -> None:
-    if cfg.max_context is not None:
+def _no_static_cache(model: ir.Model) -> None:
+    if any(v.name == "past_length" for v in model.graph.inputs):
         raise ValueError(STATIC_CACHE_NOTE.removeprefix("genai: skipped — "))
 
 
@@ -75,7 +76,7 @@ def _int64(graph: ir.Graph, name: str, values: list[int]) -> ir.Value:
 
 def wrap_for_genai(model: ir.Model, cfg: K3Config) -> None:
     """Rewrite the MLA latent I/O of an ort-flavor model into GenAI's key/value pairs, in place."""
-    _no_static_cache(cfg)
+    _no_static_cache(model)
     g, half = model.graph, half_latent(cfg)
     latent = {s.layer for s in state_specs(cfg) if s.kind == "latent"}
     axis1 = _int64(g, "genai.axis1", [1])
@@ -117,7 +118,6 @@ def wrap_for_genai(model: ir.Model, cfg: K3Config) -> None:
 
 
 def genai_config(cfg: K3Config, bos: int | None, eos: tuple[int, ...]) -> dict:
-    _no_static_cache(cfg)
     context = min(cfg.max_position_embeddings, DYNAMIC_DIMS["past_seq"].max)
     eos_value: int | list[int] = list(eos) if len(eos) > 1 else eos[0]
     return {
@@ -172,7 +172,8 @@ def _outside_vocab(cfg: K3Config, bos: object, eos: tuple[int, ...]) -> str | No
     return None
 
 
-def genai_stage(out_dir: Path, cfg: K3Config, ort_file: str, final_dir: Path | None = None) -> str:
+def genai_stage(out_dir: Path, cfg: K3Config, ort_file: str, final_dir: Path | None = None,
+                cache: CacheOptions | None = None) -> str:
     """Write `model.genai.onnx` + `genai_config.json` into the export folder as artifact `genai` (after the
     onnx artifact and the tokenizer files are in place). `final_dir`: where the folder will be once the staged
     export is renamed into place (named in the returned line)."""
@@ -180,7 +181,7 @@ def genai_stage(out_dir: Path, cfg: K3Config, ort_file: str, final_dir: Path | N
 
     out_dir = Path(out_dir)
     shown = Path(final_dir or out_dir)
-    if cfg.max_context is not None:
+    if cache is not None and cache.static:
         return STATIC_CACHE_NOTE
     half_latent(cfg)  # refuse before reading the model
     bos, eos = _token_ids(out_dir)

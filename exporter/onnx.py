@@ -40,6 +40,7 @@ import torch
 from torch.export import ExportedProgram
 
 from ..model.config import K3Config
+from ..model.options import CacheOptions
 from ..model.state import state_specs
 from ..custom_ops.onnx_node import DOMAIN
 from .onnx_flavors import FLAVOR_PASSES
@@ -60,6 +61,7 @@ class OnnxOptions:
     opset: int = 23  # >= 22 for bfloat16 Conv; ORT 1.31 runs it
     # weights streamed from a checkpoint (exporter/onnx_weights.py) into a meta-traced program's export
     weight_stream: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None
+    cache: CacheOptions | None = None  # the latent cache interface traced (None: growing)
 
     def __post_init__(self) -> None:
         bad = [f for f in self.flavors if f not in FLAVOR_FILES]
@@ -89,9 +91,9 @@ def translation_table() -> dict:
 
 # --- I/O names and dims ------------------------------------------------------------------------------
 
-def _rename_io(model: ir.Model, cfg: K3Config) -> None:
+def _rename_io(model: ir.Model, cfg: K3Config, cache: CacheOptions | None) -> None:
     g = model.graph
-    specs = state_specs(cfg)
+    specs = state_specs(cfg, cache)
     inputs = list(g.inputs)[: 1 + len(specs)]
     outputs = list(g.outputs)
     if len(inputs) != 1 + len(specs) or len(outputs) != 1 + len(specs):
@@ -100,7 +102,7 @@ def _rename_io(model: ir.Model, cfg: K3Config) -> None:
     # symbol -> dim name of exporter/trace.DYNAMIC_DIMS, read off the inputs the exporter produced
     sym = {str(inputs[0].shape[0]): "batch", str(inputs[0].shape[1]): "seq"}
     for s, v in zip(specs, inputs[1:]):
-        if s.kind == "latent" and cfg.max_context is None:
+        if s.dims[1:2] == ("past_seq",):
             sym[str(v.shape[1])] = "past_seq"
     assert set(sym.values()) <= set(DYNAMIC_DIMS), sym
     pattern = re.compile(r"\b(" + "|".join(re.escape(k) for k in sorted(sym, key=len, reverse=True)) + r")\b")
@@ -121,7 +123,7 @@ def _rename_io(model: ir.Model, cfg: K3Config) -> None:
     outputs[0].shape = ir.Shape(["batch", "seq", vocab])
     for s, vin, vout in zip(specs, inputs[1:], outputs[1:]):
         vin.name, vout.name = s.input_name, s.output_name
-        if s.kind == "latent" and cfg.max_context is None:
+        if s.dims[1:2] == ("past_seq",):
             vout.shape = ir.Shape(["batch", TOTAL_SEQ, *vout.shape[2:]])
 
 
@@ -203,7 +205,7 @@ def _weights_to_inputs(model: ir.Model, weights: set[str]) -> None:
 
 
 def to_onnx_ir(ep: ExportedProgram, cfg: K3Config, *, weights: bool = True, optimize: bool = False,
-               opset: int = 23) -> ir.Model:
+               opset: int = 23, cache: CacheOptions | None = None) -> ir.Model:
     """torch.export program -> onnx_ir model with bare k3 nodes and GenAI-style I/O (the `trt` flavor)."""
     for name in ("onnx_ir", "onnxscript"):  # their passes log every clean-up / skipped fold at INFO
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -223,7 +225,7 @@ def to_onnx_ir(ep: ExportedProgram, cfg: K3Config, *, weights: bool = True, opti
     weight_names = set(ep.state_dict) | set(ep.constants)
     _fold_constants(model, weight_names)
     ir.passes.common.RemoveUnusedNodesPass()(model)  # SequenceAt positions, folded Constants
-    _rename_io(model, cfg)
+    _rename_io(model, cfg, cache)
     if not weights:
         _weights_to_inputs(model, weight_names)
     model.meta[OPSET_IMPORTS] = dict(model.opset_imports)  # as converted: each flavor pass starts from these
@@ -247,7 +249,7 @@ def export_onnx(ep: ExportedProgram, cfg: K3Config, out_dir: Path, options: Onnx
     streamed = options.weights and options.weight_stream is not None
     if model is None:
         model = to_onnx_ir(ep, cfg, weights=options.weights and not streamed, optimize=options.optimize,
-                           opset=options.opset)
+                           opset=options.opset, cache=options.cache)
     external = options.external_data
     if external is None:
         external = _weight_bytes(model) > EXTERNAL_DATA_THRESHOLD

@@ -31,10 +31,9 @@ from typing import Any
 import torch
 
 from ..model.parallel import ParallelPlan
-from .export import DType, ExportOptions, ExportResult, ExpertFormat, KernelChoice, Progress, _timed, copy_tokenizer
+from .export import ExportJob, Timed, copy_tokenizer
 
 COLLECTIVE_PREFIX = "_c10d_functional::"
-RANK_STAGES = ("pt2", "onnx")
 
 
 def rank_dir_name(rank: int) -> str:
@@ -49,98 +48,64 @@ def collective_counts(ep) -> dict[str, int]:
     return dict(sorted(c.items()))
 
 
-def _expert_format(options: ExportOptions) -> str | None:
-    return None if options.expert_format is None else ExpertFormat(options.expert_format).value
-
-
-def _full_config(options: ExportOptions):
-    """The whole model's config; routed experts as the checkpoint stores them (MXFP4 stays packed in every
-    rank) unless `--expert-format` says otherwise; presets dense unless asked."""
-    from ..custom_ops.kernels import Kernels
-    from ..model.checkpoint import checkpoint_config
-    from ..model.config import preset
-
-    kernels = Kernels(KernelChoice(options.kernels).value)
-    if options.checkpoint is None:
-        return dataclasses.replace(preset(options.preset), kernels=kernels,
-                                   expert_format=_expert_format(options) or "dense")
-    return dataclasses.replace(checkpoint_config(options.checkpoint, _expert_format(options)), kernels=kernels)
-
-
-def export_ranks(options: ExportOptions, plan: ParallelPlan, progress: Progress | None = None) -> ExportResult:
-    """Write the rank programs of `plan` for `options` (stages pt2, onnx). ConfigError before anything is built."""
-    from ..model.config import ConfigError
+def write_ranks(work: Path, job: ExportJob, timed: Timed) -> list[str]:
+    """The rank programs of `job.plan` (stages pt2, onnx) into `work`, plus the top-level manifest with its
+    `parallel` entry. Called by exporter/export.export when the plan has more than one rank."""
     from ..model.rank import build_rank_model
     from . import artifacts
-    from .staging import staged_export
     from .trace import op_counts, save_pt2, trace
 
-    progress = progress or (lambda name, seconds: None)
-    if not set(options.stages()) <= set(RANK_STAGES):
-        raise ConfigError(f"--tp/--ep: rank programs are written for --target pt2 and onnx only "
-                          f"(got {list(options.stages())})")
-    dtype = artifacts.DTYPES[DType(options.dtype).value]
-    timings: dict[str, float] = {}
-    with _timed("config", progress, timings):
-        cfg = _full_config(options)
-        plan.check(cfg)
-        local = plan.local_config(cfg)
-        ckpt_hash = None
-        if options.checkpoint is not None and options.weights:
-            from ..model.checkpoint import checkpoint_hash
+    options, cfg, plan, dtype = job.options, job.cfg, job.plan, job.dtype
+    local = plan.local_config(cfg)
+    full = None
+    if options.weights and options.checkpoint is None:
+        from ..model import build_model
 
-            ckpt_hash = checkpoint_hash(options.checkpoint)
-    with staged_export(options.out_dir) as work:
-        full = None
-        if options.weights and options.checkpoint is None:
-            from ..model import build_model
+        full = build_model(cfg, job.model.build, dtype=dtype, seed=options.seed).state_dict()
+    with timed("trace"):  # rank 0's module (meta without weights); the others swap in
+        model = _rank_model(job, 0, full) if options.weights else build_rank_model(cfg, plan, job.model.build,
+                                                                                   dtype=dtype)
+        program = trace(model)
+    counts = op_counts(program) | collective_counts(program)
+    onnx_model = None
+    if "onnx" in options.stages():
+        from .onnx import to_onnx_ir
 
-            full = build_model(cfg, dtype=dtype, seed=options.seed).state_dict()
-        with _timed("trace", progress, timings):  # rank 0's module (meta without weights); the others swap in
-            model = _rank_model(options, cfg, plan, 0, dtype, full) if options.weights else \
-                build_rank_model(cfg, plan, dtype=dtype)
-            program = trace(model)
-        counts = op_counts(program) | collective_counts(program)
-        onnx_model = None
-        if "onnx" in options.stages():
-            from .onnx import to_onnx_ir
-
-            with _timed("onnx", progress, timings):
-                onnx_model = to_onnx_ir(program, local, weights=options.weights)
-        ranks: list[dict[str, Any]] = []
-        for r in range(plan.world if options.weights else 1):
-            with _timed(f"rank {r}", progress, timings):
-                if r > 0:
-                    swap_weights(program, _rank_model(options, cfg, plan, r, dtype, full).state_dict())
-                    if onnx_model is not None:
-                        swap_initializers(onnx_model, program.state_dict)
-                ranks.append(_write_rank(work, r, plan, local, dtype, options, counts, ckpt_hash, program, save_pt2,
-                                         onnx_model))
-        artifacts.init_manifest(work, cfg, dtype=dtype, weights=options.weights, op_counts=counts,
-                                checkpoint=options.checkpoint, checkpoint_hash=ckpt_hash)
-        notes = [copy_tokenizer(options.checkpoint, work)] if options.checkpoint else []
-        data = artifacts.read_manifest(work)
-        for r in ranks:
-            e = plan.expert_range(cfg, r["rank"])
-            r["experts"] = [e.start, e.stop]  # global ids [start, stop) of the rank's experts
-        data["parallel"] = {**plan.to_dict(), "ranks": ranks, "rank_config_hash": local.hash()}
-        artifacts._write_json_atomic(work / artifacts.MANIFEST, data)
-    note = f"ranks: {len(ranks)} rank folder(s) of {plan.world} ranks (tp={plan.tp}, ep={plan.ep}) in {options.out_dir}"
-    return ExportResult(options.out_dir, artifacts.read_manifest(options.out_dir), timings, notes + [note])
+        with timed("onnx"):
+            onnx_model = to_onnx_ir(program, local, weights=options.weights)
+    ranks: list[dict[str, Any]] = []
+    for r in range(plan.world if options.weights else 1):
+        with timed(f"rank {r}"):
+            if r > 0:
+                swap_weights(program, _rank_model(job, r, full).state_dict())
+                if onnx_model is not None:
+                    swap_initializers(onnx_model, program.state_dict)
+            ranks.append(_write_rank(work, r, job, local, counts, program, save_pt2, onnx_model))
+    artifacts.init_manifest(work, cfg, dtype=dtype, weights=options.weights, op_counts=counts,
+                            checkpoint=options.checkpoint, checkpoint_hash=job.checkpoint_hash, options=job.model)
+    notes = [copy_tokenizer(options.checkpoint, work)] if options.checkpoint else []
+    data = artifacts.read_manifest(work)
+    for r in ranks:
+        e = plan.expert_range(cfg, r["rank"])
+        r["experts"] = [e.start, e.stop]  # global ids [start, stop) of the rank's experts
+    data["parallel"] = {**plan.to_dict(), "ranks": ranks, "rank_config_hash": local.hash()}
+    artifacts._write_json_atomic(work / artifacts.MANIFEST, data)
+    return notes + [f"ranks: {len(ranks)} rank folder(s) of {plan.world} ranks (tp={plan.tp}, ep={plan.ep}) "
+                    f"in {options.out_dir}"]
 
 
-def _rank_model(options: ExportOptions, cfg, plan: ParallelPlan, rank: int, dtype: torch.dtype,
-                full: dict | None) -> torch.nn.Module:
+def _rank_model(job: ExportJob, rank: int, full: dict | None) -> torch.nn.Module:
     """Rank `rank`'s module with its weights: cut from `full` (a preset's random init) or read slice by
     slice from the checkpoint."""
     from ..model.rank import build_rank_model, rank_state_dict
     from ..model.shard_load import load_rank
 
+    build = job.model.build
     if full is None:
-        return load_rank(options.checkpoint, plan, rank, dtype=dtype, kernels=cfg.kernels,
-                         expert_format=cfg.expert_format)[1]
-    model = build_rank_model(cfg, plan, dtype=dtype).to_empty(device="cpu")
-    model.load_state_dict(rank_state_dict(full, cfg, plan, rank), strict=True)
+        return load_rank(job.options.checkpoint, job.plan, rank, dtype=job.dtype, kernels=build.kernels,
+                         expert_format=build.expert_format)[1]
+    model = build_rank_model(job.cfg, job.plan, build, dtype=job.dtype).to_empty(device="cpu")
+    model.load_state_dict(rank_state_dict(full, job.cfg, job.plan, rank, build), strict=True)
     return model
 
 
@@ -169,13 +134,14 @@ def swap_initializers(model, state_dict: dict[str, torch.Tensor]) -> None:
         v.const_value = ir.tensor(t.detach().contiguous(), name=name)
 
 
-def _write_rank(work: Path, rank: int, plan: ParallelPlan, local, dtype, options: ExportOptions,
-                counts: dict[str, int], ckpt_hash: str | None, program, save_pt2, onnx_model=None) -> dict[str, Any]:
+def _write_rank(work: Path, rank: int, job: ExportJob, local, counts: dict[str, int], program, save_pt2,
+                onnx_model=None) -> dict[str, Any]:
     from . import artifacts
 
+    options, plan = job.options, job.plan
     d = work / rank_dir_name(rank)
-    artifacts.init_manifest(d, local, dtype=dtype, weights=options.weights, op_counts=counts,
-                            checkpoint=options.checkpoint, checkpoint_hash=ckpt_hash)
+    artifacts.init_manifest(d, local, dtype=job.dtype, weights=options.weights, op_counts=counts,
+                            checkpoint=options.checkpoint, checkpoint_hash=job.checkpoint_hash, options=job.model)
     stages = options.stages()
     if "pt2" in stages:
         with artifacts.write_artifact(d, "pt2", {"weights": options.weights, "rank": rank,

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from ..model.sampling import Generation, SamplingOptions, decode_loop
+from ..model.options import CacheOptions
 from ..model.state import state_specs
 
 Feeds = dict[str, Tensor]
@@ -50,8 +51,9 @@ class RunnerOptions:
 class ModuleRunner:
     """Eager PyTorch model or an ExportedProgram's module: flat state list in, flat state list out."""
 
-    def __init__(self, name: str, module: Callable, cfg, device: str | None = None) -> None:
-        self.name, self.module, self.specs = name, module, state_specs(cfg)
+    def __init__(self, name: str, module: Callable, cfg, device: str | None = None,
+                 cache: CacheOptions | None = None) -> None:
+        self.name, self.module, self.specs = name, module, state_specs(cfg, cache)
         self.device = device  # where the module runs; feeds elsewhere are moved there (None: fed as given)
 
     @torch.no_grad()
@@ -67,17 +69,19 @@ class ModuleRunner:
         return out
 
 
-def start_feeds(cfg, input_ids: Tensor, dtype: torch.dtype = torch.float32) -> Feeds:
-    """Feeds of a prefill: the prompt [B, T] plus the empty state (zeros; MLA caches with past_seq = 0)."""
+def start_feeds(cfg, input_ids: Tensor, dtype: torch.dtype = torch.float32, cache: CacheOptions | None = None
+                ) -> Feeds:
+    """Feeds of a prefill: the prompt [B, T] plus the empty state (zeros; MLA caches with past_seq = 0, or
+    a static cache of `cache.max_context` positions and past_length 0)."""
     from ..model.state import empty_state
 
-    state = empty_state(cfg, input_ids.shape[0], dtype)
-    return {"input_ids": input_ids, **{s.input_name: t for s, t in zip(state_specs(cfg), state)}}
+    state = empty_state(cfg, input_ids.shape[0], dtype, cache=cache)
+    return {"input_ids": input_ids, **{s.input_name: t for s, t in zip(state_specs(cfg, cache), state)}}
 
 
-def next_feeds(cfg, outputs: Feeds, input_ids: Tensor) -> Feeds:
+def next_feeds(cfg, outputs: Feeds, input_ids: Tensor, cache: CacheOptions | None = None) -> Feeds:
     """Feeds for the next step: the new tokens plus every `present.*` renamed to its `past.*` input."""
-    return {"input_ids": input_ids, **{s.input_name: outputs[s.output_name] for s in state_specs(cfg)}}
+    return {"input_ids": input_ids, **{s.input_name: outputs[s.output_name] for s in state_specs(cfg, cache)}}
 
 
 # --- factories over an export folder -------------------------------------------------------------
@@ -115,13 +119,13 @@ def _eager(export_dir: Path, options: RunnerOptions) -> Runner:
         if now is not None and now != recorded:
             raise RunnerError(f"{ckpt}: changed since the export (sha256 {now} != {recorded} in "
                               f"{export_dir}/manifest.json); re-export, or pass --checkpoint to compare anyway")
-        model = load_checkpoint(ckpt, dtype=d.dtype(), device="cpu", expert_format=d.config().expert_format)
+        model = load_checkpoint(ckpt, dtype=d.dtype(), device="cpu", expert_format=d.options().build.expert_format)
     except (CheckpointError, FileNotFoundError) as e:
         raise RunnerError(f"eager reference: {e}") from None
     cfg = d.config()  # a static latent cache is an export choice: the model serves it from the same weights
-    if model.cfg.hash() != replace(cfg, max_context=None).hash():
+    if model.cfg.hash() != cfg.hash():
         raise RunnerError(f"{ckpt}: its config ({model.cfg.name}) differs from the export's ({cfg.name})")
-    return ModuleRunner("eager", model.to(options.device), cfg, options.device)
+    return ModuleRunner("eager", model.to(options.device), cfg, options.device, d.options().cache)
 
 
 def load_pt2_artifact(folder: Path, options: RunnerOptions, what: str):
@@ -149,7 +153,8 @@ def _pt2(export_dir: Path, options: RunnerOptions) -> Runner:
         from torch.export.passes import move_to_device_pass
 
         ep = move_to_device_pass(ep, {"cpu": options.device})
-    return ModuleRunner("pt2", ep.module(), _folder(export_dir).config(), options.device)
+    folder = _folder(export_dir)
+    return ModuleRunner("pt2", ep.module(), folder.config(), options.device, folder.options().cache)
 
 
 def _ort(export_dir: Path, options: RunnerOptions) -> Runner:
@@ -184,12 +189,23 @@ def _aoti(export_dir: Path, options: RunnerOptions) -> Runner:
     # an AOTI package is trusted native code (exporter/aoti.py): loaded only once its sha256 matches
     path = _artifact(export_dir, "aoti", replace(options, check_hashes=True))[0]
     device = _folder(export_dir).manifest["artifacts"]["aoti"].get("device", "cpu")  # what it was compiled for
-    return ModuleRunner("aoti", load_aoti(path), _folder(export_dir).config(), str(device))
+    folder = _folder(export_dir)
+    return ModuleRunner("aoti", load_aoti(path), folder.config(), str(device), folder.options().cache)
 
 
 RUNNERS: dict[str, Callable[[Path, RunnerOptions], Runner]] = {
     "eager": _eager, "pt2": _pt2, "ort": _ort, "trt": _trt, "aoti": _aoti,
 }
+# the one table of which artifact each runner needs (a rank folder holds pt2 / onnx: `RANK_RUNNERS`)
+ARTIFACT_OF: dict[str, str] = {"pt2": "pt2", "ort": "onnx", "aoti": "aoti", "trt": "trt"}
+RANK_RUNNERS = ("pt2", "ort")
+
+
+def runnable(manifest: dict, runners: tuple[str, ...] = tuple(ARTIFACT_OF)) -> list[str]:
+    """The runners (of `runners`) whose artifact the manifest lists with weights."""
+    arts = manifest["artifacts"]
+    return [r for r in runners if ARTIFACT_OF[r] in arts
+            and arts[ARTIFACT_OF[r]].get("weights", manifest.get("weights", True)) is not False]
 
 
 def make_runner(backend: str, export_dir: Path, options: RunnerOptions = RunnerOptions()) -> Runner:
@@ -213,7 +229,7 @@ def make_runner(backend: str, export_dir: Path, options: RunnerOptions = RunnerO
 
 
 def check_request(cfg, *, batch: int, prompt_len: int, new_tokens: int, dims: dict | None = None,
-                  backend: str = "eager", dtype_bytes: int = 4) -> None:
+                  backend: str = "eager", dtype_bytes: int = 4, cache: CacheOptions | None = None) -> None:
     """Refuse, before anything runs, a request the model cannot serve: `batch` x `prompt_len` then
     `new_tokens` - 1 decode steps. Exported backends are bounded by the traced dynamic dims (`dims`, the
     manifest's `dynamic_dims`); every backend by the config's context length and, for the eager model
@@ -221,13 +237,14 @@ def check_request(cfg, *, batch: int, prompt_len: int, new_tokens: int, dims: di
     if batch < 1 or prompt_len < 1 or new_tokens < 1:
         raise RunnerError(f"batch={batch}, prompt length={prompt_len}, new tokens={new_tokens}: each must be >= 1")
     positions = prompt_len + new_tokens - 1  # tokens fed to the model in all
-    if cfg.max_context is not None and positions > cfg.max_context:
+    capacity = None if cache is None else cache.max_context
+    if capacity is not None and positions > capacity:
         raise RunnerError(f"prompt length {prompt_len} + {new_tokens - 1} decode steps = {positions} positions: over "
-                          f"the static latent cache (max_context={cfg.max_context}, set at export); use a shorter "
+                          f"the static latent cache (max_context={capacity}, set at export); use a shorter "
                           "request or re-export with a larger --max-context")
     if dims is not None:
         limits = [("batch", batch, "batch"), ("seq", prompt_len, "prompt length")] + [
-            ("past_seq", positions - 1, "prompt length + decode steps - 1 (the cache length)")] * (cfg.max_context is None)
+            ("past_seq", positions - 1, "prompt length + decode steps - 1 (the cache length)")] * (capacity is None)
         for dim, value, what in limits:
             if dim in dims and value > dims[dim]["max"]:
                 raise RunnerError(f"backend {backend}: {what} = {value} is over the exported maximum {dim}="
@@ -248,25 +265,26 @@ def check_request(cfg, *, batch: int, prompt_len: int, new_tokens: int, dims: di
 
 
 def generate(runner: Runner, cfg, prompt: Tensor, options: SamplingOptions, *, dtype: torch.dtype = torch.float32,
-             on_token=None) -> Generation:
+             on_token=None, cache: CacheOptions | None = None) -> Generation:
     """Prefill `prompt` [B, T], then T=1 steps carrying state; tokens chosen by the shared sampler."""
     out: Feeds = {}
 
     def prefill(ids: Tensor) -> Tensor:
         nonlocal out
-        out = runner.infer(start_feeds(cfg, ids, dtype))
+        out = runner.infer(start_feeds(cfg, ids, dtype, cache))
         return out["logits"][:, -1]
 
     def step(ids: Tensor) -> Tensor:
         nonlocal out
-        out = runner.infer(next_feeds(cfg, out, ids))
+        out = runner.infer(next_feeds(cfg, out, ids, cache))
         return out["logits"][:, -1]
 
     return decode_loop(prefill, step, prompt, options, on_token)
 
 
-def prefill_logits(runner: Runner, cfg, ids: Tensor, *, dtype: torch.dtype = torch.float32) -> Tensor:
+def prefill_logits(runner: Runner, cfg, ids: Tensor, *, dtype: torch.dtype = torch.float32,
+                   cache: CacheOptions | None = None) -> Tensor:
     """logits [B, T, vocab] fp32 of one prefill call from an empty state (what `k3x logits` writes)."""
     if ids.dim() != 2 or ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
         raise ValueError(f"input ids {list(ids.shape)}: need [B, T] with T >= 1 and ids in [0, {cfg.vocab_size})")
-    return runner.infer(start_feeds(cfg, ids, dtype))["logits"].float().cpu()
+    return runner.infer(start_feeds(cfg, ids, dtype, cache))["logits"].float().cpu()

@@ -2,7 +2,7 @@
 
 Dynamic dims are declared once here (`DYNAMIC_DIMS`) and reused by every later stage (ONNX dim_params,
 TensorRT optimisation profiles). Inputs: `input_ids [batch, seq]` and the flat state of model/state.py
-(`past_seq` on the MLA latent caches; with a static cache, cfg.max_context, the caches have that fixed size
+(`past_seq` on the MLA latent caches; with a static cache, CacheOptions.max_context, the caches have that fixed size
 and `past_length` is a scalar input). Each custom op is one graph node (`op_counts`).
 
 Notable choices:
@@ -29,6 +29,7 @@ from torch.export import Dim, ExportedProgram
 from torch.export.passes import move_to_device_pass
 
 from ..model import K3Config, K3ForCausalLM
+from ..model.options import CacheOptions
 from ..model.state import state_specs
 
 
@@ -52,30 +53,32 @@ def torch_dims() -> dict[str, Dim]:
     return {n: Dim(n, min=r.min, max=r.max) for n, r in DYNAMIC_DIMS.items()}
 
 
-def dynamic_shapes(cfg: K3Config) -> dict:
+def dynamic_shapes(cfg: K3Config, cache: CacheOptions | None = None) -> dict:
     d = torch_dims()
-    past = [{0: d["batch"], 1: d["past_seq"]} if s.kind == "latent" and cfg.max_context is None
-            else {} if s.kind == "length" else {0: d["batch"]} for s in state_specs(cfg)]
+    past = [{0: d["batch"], 1: d["past_seq"]} if s.dims[1:2] == ("past_seq",)
+            else {} if s.kind == "length" else {0: d["batch"]} for s in state_specs(cfg, cache)]
     return {"input_ids": {0: d["batch"], 1: d["seq"]}, "past": past}
 
 
 def example_inputs(cfg: K3Config, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                   batch: int = 2, seq: int = 3, past_seq: int = 2) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                   batch: int = 2, seq: int = 3, past_seq: int = 2, cache: CacheOptions | None = None
+                   ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Example inputs with every dynamic dim >= 2 (0/1 would specialise); values are irrelevant."""
     ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
-    past = [torch.zeros(s.shape(batch, past_seq), dtype=s.dtype(dtype), device=device) for s in state_specs(cfg)]
+    past = [torch.zeros(s.shape(batch, past_seq), dtype=s.dtype(dtype), device=device)
+            for s in state_specs(cfg, cache)]
     return ids, past
 
 
-def trace(model: K3ForCausalLM, *, dtype: torch.dtype | None = None, cfg: K3Config | None = None) -> ExportedProgram:
-    """Export `model` (real weights or the meta device) with the dynamic dims of DYNAMIC_DIMS. `cfg`: the
-    interface to trace when it is not `model.cfg`'s (a static latent cache on a checkpoint-loaded model)."""
+def trace(model: K3ForCausalLM, *, dtype: torch.dtype | None = None, cache: CacheOptions | None = None
+          ) -> ExportedProgram:
+    """Export `model` (real weights or the meta device) with the dynamic dims of DYNAMIC_DIMS; `cache`: the
+    latent cache interface to trace (default growing; a static cache adds `past_length`)."""
     p = next(model.parameters())
     dtype = dtype or p.dtype
-    cfg = cfg or model.cfg
-    ids, past = example_inputs(cfg, dtype=dtype, device=p.device)
+    ids, past = example_inputs(model.cfg, dtype=dtype, device=p.device, cache=cache)
     with torch.no_grad(), torch._dynamo.config.patch(fake_tensor_cache_enabled=False):
-        return torch.export.export(model, (ids, past), dynamic_shapes=dynamic_shapes(cfg))
+        return torch.export.export(model, (ids, past), dynamic_shapes=dynamic_shapes(model.cfg, cache))
 
 
 class _WriteOnce(io.RawIOBase):

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from ..model.config import K3Config
+from ..model.options import CacheOptions
 from .runners import Feeds, Runner, next_feeds, start_feeds
 from .tolerances import tol
 
@@ -98,20 +99,21 @@ def compare(actual: Tensor | None, expected: Tensor, name: str, dtype: torch.dty
 
 
 def run_parity(reference: Runner, backends: list[Runner], cfg: K3Config, *, steps: int = 8, batch: int = 1,
-               prompt_len: int = 7, dtype: torch.dtype = torch.float32, seed: int = 0) -> VerifyReport:
+               prompt_len: int = 7, dtype: torch.dtype = torch.float32, seed: int = 0,
+               cache: CacheOptions | None = None) -> VerifyReport:
     """Prefill + `steps` decode steps per backend, each compared output by output with the reference."""
     if steps < 0 or prompt_len < 1 or batch < 1:
         raise ValueError(f"steps={steps}, prompt_len={prompt_len}, batch={batch}: need steps >= 0, others >= 1")
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=gen)
-    start = start_feeds(cfg, prompt, dtype)
+    start = start_feeds(cfg, prompt, dtype, cache)
     # the reference trajectory: its outputs per step and the tokens everyone is fed
     ref_outputs: list[Feeds] = []
     feeds = start
     for _ in range(steps + 1):
         out = reference.infer(feeds)
         ref_outputs.append(out)
-        feeds = next_feeds(cfg, out, out["logits"][:, -1].argmax(-1, keepdim=True))
+        feeds = next_feeds(cfg, out, out["logits"][:, -1].argmax(-1, keepdim=True), cache)
     report = VerifyReport(dtype)
     for runner in backends:
         feeds = start
@@ -127,7 +129,7 @@ def run_parity(reference: Runner, backends: list[Runner], cfg: K3Config, *, step
             errors = [compare(out.get(n), e, n, dtype) for n, e in expected.items()]
             report.steps.append(StepReport(runner.name, step, seconds, errors))
             token = expected["logits"][:, -1].argmax(-1, keepdim=True)
-            feeds = next_feeds(cfg, out, token) if all(e.problem == "" for e in errors) else None
+            feeds = next_feeds(cfg, out, token, cache) if all(e.problem == "" for e in errors) else None
             if feeds is None:
                 break
     return report

@@ -19,20 +19,21 @@ from .kda import KimiDeltaAttention
 from .layers import GatedMLP, RMSNorm, linear
 from .mla import GatedMLA
 from .moe import LatentMoE
+from .options import BuildOptions
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: K3Config, index: int) -> None:
+    def __init__(self, cfg: K3Config, index: int, build: BuildOptions) -> None:
         super().__init__()
         d = cfg.hidden_size
-        self.cfg, self.index = cfg, index
+        self.cfg, self.index, self.kernels = cfg, index, build.kernels
         self.kind = cfg.layer_types[index]
-        self.self_attn = KimiDeltaAttention(cfg) if self.kind == "kda" else GatedMLA(cfg)
+        self.self_attn = KimiDeltaAttention(cfg, build.kernels) if self.kind == "kda" else GatedMLA(cfg)
         self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
         self.is_moe = cfg.mlp_types[index] == "moe"
         if self.is_moe:
-            self.block_sparse_moe = LatentMoE(cfg)
+            self.block_sparse_moe = LatentMoE(cfg, build)
         else:
             self.mlp = GatedMLP(cfg, d, cfg.dense_intermediate_size)
         self.block_start = index in cfg.block_starts()
@@ -53,7 +54,7 @@ class DecoderLayer(nn.Module):
 
     def _attn_res(self, which: str, prefix: Tensor, bank: Tensor) -> Tensor:
         norm, proj = getattr(self, f"{which}_res_norm"), getattr(self, f"{which}_res_proj")
-        return attn_res(prefix, bank, norm.weight, proj.weight, eps=self.cfg.rms_norm_eps, kernels=self.cfg.kernels)
+        return attn_res(prefix, bank, norm.weight, proj.weight, eps=self.cfg.rms_norm_eps, kernels=self.kernels)
 
     def forward(self, prefix: Tensor, bank: Tensor | None, state: list[Tensor], length: Tensor | None = None
                 ) -> tuple[Tensor, Tensor | None, list[Tensor]]:

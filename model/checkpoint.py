@@ -23,7 +23,6 @@ index, the shards in use), so any change to them reads as "changed since the exp
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -42,6 +41,7 @@ from ..custom_ops.kernels import Kernels
 from ..fileio import confined, normal_permissions, sha256
 from . import mxfp4
 from .config import ConfigError, K3Config
+from .options import BuildOptions
 from .hf_config import config_to_hf
 from .hf_transformers import rename_weight
 from .init import build_model
@@ -149,9 +149,9 @@ def _expected_shape(meta: dict[str, torch.Tensor], s: _Slot) -> tuple[int, ...]:
             "weight_shape": (2,)}[s.part]
 
 
-def _validate(cfg: K3Config, files: dict[str, Path], handles: _Shards) -> dict[str, tuple[str, Path]]:
+def _validate(cfg: K3Config, build: BuildOptions, files: dict[str, Path], handles: _Shards) -> dict[str, tuple]:
     """Check names/shapes/dtypes against a meta model; return model-name -> (stored name, file)."""
-    meta = dict(build_model(cfg, device="meta", seed=None).state_dict())
+    meta = dict(build_model(cfg, build, device="meta", seed=None).state_dict())
     plan: dict[str, tuple[str, Path]] = {}
     covered: dict[str, set] = {k: set() for k in meta}
     problems: list[str] = []
@@ -209,16 +209,16 @@ def stored_expert_format(files: dict[str, Path]) -> str:
     return "mxfp4" if parts and "weight" not in parts else "dense"
 
 
-def checkpoint_config(path: str | Path, expert_format: str | None = None,
-                      files: dict[str, Path] | None = None) -> K3Config:
-    """The config a checkpoint loads with: config.json, experts as stored (or as `expert_format` asks)."""
+def checkpoint_config(path: str | Path, expert_format: str | None = None, files: dict[str, Path] | None = None,
+                      kernels: Kernels = Kernels.REFERENCE) -> tuple[K3Config, BuildOptions]:
+    """(config.json's architecture, the build: `kernels`, experts as stored or as `expert_format` asks)."""
     path = Path(path)
     if expert_format not in (None, "dense", "mxfp4"):
         raise CheckpointError(f"expert_format={expert_format!r}: expected 'dense', 'mxfp4' or None (as stored)")
     try:
         cfg = K3Config.from_hf(checkpoint_file(path, "config.json"))
         fmt = expert_format or stored_expert_format(_tensor_files(path) if files is None else files)
-        return dataclasses.replace(cfg, expert_format=fmt)
+        return cfg, BuildOptions(Kernels(kernels), fmt)
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
 
@@ -265,9 +265,9 @@ def _open_checkpoint(path: Path, dtype: torch.dtype, kernels: Kernels, expert_fo
         raise CheckpointError(f"{path}: no config.json (not a checkpoint folder)")
     handles = _Shards()
     files = _tensor_files(path, handles)
-    cfg = dataclasses.replace(checkpoint_config(path, expert_format, files), kernels=Kernels(kernels))
-    plan = _validate(cfg, files, handles)
-    return cfg, plan, handles, build_model(cfg, device="meta", dtype=dtype, seed=None)
+    cfg, build = checkpoint_config(path, expert_format, files, kernels)
+    plan = _validate(cfg, build, files, handles)
+    return cfg, plan, handles, build_model(cfg, build, device="meta", dtype=dtype, seed=None)
 
 
 @torch.no_grad()

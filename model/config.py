@@ -7,8 +7,10 @@ Notable choices:
 - The hybrid layout is explicit: `layer_types` ("kda"/"mla") and `mlp_types` ("dense"/"moe"), one
   entry per decoder layer. `from_hf` reads them from the config's own lists, never from a pattern.
 - Presets by exact name in `PRESETS`; variants come from `dataclasses.replace`.
-- `max_context` is a runtime choice like `kernels` (the MLA latent cache preallocated to that many positions,
-  model/state.py); it is left out of `to_dict` (and so of `hash`) when None.
+- The architecture only, exactly what config.json says: build and run choices (kernels, expert format,
+  cache capacity, the parallel plan) are option objects of their own (model/options.py, model/parallel.py).
+  `hash` covers the architecture; its format (`HASH_FORMAT`) keeps the values manifests recorded before
+  the options moved out, so an export folder's architecture keeps its hash.
 - Validation in `__post_init__`; every error names the field and the value (cut to 80 characters).
   Types are checked before values (`_check_types`: ints are ints, never bools or 64.9; floats finite), and
   sizes have upper bounds (`LIMITS`, generous for any real model) so a hostile config is refused before
@@ -25,8 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ..custom_ops.kernels import Kernels
-
 LayerType = Literal["kda", "mla"]
 MlpType = Literal["dense", "moe"]
 
@@ -36,6 +36,10 @@ class ConfigError(ValueError):
 
 
 # upper bounds of sizes (K3 itself: 93 layers, width 7168, 163840 vocab, 96 heads, 896 experts)
+# the hash format: two keys the config dict held (at their defaults) before the build options left it
+HASH_FORMAT: dict[str, str] = {"kernels": "reference", "expert_format": "dense"}
+LEGACY_OPTION_KEYS = ("kernels", "backend", "expert_format", "max_context")  # read as options (model/options.py)
+
 LIMITS: dict[str, int] = {"layers": 1024, "hidden_size": 65536, "vocab_size": 1 << 22, "heads": 1024,
                           "experts": 4096, "max_position_embeddings": 1 << 24, "other": 1 << 20}
 
@@ -176,9 +180,6 @@ class K3Config:
     situ_linear_beta: float = 25.0
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 1048576
-    kernels: Kernels = Kernels.REFERENCE  # k3 custom-op implementation (not the runner)
-    expert_format: Literal["dense", "mxfp4"] = "dense"  # routed experts held dense or MXFP4-packed (k3::moe_mxfp4)
-    max_context: int | None = None  # static MLA latent cache of this many positions (None = growing; model/state.py)
     extra: tuple[tuple[str, Any], ...] = field(default=(), compare=False)  # informational only
 
     def __post_init__(self) -> None:
@@ -199,24 +200,20 @@ class K3Config:
                f"needs one entry per layer ({len(self.layer_types)})")
         _check(self.activation in ("situ", "silu"), "activation", self.activation, "must be 'situ' or 'silu'")
         _check(self.rms_norm_eps > 0, "rms_norm_eps", self.rms_norm_eps, "must be > 0")
-        _check(isinstance(self.kernels, Kernels), "kernels", self.kernels, "must be a Kernels")
-        _check(self.expert_format in ("dense", "mxfp4"), "expert_format", self.expert_format,
-               "must be 'dense' or 'mxfp4'")
         _check(not self.tie_word_embeddings, "tie_word_embeddings", self.tie_word_embeddings,
                "k3x models have an untied lm_head (K3 and Kimi Linear do)")
-        _check(self.max_context is None or 1 <= self.max_context <= self.max_position_embeddings, "max_context",
-               self.max_context, f"must be None or in [1, max_position_embeddings={self.max_position_embeddings}]")
         if self.moe.latent_dim is not None:
             _check(self.moe.latent_dim <= self.hidden_size, "moe.latent_dim", self.moe.latent_dim,
                    f"must be <= hidden_size ({self.hidden_size})")
-        self.check_ops(kernels=self.kernels is Kernels.TRITON)
+        self.check_ops(kernels=False)
 
-    def check_ops(self, *, kernels: bool) -> None:
-        """ConfigError naming the field if a k3 op (with `kernels`: its Triton kernels and TensorRT plugin)
-        cannot run this config; the limits live with each op (custom_ops/<family>/op.py)."""
+    def check_ops(self, *, kernels: bool, packed_experts: bool = False) -> None:
+        """ConfigError naming the field if a k3 op (with `kernels`: its Triton kernels and TensorRT plugin;
+        with `packed_experts`: k3::moe_mxfp4) cannot run this config; the limits live with each op
+        (custom_ops/<family>/op.py). Build options check through `BuildOptions.check` (model/options.py)."""
         from ..custom_ops.registry import check_config
 
-        reason = check_config(self, kernels=kernels)
+        reason = check_config(self, kernels=kernels, packed_experts=packed_experts)
         if reason:
             raise ConfigError(reason)
 
@@ -253,26 +250,22 @@ class K3Config:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d["kernels"] = self.kernels.value
         d["extra"] = dict(self.extra)
-        if self.max_context is None:  # configs without a static cache keep the dict (and hash) they always had
-            del d["max_context"]
         return d
 
     def hash(self) -> str:
-        blob = json.dumps(self.to_dict(), sort_keys=True, default=str).encode()
+        blob = json.dumps(self.to_dict() | HASH_FORMAT, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> K3Config:
-        d = dict(d)
+        d = {k: v for k, v in d.items() if k not in LEGACY_OPTION_KEYS}  # older manifests: model/options.py
         d["kda"] = KDAConfig(**d["kda"])
         d["mla"] = MLAConfig(**d["mla"])
         d["moe"] = MoEConfig(**d["moe"])
         d["attn_res"] = AttnResConfig(**d["attn_res"]) if d.get("attn_res") else None
         d["layer_types"] = tuple(d["layer_types"])
         d["mlp_types"] = tuple(d["mlp_types"])
-        d["kernels"] = Kernels(d.pop("kernels", d.pop("backend", "reference")))  # "backend": manifests before 0.2
         d["extra"] = tuple(sorted((d.get("extra") or {}).items()))
         return cls(**d)
 
@@ -323,13 +316,14 @@ def _kimi_linear_48b() -> K3Config:
 
 def _k3_mini() -> K3Config:
     # 6 layers: KDA(dense) KDA MLA KDA(block write at 4) MLA MLA -- every branch, incl. the final double MLA.
+    # 4 heads, 8 experts, even FFN widths and vocab: splits at TP=2 x EP=2 (the README's multi-GPU lines).
     lt = ("kda", "kda", "mla", "kda", "mla", "mla")
     mt = ("dense",) + ("moe",) * 5
     return K3Config(
         name="k3-mini", hidden_size=64, vocab_size=512, layer_types=lt, mlp_types=mt,
         dense_intermediate_size=128,
-        kda=KDAConfig(num_heads=3, head_dim=16, gate_lower_bound=-5.0, full_rank_output_gate=True),
-        mla=MLAConfig(num_heads=3, q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16,
+        kda=KDAConfig(num_heads=4, head_dim=16, gate_lower_bound=-5.0, full_rank_output_gate=True),
+        mla=MLAConfig(num_heads=4, q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16,
                       qk_rope_head_dim=8, v_head_dim=16, output_gate=True),
         moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=32, num_shared_experts=2,
                       latent_dim=32, latent_norm=True, routed_scaling_factor=1.0),

@@ -12,6 +12,7 @@ import torch
 
 from . import mxfp4
 from .model import K3ForCausalLM
+from .options import BuildOptions
 
 
 @torch.no_grad()
@@ -54,11 +55,12 @@ def init_weights(model: K3ForCausalLM, seed: int = 0) -> K3ForCausalLM:
     return model
 
 
-def build_model(cfg, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                seed: int | None = 0) -> K3ForCausalLM:
-    """A model on `device`; `seed=None` leaves parameters uninitialised (weights come from a checkpoint)."""
+def build_model(cfg, build: BuildOptions | None = None, *, device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32, seed: int | None = 0) -> K3ForCausalLM:
+    """A model of architecture `cfg` built as `build` says (kernels, expert format; default reference, dense)
+    on `device`; `seed=None` leaves parameters uninitialised (weights come from a checkpoint)."""
     with torch.device(device):
-        model = K3ForCausalLM(cfg)
+        model = K3ForCausalLM(cfg, build)
     if seed is not None and torch.device(device).type != "meta":
         init_weights(model, seed)
     fp32_names = ("A_log", "dt_bias", "e_score_correction_bias", "norm.weight")  # gates, router bias, norms

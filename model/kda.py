@@ -18,16 +18,17 @@ from torch import Tensor, nn
 from ..custom_ops.common import cast
 from ..custom_ops.kda import kda
 from ..custom_ops.kda.reference import kda_gate, l2norm
+from ..custom_ops.kernels import Kernels
 from .config import K3Config
 from .layers import RMSNorm, linear
 
 
 class KimiDeltaAttention(nn.Module):
-    def __init__(self, cfg: K3Config) -> None:
+    def __init__(self, cfg: K3Config, kernels: Kernels = Kernels.REFERENCE) -> None:
         super().__init__()
         c = cfg.kda
         d, P, H, D, W = cfg.hidden_size, c.proj_dim, c.num_heads, c.head_dim, c.conv_kernel
-        self.cfg, self.H, self.D, self.W = cfg, H, D, W
+        self.cfg, self.kernels, self.H, self.D, self.W = cfg, kernels, H, D, W
         self.q_proj, self.k_proj, self.v_proj = linear(d, P), linear(d, P), linear(d, P)
         self.q_conv1d = nn.Conv1d(P, P, W, groups=P, bias=False)
         self.k_conv1d = nn.Conv1d(P, P, W, groups=P, bias=False)
@@ -58,7 +59,7 @@ class KimiDeltaAttention(nn.Module):
         f = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, D)
         g = kda_gate(f, self.A_log, self.dt_bias, self.cfg.kda.gate_lower_bound)  # [B, T, H, D] fp32
         beta = torch.sigmoid(cast(self.b_proj(x), torch.float32))  # [B, T, H]
-        out = kda(q, k, v, g, beta, recurrent_state, scale=D ** -0.5, kernels=self.cfg.kernels,
+        out = kda(q, k, v, g, beta, recurrent_state, scale=D ** -0.5, kernels=self.kernels,
                   gate_lower_bound=self.cfg.kda.gate_lower_bound)
         gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
         o = self.o_norm(out.output)  # [B, T, H, D]

@@ -4,7 +4,7 @@ Parameter names equal the Hugging Face checkpoint's (`model.layers.{i}.self_attn
 `lm_head.weight`), except the stacked experts (see model/moe.py). The forward pass is export-clean:
 state in, state out, as a flat list (model/state.py); KDA, AttnRes and MoE only through torch.ops.k3.
 A static latent cache is selected by the inputs: a flat list one longer than the layers' state ends with
-`past_length` (state_specs lists it when cfg.max_context is set), so a model loaded from a checkpoint
+`past_length` (state_specs lists it for a static cache, model/options.CacheOptions), so a model loaded from a checkpoint
 serves both interfaces.
 """
 
@@ -18,16 +18,17 @@ from ..custom_ops.common import cast
 from .block import DecoderLayer
 from .config import K3Config
 from .layers import RMSNorm, linear
+from .options import BuildOptions
 from .state import state_specs
 
 
 class K3Model(nn.Module):
-    def __init__(self, cfg: K3Config) -> None:
+    def __init__(self, cfg: K3Config, build: BuildOptions) -> None:
         super().__init__()
         d = cfg.hidden_size
-        self.cfg = cfg
+        self.cfg, self.build = cfg, build
         self.embed_tokens = nn.Embedding(cfg.vocab_size, d)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, build) for i in range(cfg.num_layers))
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         if cfg.attn_res is not None:
             self.output_attn_res_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -57,7 +58,7 @@ class K3Model(nn.Module):
             present.append(length + input_ids.shape[1])
         if bank is not None:
             prefix = attn_res(prefix, bank, self.output_attn_res_norm.weight, self.output_attn_res_proj.weight,
-                              eps=self.cfg.rms_norm_eps, kernels=self.cfg.kernels)
+                              eps=self.cfg.rms_norm_eps, kernels=self.build.kernels)
         return self.norm(prefix), present
 
 
@@ -76,10 +77,13 @@ def _check_capacity(length: Tensor, seq: int, caches: list[Tensor]) -> None:
 
 
 class K3ForCausalLM(nn.Module):
-    def __init__(self, cfg: K3Config) -> None:
+    """`cfg`: the architecture; `build`: kernels and expert format (model/options.py)."""
+
+    def __init__(self, cfg: K3Config, build: BuildOptions | None = None) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.model = K3Model(cfg)
+        self.cfg, self.build = cfg, build or BuildOptions()
+        self.build.check(cfg)  # ConfigError naming the field (e.g. Triton kernel or MXFP4 limits) before building
+        self.model = K3Model(cfg, self.build)
         self.lm_head = linear(cfg.hidden_size, cfg.vocab_size)
 
     def forward(self, input_ids: Tensor, past: list[Tensor]) -> tuple[Tensor, list[Tensor]]:

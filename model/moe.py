@@ -5,7 +5,7 @@ Axes: N tokens, d model width, L expert width (latent, or d), E experts, I exper
   from unbiased scores; the whole routed computation is one `torch.ops.k3.moe` node.
 - Experts held stacked: w1/w3 `[E, I, L]`, w2 `[E, L, I]`, so a graph's size does not grow with E.
   (Checkpoint names `experts.{e}.w1.weight` are mapped to these in model/checkpoint.py.)
-- `cfg.expert_format == "mxfp4"`: the experts stay packed as the checkpoint stores them (`PackedExperts`:
+- `BuildOptions.expert_format == "mxfp4"` (model/options.py): the experts stay packed as the checkpoint stores them (`PackedExperts`:
   w1/w3 `[E, I, L/2]` u8 nibbles + `w1_scale`/`w3_scale` `[E, I, L/32]` u8 E8M0, w2 `[E, L, I/2]` +
   `w2_scale` `[E, L, I/32]`, frozen uint8 parameters) and the node is `k3::moe_mxfp4`, which decodes only the
   experts a call routes to. A model (and every artifact) then holds 4.25 bits per expert weight.
@@ -22,6 +22,7 @@ from ..custom_ops.moe_mxfp4 import moe_mxfp4
 from ..custom_ops.moe_mxfp4.codec import BLOCK
 from .config import K3Config
 from .layers import GatedMLP, RMSNorm, linear
+from .options import BuildOptions
 
 
 class Router(nn.Module):
@@ -52,7 +53,7 @@ class PackedExperts(nn.Module):
 
 
 class LatentMoE(nn.Module):
-    def __init__(self, cfg: K3Config) -> None:
+    def __init__(self, cfg: K3Config, build: BuildOptions) -> None:
         super().__init__()
         c, d = cfg.moe, cfg.hidden_size
         L = cfg.expert_dim
@@ -66,7 +67,7 @@ class LatentMoE(nn.Module):
             self.routed_expert_up_proj = linear(L, d)
         if self.latent_norm:
             self.routed_expert_norm = RMSNorm(L, cfg.rms_norm_eps)
-        self.packed = cfg.expert_format == "mxfp4"
+        self.packed, self.kernels = build.packed, build.kernels
         self.experts = (PackedExperts if self.packed else StackedExperts)(c.num_experts, L, c.intermediate_size)
         self.has_shared = c.num_shared_experts > 0
         if self.has_shared:
@@ -91,6 +92,6 @@ class LatentMoE(nn.Module):
         e, g = self.experts, self.gate
         if self.packed:
             return moe_mxfp4(xf, z, g.weight, g.e_score_correction_bias, e.w1, e.w3, e.w2, e.w1_scale, e.w3_scale,
-                             e.w2_scale, options=self.options, kernels=self.cfg.kernels, expert_offset=expert_offset)
+                             e.w2_scale, options=self.options, kernels=self.kernels, expert_offset=expert_offset)
         return moe(xf, z, g.weight, g.e_score_correction_bias, e.w1, e.w3, e.w2, options=self.options,
-                   kernels=self.cfg.kernels, expert_offset=expert_offset)
+                   kernels=self.kernels, expert_offset=expert_offset)

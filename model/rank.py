@@ -78,8 +78,8 @@ class ExpertParallelMoE(LatentMoE):
     """LatentMoE with the rank's `E / ep` experts; router, latent projections and norm replicated, shared
     experts tensor-parallel."""
 
-    def __init__(self, cfg: K3Config, plan: ParallelPlan) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: K3Config, plan: ParallelPlan, build: BuildOptions) -> None:
+        super().__init__(cfg, build)
         c, n = cfg.moe, plan.local_experts(cfg)
         self.experts = (PackedExperts if self.packed else StackedExperts)(n, cfg.expert_dim, c.intermediate_size)
         self.register_buffer("expert_offset", torch.zeros(1, dtype=torch.int32))  # set per rank
@@ -100,14 +100,15 @@ def rank_mlp(cfg: K3Config, intermediate: int, plan: ParallelPlan) -> GatedMLP:
     return mlp
 
 
-def build_rank_model(cfg: K3Config, plan: ParallelPlan, *, dtype: torch.dtype = torch.float32) -> K3ForCausalLM:
+def build_rank_model(cfg: K3Config, plan: ParallelPlan, build: BuildOptions | None = None, *,
+                     dtype: torch.dtype = torch.float32) -> K3ForCausalLM:
     """The rank program's module on the meta device (shapes only; every rank's is the same). Fill it with
     `to_empty` + a rank's weights (model/shard_load.py), then `set_rank_buffers`."""
     from .init import build_model
 
     plan.check(cfg)
     local = plan.local_config(cfg)
-    model = build_model(local, device="meta", dtype=dtype, seed=None)
+    model = build_model(local, build, device="meta", dtype=dtype, seed=None)
     d, tp = cfg.hidden_size, plan.tp_group
     with torch.device("meta"):
         if plan.tp > 1:
@@ -120,7 +121,7 @@ def build_rank_model(cfg: K3Config, plan: ParallelPlan, *, dtype: torch.dtype = 
                 if not layer.is_moe:
                     layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj.in_features, d, tp)
             if layer.is_moe:
-                layer.block_sparse_moe = ExpertParallelMoE(cfg, plan)
+                layer.block_sparse_moe = ExpertParallelMoE(cfg, plan, model.build)
     model.cfg = model.model.cfg = local
     return _cast(model, dtype)
 
@@ -144,10 +145,11 @@ def set_rank_buffers(model: K3ForCausalLM, cfg: K3Config, plan: ParallelPlan, ra
             buf.fill_(first)
 
 
-def rank_state_dict(full: dict[str, Tensor], cfg: K3Config, plan: ParallelPlan, rank: int) -> dict[str, Tensor]:
+def rank_state_dict(full: dict[str, Tensor], cfg: K3Config, plan: ParallelPlan, rank: int,
+                    build: BuildOptions | None = None) -> dict[str, Tensor]:
     """A rank's weights cut from a whole single-GPU state dict (presets, tests); checkpoints are read
     slice by slice instead (model/shard_load.py)."""
-    model = build_rank_model(cfg, plan, dtype=next(iter(full.values())).dtype).to_empty(device="cpu")
+    model = build_rank_model(cfg, plan, build, dtype=next(iter(full.values())).dtype).to_empty(device="cpu")
     set_rank_buffers(model, cfg, plan, rank)
     out = dict(model.state_dict())
     for name, t in full.items():

@@ -11,7 +11,6 @@ keeps them — `expert_format="dense"` decodes them instead). `A_log`, stored lo
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import torch
@@ -39,14 +38,14 @@ def load_rank(path: str | Path, plan: ParallelPlan, rank: int, *, dtype: torch.d
     handles = _Shards()
     files = _tensor_files(path, handles)
     try:
-        cfg = dataclasses.replace(checkpoint_config(path, expert_format, files), kernels=Kernels(kernels))
+        cfg, build = checkpoint_config(path, expert_format, files, kernels)
         plan.check(cfg)
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
-    entries = _validate(cfg, files, handles)
-    model = build_rank_model(cfg, plan, dtype=dtype).to_empty(device="cpu")
+    entries = _validate(cfg, build, files, handles)
+    model = build_rank_model(cfg, plan, build, dtype=dtype).to_empty(device="cpu")
     targets = dict(model.named_parameters()) | dict(model.named_buffers())
-    full_shapes = {n: tuple(t.shape) for n, t in build_model(cfg, device="meta", seed=None).state_dict().items()}
+    full_shapes = {n: tuple(t.shape) for n, t in build_model(cfg, build, device="meta", seed=None).state_dict().items()}
     mine = plan.expert_range(cfg, rank)
     for name, (stored, f) in entries.items():
         s = _slot(name)

@@ -7,7 +7,7 @@
 A flat list in layer order (conv before recurrent) is what the model's forward takes and returns.
 AttnRes needs no cross-token state (docs/model.md §4.3).
 
-Static latent cache (`cfg.max_context = C`): every MLA cache is preallocated, `[batch, C, kv_lora + rope]` in
+Static latent cache (`CacheOptions(max_context=C)`, model/options.py): every MLA cache is preallocated, `[batch, C, kv_lora + rope]` in
 and out (the same shape every step, so a decode step can be a CUDA graph), and the flat list ends with one
 more tensor, `past_length` (int64 scalar: positions already in the caches) -> `present_length`
 (past_length + seq). The new latents are written at [past_length, past_length + seq); positions beyond are
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import K3Config
+from .options import CacheOptions
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,9 @@ class StateSpec:
         return torch.int64 if self.kind == "length" else torch.float32 if self.fp32 else model_dtype
 
 
-def state_specs(cfg: K3Config) -> list[StateSpec]:
+def state_specs(cfg: K3Config, cache: CacheOptions | None = None) -> list[StateSpec]:
+    """The flat state of `cfg` with `cache` (default: a growing latent cache)."""
+    capacity = None if cache is None else cache.max_context
     specs: list[StateSpec] = []
     c, m = cfg.kda, cfg.mla
     for i, kind in enumerate(cfg.layer_types):
@@ -50,20 +53,20 @@ def state_specs(cfg: K3Config) -> list[StateSpec]:
             specs.append(StateSpec(i, "recurrent", f"past.{i}.recurrent", f"present.{i}.recurrent",
                                    ("batch", c.num_heads, c.head_dim, c.head_dim), True))
         else:
-            seq = "past_seq" if cfg.max_context is None else cfg.max_context
+            seq = "past_seq" if capacity is None else capacity
             specs.append(StateSpec(i, "latent", f"past_key_values.{i}.latent", f"present.{i}.latent",
                                    ("batch", seq, m.latent_dim), False))
-    if cfg.max_context is not None:
+    if capacity is not None:
         specs.append(StateSpec(-1, "length", "past_length", "present_length", (), False))
     return specs
 
 
 def empty_state(cfg: K3Config, batch: int, dtype: torch.dtype = torch.float32,
-                device: torch.device | str = "cpu") -> list[torch.Tensor]:
+                device: torch.device | str = "cpu", cache: CacheOptions | None = None) -> list[torch.Tensor]:
     """The state before the first token: zeros, an empty (past_seq = 0) MLA latent cache (static: C zero
     positions and past_length 0)."""
     return [torch.zeros(s.shape(batch, 0), dtype=s.dtype(dtype), device=device)
-            for s in state_specs(cfg)]
+            for s in state_specs(cfg, cache)]
 
 
 def state_bytes(cfg: K3Config, dtype_bytes: int = 2) -> dict[str, int]:

@@ -7,17 +7,17 @@ Active parameters = everything except the routed experts a token does not visit
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from .config import K3Config
 from .init import build_model
+from .options import BuildOptions
 from .state import state_bytes
 
 
 def summarize(cfg: K3Config) -> dict[str, Any]:
     """Counts are of weights (an MXFP4 config is counted as its dense twin); `storage` is the checkpoint's bytes."""
-    model = build_model(dataclasses.replace(cfg, expert_format="dense"), device="meta", seed=None)
+    model = build_model(cfg, device="meta", seed=None)  # dense experts
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     total = sum(t.numel() for t in tensors.values())
     expert = {n: t.numel() for n, t in tensors.items() if ".experts.w" in n}
@@ -31,7 +31,7 @@ def summarize(cfg: K3Config) -> dict[str, Any]:
         "bf16": 2 * (total - n_expert - fp32),
         "fp32": 4 * fp32,
     }
-    artifact = {fmt: weight_bytes(dataclasses.replace(cfg, expert_format=fmt)) for fmt in ("mxfp4", "dense")}
+    artifact = {fmt: weight_bytes(cfg, build=BuildOptions(expert_format=fmt)) for fmt in ("mxfp4", "dense")}
     starts = set(cfg.block_starts())
     plan = [{"layer": i, "mixer": cfg.layer_types[i], "ffn": cfg.mlp_types[i], "attn_res_block_start": i in starts}
             for i in range(cfg.num_layers)]
@@ -56,12 +56,12 @@ def summarize(cfg: K3Config) -> dict[str, Any]:
     }
 
 
-def weight_bytes(cfg: K3Config, dtype=None) -> int:
+def weight_bytes(cfg: K3Config, dtype=None, build: BuildOptions | None = None) -> int:
     """Bytes of the model's tensors as held (MXFP4 experts packed, gates and norms fp32, the rest `dtype`,
     bf16 by default) = what each artifact (model.pt2, model.onnx, model.trt.onnx, model.engine) stores."""
     import torch
 
-    model = build_model(cfg, device="meta", dtype=dtype or torch.bfloat16, seed=None)
+    model = build_model(cfg, build, device="meta", dtype=dtype or torch.bfloat16, seed=None)
     return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
 
 

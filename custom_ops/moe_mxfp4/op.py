@@ -7,7 +7,7 @@
 (`expert_offset`: expert parallelism, as in `k3::moe`: E above is E_local for the expert tensors.)
 A variant of `k3::moe` (same routing and expert math, `custom_ops/moe`): its `SIGNATURE` is moe's with the
 packed expert ports; its own family so every stage (ONNX node, TensorRT plugin with uint8 ports, op counts)
-handles it through the registry; still one graph node per MoE layer. The model picks it when `K3Config.expert_format == "mxfp4"`. Torch-only; Triton lazily.
+handles it through the registry; still one graph node per MoE layer. The model picks it when `BuildOptions.expert_format == "mxfp4"`. Torch-only; Triton lazily.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ WEIGHTS = ("w1", "w3", "w2")
 
 
 def check_config(cfg, *, kernels: bool) -> str | None:
-    """Why k3::moe_mxfp4 cannot run `cfg` (None if it can, or if its experts are dense): k3::moe's limits plus
+    """Why k3::moe_mxfp4 cannot run `cfg` (None if it can; asked only for packed experts): k3::moe's limits plus
     MXFP4's block of 32 along both expert reduction widths."""
-    if getattr(cfg, "expert_format", "dense") != "mxfp4" or not cfg.moe_layers:
+    if not cfg.moe_layers:
         return None
     for what, n in (("expert input width (moe latent_dim or hidden_size)", cfg.expert_dim),
                     ("moe.intermediate_size", cfg.moe.intermediate_size)):

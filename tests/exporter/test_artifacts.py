@@ -42,7 +42,7 @@ def test_manifest_records_config_versions_dims_ops_and_state(folder, tmp_path):
     assert m["io"]["inputs"] == ["input_ids"] + [s.input_name for s in specs]
     assert m["io"]["outputs"] == ["logits"] + [s.output_name for s in specs]
     assert m["state"][0] == {"input": "past.0.conv", "output": "present.0.conv", "layer": 0, "kind": "conv",
-                             "dims": ["batch", 3 * 48, 3], "dtype": "fp32"}
+                             "dims": ["batch", 3 * 64, 3], "dtype": "fp32"}
     latent = next(s for s in m["state"] if s["kind"] == "latent")
     assert latent["dims"][1] == "past_seq" and latent["dtype"] == "bf16"
     assert m["artifacts"] == {}

@@ -8,7 +8,6 @@ a module or TensorRT's execute_async_v3) and the latency with and without are me
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -104,13 +103,13 @@ def test_a_runner_with_enqueue_is_captured_through_it():
     assert g.stats["replayed"] == 4
 
 
-def _hybrid_decode(runner, cfg, steps=8):
-    out = runner.infer(start_feeds(cfg, torch.tensor([[5, 9, 2, 7]])))
+def _hybrid_decode(runner, cfg, cache, steps=8):
+    out = runner.infer(start_feeds(cfg, torch.tensor([[5, 9, 2, 7]]), cache=cache))
     tokens, logits = [], [out["logits"].clone()]
     for _ in range(steps):
         tok = out["logits"][:, -1].argmax(-1, keepdim=True)
         tokens.append(int(tok))
-        out = runner.infer(next_feeds(cfg, out, tok))
+        out = runner.infer(next_feeds(cfg, out, tok, cache))
         logits.append(out["logits"].clone())
     return tokens, logits
 
@@ -118,13 +117,14 @@ def _hybrid_decode(runner, cfg, steps=8):
 @pytest.mark.parametrize("max_context", [None, 16])
 def test_hybrid_decode_replays_one_graph_only_with_the_static_cache(max_context):
     from k3x.model import build_model, preset
+    from k3x.model.options import CacheOptions
 
-    cfg = dataclasses.replace(preset("k3-mini"), max_context=max_context)
-    model = build_model(preset("k3-mini"), seed=0)
-    plain = ModuleRunner("eager", model, cfg)
-    graphed = Emulated(ModuleRunner("eager", model, cfg))
-    tokens, logits = _hybrid_decode(plain, cfg)
-    g_tokens, g_logits = _hybrid_decode(graphed, cfg)
+    cfg, cache = preset("k3-mini"), CacheOptions(max_context)
+    model = build_model(cfg, seed=0)
+    plain = ModuleRunner("eager", model, cfg, cache=cache)
+    graphed = Emulated(ModuleRunner("eager", model, cfg, cache=cache))
+    tokens, logits = _hybrid_decode(plain, cfg, cache)
+    g_tokens, g_logits = _hybrid_decode(graphed, cfg, cache)
     assert g_tokens == tokens
     for a, b in zip(g_logits, logits):
         assert torch.equal(a, b)

@@ -83,14 +83,15 @@ def test_genai_model_with_external_data(tmp_path):
     art = onnx_stage(tmp_path, m.ep, cfg, OnnxOptions(flavors=("ort",), external_data=True))
     assert "skipped — no EOS id" in genai_stage(tmp_path, cfg, art.files["ort"].name)
     assert not (tmp_path / GENAI_MODEL).exists()
-    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 511}))
+    prompt = torch.tensor([PROMPT[:10]])
+    ours = generate(make_runner("ort", tmp_path, RunnerOptions(provider="cpu")), cfg, prompt,
+                    SamplingOptions(max_new_tokens=8)).tokens[0].tolist()
+    eos = max(set(range(cfg.vocab_size)) - set(ours))  # an EOS the greedy run never emits: GenAI runs all 8
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
     genai_stage(tmp_path, cfg, art.files["ort"].name)
     wrapped = ir.load(tmp_path / GENAI_MODEL)
     assert any(isinstance(v.const_value, ir.ExternalTensor) for v in wrapped.graph.initializers.values())
     assert (tmp_path / GENAI_MODEL).stat().st_size < 1_000_000  # weights referenced, not copied
-    prompt = torch.tensor([PROMPT[:10]])
-    ours = generate(make_runner("ort", tmp_path, RunnerOptions(provider="cpu")), cfg, prompt,
-                    SamplingOptions(max_new_tokens=8)).tokens[0].tolist()
     assert og_greedy(tmp_path, PROMPT[:10], 8) == ours
 
 
@@ -105,16 +106,16 @@ def test_odd_latent_width_is_refused():
 
 def test_static_cache_gets_no_genai_package_and_the_reason(tmp_path):
     """A static latent cache (past_length input) has no GenAI mapping here: skipped with one line, and the
-    config / wrapper builders refuse it rather than write a package GenAI would feed wrongly."""
-    import dataclasses
-
+    wrapper refuses a graph with a past_length input rather than write a package GenAI would feed wrongly."""
+    import onnx_ir as ir
     import pytest
 
     from k3x.exporter import genai
     from k3x.model import preset
+    from k3x.model.options import CacheOptions
 
-    cfg = dataclasses.replace(preset("k3-mini"), max_context=64)
-    note = genai.genai_stage(tmp_path, cfg, "model.onnx")
+    note = genai.genai_stage(tmp_path, preset("k3-mini"), "model.onnx", cache=CacheOptions(64))
     assert note == genai.STATIC_CACHE_NOTE and "\n" not in note and not list(tmp_path.iterdir())
+    graph = ir.Graph([ir.Value(name="input_ids"), ir.Value(name="past_length")], [], nodes=[])
     with pytest.raises(ValueError, match="^a static latent cache .--max-context. has a past_length input"):
-        genai.genai_config(cfg, 1, (2,))
+        genai.wrap_for_genai(ir.Model(graph, ir_version=10), preset("k3-mini"))

@@ -105,7 +105,7 @@ def test_pt2_and_ort_match_packed_eager():
 
     pt2, onnx_folder, ckpt = packed_exports()
     eager = make_runner("eager", pt2)
-    assert eager.module.cfg.expert_format == "mxfp4"
+    assert eager.module.build.expert_format == "mxfp4"
     assert eager.module.model.layers[1].block_sparse_moe.experts.w1.dtype == torch.uint8
     ort_runner = make_runner("ort", onnx_folder, RunnerOptions(provider="cpu"))
     report = run_parity(eager, [make_runner("pt2", pt2), ort_runner], eager.module.cfg, steps=2, prompt_len=5)

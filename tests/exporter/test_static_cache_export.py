@@ -37,7 +37,8 @@ def test_manifest_and_onnx_interface(static_export):
     folder, output = static_export
     m = ExportFolder.open(folder).manifest
     assert m["static_cache"] == {"max_context": C, "length_input": "past_length"}
-    assert m["config"]["max_context"] == C and m["io"]["inputs"][-1] == "past_length"
+    assert m["options"] == {"kernels": "reference", "expert_format": "dense", "max_context": C}
+    assert "max_context" not in m["config"] and m["io"]["inputs"][-1] == "past_length"
     assert m["state"][-1] == {"input": "past_length", "output": "present_length", "layer": -1, "kind": "length",
                               "dims": [], "dtype": "int64"}
     assert "genai: skipped — a static latent cache (--max-context)" in output and "genai" not in m["artifacts"]
@@ -96,14 +97,14 @@ def test_pt2_program_with_static_cache_replays_one_graph(static_export):
     from k3x.exporter.runners import make_runner, next_feeds, start_feeds
 
     folder, _ = static_export
-    cfg = ExportFolder.open(folder).config()
+    cfg, cache = ExportFolder.open(folder).config(), ExportFolder.open(folder).options().cache
     plain, graphed = make_runner("pt2", folder), Emulated(make_runner("pt2", folder))
     seqs = []
     for r in (plain, graphed):
-        out, toks = r.infer(start_feeds(cfg, torch.tensor([[3, 1, 4, 1, 5]]))), []
+        out, toks = r.infer(start_feeds(cfg, torch.tensor([[3, 1, 4, 1, 5]]), cache=cache)), []
         for _ in range(8):
             toks.append(out["logits"][:, -1].argmax(-1, keepdim=True))
-            out = r.infer(next_feeds(cfg, out, toks[-1]))
+            out = r.infer(next_feeds(cfg, out, toks[-1], cache))
         seqs.append(torch.cat(toks, -1))
     assert torch.equal(seqs[0], seqs[1])
     assert graphed.stats == {"captured": 1, "replayed": 7, "eager": 2, "capture_failed": 0}

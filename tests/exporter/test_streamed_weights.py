@@ -19,6 +19,7 @@ import torch
 from k3x.exporter.export import ExportOptions, Target, export
 from k3x.model import build_model, preset
 from k3x.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from k3x.model.options import BuildOptions
 from k3x.model.checkpoint_ranges import StoredTensor, stream_weights
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,8 +116,8 @@ def test_a_stream_that_lacks_a_weight_is_named(ckpt, tmp_path):
     from k3x.exporter.pt2_weights import save_streamed_pt2
     from k3x.exporter.trace import trace
 
-    cfg = load_checkpoint(ckpt, dtype=torch.bfloat16).cfg
-    ep = trace(build_model(cfg, device="meta", dtype=torch.bfloat16, seed=None))
+    loaded = load_checkpoint(ckpt, dtype=torch.bfloat16)  # packed experts, as stored: the build says so
+    ep = trace(build_model(loaded.cfg, loaded.build, device="meta", dtype=torch.bfloat16, seed=None))
     partial = (kv for kv in stream_weights(ckpt, dtype=torch.bfloat16) if "lm_head" not in kv[0])
     with pytest.raises(ValueError, match="not in the checkpoint stream: \\['lm_head.weight'\\]"):
         save_streamed_pt2(ep, tmp_path / "model.pt2", partial)
@@ -159,7 +160,7 @@ def test_peak_rss_does_not_grow_with_the_model(tmp_path):
         mini.moe, num_experts=64, intermediate_size=512, latent_dim=1024))
     ckpt_bytes = bench.synth_checkpoint(cfg, tmp_path / "ckpt")
     largest = max(t.numel() * t.element_size() for t in build_model(
-        dataclasses.replace(cfg, expert_format="mxfp4"), device="meta", dtype=torch.bfloat16).state_dict().values())
+        cfg, BuildOptions(expert_format="mxfp4"), device="meta", dtype=torch.bfloat16).state_dict().values())
     assert ckpt_bytes > 16 * largest
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / ".pyshim"), os.environ.get("PYTHONPATH")]))}
     r = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path / "ckpt"), str(tmp_path)], capture_output=True,

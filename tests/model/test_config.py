@@ -117,10 +117,12 @@ def test_kernel_limits_apply_with_triton_kernels_only():
     """The Triton kernels' limits (head_dim >= 16) are checked when the config is validated with
     kernels=triton, before anything is built; the reference takes the config."""
     from k3x.custom_ops.kernels import Kernels
+    from k3x.model.options import BuildOptions
 
     small = dataclasses.replace(preset("k3-mini"), kda=KDAConfig(num_heads=2, head_dim=8))
+    BuildOptions().check(small)
     with pytest.raises(ConfigError, match="kda.head_dim=8: the Triton k3::kda kernels"):
-        dataclasses.replace(small, kernels=Kernels.TRITON)
+        BuildOptions(Kernels.TRITON).check(small)
     with pytest.raises(ConfigError, match="kda.head_dim=8"):
         small.check_ops(kernels=True)
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from k3x.model import build_model, mxfp4, preset
+from k3x.model.options import BuildOptions
 from k3x.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from k3x.model.state import empty_state
 
@@ -25,7 +26,7 @@ def test_mxfp4_checkpoint_loads_packed_with_the_checkpoint_bytes(ckpt):
     from safetensors import safe_open
 
     m = load_checkpoint(ckpt)
-    assert m.cfg.expert_format == "mxfp4"
+    assert m.build.expert_format == "mxfp4"
     sd = m.state_dict()
     assert sd[f"{EXPERT}.w1"].dtype == torch.uint8 and sd[f"{EXPERT}.w1"].shape == (8, 32, 16)  # [E, I, L/2]
     assert sd[f"{EXPERT}.w2_scale"].shape == (8, 32, 1)  # [E, L, I/32]
@@ -59,7 +60,7 @@ def test_packed_model_saves_the_same_bytes(ckpt, tmp_path):
 
 def test_dense_checkpoint_cannot_load_packed(tmp_path):
     path = save_checkpoint(build_model(preset("k3-mini"), seed=1), tmp_path / "d", expert_format="dense")
-    assert load_checkpoint(path).cfg.expert_format == "dense"
+    assert load_checkpoint(path).build.expert_format == "dense"
     with pytest.raises(CheckpointError, match=r"experts\.0\.w1\.weight.*expert_format='dense'"):
         load_checkpoint(path, expert_format="mxfp4")
 
@@ -80,12 +81,16 @@ def test_nan_scale_is_refused_when_loading_packed(ckpt, tmp_path):
 
 
 def test_random_packed_preset_and_mxfp4_limits():
-    cfg = dataclasses.replace(preset("k3-mini"), expert_format="mxfp4")
-    m = build_model(cfg, seed=0)
+    cfg, packed = preset("k3-mini"), BuildOptions(expert_format="mxfp4")
+    m = build_model(cfg, packed, seed=0)
     e = dict(m.named_parameters())
     w = mxfp4.dequantize(e[f"{EXPERT}.w1"][0], e[f"{EXPERT}.w1_scale"][0])
     assert 0.05 < w.std() < 0.5  # ~ N(0, 1/L), L = 32
     from k3x.model.config import ConfigError
 
+    odd = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, intermediate_size=40))
+    BuildOptions().check(odd)  # dense experts have no such limit
     with pytest.raises(ConfigError, match="moe.intermediate_size=40: MXFP4"):
-        dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, intermediate_size=40))
+        packed.check(odd)
+    with pytest.raises(ConfigError, match="moe.intermediate_size=40: MXFP4"):
+        build_model(odd, packed, device="meta", seed=None)  # refused before anything is built

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -16,10 +15,8 @@ from k3x.model.shard_load import load_rank
 
 
 def mini4():
-    """k3-mini with 4 KDA and 4 MLA heads (k3-mini's 3 heads do not split two ways)."""
-    c = preset("k3-mini")
-    return dataclasses.replace(c, kda=dataclasses.replace(c.kda, num_heads=4),
-                               mla=dataclasses.replace(c.mla, num_heads=4))
+    """k3-mini: 4 KDA and 4 MLA heads, 8 experts (splits at TP=2 x EP=2)."""
+    return preset("k3-mini")
 
 
 def test_every_parameter_has_a_split_and_the_expected_kind():
@@ -42,8 +39,8 @@ def test_every_parameter_has_a_split_and_the_expected_kind():
     assert split_of("model.layers.1.block_sparse_moe.experts.w2").dim == 0  # the expert axis: packed or not
 
 
-@pytest.mark.parametrize("tp,ep,field", [(2, 1, "kda.num_heads=3"), (1, 3, "moe.num_experts=8"),
-                                         (7, 1, "kda.num_heads=3")])
+@pytest.mark.parametrize("tp,ep,field", [(3, 1, "kda.num_heads=4"), (1, 3, "moe.num_experts=8"),
+                                         (8, 1, "kda.num_heads=4")])
 def test_plan_checked_against_the_config_naming_the_field(tp, ep, field):
     with pytest.raises(ParallelError, match=f"^{field}: not divisible by"):
         ParallelPlan(tp, ep).check(preset("k3-mini"))
@@ -145,7 +142,7 @@ def test_packed_checkpoint_stays_packed_in_each_rank(tmp_path):
     whole = load_checkpoint(tmp_path / "ck").state_dict()  # packed
     got_cfg, model = load_rank(tmp_path / "ck", plan, 1)
     sd = model.state_dict()
-    assert got_cfg.expert_format == "mxfp4"
+    assert got_cfg == cfg and model.build.expert_format == "mxfp4"
     for name in ("experts.w1", "experts.w2_scale"):
         key = f"model.layers.1.block_sparse_moe.{name}"
         assert sd[key].dtype == torch.uint8 and torch.equal(sd[key], whole[key][4:])
@@ -187,5 +184,7 @@ def test_inspect_cli_with_a_plan():
     assert r.exit_code == 0, r.output
     b = json.loads(r.output)
     assert (b["world"], b["batch"], b["context"]) == (128, 4, 131072) and set(b["fit"]) == {"H200", "B200", "GB300"}
-    r = CliRunner().invoke(app, ["inspect", "--preset", "k3-mini", "--tp", "2"])
-    assert r.exit_code == 1 and "kda.num_heads=3: not divisible by tp=2" in r.output
+    r = CliRunner().invoke(app, ["inspect", "--preset", "k3-mini", "--tp", "3"])
+    assert r.exit_code == 1 and "kda.num_heads=4: not divisible by tp=3" in r.output
+    r = CliRunner().invoke(app, ["inspect", "--preset", "k3-mini", "--tp", "2", "--ep", "2"])
+    assert r.exit_code == 0, r.output  # the default tiny model splits as the README's multi-GPU lines do

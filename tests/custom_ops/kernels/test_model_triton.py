@@ -6,13 +6,13 @@ Under the interpreter the tensors are CPU tensors, which the op's backend check 
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
 
 from k3x.custom_ops.kernels import Kernels
 from k3x.model import build_model, empty_state, preset
+from k3x.model.options import BuildOptions
 from tolerances import assert_close
 
 
@@ -27,7 +27,7 @@ def allow_cpu_triton(monkeypatch, device):
 def test_model_triton_matches_reference(allow_cpu_triton, device):
     cfg = preset("k3-mini")
     ref = build_model(cfg, device=device, seed=0)
-    tri = build_model(dataclasses.replace(cfg, kernels=Kernels.TRITON), device=device, seed=0)
+    tri = build_model(cfg, BuildOptions(Kernels.TRITON), device=device, seed=0)
     ids = torch.randint(0, cfg.vocab_size, (1, 20), device=device)  # > 16 tokens: the chunked KDA kernels
     with torch.no_grad():
         s_ref, s_tri = empty_state(cfg, 1, device=device), empty_state(cfg, 1, device=device)
