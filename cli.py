@@ -13,7 +13,7 @@ from .cli_parallel import EP, TP, FitBatch, FitContext, inspect_parallel
 from .cli_runner import CudaGraph, MaxContext, SkipHashCheck, close_session, eager_generate, open_session, \
     reference_options, runner_options
 from .cli_support import App, Progress, echo, export_folder as _export_folder, fail, load_ids_npy, one_line
-from .exporter.export import DType, ExpertFormat, KernelChoice, Target
+from .export.pipeline import DType, ExpertFormat, KernelChoice, Target
 
 app = App(
     name="k3x",
@@ -40,8 +40,8 @@ def parse_ids(text: str, what: str) -> list[int]:
 
 
 def load_model_or_fail(checkpoint: Path, dtype: str = "fp32"):
-    from .exporter.artifacts import DTYPES
-    from .model.checkpoint import CheckpointError, load_checkpoint
+    from .checkpoint.files import CheckpointError, load_checkpoint
+    from .folder.artifacts import DTYPES
 
     try:
         return load_checkpoint(checkpoint, dtype=DTYPES[dtype])
@@ -50,7 +50,7 @@ def load_model_or_fail(checkpoint: Path, dtype: str = "fp32"):
 
 
 def config_or_fail(preset_name: str | None, checkpoint: Path | None):
-    from .model.checkpoint import CheckpointError, checkpoint_file
+    from .checkpoint.files import CheckpointError, checkpoint_file
     from .model.config import ConfigError, K3Config, preset
 
     if (preset_name is None) == (checkpoint is None):
@@ -71,9 +71,9 @@ def init_checkpoint(
                                                  "(text in and out with --prompt).")] = True,
 ) -> None:
     """Write a random-weight checkpoint in the real Hugging Face format (config.json + safetensors)."""
+    from .checkpoint.files import save_checkpoint
     from .model import build_model
-    from .model.checkpoint import save_checkpoint
-    from .model.tiny_tokenizer import tokenizer_files
+    from .text.tiny_tokenizer import tokenizer_files
 
     cfg = config_or_fail(preset, None)
     try:
@@ -122,7 +122,7 @@ def generate(
     import torch
 
     from .cli_decode import Printer, Sampling, prepare
-    from .exporter.runners import RunnerError, check_request
+    from .runtime.runners import RunnerError, check_request
 
     cfg = config_or_fail(None, checkpoint)
     p = prepare(checkpoint, cfg.vocab_size, prompt, prompt_ids, chat,
@@ -156,7 +156,7 @@ def logits(
     import numpy as np
     import torch
 
-    from .model.generate import full_logits
+    from .runtime.generate import full_logits
 
     if (input_ids is None) == (batch_file is None):
         fail("give exactly one of --input-ids or --batch-file")
@@ -165,7 +165,7 @@ def logits(
         result = _export_logits(backend, export_dir, torch.from_numpy(ids.astype(np.int64)),
                                 runner_options(provider, skip_hash_check))
     else:
-        from .exporter.runners import RunnerError, check_request
+        from .runtime.runners import RunnerError, check_request
 
         if checkpoint is None:
             fail("backend eager needs --checkpoint DIR")
@@ -187,7 +187,7 @@ def logits(
 
 def _export_logits(backend: str, export_dir: Path | None, ids, options):
     """Full-sequence logits from an exported artifact (prefill from an empty state)."""
-    from .exporter.runners import RunnerError, check_request, make_runner, prefill_logits
+    from .runtime.runners import RunnerError, check_request, make_runner, prefill_logits
 
     if export_dir is None:
         fail(f"backend {backend} needs --export-dir DIR")
@@ -209,7 +209,7 @@ def save_npy_atomic(path: Path, array) -> None:
 
     import numpy as np
 
-    from .exporter.artifacts import atomic_write_bytes
+    from .folder.artifacts import atomic_write_bytes
 
     buf = io.BytesIO()
     np.save(buf, array)
@@ -238,9 +238,9 @@ def export(
     """Trace the model once (torch.export) and write the target's artifacts plus manifest.json."""
     import errno
 
-    from .exporter.artifacts import ManifestError
-    from .exporter.export import ExportOptions, export as run_export
-    from .exporter.staging import FolderError
+    from .export.pipeline import ExportOptions, export as run_export
+    from .folder.artifacts import ManifestError
+    from .folder.staging import FolderError
 
     try:
         options = ExportOptions(tuple(target), out, preset, checkpoint, not no_weights, dtype, seed, kernels,
@@ -271,7 +271,7 @@ def build_engine_cmd(
     plugin_path: Annotated[str, typer.Option(help="aot (embedded cubins) | jit (Triton via torch).")] = "aot",
 ) -> None:
     """Build model.engine from the trt-flavour ONNX with the k3 plugins (profiles from DYNAMIC_DIMS)."""
-    from .exporter.engine import EngineOptions, build_engine, parse_profile
+    from .export.engine import EngineOptions, build_engine, parse_profile
 
     try:  # EngineBuildError, FolderError, ManifestError: one line by App (cli_support.one_line_errors)
         dims = parse_profile({"min": min_ or [], "opt": opt or [], "max": max_ or []})
@@ -308,8 +308,8 @@ def run(
     import torch
 
     from .cli_decode import Printer, Sampling, prepare
-    from .exporter import session as sessions
-    from .exporter.runners import RunnerError
+    from .runtime import session as sessions
+    from .runtime.runners import RunnerError
 
     folder = _export_folder(export_dir)
     p = prepare(export_dir, folder.config().vocab_size, prompt, prompt_ids, chat,
@@ -352,8 +352,8 @@ def verify(
     """Parity of every backend vs the eager reference over prefill + decode steps; exit 1 on any failure."""
     import json
 
-    from .exporter import session as sessions
-    from .exporter.runners import RunnerError, make_runner
+    from .runtime import session as sessions
+    from .runtime.runners import RunnerError, make_runner
 
     _export_folder(export_dir)
     options = runner_options(provider, skip_hash_check, checkpoint, cuda_graph)
@@ -380,7 +380,7 @@ def verify(
             echo(f"greedy tokens ({steps + 1}): " + ("identical" if g["identical"] else
                                                            f"DIFFER {g['got']} != {g['tokens']}"))
         if json_out:
-            from .exporter.artifacts import atomic_write_bytes
+            from .folder.artifacts import atomic_write_bytes
 
             atomic_write_bytes(json_out, (json.dumps(verdict.to_json(s, names), indent=2) + "\n").encode())
     close_session(s)

@@ -42,8 +42,8 @@ class Sampling:
 @dataclass
 class Prepared:
     ids: list[int]
-    tokenizer: Any  # model.tokenizer.Tokenizer | None
-    options: Any  # model.sampling.SamplingOptions
+    tokenizer: Any  # text.tokenizer.Tokenizer | None
+    options: Any  # text.sampling.SamplingOptions
 
 
 def prepare(folder: Path, vocab_size: int, prompt: str | None, prompt_ids: str | None, chat: bool,
@@ -51,9 +51,9 @@ def prepare(folder: Path, vocab_size: int, prompt: str | None, prompt_ids: str |
     """Prompt ids (from --prompt-ids, or --prompt through the folder's tokenizer) and sampling options.
     `export` (an ExportFolder): the folder is an export; only its manifest's hash-checked tokenizer files are read."""
     from .cli import fail, parse_ids
-    from .exporter.artifacts import ManifestError
-    from .model.sampling import SamplingOptions
-    from .model.tokenizer import TokenizerError, eos_token_ids, find_tokenizer
+    from .folder.artifacts import ManifestError
+    from .text.sampling import SamplingOptions
+    from .text.tokenizer import TokenizerError, eos_token_ids, find_tokenizer
 
     if prompt is not None and prompt_ids is not None:
         fail("give one of --prompt TEXT or --prompt-ids IDS, not both")

@@ -1,6 +1,6 @@
 """The multi-GPU flags of the CLI (`--tp`, `--ep`, the fit table's `--batch` / `--context`) and
 `k3x inspect --tp --ep`. Exporting and running rank programs need no CLI code of their own: the library
-reads the plan (exporter/export.py) or the manifest's `parallel` entry (exporter/session.py).
+reads the plan (export/pipeline.py) or the manifest's `parallel` entry (runtime/session.py).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Runner flags of the k3x CLI shared by `run`, `verify`, `logits` and `generate`, plus `export --max-context`;
-the session `run` and `verify` open over an export of any rank count (exporter/session.py).
+the session `run` and `verify` open over an export of any rank count (runtime/session.py).
 
 Notable choices:
 - `--cuda-graph` runs the torch runners (eager, pt2) on CUDA and replays repeated-shape decode steps as CUDA
-  graphs (exporter/cuda_graph.py); the aoti runner needs a package compiled for CUDA and trt captures its
+  graphs (runtime/cuda_graph.py); the aoti runner needs a package compiled for CUDA and trt captures its
   engine. Where no graph can be captured (no CUDA device, ONNX Runtime, an AOTI package compiled for CPU) the
   command is refused in one line, never silently run without graphs.
 - Graphs replay only when a decode step's shapes repeat: hybrid models need the static latent cache
@@ -34,7 +34,7 @@ MaxContext = Annotated[Optional[int], typer.Option(
 
 
 def runner_options(provider: str, skip_hash_check: bool, checkpoint: Path | None = None, cuda_graph: bool = False):
-    from .exporter.runners import RunnerOptions
+    from .runtime.runners import RunnerOptions
 
     if skip_hash_check:
         typer.echo("note: sha256 check of the artifact files skipped (--skip-hash-check); AOTI packages are "
@@ -51,12 +51,12 @@ def reference_options(options):
 def eager_generate(model, prompt, options, on_token, cuda_graph: bool):
     """`k3x generate`: the eager model on the CPU, or with `cuda_graph` on CUDA through a graphed runner with a
     static latent cache of prompt + new tokens positions. RunnerError (one line) where CUDA is missing."""
-    from .exporter.runners import ModuleRunner, generate
-    from .model.generate import generate as plain_generate
+    from .runtime.generate import generate as plain_generate
+    from .runtime.runners import ModuleRunner, generate
 
     if not cuda_graph:
         return plain_generate(model, prompt, options, on_token=on_token)
-    from .exporter.cuda_graph import require_cuda_graph
+    from .runtime.cuda_graph import require_cuda_graph
 
     from .model.options import CacheOptions
 
@@ -73,8 +73,8 @@ def open_session(export_dir: Path, backends: list[str], options, *, default_ort:
     programs outside a launcher: the same command is run in tp x ep processes here, then this one exits."""
     import sys
 
-    from .exporter import session as sessions
-    from .exporter.runners import RunnerError
+    from .runtime import session as sessions
+    from .runtime.runners import RunnerError
 
     try:
         names, notes = sessions.backends_of(export_dir, backends, default_ort=default_ort)  # refused before spawning
@@ -91,7 +91,7 @@ def open_session(export_dir: Path, backends: list[str], options, *, default_ort:
 
 
 def close_session(s) -> None:
-    from .exporter import session as sessions
+    from .runtime import session as sessions
 
     line = sessions.peak_rss_line(s)
     if line and s.speaks:

@@ -39,13 +39,13 @@ class App(typer.Typer):
 
 def input_errors() -> tuple[type[Exception], ...]:
     """The library's typed errors for bad input: each message names the file or field."""
-    from .exporter.artifacts import ManifestError
-    from .exporter.engine import EngineBuildError
-    from .exporter.runners import RunnerError
-    from .exporter.staging import FolderError
-    from .model.checkpoint import CheckpointError
+    from .checkpoint.files import CheckpointError
+    from .export.engine import EngineBuildError
+    from .folder.artifacts import ManifestError
+    from .folder.staging import FolderError
     from .model.config import ConfigError
-    from .model.tokenizer import TokenizerError
+    from .runtime.runners import RunnerError
+    from .text.tokenizer import TokenizerError
 
     return ConfigError, TokenizerError, CheckpointError, ManifestError, FolderError, EngineBuildError, RunnerError
 
@@ -157,7 +157,7 @@ class Progress:
 
 
 def export_folder(export_dir: Path):
-    from .exporter.artifacts import ExportFolder, ManifestError
+    from .folder.artifacts import ExportFolder, ManifestError
 
     try:
         folder = ExportFolder.open(export_dir)

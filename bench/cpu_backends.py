@@ -1,11 +1,11 @@
 """Eager PyTorch vs ONNX Runtime (CPU provider) on k3-mini and k3-bench, side by side in one run.
 
 For each preset (random fp32 weights): trace, export the `ort` ONNX flavor into a temp folder, then time
-both backends through the same runner interface (exporter/runners.py) with the same thread count:
+both backends through the same runner interface (runtime/runners.py) with the same thread count:
   - prefill: one call on a [1, P] prompt from an empty state  -> tokens/s (median of --repeats)
   - decode:  --decode-steps T=1 calls carrying state            -> ms/token (median over steps)
 Prints a table and writes JSON. ONNX Runtime's MoE body loops over the experts actually picked (sorted
-segments, exporter/onnx_flavors.py), copying each picked expert's weights once per call; the JSON
+segments, export/onnx_flavors.py), copying each picked expert's weights once per call; the JSON
 records E and top_k.
 
     python bench/cpu_backends.py [--presets k3-mini,k3-bench] [--prompt 128] [--decode-steps 32] [--threads N]
@@ -23,7 +23,7 @@ from pathlib import Path
 
 
 def time_backend(runner, cfg, prompt, decode_steps: int, repeats: int) -> dict[str, float]:
-    from k3x.exporter.runners import next_feeds, start_feeds
+    from k3x.runtime.runners import next_feeds, start_feeds
 
     prefill = []
     for _ in range(repeats):
@@ -45,11 +45,11 @@ def time_backend(runner, cfg, prompt, decode_steps: int, repeats: int) -> dict[s
 def bench_preset(name: str, args) -> dict:
     import torch
 
-    from k3x.exporter.onnx import OnnxOptions, export_onnx
-    from k3x.exporter.ort_runner import OrtRunner
-    from k3x.exporter.runners import ModuleRunner
-    from k3x.exporter.trace import trace
+    from k3x.export.onnx import OnnxOptions, export_onnx
+    from k3x.export.trace import trace
     from k3x.model import build_model, preset
+    from k3x.runtime.ort_runner import OrtRunner
+    from k3x.runtime.runners import ModuleRunner
 
     cfg = preset(name)
     model = build_model(cfg, seed=0)

@@ -12,7 +12,7 @@ machine; wall seconds are what a user waits.
 Cases:
 - `anchor`: a plain torch.export of a 93-layer meta `nn.Linear(173500, 173500)` stack (2.8e12
   parameters, dynamic batch/seq) — the reference point for the trace time of a model this size.
-- `<preset>`: `k3x.exporter.trace.trace` of `build_model(preset, device="meta")`.
+- `<preset>`: `k3x.export.trace.trace` of `build_model(preset, device="meta")`.
 - `<preset>@baseline` (with --baseline): plain `torch.export.export` of the same model with torch's
   defaults (fake-tensor cache on), i.e. what trace() did before its tuning.
 """
@@ -37,7 +37,7 @@ def _child(case: str, dtype_name: str, save: bool) -> dict:
 
     from torch.export import Dim
 
-    from k3x.custom_ops.dtypes import torch_dtype
+    from k3x.plan.dtypes import torch_dtype
 
     dtype = torch_dtype(dtype_name)
 
@@ -54,7 +54,7 @@ def _child(case: str, dtype_name: str, save: bool) -> dict:
         export = lambda: torch.export.export(model, args, dynamic_shapes=dyn)  # noqa: E731
         out["import_s"] = round(t1 - t0, 2)
     else:
-        from k3x.exporter import trace as tr
+        from k3x.export import trace as tr
         from k3x.model import build_model, preset
 
         out["import_s"] = round(time.perf_counter() - t0, 2)
@@ -75,7 +75,7 @@ def _child(case: str, dtype_name: str, save: bool) -> dict:
     out.update(build_s=round(t2 - t1, 2), build_cpu_s=round(c2 - c1, 2), trace_s=round(t3 - t2, 2),
                trace_cpu_s=round(c3 - c2, 2), nodes=len(ep.graph.nodes))
     if name != "anchor":
-        from k3x.exporter.trace import op_counts
+        from k3x.export.trace import op_counts
 
         out["op_counts"] = op_counts(ep)
     if save:

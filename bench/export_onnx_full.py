@@ -35,8 +35,8 @@ def main() -> None:
 
     import onnx
 
-    from k3x.exporter.onnx import OnnxOptions, export_onnx
-    from k3x.exporter.trace import trace
+    from k3x.export.onnx import OnnxOptions, export_onnx
+    from k3x.export.trace import trace
     from k3x.model import build_model, preset
 
     phases: dict[str, float] = {}

@@ -14,7 +14,7 @@
    line (bytes copied file to file / converted, seconds), sums the artifact bytes, then deletes the export
    before the next one (the disk need only hold the checkpoint and one artifact).
 pt2 and ONNX from a checkpoint are traced on meta and stream the weights tensor by tensor
-(exporter/pt2_weights.py, exporter/onnx_weights.py). The table splits each stage into the weights write and
+(export/pt2_weights.py, export/onnx_weights.py). The table splits each stage into the weights write and
 the rest (graph conversion, the artifact's sha256 for the manifest); `vs disk` is bytes / seconds against
 the disk figure. Prints a Markdown table; `--json` also writes the rows.
 """
@@ -42,9 +42,9 @@ SHARD = 2 << 30
 
 def synth_checkpoint(cfg, path: Path, seed: int = 0) -> int:
     """An MXFP4 checkpoint of `cfg` with random contents; returns its tensor bytes."""
+    from k3x.checkpoint.hf_config import config_to_hf
     from k3x.model import build_model
     from k3x.model.options import BuildOptions
-    from k3x.model.hf_config import config_to_hf
 
     g = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
@@ -144,7 +144,7 @@ def export_one(ckpt: Path, out: Path, target: str) -> dict:
             "files": files, "peak_rss_bytes": int(re.search(r"PEAK_RSS_KB (\d+)", r.stdout).group(1)) * 1024}
 
 
-LOAD = ("import gc, sys, psutil, torch; from k3x.model.checkpoint import load_checkpoint, stream_tensors; "
+LOAD = ("import gc, sys, psutil, torch; from k3x.checkpoint.files import load_checkpoint, stream_tensors; "
         "next(iter(stream_tensors(sys.argv[1], dtype=torch.bfloat16))); "  # warm-up: imports, libraries, headers
         "p = psutil.Process(); gc.collect(); before = p.memory_info().rss; "
         "m = load_checkpoint(sys.argv[1], dtype=torch.bfloat16); gc.collect(); after = p.memory_info().rss; "

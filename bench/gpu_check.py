@@ -18,7 +18,7 @@ launches replayed and timed with events (`gpu_check_timing.device_time`), not ho
 Parity: every Triton kernel on bf16 inputs vs the eager references run on the same inputs upcast.  The
 KDA and AttnRes references compute in fp64 when given fp64 inputs: that is their oracle.  The MoE oracle
 is the fp32 reference (same routing decisions as the kernel), run on the GPU with TF32 disabled.  Tolerances come from
-the one table in k3x/exporter/tolerances.py.  fla's own bf16 error against the same oracle is reported when
+the one table in k3x/runtime/tolerances.py.  fla's own bf16 error against the same oracle is reported when
 fla-core is installed (it travels as a wheel and may be absent: those rows are skipped with a note).
 
 Benchmarks (`triton.testing.do_bench`, warm-up 50 ms, 300 ms of repeats, as in anchors.md): the copy and
@@ -99,10 +99,10 @@ def check(fn: Callable[[Context], list[Result]]) -> Callable[[Context], list[Res
 
 
 def _compare(name: str, actual, expected, dtype, extra: dict | None = None) -> Result:
-    """Max-abs, RMSE ratio and the dtype tolerance of exporter/tolerances.py (allclose semantics)."""
+    """Max-abs, RMSE ratio and the dtype tolerance of runtime/tolerances.py (allclose semantics)."""
     import torch
 
-    from k3x.exporter.tolerances import TOLERANCES
+    from k3x.runtime.tolerances import TOLERANCES
 
     a, e = actual.double().cpu(), expected.double().cpu()
     atol, rtol = TOLERANCES[dtype]
@@ -243,9 +243,9 @@ def parity_model_end_to_end(ctx: Context) -> list[Result]:
 
     import torch
 
-    from k3x.custom_ops.kernels import Kernels
     from k3x.model import build_model, empty_state, preset
     from k3x.model.options import BuildOptions
+    from k3x.plan.kernels import Kernels
 
     if ctx.device != "cuda":
         return [Result("model e2e triton vs reference", "info", None, note="needs CUDA (kernels=triton)")]

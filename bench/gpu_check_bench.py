@@ -11,11 +11,12 @@ def imports() -> dict:
     """Every k3x module the benchmarks use (torch and triton besides; fla optional, through gpu_check._fla)."""
     from k3x.custom_ops.attn_res import triton as attn_res
     from k3x.custom_ops.kda import triton as kda
-    from k3x.custom_ops.kernels import Kernels
     from k3x.custom_ops.moe import triton as moe
-    from k3x.exporter import cuda_graph, runners, trace
+    from k3x.export import trace
     from k3x.model import build_model, preset
     from k3x.model.options import BuildOptions
+    from k3x.plan.kernels import Kernels
+    from k3x.runtime import cuda_graph, runners
 
     return {"kda": kda, "attn_res": attn_res, "moe": moe, "Kernels": Kernels, "cuda_graph": cuda_graph,
             "runners": runners, "trace": trace, "build_model": build_model, "preset": preset,
@@ -121,8 +122,8 @@ def moe_steps(kern, z, ids, wts, w1, w3, w2, sm: int) -> dict:
     run GEMM1, GEMM2 and everything after routing (align, both GEMMs, slot sum) with the plan's tiles and grids."""
     import torch
 
-    from k3x.custom_ops.dtypes import dtype_name
-    from k3x.custom_ops.launch import run
+    from k3x.plan.dtypes import dtype_name
+    from k3x.plan.launch import run
 
     N, k = ids.shape
     E, I, L = w1.shape
@@ -144,7 +145,7 @@ def bench_moe(ctx) -> list:
         return [] if not ctx.bench else [gc.Result("moe", "info", None, note="skipped: section budget")]
     import torch
 
-    from k3x.custom_ops.launch import device_sm
+    from k3x.plan.launch import device_sm
 
     kern = imports()["moe"]
 
@@ -226,7 +227,7 @@ def _graph_runners(m, ctx, cfg, model, cache):
     yield "pt2", m["runners"].ModuleRunner("pt2", ep.module(), cfg, "cuda", cache)
     if not cache.static or ctx.quick or ctx.time_left() < 60:
         return
-    from k3x.exporter.aoti import compile_aoti, load_aoti
+    from k3x.export.aoti import compile_aoti, load_aoti
 
     with tempfile.TemporaryDirectory() as tmp:
         package = compile_aoti(ep, Path(tmp) / "model.aoti.pt2")
@@ -235,7 +236,7 @@ def _graph_runners(m, ctx, cfg, model, cache):
 
 def bench_decode_graph(ctx) -> list:
     """Per-token decode latency (kernels=triton, bf16, B=1) on CUDA with and without CUDA graphs
-    (exporter/cuda_graph.py), greedy tokens compared, for the cases of `decode_graph_cases` and the runners of
+    (runtime/cuda_graph.py), greedy tokens compared, for the cases of `decode_graph_cases` and the runners of
     `_graph_runners`; with the static cache the section also checks that one graph was captured and replayed
     every step."""
     gc = sys.modules[type(ctx).__module__]  # bench/gpu_check.py, run as __main__ or imported

@@ -3,9 +3,9 @@
 For each plugin's AOT plan (KDA decode, KDA chunked prefill, AttnRes, MoE's eight kernels), in bf16 on the GPU:
   1. plan at a profile "opt" shape that differs from the run shape (grids and scalars must follow the
      runtime dims, constexprs were chosen at opt, as in an engine);
-  2. compile the plan for this GPU's SM with `plugins.adapter.compile_plan`, `aot.pack` -> `aot.unpack`
+  2. compile the plan for this GPU's SM with `trt.adapter.compile_plan`, `aot.pack` -> `aot.unpack`
      (the bytes the engine stores in the `k3_kernels` field);
-  3. launch through `plugins.adapter.run_plan` + `aot.CudaDriver` (libcuda cuModuleLoadData / cuLaunchKernel)
+  3. launch through `trt.adapter.run_plan` + `aot.CudaDriver` (libcuda cuModuleLoadData / cuLaunchKernel)
      with torch-allocated I/O and a workspace of `workspace_layout` size plus the TMA scratch (`scratch_size`)
      — the code `enqueue` runs;
   4. compare with the fp32 eager reference under tests/tolerances.py (MoE: also bitwise equal over two runs —
@@ -13,7 +13,7 @@ For each plugin's AOT plan (KDA decode, KDA chunked prefill, AttnRes, MoE's eigh
 Registered in bench/gpu_check.py's `CHECKS`; skipped (info) in the CPU self-test, which has no driver.
 
 No onnx on this path: a family's `plugin.py` imports its `onnx.py` (the node spec = the plugin fields), and the
-GPU machine has no onnx. The launch needs only what `plugins.adapter.compile_plan` / `run_plan` read of a
+GPU machine has no onnx. The launch needs only what `trt.adapter.compile_plan` / `run_plan` read of a
 `PluginSpec` (its ports in order, `dims`, `plan`), so `launch_specs` builds that from each family's
 `triton.py` and the port names below; tests/bench/test_gpu_check_imports.py checks them against the real
 specs where onnx is installed.
@@ -47,13 +47,13 @@ class LaunchSpec:
 def imports() -> dict:
     """Every module the plugin check uses (torch, triton, k3x's references, plugins.aot/adapter/core): no onnx."""
     from k3x.custom_ops.attn_res import reference as ar_ref
-    from k3x.custom_ops.dtypes import FLOAT, dtype_name
     from k3x.custom_ops.kda import reference as kda_ref
-    from k3x.custom_ops.launch import workspace_layout
     from k3x.custom_ops.moe import reference as moe_ref
-    from k3x.plugins import aot
-    from k3x.plugins.adapter import compile_plan, run_plan, scratch_size
-    from k3x.plugins.core import Port
+    from k3x.plan.dtypes import FLOAT, dtype_name
+    from k3x.plan.launch import workspace_layout
+    from k3x.trt import aot
+    from k3x.trt.adapter import compile_plan, run_plan, scratch_size
+    from k3x.trt.core import Port
 
     return dict(ar_ref=ar_ref, kda_ref=kda_ref, moe_ref=moe_ref, aot=aot, compile_plan=compile_plan,
                 run_plan=run_plan, scratch_size=scratch_size, workspace_layout=workspace_layout,

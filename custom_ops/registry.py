@@ -3,7 +3,7 @@
     FAMILIES = ("kda", "attn_res", "moe", ...)      # one entry per family: its folder under custom_ops/
 
 A family folder `custom_ops/<name>/` has fixed roles (docs/architecture.md):
-    op.py         `SIGNATURE` (custom_ops/signature.py: ports, dtypes, attributes, shape rule; it makes the
+    op.py         `SIGNATURE` (plan/signature.py: ports, dtypes, attributes, shape rule; it makes the
                   torch schema and fake impl, the ONNX node spec, the plugin ports and the QDP functions),
                   the torch op `k3::<name>`, `check_config` (limits)
     reference.py  PyTorch reference (fp32 oracle)

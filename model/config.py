@@ -271,7 +271,7 @@ class K3Config:
 
     @classmethod
     def from_hf(cls, path: str | Path) -> K3Config:
-        from .hf_config import config_from_hf
+        from ..checkpoint.hf_config import config_from_hf
 
         return config_from_hf(path)
 

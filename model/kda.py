@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from ..custom_ops.common import cast
 from ..custom_ops.kda import kda
 from ..custom_ops.kda.reference import kda_gate, l2norm
-from ..custom_ops.kernels import Kernels
+from ..plan.kernels import Kernels
 from .config import K3Config
 from .layers import RMSNorm, linear
 

@@ -65,7 +65,7 @@ class K3Model(nn.Module):
 def _check_capacity(length: Tensor, seq: int, caches: list[Tensor]) -> None:
     """Refuse (one line) a step that would write past a static cache's capacity. Checked for CPU tensors
     outside tracing only: on CUDA reading the length would sync (and break graph capture); runners refuse
-    such requests up front (exporter/runners.check_request)."""
+    such requests up front (runtime/runners.check_request)."""
     if length.device.type != "cpu" or torch.compiler.is_compiling() or torch.compiler.is_exporting() \
             or isinstance(length, torch._subclasses.FakeTensor) or length.dim() != 0:
         return

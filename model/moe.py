@@ -4,7 +4,7 @@ Axes: N tokens, d model width, L expert width (latent, or d), E experts, I exper
 - Router on the full-width x (fp32, sigmoid), top-k on scores + e_score_correction_bias, weights
   from unbiased scores; the whole routed computation is one `torch.ops.k3.moe` node.
 - Experts held stacked: w1/w3 `[E, I, L]`, w2 `[E, L, I]`, so a graph's size does not grow with E.
-  (Checkpoint names `experts.{e}.w1.weight` are mapped to these in model/checkpoint.py.)
+  (Checkpoint names `experts.{e}.w1.weight` are mapped to these in checkpoint/files.py.)
 - `BuildOptions.expert_format == "mxfp4"` (model/options.py): the experts stay packed as the checkpoint stores them (`PackedExperts`:
   w1/w3 `[E, I, L/2]` u8 nibbles + `w1_scale`/`w3_scale` `[E, I, L/32]` u8 E8M0, w2 `[E, L, I/2]` +
   `w2_scale` `[E, L, I/32]`, frozen uint8 parameters) and the node is `k3::moe_mxfp4`, which decodes only the

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..custom_ops.kernels import Kernels
+from ..plan.kernels import Kernels
 from .config import LEGACY_OPTION_KEYS, ConfigError, K3Config
 
 ExpertFormat = Literal["dense", "mxfp4"]

@@ -53,7 +53,7 @@ class Split:
 @dataclass(frozen=True)
 class Group:
     """A process group as the traced graph names it: the name is the same on every rank (each rank registers
-    its own TP / EP group under it, exporter/dist_run.py), so one trace serves all ranks."""
+    its own TP / EP group under it, runtime/dist_run.py), so one trace serves all ranks."""
     name: str
     size: int
 

@@ -103,7 +103,7 @@ def rank_mlp(cfg: K3Config, intermediate: int, plan: ParallelPlan) -> GatedMLP:
 def build_rank_model(cfg: K3Config, plan: ParallelPlan, build: BuildOptions | None = None, *,
                      dtype: torch.dtype = torch.float32) -> K3ForCausalLM:
     """The rank program's module on the meta device (shapes only; every rank's is the same). Fill it with
-    `to_empty` + a rank's weights (model/shard_load.py), then `set_rank_buffers`."""
+    `to_empty` + a rank's weights (checkpoint/rank_slices.py), then `set_rank_buffers`."""
     from .init import build_model
 
     plan.check(cfg)
@@ -148,7 +148,7 @@ def set_rank_buffers(model: K3ForCausalLM, cfg: K3Config, plan: ParallelPlan, ra
 def rank_state_dict(full: dict[str, Tensor], cfg: K3Config, plan: ParallelPlan, rank: int,
                     build: BuildOptions | None = None) -> dict[str, Tensor]:
     """A rank's weights cut from a whole single-GPU state dict (presets, tests); checkpoints are read
-    slice by slice instead (model/shard_load.py)."""
+    slice by slice instead (checkpoint/rank_slices.py)."""
     model = build_rank_model(cfg, plan, build, dtype=next(iter(full.values())).dtype).to_empty(device="cpu")
     set_rank_buffers(model, cfg, plan, rank)
     out = dict(model.state_dict())

@@ -9,12 +9,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from k3x.checkpoint.files import load_checkpoint
 from k3x.cli import app
 from k3x.cli_support import printable
-from k3x.model.checkpoint import load_checkpoint
-from k3x.model.generate import full_logits, generate
-from k3x.model.sampling import SamplingOptions
-from k3x.model.tokenizer import find_tokenizer
+from k3x.runtime.generate import full_logits, generate
+from k3x.text.sampling import SamplingOptions
+from k3x.text.tokenizer import find_tokenizer
 
 runner = CliRunner()
 

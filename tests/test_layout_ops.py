@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("custom_ops", "plugins")
-PLAN_LEAVES = {"custom_ops.dtypes", "custom_ops.launch", "custom_ops.signature"}
+PLAN_LEAVES = {"plan.dtypes", "plan.launch", "plan.signature"}
 
 
 def module_name(path: Path) -> str:

@@ -1,11 +1,11 @@
-"""Test helpers over the one tolerance table, which lives in the package (k3x/exporter/tolerances.py) so
+"""Test helpers over the one tolerance table, which lives in the package (k3x/runtime/tolerances.py) so
 the parity harness and the tests share it: (atol, rtol) keyed by dtype, against an fp32/fp64 oracle."""
 
 from __future__ import annotations
 
 import torch
 
-from k3x.exporter.tolerances import TOLERANCES, tol  # noqa: F401  (re-exported for tests)
+from k3x.runtime.tolerances import TOLERANCES, tol  # noqa: F401  (re-exported for tests)
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None, what: str = "") -> None:

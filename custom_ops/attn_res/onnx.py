@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import onnx
 
-from ..onnx_node import COMMON_ATTRIBUTES, Body, NodeSpec, opset, static
+from ...plan.onnx_node import COMMON_ATTRIBUTES, Body, NodeSpec, opset, static
 from .op import SIGNATURE
 
 NODE = NodeSpec.of(SIGNATURE)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..kernels import Kernels, require_kernels
-from ..signature import KERNELS, Attr, Signature, TensorPort
+from ...plan.kernels import Kernels, require_kernels
+from ...plan.signature import KERNELS, Attr, Signature, TensorPort
 from . import reference
 
 

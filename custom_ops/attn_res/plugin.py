@@ -10,7 +10,7 @@ code. Paths: IPluginV3 "aot" and QDP `aot_impl` embed the same cubin; "jit" runs
 
 from __future__ import annotations
 
-from ...plugins.core import PluginSpec, dims_match
+from ...trt.core import PluginSpec, dims_match
 from . import triton as kt
 from .op import KERNEL_MAX_BANK, SIGNATURE
 

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..launch import Launch, Plan, Variant, run
+from ...plan.launch import Launch, Plan, Variant, run
 from .op import KERNEL_MAX_BANK
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import onnx
 
-from ..onnx_node import COMMON_ATTRIBUTES, MS_DOMAIN, Body, NodeSpec, opset, static
+from ...plan.onnx_node import COMMON_ATTRIBUTES, MS_DOMAIN, Body, NodeSpec, opset, static
 from .op import SIGNATURE
 
 NODE = NodeSpec.of(SIGNATURE)

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..kernels import Kernels, require_kernels
-from ..signature import KERNELS, Attr, Signature, TensorPort
+from ...plan.kernels import Kernels, require_kernels
+from ...plan.signature import KERNELS, Attr, Signature, TensorPort
 from . import reference
 
 

@@ -15,7 +15,7 @@ IPluginV3 path for prefill engines. "jit" runs the same plan with Triton's JIT.
 
 from __future__ import annotations
 
-from ...plugins.core import PluginSpec, dims_match
+from ...trt.core import PluginSpec, dims_match
 from . import triton as kt
 from .op import KERNEL_HEAD_DIM, SIGNATURE
 

@@ -34,7 +34,7 @@ registers, token loop inside.  `kda_recurrent_` updates a state buffer in place 
 `kda` picks recurrent for T <= RECURRENT_MAX_T, chunked above.
 
 Launch parameters are pure functions of the shapes (`kda_chunk_launch_config`, chosen from the kernels'
-compiled sm_90 resources; `kda_recurrent_launch_config`), gathered in one `plan` (custom_ops/launch.py) that the torch launchers below
+compiled sm_90 resources; `kda_recurrent_launch_config`), gathered in one `plan` (plan/launch.py) that the torch launchers below
 run with Triton's JIT and the TensorRT plugin runs from cubins compiled ahead of time.
 No autotune, no block pointers; kernel arguments are tensors, then scalars, then constexprs.
 """
@@ -46,8 +46,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..dtypes import dtype_name
-from ..launch import SM90_SMS, Buffer, Launch, Plan, Variant, cdiv, ctas_per_sm, run
+from ...plan.dtypes import dtype_name
+from ...plan.launch import SM90_SMS, Buffer, Launch, Plan, Variant, cdiv, ctas_per_sm, run
 from .op import KERNEL_HEAD_DIM
 
 BT = 64  # chunk size

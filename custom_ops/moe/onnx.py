@@ -16,7 +16,7 @@ from typing import Callable
 import onnx
 from onnx import TensorProto, helper
 
-from ..onnx_node import COMMON_ATTRIBUTES, Body, NodeSpec, opset, static
+from ...plan.onnx_node import COMMON_ATTRIBUTES, Body, NodeSpec, opset, static
 from .op import SIGNATURE
 
 FLOAT, INT64, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL

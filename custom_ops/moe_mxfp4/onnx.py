@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from onnx import TensorProto, helper
 
+from ...plan.onnx_node import COMMON_ATTRIBUTES, Body, NodeSpec, opset, static
 from ..moe.onnx import moe_function, offset_input
-from ..onnx_node import COMMON_ATTRIBUTES, Body, NodeSpec, opset, static
 from .codec import BLOCK, E2M1
 from .op import SIGNATURE, WEIGHTS
 

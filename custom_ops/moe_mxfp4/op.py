@@ -18,9 +18,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..kernels import Kernels, require_kernels
+from ...plan.kernels import Kernels, require_kernels
+from ...plan.signature import TensorPort
 from ..moe.op import SIGNATURE as MOE, MoEOptions, check_config as moe_limits
-from ..signature import TensorPort
 from . import reference
 from .codec import BLOCK
 

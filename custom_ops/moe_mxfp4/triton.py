@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..dtypes import dtype_name
-from ..launch import Plan, device_sm, run
+from ...plan.dtypes import dtype_name
+from ...plan.launch import Plan, device_sm, run
 from ..moe import triton as dense
 from ..moe.triton import offset_to, store_h, store_y, tile_acc, tile_coords, tile_dot, tile_out, tile_pairs
 from .codec import BLOCK

@@ -48,7 +48,7 @@ def test_every_section_imports_without_onnx():
     proc = _child("import gpu_check, gpu_check_bench, gpu_check_plugins\n"
                   "gpu_check._make_k3x_importable()\n"
                   "gpu_check_bench.imports(); specs = gpu_check_plugins.launch_specs()\n"
-                  "import k3x.model, k3x.exporter.tolerances\n"
+                  "import k3x.model, k3x.runtime.tolerances\n"
                   "bad = sorted(m for m in sys.modules if m.split('.')[0] in BLOCKED)\n"
                   "assert not bad, bad\n"
                   "print(sorted(specs))\n")
@@ -74,7 +74,7 @@ def test_plugin_port_tables_match_the_plugin_specs():
     sys.path.insert(0, str(BENCH))
     import gpu_check_plugins
 
-    from k3x.plugins import specs
+    from k3x.trt import specs
 
     real = specs()
     for name, (_, ins, outs) in gpu_check_plugins.PORTS.items():
@@ -149,8 +149,8 @@ def test_decode_graph_section_uses_a_static_cache_on_a_hybrid_model():
         "import gpu_check, gpu_check_bench as gb\n"
         "gpu_check._make_k3x_importable()\n"
         "import torch\n"
-        "from k3x.exporter import runners\n"
-        "from k3x.exporter.cuda_graph import GraphedRunner\n"
+        "from k3x.runtime import runners\n"
+        "from k3x.runtime.cuda_graph import GraphedRunner\n"
         "from k3x.model import build_model, preset\n"
         "(st, static), (gt, growing) = gb.decode_graph_cases(preset('k3-mini'))\n"
         "assert 'mla' in preset('k3-mini').layer_types and 'kda' in preset('k3-mini').layer_types\n"

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from k3x.custom_ops.launch import SM90_SMS, ctas_per_sm, workspace_layout
 from k3x.custom_ops.moe import triton as dense
 from k3x.custom_ops.moe_mxfp4 import triton as packed
+from k3x.plan.launch import SM90_SMS, ctas_per_sm, workspace_layout
 
 K3 = {"d": 7168, "L": 3584, "E": 896, "I": 3072}
 ATTRS = {"top_k": 16, "routed_scaling_factor": 1.0, "renormalize": True, "activation": "situ", "situ_beta": 4.0,

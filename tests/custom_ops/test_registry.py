@@ -18,7 +18,7 @@ from k3x.custom_ops import registry
 FILES = {
     "__init__.py": "",
     "op.py": '''
-        from k3x.custom_ops.signature import KERNELS, Attr, Signature, TensorPort
+        from k3x.plan.signature import KERNELS, Attr, Signature, TensorPort
 
         def check_config(cfg, *, kernels: bool):
             return "toy: refuses rms_norm_eps=0.5" if cfg.rms_norm_eps == 0.5 else None
@@ -34,7 +34,7 @@ FILES = {
     "triton.py": '''
         import triton
         import triton.language as tl
-        from k3x.custom_ops.launch import Launch, Plan, Variant, cdiv
+        from k3x.plan.launch import Launch, Plan, Variant, cdiv
 
         @triton.jit
         def _toy_kernel(x, y, n, scale, BLOCK: tl.constexpr):
@@ -54,8 +54,8 @@ FILES = {
     ''',
     "onnx.py": '''
         import onnx
-        from k3x.custom_ops.onnx_node import COMMON_ATTRIBUTES, Body, NodeSpec, opset
         from .op import SIGNATURE
+        from k3x.plan.onnx_node import COMMON_ATTRIBUTES, Body, NodeSpec, opset
 
         NODE = NodeSpec.of(SIGNATURE)
         NODE.register()
@@ -69,9 +69,9 @@ FILES = {
             return b.function(NODE, {"": opset_version}), {}
     ''',
     "plugin.py": '''
-        from k3x.plugins.core import PluginSpec
         from . import triton as kt
         from .op import SIGNATURE
+        from k3x.trt.core import PluginSpec
 
         SPEC = PluginSpec.of(SIGNATURE, dims=kt.dims, check=lambda shapes, attrs: None, plan=kt.plan)
     ''',
@@ -103,11 +103,11 @@ def test_new_family_reaches_every_stage(toy_family):
     import onnx_ir as ir
     import onnxruntime as ort
 
-    from k3x.exporter.onnx import translation_table
-    from k3x.exporter.onnx_collectives import translation_table as collectives
-    from k3x.exporter.onnx_flavors import ort_pass, trt_pass
+    from k3x.export.onnx import translation_table
+    from k3x.export.onnx_collectives import translation_table as collectives
+    from k3x.export.onnx_flavors import ort_pass, trt_pass
     from k3x.model.config import ConfigError, preset
-    from k3x.plugins import specs
+    from k3x.trt import specs
 
     toy_family.op  # noqa: B018  (registers torch.ops.k3.toy)
     table = translation_table()

@@ -8,7 +8,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from k3x.cli import app
-from k3x.exporter.artifacts import MANIFEST, sha256
+from k3x.folder.artifacts import MANIFEST, sha256
 
 cli = CliRunner()
 

@@ -13,8 +13,8 @@ import pytest
 from hostile_util import k3x
 from safetensors.torch import load_file, save_file
 
-from k3x.model import checkpoint as ckpt_mod
-from k3x.model.checkpoint import INDEX, CheckpointError, checkpoint_hash, load_checkpoint
+from k3x.checkpoint import files as ckpt_mod
+from k3x.checkpoint.files import INDEX, CheckpointError, checkpoint_hash, load_checkpoint
 
 SHARD = "model-00001-of-00001.safetensors"
 

@@ -8,8 +8,8 @@ import time
 import pytest
 from hostile_util import k3x
 
+from k3x.checkpoint.hf_config import config_to_hf
 from k3x.model.config import ConfigError, K3Config, preset
-from k3x.model.hf_config import config_to_hf
 
 
 def _write(ckpt, text: str | bytes) -> None:

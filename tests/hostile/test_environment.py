@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from k3x.exporter import engine as trt
+from k3x.export import engine as trt
 
 
 def test_auto_picks_trt_rtx_without_tensorrt(monkeypatch):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hostile_util import k3x
 
-from k3x.exporter import ort_runner
+from k3x.runtime import ort_runner
 
 
 def _error_lines(out: str) -> list[str]:

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from hostile_util import Payload, edit_manifest, k3x, rehash
 
-from k3x.exporter.artifacts import ExportFolder, ManifestError
-from k3x.exporter.trust import UnsafeArtifactError, check_pt2_archive
+from k3x.folder.artifacts import ExportFolder, ManifestError
+from k3x.folder.trust import UnsafeArtifactError, check_pt2_archive
 
 
 def _rewrite_pt2(path: Path, change) -> None:
@@ -135,7 +135,7 @@ def test_manifest_that_is_not_an_object_is_a_manifest_error(export_dir, text):
 
 
 def test_ort_sessions_run_without_the_growing_cpu_arena(export_dir):
-    from k3x.exporter.ort_runner import ort_session
+    from k3x.runtime.ort_runner import ort_session
 
     sess, _ = ort_session(export_dir / "model.onnx", "cpu")
     cfg = sess.get_session_options()

@@ -1,5 +1,5 @@
 """A `.pt2` that Python's `zipfile` and torch's archive reader could read differently is refused before torch
-loads it (exporter/zip_check.py, exporter/trust.py `checked_pt2`): one line, exit 1, on `k3x run --backend pt2`
+loads it (folder/zip_check.py, folder/trust.py `checked_pt2`): one line, exit 1, on `k3x run --backend pt2`
 and `k3x verify`, and the payload (a pickle that writes a marker file when unpickled) never runs.
 
 Each archive is rebuilt from the session's real export by `_craft`, a minimal stored-zip writer that can list
@@ -147,8 +147,8 @@ def test_bytes_after_the_end_record_are_refused(export_dir, tmp_path):
 
 def test_the_checked_file_is_the_file_loaded(export_dir, tmp_path):
     """The path swapped for a hostile archive after the check: the load reads the open, checked file."""
-    from k3x.exporter.trace import load_pt2
-    from k3x.exporter.trust import checked_pt2
+    from k3x.export.trace import load_pt2
+    from k3x.folder.trust import checked_pt2
 
     marker, pt2 = tmp_path / "marker", export_dir / "model.pt2"
     records = _records(pt2)
@@ -162,7 +162,7 @@ def test_the_checked_file_is_the_file_loaded(export_dir, tmp_path):
 
 
 def test_a_file_written_to_while_it_is_loaded_is_refused(export_dir):
-    from k3x.exporter.trust import UnsafeArtifactError, checked_pt2
+    from k3x.folder.trust import UnsafeArtifactError, checked_pt2
 
     with pytest.raises(UnsafeArtifactError, match="changed while it was being loaded"):
         with checked_pt2(export_dir / "model.pt2"):
@@ -199,7 +199,7 @@ def _unknown_extra(z):
     (_zipfile_bytes(lambda z: z.writestr("a/x.json", b"{}"))[:-30], "end-of-central-directory"),
 ])
 def test_zip_structures_the_parser_refuses(data, reason):
-    from k3x.exporter.zip_check import ZipLayoutError, read_layout
+    from k3x.folder.zip_check import ZipLayoutError, read_layout
 
     with pytest.raises(ZipLayoutError, match=reason):
         read_layout(lambda at, n: data[at:at + n], len(data))
@@ -207,7 +207,7 @@ def test_zip_structures_the_parser_refuses(data, reason):
 
 def test_the_parser_finds_the_records_zipfile_finds(export_dir):
     """On the real export (zip64 end records, data descriptors, torch's padding fields) both agree exactly."""
-    from k3x.exporter.zip_check import read_layout
+    from k3x.folder.zip_check import read_layout
 
     data = (export_dir / "model.pt2").read_bytes()
     records = read_layout(lambda at, n: data[at:at + n], len(data))

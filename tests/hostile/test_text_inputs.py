@@ -160,7 +160,7 @@ def test_a_token_that_decodes_to_a_terminal_escape_is_printed_escaped(ckpt_dir, 
     import torch
 
     from k3x.cli_decode import Printer
-    from k3x.model.tokenizer import find_tokenizer
+    from k3x.text.tokenizer import find_tokenizer
 
     _tiktoken("G1sySg== 256\n")(ckpt_dir)  # token 256 = ESC [ 2 J (clear the screen)
     printer = Printer(find_tokenizer(ckpt_dir))

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 from hostile_util import edit_manifest, k3x, rehash
 
-from k3x.exporter.artifacts import ExportFolder, update_manifest
-from k3x.exporter.ranks import read_parallel
-from k3x.model.checkpoint import INDEX
+from k3x.checkpoint.files import INDEX
+from k3x.export.ranks import read_parallel
+from k3x.folder.artifacts import ExportFolder, update_manifest
 
 SECRET = "TOP-SECRET-7f3a payload marker"
 FAST = ("--no-weights", "--target", "pt2")  # copies the tokenizer, traces on meta: a few seconds

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from k3x.checkpoint.hf_config import config_to_hf
 from k3x.model.config import PRESETS, AttnResConfig, ConfigError, K3Config, KDAConfig, preset
-from k3x.model.hf_config import config_to_hf
 
 
 def test_k3_preset_matches_published_config():
@@ -116,8 +116,8 @@ def test_invalid_dataclass_fields_are_named():
 def test_kernel_limits_apply_with_triton_kernels_only():
     """The Triton kernels' limits (head_dim >= 16) are checked when the config is validated with
     kernels=triton, before anything is built; the reference takes the config."""
-    from k3x.custom_ops.kernels import Kernels
     from k3x.model.options import BuildOptions
+    from k3x.plan.kernels import Kernels
 
     small = dataclasses.replace(preset("k3-mini"), kda=KDAConfig(num_heads=2, head_dim=8))
     BuildOptions().check(small)

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from k3x.custom_ops.kernels import Kernels
 from k3x.model import build_model, preset
 from k3x.model.config import PRESETS, ConfigError, K3Config
 from k3x.model.options import BuildOptions, CacheOptions, ModelOptions
+from k3x.plan.kernels import Kernels
 
 # K3Config.hash() of every preset as manifests recorded it before the options left the config (reference
 # kernels, dense experts, no static cache); k3-mini's 3-head architecture is the one before issue 19.
@@ -59,7 +59,7 @@ def test_a_manifest_from_before_the_options_entry_opens_with_its_options_and_has
     from typer.testing import CliRunner
 
     from k3x.cli import app
-    from k3x.exporter.artifacts import MANIFEST, ExportFolder
+    from k3x.folder.artifacts import MANIFEST, ExportFolder
 
     out = tmp_path / "ex"
     r = CliRunner().invoke(app, ["export", "--preset", "k3-mini", "--no-weights", "--out", str(out)])
@@ -81,7 +81,7 @@ def test_a_manifest_from_before_the_options_entry_opens_with_its_options_and_has
 
 
 def test_a_bad_options_entry_is_one_line_naming_it(tmp_path):
-    from k3x.exporter.artifacts import MANIFEST, ExportFolder, ManifestError, init_manifest
+    from k3x.folder.artifacts import MANIFEST, ExportFolder, ManifestError, init_manifest
 
     init_manifest(tmp_path, preset("k3-mini"), dtype=__import__("torch").float32, weights=False, op_counts={})
     m = json.loads((tmp_path / MANIFEST).read_text())

@@ -1,5 +1,5 @@
 """The parallel plan (model/parallel.py), rank modules (model/rank.py) and sharded loading
-(model/shard_load.py), all in one process: no collectives run here (tests/exporter/test_ranks_dist.py does)."""
+(checkpoint/rank_slices.py), all in one process: no collectives run here (tests/runtime/test_ranks_dist.py does)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from k3x.checkpoint.files import save_checkpoint
+from k3x.checkpoint.rank_slices import load_rank
 from k3x.model import build_model, preset, state_specs
-from k3x.model.checkpoint import save_checkpoint
 from k3x.model.parallel import ParallelError, ParallelPlan, merge_states, split_of, split_states
 from k3x.model.rank import build_rank_model, rank_state_dict
-from k3x.model.shard_load import load_rank
 
 
 def mini4():
@@ -104,12 +104,12 @@ def test_sharded_loading_reads_each_ranks_slice_from_the_checkpoint(tmp_path):
 
 
 def test_sharded_loading_opens_only_the_ranks_experts(tmp_path, monkeypatch):
-    from k3x.model import shard_load
+    from k3x.checkpoint import rank_slices as shard_load
 
     cfg, plan = mini4(), ParallelPlan(1, 2)
     save_checkpoint(build_model(cfg, seed=0), tmp_path / "ck", expert_format="mxfp4")
     read: list[str] = []
-    real = shard_load._Shards.__missing__
+    real = shard_load.Shards.__missing__
 
     class Spy:
         def __init__(self, h):
@@ -126,7 +126,7 @@ def test_sharded_loading_opens_only_the_ranks_experts(tmp_path, monkeypatch):
         self[f] = h = Spy(real(self, f))
         return h
 
-    monkeypatch.setattr(shard_load._Shards, "__missing__", missing)
+    monkeypatch.setattr(shard_load.Shards, "__missing__", missing)
     load_rank(tmp_path / "ck", plan, 1)
     experts = {int(n.split(".experts.")[1].split(".")[0]) for n in read if ".experts." in n}
     assert experts == {4, 5, 6, 7}
@@ -135,7 +135,7 @@ def test_sharded_loading_opens_only_the_ranks_experts(tmp_path, monkeypatch):
 def test_packed_checkpoint_stays_packed_in_each_rank(tmp_path):
     """MXFP4 experts are read as stored into the rank's packed experts (its slice of the expert axis, bytes
     and scales unchanged); expert_format="dense" decodes them as the single-GPU loader does."""
-    from k3x.model.checkpoint import load_checkpoint
+    from k3x.checkpoint.files import load_checkpoint
 
     cfg, plan = mini4(), ParallelPlan(1, 2)
     save_checkpoint(build_model(cfg, seed=0), tmp_path / "ck", expert_format="mxfp4")

@@ -10,16 +10,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3x.custom_ops.kernels import Kernels
 from k3x.model import build_model, empty_state, preset
 from k3x.model.options import BuildOptions
+from k3x.plan.kernels import Kernels
 from tolerances import assert_close
 
 
 @pytest.fixture
 def allow_cpu_triton(monkeypatch, device):
     if device == "cpu":
-        import k3x.custom_ops.kernels as kernels
+        import k3x.plan.kernels as kernels
 
         monkeypatch.setattr(kernels, "check_kernels", lambda op, name, *tensors: (True, ""))
 

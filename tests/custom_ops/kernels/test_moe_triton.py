@@ -48,8 +48,8 @@ def test_moe_matches_reference(N, d, L, I, E, k, act, hot, renorm, device):
 def run_with(module, args: list, names: tuple[str, ...], overrides: dict) -> torch.Tensor:
     """The family's whole plan with `overrides` in its attrs (block_m: rows per block, hence swap-AB below 64;
     gemm_programs: the persistent GEMMs' grid) -> u."""
-    from k3x.custom_ops.launch import run
-    from k3x.custom_ops.dtypes import dtype_name
+    from k3x.plan.dtypes import dtype_name
+    from k3x.plan.launch import run
 
     names = tuple(n for n in names if n != "expert_offset")  # one GPU: offset 0, every expert local
     tensors = dict(zip(names, (t.contiguous() for t in args[:len(names)])))

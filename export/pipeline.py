@@ -1,0 +1,364 @@
+"""`k3x export` as one library call: source -> config check -> model -> trace -> manifest -> target stages.
+
+    result = export(ExportOptions(targets=(Target.PT2, Target.ONNX), out_dir=Path("out"), preset="k3", weights=False))
+
+Notable choices:
+- The config is checked against what the ops support before anything is built or traced (each op family
+  states its limits once, in custom_ops/<family>/op.py `check_config`); with the TensorRT ONNX flavor or
+  `kernels=triton`, the Triton kernel limits too. A failure raises `ConfigError` naming the field.
+- `kernels` (reference | triton) is the k3 custom-op implementation baked into the traced program; it is
+  not the runner (`k3x run --backend`).
+- Any rank count through the one `export` call: the options are resolved once (`resolve`: architecture
+  + `ModelOptions`) and checked (`_job`); the plan (`tp` x `ep`) picks the writer: one program
+  (`write_program`) or one program per rank (export/ranks.write_ranks). The manifest records the
+  architecture (`config`), the build and cache options (`options`) and, for ranks, the plan (`parallel`).
+- `weights=False` builds on the meta device: any size traces on an ordinary CPU machine.
+- From a checkpoint, pt2 and ONNX never hold the model: it is traced on meta and each stage streams the
+  checkpoint's tensors into its artifact (`StageContext.weight_stream`); aoti (AOTInductor compiles real
+  weights) loads the model as before.
+- Whole exports (folder/staging.py): everything is written into a sibling temporary folder
+  (`StageContext.work_dir`) that replaces `out_dir` only once every stage succeeded; `out_dir` must be
+  missing, empty or an earlier k3x export, and is locked against concurrent exports.
+- Every target consumes the one traced `ExportedProgram`. A stage is a plain function
+  `stage(ep, ctx) -> str` (a line for the user) that writes its files through
+  `artifacts.write_artifact`, so each artifact is renamed into place and listed in the manifest.
+- Adding a target (e.g. ONNX) = one `Target` member, one `STAGES` entry, one `TARGET_STAGES` entry:
+      class Target: ONNX = "onnx"; ALL = "all"
+      STAGES["onnx"] = stage_onnx
+      TARGET_STAGES[Target.ONNX] = ("onnx",);  TARGET_STAGES[Target.ALL] = ("pt2", "onnx", "aoti")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator
+
+if TYPE_CHECKING:  # this module is imported by the CLI: torch only inside functions
+    import torch
+    from torch.export import ExportedProgram
+
+    from ..model.config import K3Config
+    from ..model.options import ModelOptions
+    from ..model.parallel import ParallelPlan
+
+
+class Target(str, Enum):
+    PT2 = "pt2"
+    ONNX = "onnx"
+    AOTI = "aoti"
+    ALL = "all"
+
+
+class DType(str, Enum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+
+class KernelChoice(str, Enum):  # the values of plan.kernels.Kernels, importable without torch
+    REFERENCE = "reference"
+    TRITON = "triton"
+
+
+class ExpertFormat(str, Enum):  # model.options.BuildOptions.expert_format
+    DENSE = "dense"
+    MXFP4 = "mxfp4"
+
+
+def _config_error(message: str) -> Exception:
+    from ..model.config import ConfigError
+
+    return ConfigError(message)
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    targets: tuple[Target, ...]  # several targets share the one trace and the one manifest
+    out_dir: Path
+    preset: str | None = None  # exactly one of preset / checkpoint
+    checkpoint: Path | None = None
+    weights: bool = True  # False: trace on the meta device, nothing allocated
+    dtype: DType = DType.FP32
+    seed: int = 0  # random init of a preset with weights
+    kernels: KernelChoice = KernelChoice.REFERENCE  # k3 custom-op implementation in the traced program
+    expert_format: ExpertFormat | None = None  # routed experts: None = as the checkpoint stores them (presets: dense)
+    max_context: int | None = None  # static MLA latent cache of this many positions (model/state.py); None = growing
+    tp: int = 1  # the parallel plan (model/parallel.ParallelPlan): tp x ep rank programs; 1 x 1 = one program
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        if (self.preset is None) == (self.checkpoint is None):
+            raise _config_error("export: give exactly one of --preset or --checkpoint")
+        if not self.targets:
+            raise _config_error("export: give at least one --target")
+        if "aoti" in self.stages() and not self.weights:
+            raise _config_error("--no-weights: target 'aoti' embeds the weights in the package; drop --no-weights "
+                                "or export --target pt2 --target onnx")
+        if self.tp * self.ep > 1 and not set(self.stages()) <= {"pt2", "onnx"}:
+            raise _config_error(f"--tp/--ep: rank programs are written for --target pt2 and onnx only "
+                                f"(got {list(self.stages())})")
+        if self.tp * self.ep > 1 and self.max_context is not None:
+            raise _config_error("--max-context: the static latent cache is not available for rank programs "
+                                "(--tp/--ep > 1)")
+
+    def plan(self) -> ParallelPlan:
+        from ..model.parallel import ParallelPlan
+
+        return ParallelPlan(self.tp, self.ep)
+
+    def stages(self) -> tuple[str, ...]:
+        """The stage names of every target, in order, each once."""
+        return tuple(dict.fromkeys(s for t in self.targets for s in TARGET_STAGES[Target(t)]))
+
+
+@dataclass(frozen=True)
+class StageContext:
+    cfg: K3Config
+    options: ExportOptions
+    work_dir: Path  # where stages write (renamed to out_dir when the export is complete)
+    weight_stream: Callable | None = None  # the checkpoint's tensors one by one (a meta-traced program)
+    model: ModelOptions | None = None  # the build and cache options the program was traced with
+
+    @property
+    def out_dir(self) -> Path:
+        return self.options.out_dir
+
+
+@dataclass
+class ExportResult:
+    out_dir: Path
+    manifest: dict
+    timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds
+    notes: list[str] = field(default_factory=list)  # one line per target stage, for the user
+
+
+Stage = Callable[["ExportedProgram", StageContext], str]
+Progress = Callable[[str, "float | None"], None]  # (stage, None) when it starts, (stage, seconds) when done
+
+
+# --- target stages -------------------------------------------------------------------------------
+
+def stage_pt2(ep: ExportedProgram, ctx: StageContext) -> str:
+    from ..folder import artifacts
+    from .trace import save_pt2
+
+    name, digests = "model.pt2", {}
+    with artifacts.write_artifact(ctx.work_dir, "pt2", {"weights": ctx.options.weights,
+                                                       "load": "k3x.export.trace.load_pt2"}, digests=digests) as tmp:
+        if ctx.weight_stream is not None:  # traced on meta: weights written tensor by tensor from the checkpoint
+            from .pt2_weights import save_streamed_pt2
+
+            digests[name] = save_streamed_pt2(ep, tmp / name, ctx.weight_stream())
+        else:
+            save_pt2(ep, tmp / name)
+    if ctx.options.weights:
+        return f"pt2: {ctx.out_dir / name}"
+    return (f"pt2: {ctx.out_dir / name} (weightless: names/shapes/dtypes only; "
+            "attach weights with k3x.export.trace.with_weights)")
+
+
+def stage_aoti(ep: ExportedProgram, ctx: StageContext) -> str:
+    from ..folder import artifacts
+    from .aoti import PACKAGE, REQUIRES, compile_aoti
+
+    with artifacts.write_artifact(ctx.work_dir, "aoti", {"device": "cpu", "requires": REQUIRES,
+                                                        "load": "k3x.export.aoti.load_aoti"}) as tmp:
+        compile_aoti(ep, tmp / PACKAGE)
+    return f"aoti: {ctx.out_dir / PACKAGE} — runs only in {REQUIRES}"
+
+
+def stage_onnx(ep: ExportedProgram, ctx: StageContext) -> str:
+    from .onnx import OnnxOptions, onnx_stage
+
+    cache = ctx.model.cache if ctx.model else None
+    art = onnx_stage(ctx.work_dir, ep, ctx.cfg, OnnxOptions(weights=ctx.options.weights,
+                                                           weight_stream=ctx.weight_stream, cache=cache))
+    where = ", ".join(f"{flavor} {ctx.out_dir / Path(path).name}" for flavor, path in art.files.items())
+    data = f", weights in {ctx.out_dir / Path(art.external_data).name}" if art.external_data else ""
+    if not ctx.options.weights:
+        return f"onnx: {where}{data} (weightless: weights are graph inputs; no GenAI package)"
+    from .genai import genai_stage  # the ort model wrapped for onnxruntime-genai, beside it
+
+    return f"onnx: {where}{data}\n" + genai_stage(ctx.work_dir, ctx.cfg, art.files["ort"].name, ctx.out_dir, cache)
+
+
+def copy_tokenizer(checkpoint: Path, out_dir: Path) -> str:
+    """Copy the checkpoint's tokenizer / generation files (text/tokenizer.TOKENIZER_FILES) into the export
+    as artifact `tokenizer`, so `k3x run --prompt` and ONNX Runtime GenAI find them beside the models.
+    Each must resolve inside the checkpoint folder (a symlink to a file elsewhere is refused, CheckpointError);
+    copies never get wider permissions than their source (fileio.copy_file)."""
+    import os
+
+    from ..checkpoint.files import checkpoint_file
+    from ..fileio import copy_file
+    from ..folder import artifacts
+    from ..text.tokenizer import TOKENIZER_FILES
+
+    checkpoint = Path(checkpoint)
+    found = [checkpoint_file(checkpoint, n) for n in TOKENIZER_FILES if os.path.lexists(checkpoint / n)]
+    found = [f for f in found if f.is_file()]
+    if not found:
+        return f"tokenizer: none in {checkpoint} (text prompts need tokenizer.json or tiktoken.model)"
+    with artifacts.write_artifact(out_dir, "tokenizer") as tmp:
+        for f in found:
+            copy_file(f, tmp / f.name)
+    return "tokenizer: " + ", ".join(f.name for f in found)
+
+
+STAGES: dict[str, Stage] = {"pt2": stage_pt2, "onnx": stage_onnx, "aoti": stage_aoti}
+# what each --target runs, in order, after the one trace
+TARGET_STAGES: dict[Target, tuple[str, ...]] = {
+    Target.PT2: ("pt2",),
+    Target.ONNX: ("onnx",),
+    Target.AOTI: ("aoti",),
+    Target.ALL: ("pt2", "onnx", "aoti"),
+}
+
+
+# --- orchestration -------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def timed_step(name: str, progress: Progress, timings: dict[str, float]) -> Iterator[None]:
+    progress(name, None)
+    t = time.perf_counter()
+    yield
+    timings[name] = time.perf_counter() - t
+    progress(name, timings[name])
+
+
+Timed = Callable[[str], "contextlib.AbstractContextManager[None]"]
+
+
+@dataclass(frozen=True)
+class ExportJob:
+    """What an export writes, resolved once from `ExportOptions` before anything is built."""
+    options: ExportOptions
+    cfg: K3Config  # the architecture
+    model: ModelOptions  # kernels, expert format, cache: recorded in the manifest's `options` entry
+    plan: ParallelPlan
+    dtype: torch.dtype
+    checkpoint_hash: str | None
+    stream: bool  # pt2 / ONNX from a checkpoint: traced on meta, weights streamed into each artifact
+
+
+def resolve(options: ExportOptions) -> tuple[K3Config, ModelOptions]:
+    """(architecture, build and cache options) of an export: a preset (dense experts unless asked) or a
+    checkpoint's config.json (experts as stored unless `expert_format` says otherwise)."""
+    from ..model.config import preset
+    from ..model.options import BuildOptions, CacheOptions, ModelOptions
+    from ..plan.kernels import Kernels
+
+    kernels = Kernels(KernelChoice(options.kernels).value)
+    fmt = None if options.expert_format is None else ExpertFormat(options.expert_format).value
+    if options.checkpoint is None:
+        cfg, build = preset(options.preset), BuildOptions(kernels, fmt or "dense")
+    else:
+        from ..checkpoint.files import checkpoint_config
+
+        cfg, build = checkpoint_config(options.checkpoint, fmt, kernels=kernels)
+    return cfg, ModelOptions(build, CacheOptions(options.max_context))
+
+
+def _check_fits_in_memory(cfg: K3Config, build, dtype: torch.dtype) -> None:
+    import psutil
+
+    from ..model.summary import weight_bytes
+
+    need = weight_bytes(cfg, dtype, build)  # MXFP4 experts counted packed
+    free = psutil.virtual_memory().available
+    if need > free:
+        raise _config_error(f"preset={cfg.name!r}: its weights need {need / 2**30:,.0f} GiB, "
+                            f"{free / 2**30:,.0f} GiB is free; trace it with --no-weights")
+
+
+def _job(options: ExportOptions) -> ExportJob:
+    """Resolve and check everything before anything is built: ConfigError naming the field."""
+    from ..folder import artifacts
+
+    dtype = artifacts.DTYPES[DType(options.dtype).value]
+    stages, plan = options.stages(), options.plan()
+    cfg, model = resolve(options)
+    # the TensorRT flavor of the ONNX export runs the Triton kernels in its plugins: their limits apply
+    model.check(cfg, kernel_limits="onnx" in stages)
+    plan.check(cfg)
+    # pt2 / ONNX from a checkpoint: traced on meta, weights streamed tensor by tensor into each artifact
+    # (export/pt2_weights.py, export/onnx_weights.py); AOTInductor compiles real weights: it loads the model
+    stream = plan.world == 1 and options.checkpoint is not None and options.weights and set(stages) <= {"pt2", "onnx"}
+    if plan.world == 1 and options.weights and not stream:
+        _check_fits_in_memory(cfg, model.build, dtype)
+    ckpt_hash = None
+    if options.checkpoint is not None and options.weights:  # the graph alone depends on the config
+        from ..checkpoint.files import checkpoint_hash
+
+        ckpt_hash = checkpoint_hash(options.checkpoint)
+    return ExportJob(options, cfg, model, plan, dtype, ckpt_hash, stream)
+
+
+def _build(job: ExportJob):
+    """The whole model: on meta (no weights, or weights streamed by the stages), a preset's random init,
+    or loaded from the checkpoint."""
+    from ..model import build_model
+
+    o, build = job.options, job.model.build
+    if not o.weights or job.stream:
+        return build_model(job.cfg, build, device="meta", dtype=job.dtype, seed=None)
+    if o.checkpoint is None:
+        return build_model(job.cfg, build, device="cpu", dtype=job.dtype, seed=o.seed)
+    from ..checkpoint.files import load_checkpoint
+
+    return load_checkpoint(o.checkpoint, dtype=job.dtype, device="cpu", kernels=build.kernels,
+                           expert_format=build.expert_format)
+
+
+def _weight_stream(job: ExportJob) -> Callable:
+    from ..checkpoint.byte_ranges import stream_weights
+
+    return lambda: stream_weights(job.options.checkpoint, dtype=job.dtype, expert_format=job.model.build.expert_format)
+
+
+def write_program(work: Path, job: ExportJob, timed: Timed) -> list[str]:
+    """One program (world size 1): trace, manifest, tokenizer, then every target stage from the one trace."""
+    from ..folder import artifacts
+    from .trace import op_counts, trace
+
+    with timed("model"):
+        model = _build(job)
+    with timed("trace"):
+        ep = trace(model, cache=job.model.cache)
+    o = job.options
+    with timed("manifest"):
+        artifacts.init_manifest(work, job.cfg, dtype=job.dtype, weights=o.weights, op_counts=op_counts(ep),
+                                checkpoint=o.checkpoint, checkpoint_hash=job.checkpoint_hash, options=job.model)
+    ctx = StageContext(job.cfg, o, work, _weight_stream(job) if job.stream else None, job.model)
+    notes = [copy_tokenizer(o.checkpoint, work)] if o.checkpoint else []
+    for name in o.stages():
+        with timed(name):
+            notes.append(str(STAGES[name](ep, ctx)))
+    return notes
+
+
+def export(options: ExportOptions, progress: Progress | None = None) -> ExportResult:
+    """Export `options` into `options.out_dir`, for any rank count: one program (tp = ep = 1) or one program
+    per rank of the plan (export/ranks.py). Raises ConfigError (bad config or options, before anything is
+    built) or the failing stage's error (nothing half-written: the folder is staged, folder/staging.py)."""
+    from ..folder import artifacts
+    from ..folder.staging import staged_export
+
+    progress = progress or (lambda name, seconds: None)
+    timings: dict[str, float] = {}
+
+    def timed(name: str) -> contextlib.AbstractContextManager[None]:
+        return timed_step(name, progress, timings)
+
+    with timed("config"):
+        job = _job(options)
+    if job.plan.world == 1:
+        write = write_program
+    else:
+        from .ranks import write_ranks as write
+    with staged_export(options.out_dir) as work:
+        notes = write(work, job, timed)
+    return ExportResult(options.out_dir, artifacts.read_manifest(options.out_dir), timings, notes)

@@ -1,0 +1,165 @@
+"""Running rank programs on torch.distributed: the process group, the named groups, runners, the launcher.
+
+- Inside a launcher (`torchrun --nproc-per-node N -m k3x run DIR`: RANK / WORLD_SIZE set): `init` starts
+  the default process group (NCCL when CUDA is there, else gloo; a bounded timeout, so a missing peer is
+  an error, not a hang), creates every TP and EP group in the same order on every rank, and registers this
+  rank's own two under the names the traced graph uses (model/parallel.py `TP_GROUP` / `EP_GROUP`).
+- Without one, `spawn` starts the ranks through torch.distributed's own launcher (`torch.distributed.run`,
+  elastic, `--standalone`) with the same command line: `python -m k3x <argv>` in each process.
+- `rank_runner`: this rank's program (its folder is an ordinary export folder: hash-checked `.pt2`, or its
+  ort-flavor ONNX whose collective nodes are onnxruntime-extensions Python ops calling torch.distributed,
+  runtime/ort_collectives.py), fed and answering in the rank's own state layout. `WholeStateRunner`: takes
+  and returns the single-GPU state (split for this rank, gathered from the TP group and merged), so the
+  parity harness (runtime/verify.run_parity) compares every state with the eager model unchanged.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..model.parallel import ParallelPlan, merge_states, split_states
+from ..model.state import state_specs
+from .runners import Feeds, ModuleRunner, RunnerError, RunnerOptions
+
+TIMEOUT_S = int(os.environ.get("K3X_DIST_TIMEOUT_S", "120"))
+
+
+def launched() -> bool:
+    """True inside torchrun / torch.distributed.run (every rank has RANK and WORLD_SIZE)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def init(plan: ParallelPlan) -> tuple[int, object]:
+    """(this rank, its TP process group) after starting torch.distributed for `plan`."""
+    world = int(os.environ["WORLD_SIZE"])
+    if world != plan.world:
+        raise RunnerError(f"WORLD_SIZE={world}: this export needs tp*ep = {plan.world} processes "
+                          f"(torchrun --nproc-per-node {plan.world})")
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(device())
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    rank = dist.get_rank()
+    mine: dict[str, object] = {}
+    tp_groups = {tuple(plan.tp_group_ranks(e * plan.tp)) for e in range(plan.ep)}
+    ep_groups = {tuple(plan.ep_group_ranks(t)) for t in range(plan.tp)}
+    for name, groups, own in (("tp", sorted(tp_groups), plan.tp_group_ranks(rank)),
+                              ("ep", sorted(ep_groups), plan.ep_group_ranks(rank))):
+        for ranks in groups:  # every rank creates every group, in one order
+            pg = dist.new_group(list(ranks)) if len(ranks) > 1 else None
+            if list(ranks) == own:
+                mine[name] = pg
+    for name, graph_name in (("tp", plan.tp_group.name), ("ep", plan.ep_group.name)):
+        if mine.get(name) is not None:
+            torch._C._distributed_c10d._register_process_group(graph_name, mine[name])
+    return rank, mine.get("tp")
+
+
+def rank_backends(export_dir: Path, data: dict) -> list[str]:
+    """The runners a sharded export's rank folders hold artifacts for (rank 0's manifest; all ranks alike)."""
+    from ..export.ranks import rank_folder
+    from ..folder.artifacts import ExportFolder
+    from .runners import ARTIFACT_OF, RANK_RUNNERS
+
+    have = ExportFolder.open(rank_folder(export_dir, data, 0)).manifest["artifacts"]
+    return [r for r in RANK_RUNNERS if ARTIFACT_OF[r] in have]
+
+
+def rank_runner(export_dir: Path, data: dict, rank: int, options: RunnerOptions, backend: str = "pt2"):
+    """This rank's program (hash-checked, no pickles) on this rank's device: on CUDA the whole pt2 program,
+    devices baked into its graph included, is moved to cuda:LOCAL_RANK (`move_to_device_pass`); `ort`
+    runs the rank's ort-flavor ONNX (its collectives call torch.distributed from ONNX Runtime)."""
+    from torch.export.passes import move_to_device_pass
+
+    from ..export.ranks import rank_folder
+    from .runners import load_pt2_artifact, make_runner
+
+    folder = rank_folder(export_dir, data, rank)
+    from .runners import RANK_RUNNERS
+
+    if backend not in RANK_RUNNERS:
+        raise RunnerError(f"backend={backend!r}: rank programs run on {sorted(RANK_RUNNERS)}")
+    if backend == "ort":
+        return make_runner("ort", folder, options)
+    ep = load_pt2_artifact(folder, options, "the rank program")
+    dev = device()
+    module = ep.module() if dev.type == "cpu" else _OnDevice(move_to_device_pass(ep, str(dev)).module(), dev)
+    return ModuleRunner(f"pt2 rank {rank}", module, _folder_cfg(export_dir, data, rank))
+
+
+class _OnDevice:
+    def __init__(self, module, dev: torch.device) -> None:
+        self.module, self.dev = module, dev
+
+    def __call__(self, ids, past):
+        logits, present = self.module(ids.to(self.dev), [t.to(self.dev) for t in past])
+        return logits.cpu(), [t.cpu() for t in present]
+
+
+def _folder_cfg(export_dir: Path, data: dict, rank: int):
+    from ..export.ranks import rank_folder
+    from ..folder.artifacts import ExportFolder
+
+    return ExportFolder.open(rank_folder(export_dir, data, rank)).config()
+
+
+class WholeStateRunner:
+    """This rank's program behind the single-GPU interface: whole state in, whole state out."""
+
+    def __init__(self, runner, full_cfg, local_cfg, plan: ParallelPlan, rank: int, tp_pg, backend: str = "pt2") -> None:
+        self.name = f"{backend} ranks(tp={plan.tp},ep={plan.ep})"
+        self.runner, self.cfg, self.plan, self.tp_pg = runner, full_cfg, plan, tp_pg
+        self.tp_rank, self.specs, self.local_specs = plan.tp_rank(rank), state_specs(full_cfg), state_specs(local_cfg)
+
+    def infer(self, feeds: Feeds) -> Feeds:
+        full = [feeds[s.input_name] for s in self.specs]
+        local = split_states(self.cfg, self.plan, full, self.tp_rank)
+        out = self.runner.infer({"input_ids": feeds["input_ids"],
+                                 **{s.input_name: t for s, t in zip(self.local_specs, local)}})
+        mine = [out[s.output_name] for s in self.local_specs]
+        per_rank = [mine]
+        if self.plan.tp > 1:
+            per_rank = [[torch.empty_like(t) for t in mine] for _ in range(self.plan.tp)]
+            for i, t in enumerate(mine):
+                dist.all_gather([p[i] for p in per_rank], t.contiguous(), group=self.tp_pg)
+        merged = merge_states(self.cfg, self.plan, per_rank)
+        return {"logits": out["logits"], **{s.output_name: t for s, t in zip(self.specs, merged)}}
+
+
+def spawn(world: int, argv: list[str]) -> None:
+    """Run `python -m k3x <argv>` in `world` processes through torch.distributed.run (standalone rendezvous).
+    Raises RunnerError naming the failed rank."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={world}", "--max-restarts=0",
+                                         "--module", "k3x", *argv])
+    try:
+        run(args)
+    except ChildFailedError as e:
+        first = next(iter(e.failures.values()), None)
+        raise RunnerError(f"torch.distributed.run: {len(e.failures)} of {world} ranks failed"
+                          + (f" (rank {first.local_rank}: exit {first.exitcode})" if first else "")) from None
+
+
+def peak_rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,290 @@
+"""Runners: one interface, `infer(feeds) -> outputs`, over every way k3x can execute a model (Polygraphy).
+
+Feeds and outputs are `dict[str, Tensor]` named as the ONNX graph is (docs/architecture.md): `input_ids`,
+`past.{i}.conv|recurrent`, `past_key_values.{i}.latent` -> `logits`, `present.{i}.*`. Every runner
+takes and returns torch tensors, so the comparator and the decode loop never care which one runs.
+
+Adding a runner (e.g. TensorRT) = one class with `name` and `infer`, plus one `RUNNERS` entry whose
+factory takes `(export_dir, RunnerOptions)`.
+
+Runners: `ModuleRunner` (eager model, ExportedProgram, AOTInductor package), `OrtRunner`
+(runtime/ort_runner.py), `TrtRunner` (runtime/engine_runner.py). Heavy imports (onnxruntime, tensorrt)
+happen only when such a runner is built, with a clear error when missing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Protocol
+
+import torch
+from torch import Tensor
+
+from ..model.options import CacheOptions
+from ..model.state import state_specs
+from ..text.sampling import Generation, SamplingOptions, decode_loop
+
+Feeds = dict[str, Tensor]
+
+
+class RunnerError(RuntimeError):
+    """A runner cannot be built or run; the message names the file, tensor or provider."""
+
+
+class Runner(Protocol):
+    name: str
+
+    def infer(self, feeds: Feeds) -> Feeds: ...
+
+
+@dataclass(frozen=True)
+class RunnerOptions:
+    provider: str = "auto"  # ONNX Runtime: auto | cuda | cpu
+    checkpoint: Path | None = None  # eager: overrides the checkpoint recorded in the export
+    intra_op_threads: int = 0  # ONNX Runtime: 0 = its default
+    check_hashes: bool = True  # False: skip the sha256 of artifact files (sizes and paths still checked)
+    device: str = "cpu"  # eager, pt2: the device the module runs on (cpu | cuda)
+    cuda_graph: bool = False  # decode steps replayed as CUDA graphs (cuda_graph.py); refused where impossible
+
+
+class ModuleRunner:
+    """Eager PyTorch model or an ExportedProgram's module: flat state list in, flat state list out."""
+
+    def __init__(self, name: str, module: Callable, cfg, device: str | None = None,
+                 cache: CacheOptions | None = None) -> None:
+        self.name, self.module, self.specs = name, module, state_specs(cfg, cache)
+        self.device = device  # where the module runs; feeds elsewhere are moved there (None: fed as given)
+
+    @torch.no_grad()
+    def infer(self, feeds: Feeds) -> Feeds:
+        missing = [n for n in ["input_ids"] + [s.input_name for s in self.specs] if n not in feeds]
+        if missing:
+            raise RunnerError(f"{self.name}: missing feed(s) {missing}")
+        ids, past = feeds["input_ids"], [feeds[s.input_name] for s in self.specs]
+        if self.device is not None and any(t.device.type != self.device for t in [ids, *past]):
+            ids, past = ids.to(self.device), [t.to(self.device) for t in past]
+        logits, present = self.module(ids, past)
+        out = {"logits": logits, **{s.output_name: t for s, t in zip(self.specs, present)}}
+        return out
+
+
+def start_feeds(cfg, input_ids: Tensor, dtype: torch.dtype = torch.float32, cache: CacheOptions | None = None
+                ) -> Feeds:
+    """Feeds of a prefill: the prompt [B, T] plus the empty state (zeros; MLA caches with past_seq = 0, or
+    a static cache of `cache.max_context` positions and past_length 0)."""
+    from ..model.state import empty_state
+
+    state = empty_state(cfg, input_ids.shape[0], dtype, cache=cache)
+    return {"input_ids": input_ids, **{s.input_name: t for s, t in zip(state_specs(cfg, cache), state)}}
+
+
+def next_feeds(cfg, outputs: Feeds, input_ids: Tensor, cache: CacheOptions | None = None) -> Feeds:
+    """Feeds for the next step: the new tokens plus every `present.*` renamed to its `past.*` input."""
+    return {"input_ids": input_ids, **{s.input_name: outputs[s.output_name] for s in state_specs(cfg, cache)}}
+
+
+# --- factories over an export folder -------------------------------------------------------------
+
+def _folder(export_dir: Path):
+    from ..folder.artifacts import ExportFolder, ManifestError
+
+    try:
+        return ExportFolder.open(export_dir)
+    except ManifestError as e:
+        raise RunnerError(f"{export_dir}: not a k3x export folder ({e})") from None
+
+
+def artifact_files(export_dir: Path, name: str, options: RunnerOptions) -> list[Path]:
+    """The artifact's files (primary first) after the checks of folder/trust.py: inside the folder,
+    present, and (unless options.check_hashes is off) with the manifest's sha256. Nothing is loaded before."""
+    from ..folder.artifacts import ManifestError
+
+    try:
+        return _folder(export_dir).checked_files(name, check_hash=options.check_hashes)
+    except ManifestError as e:
+        raise RunnerError(str(e)) from None
+
+
+def _eager(export_dir: Path, options: RunnerOptions) -> Runner:
+    from ..checkpoint.files import CheckpointError, checkpoint_hash, load_checkpoint
+
+    d = _folder(export_dir)
+    ckpt = options.checkpoint or d.checkpoint()
+    if ckpt is None:
+        raise RunnerError(f"{export_dir}: the export records no checkpoint; pass --checkpoint for the eager reference")
+    recorded = (d.manifest.get("checkpoint") or {}).get("hash")
+    try:
+        now = checkpoint_hash(ckpt) if options.checkpoint is None and recorded and Path(ckpt).is_dir() else None
+        if now is not None and now != recorded:
+            raise RunnerError(f"{ckpt}: changed since the export (sha256 {now} != {recorded} in "
+                              f"{export_dir}/manifest.json); re-export, or pass --checkpoint to compare anyway")
+        model = load_checkpoint(ckpt, dtype=d.dtype(), device="cpu", expert_format=d.options().build.expert_format)
+    except (CheckpointError, FileNotFoundError) as e:
+        raise RunnerError(f"eager reference: {e}") from None
+    cfg = d.config()  # a static latent cache is an export choice: the model serves it from the same weights
+    if model.cfg.hash() != cfg.hash():
+        raise RunnerError(f"{ckpt}: its config ({model.cfg.name}) differs from the export's ({cfg.name})")
+    return ModuleRunner("eager", model.to(options.device), cfg, options.device, d.options().cache)
+
+
+def load_pt2_artifact(folder: Path, options: RunnerOptions, what: str):
+    """The folder's pt2 program: hashed (unless options.check_hashes is off), checked and loaded from one
+    open file (folder/trust.py `checked_pt2`), so the path cannot be swapped between check and load."""
+    from ..export.trace import load_pt2
+    from ..folder.trust import UnsafeArtifactError, checked_pt2
+
+    path = artifact_files(folder, "pt2", replace(options, check_hashes=False))[0]  # hashed below, from the open file
+    if not _folder(folder).manifest.get("weights", True):
+        raise RunnerError(f"{path}: weightless program (exported with --no-weights); it cannot run")
+    sha = _folder(folder).manifest["artifacts"]["pt2"]["files"][0]["sha256"] if options.check_hashes else None
+    try:
+        with checked_pt2(path, sha256=sha) as f:
+            return load_pt2(f)
+    except UnsafeArtifactError as e:
+        raise RunnerError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - name the file
+        raise RunnerError(f"{path}: cannot load {what}: {e}") from None
+
+
+def _pt2(export_dir: Path, options: RunnerOptions) -> Runner:
+    ep = load_pt2_artifact(export_dir, options, "the ExportedProgram")
+    if options.device != "cpu":  # weights, constants and the devices named in the graph
+        from torch.export.passes import move_to_device_pass
+
+        ep = move_to_device_pass(ep, {"cpu": options.device})
+    folder = _folder(export_dir)
+    return ModuleRunner("pt2", ep.module(), folder.config(), options.device, folder.options().cache)
+
+
+def _ort(export_dir: Path, options: RunnerOptions) -> Runner:
+    from .ort_runner import OrtRunner
+
+    files = artifact_files(export_dir, "onnx", options)  # the model and its external data, all checked
+    path = files[0]
+    entry = _folder(export_dir).manifest["artifacts"]["onnx"]
+    if entry.get("weights") is False:
+        raise RunnerError(f"{path}: weightless ONNX (exported with --no-weights: weights are graph inputs); "
+                          "it cannot run — export with weights")
+    name = entry.get("flavors", {}).get("ort")
+    if name is None:
+        raise RunnerError(f"{export_dir}: the onnx artifact has no ort flavor (flavors: {entry.get('flavors')}); "
+                          "re-export with the ort flavor")
+    if name not in {p.name for p in files}:
+        raise RunnerError(f"{export_dir}: the ort flavor {str(name)[:80]!r} is not one of the onnx artifact's files")
+    return OrtRunner(Path(export_dir) / name, provider=options.provider,
+                     intra_op_threads=options.intra_op_threads, collectives=bool(entry.get("collectives")))
+
+
+def _trt(export_dir: Path, options: RunnerOptions) -> Runner:
+    from .engine_runner import TrtRunner  # TensorRT 11 + GPU; imports tensorrt only when built
+
+    artifact_files(export_dir, "trt", options)  # the engine is native code: only with the manifest's sha256
+    return TrtRunner(export_dir)
+
+
+def _aoti(export_dir: Path, options: RunnerOptions) -> Runner:
+    from ..export.aoti import load_aoti
+
+    # an AOTI package is trusted native code (export/aoti.py): loaded only once its sha256 matches
+    path = artifact_files(export_dir, "aoti", replace(options, check_hashes=True))[0]
+    device = _folder(export_dir).manifest["artifacts"]["aoti"].get("device", "cpu")  # what it was compiled for
+    folder = _folder(export_dir)
+    return ModuleRunner("aoti", load_aoti(path), folder.config(), str(device), folder.options().cache)
+
+
+RUNNERS: dict[str, Callable[[Path, RunnerOptions], Runner]] = {
+    "eager": _eager, "pt2": _pt2, "ort": _ort, "trt": _trt, "aoti": _aoti,
+}
+# the one table of which artifact each runner needs (a rank folder holds pt2 / onnx: `RANK_RUNNERS`)
+ARTIFACT_OF: dict[str, str] = {"pt2": "pt2", "ort": "onnx", "aoti": "aoti", "trt": "trt"}
+RANK_RUNNERS = ("pt2", "ort")
+
+
+def runnable(manifest: dict, runners: tuple[str, ...] = tuple(ARTIFACT_OF)) -> list[str]:
+    """The runners (of `runners`) whose artifact the manifest lists with weights."""
+    arts = manifest["artifacts"]
+    return [r for r in runners if ARTIFACT_OF[r] in arts
+            and arts[ARTIFACT_OF[r]].get("weights", manifest.get("weights", True)) is not False]
+
+
+def make_runner(backend: str, export_dir: Path, options: RunnerOptions = RunnerOptions()) -> Runner:
+    try:
+        factory = RUNNERS[backend]
+    except KeyError:
+        raise RunnerError(f"backend={backend!r}: choose from {sorted(RUNNERS)}") from None
+    from ..folder.artifacts import ManifestError
+
+    if options.cuda_graph and not torch.cuda.is_available():  # before loading anything onto a missing device
+        raise RunnerError(f"--cuda-graph: backend {backend}: no CUDA device (torch.cuda.is_available() is False)")
+    try:
+        runner = factory(Path(export_dir), options)
+    except ManifestError as e:  # e.g. the manifest's config does not build
+        raise RunnerError(str(e)) from None
+    if options.cuda_graph:  # refused in one line where no graph can be captured (runtime/cuda_graph.py)
+        from .cuda_graph import require_cuda_graph
+
+        runner = require_cuda_graph(runner, f"backend {backend}")
+    return runner
+
+
+def check_request(cfg, *, batch: int, prompt_len: int, new_tokens: int, dims: dict | None = None,
+                  backend: str = "eager", dtype_bytes: int = 4, cache: CacheOptions | None = None) -> None:
+    """Refuse, before anything runs, a request the model cannot serve: `batch` x `prompt_len` then
+    `new_tokens` - 1 decode steps. Exported backends are bounded by the traced dynamic dims (`dims`, the
+    manifest's `dynamic_dims`); every backend by the config's context length and, for the eager model
+    (which materialises full attention), by an estimate of the prefill's memory against what is free."""
+    if batch < 1 or prompt_len < 1 or new_tokens < 1:
+        raise RunnerError(f"batch={batch}, prompt length={prompt_len}, new tokens={new_tokens}: each must be >= 1")
+    positions = prompt_len + new_tokens - 1  # tokens fed to the model in all
+    capacity = None if cache is None else cache.max_context
+    if capacity is not None and positions > capacity:
+        raise RunnerError(f"prompt length {prompt_len} + {new_tokens - 1} decode steps = {positions} positions: over "
+                          f"the static latent cache (max_context={capacity}, set at export); use a shorter "
+                          "request or re-export with a larger --max-context")
+    if dims is not None:
+        limits = [("batch", batch, "batch"), ("seq", prompt_len, "prompt length")] + [
+            ("past_seq", positions - 1, "prompt length + decode steps - 1 (the cache length)")] * (capacity is None)
+        for dim, value, what in limits:
+            if dim in dims and value > dims[dim]["max"]:
+                raise RunnerError(f"backend {backend}: {what} = {value} is over the exported maximum {dim}="
+                                  f"{dims[dim]['max']} (trace.DYNAMIC_DIMS at export time); use a shorter request")
+    if positions > cfg.max_position_embeddings:
+        raise RunnerError(f"prompt length {prompt_len} + {new_tokens - 1} decode steps = {positions} positions: "
+                          f"over the model's context length (max_position_embeddings={cfg.max_position_embeddings})")
+    if dims is not None:
+        return
+    import psutil
+
+    heads = cfg.max_heads
+    need = batch * prompt_len * (cfg.vocab_size + 16 * cfg.hidden_size) * 4 + batch * heads * prompt_len ** 2 * 4 * 2
+    free = psutil.virtual_memory().available
+    if need > free // 2:
+        raise RunnerError(f"backend {backend}: batch {batch} x prompt length {prompt_len} needs about "
+                          f"{need / 2**30:,.1f} GiB for the prefill, {free / 2**30:,.1f} GiB is free; use a shorter request")
+
+
+def generate(runner: Runner, cfg, prompt: Tensor, options: SamplingOptions, *, dtype: torch.dtype = torch.float32,
+             on_token=None, cache: CacheOptions | None = None) -> Generation:
+    """Prefill `prompt` [B, T], then T=1 steps carrying state; tokens chosen by the shared sampler."""
+    out: Feeds = {}
+
+    def prefill(ids: Tensor) -> Tensor:
+        nonlocal out
+        out = runner.infer(start_feeds(cfg, ids, dtype, cache))
+        return out["logits"][:, -1]
+
+    def step(ids: Tensor) -> Tensor:
+        nonlocal out
+        out = runner.infer(next_feeds(cfg, out, ids, cache))
+        return out["logits"][:, -1]
+
+    return decode_loop(prefill, step, prompt, options, on_token)
+
+
+def prefill_logits(runner: Runner, cfg, ids: Tensor, *, dtype: torch.dtype = torch.float32,
+                   cache: CacheOptions | None = None) -> Tensor:
+    """logits [B, T, vocab] fp32 of one prefill call from an empty state (what `k3x logits` writes)."""
+    if ids.dim() != 2 or ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
+        raise ValueError(f"input ids {list(ids.shape)}: need [B, T] with T >= 1 and ids in [0, {cfg.vocab_size})")
+    return runner.infer(start_feeds(cfg, ids, dtype, cache))["logits"].float().cpu()

@@ -1,0 +1,207 @@
+"""One runner factory for an export folder of any rank count: `open_session` reads the manifest's `parallel`
+entry and gives whole-state runners either way, so `run`, `logits` and `verify` have no sharded branch.
+
+- One program (no `parallel` entry): each backend's runner as `runners.make_runner` builds it.
+- Rank programs: inside a launcher (torchrun, or `spawn_world` re-running the same command in `world`
+  processes) every rank opens its own program behind `dist_run.WholeStateRunner` (the single-GPU state in and
+  out: split for the rank, gathered over TP and merged), so the decode loop and the parity harness are the
+  ones of a single program. Rank 0 speaks (`Session.speaks`).
+- `verify_session`: parity of every backend against the eager model (runtime/verify.run_parity); for rank
+  programs also the greedy tokens, which catch a wrong rank layout the first steps might hide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..model.config import K3Config
+from ..model.options import CacheOptions
+from ..model.parallel import ParallelPlan
+from .runners import Runner, RunnerError, RunnerOptions, generate, make_runner, runnable
+from .verify import VerifyReport, run_parity
+
+
+@dataclass
+class Session:
+    export_dir: Path
+    cfg: K3Config  # the whole model's architecture (rank programs: not the rank's slice)
+    cache: CacheOptions
+    dtype: torch.dtype
+    dims: dict[str, Any]  # the traced dynamic dims (manifest `dynamic_dims`)
+    plan: ParallelPlan  # 1 x 1 for one program
+    rank: int = 0
+    runners: dict[str, Runner] = field(default_factory=dict)  # whole-state runners by backend
+    notes: list[str] = field(default_factory=list)  # lines for the user (printed by the speaking rank)
+
+    @property
+    def speaks(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def who(self) -> str:
+        """The prefix of this process's error lines ("rank 2: " with rank programs)."""
+        return f"rank {self.rank}: " if self.plan.world > 1 else ""
+
+    def describe(self, backend: str) -> str:
+        p = self.plan
+        return backend if p.world == 1 else f"{p.world} ranks, tp={p.tp} ep={p.ep}, {backend}"
+
+    def close(self) -> None:
+        from .dist_run import shutdown
+
+        if self.plan.world > 1:
+            shutdown()
+
+
+def _folder(export_dir: Path):
+    from ..folder.artifacts import ExportFolder, ManifestError
+
+    try:
+        return ExportFolder.open(export_dir)
+    except ManifestError as e:
+        raise RunnerError(f"{export_dir}: not a k3x export folder ({e})") from None
+
+
+def _parallel(export_dir: Path) -> tuple[dict, ParallelPlan] | None:
+    """(manifest, plan) of rank programs, None for one program; RunnerError naming a bad `parallel` entry."""
+    from ..export.ranks import read_parallel
+    from ..folder.artifacts import ManifestError
+
+    try:
+        return read_parallel(export_dir)
+    except ManifestError as e:
+        raise RunnerError(str(e)) from None
+
+
+def parallel_plan(export_dir: Path) -> ParallelPlan:
+    """The plan of the export's `parallel` entry (1 x 1 without one)."""
+    found = _parallel(export_dir)
+    return ParallelPlan(1, 1) if found is None else found[1]
+
+
+def world_to_spawn(export_dir: Path) -> int | None:
+    """The processes to start for this export when not inside a launcher (None: run here, as it is)."""
+    from .dist_run import launched
+
+    plan = parallel_plan(export_dir)
+    return plan.world if plan.world > 1 and not launched() else None
+
+
+def spawn_world(world: int, argv: list[str]) -> None:
+    from .dist_run import spawn
+
+    spawn(world, argv)
+
+
+def backends_of(export_dir: Path, requested: list[str], *, default_ort: bool = False) -> tuple[list[str], list[str]]:
+    """(runners to use, notes): `requested` (each must be in the export) or every one it can run.
+    `default_ort`: `k3x run`'s default `--backend ort` on rank programs without ONNX runs pt2 (and says so)."""
+    from .dist_run import rank_backends
+
+    found = _parallel(export_dir)
+    if found is None:
+        if requested:
+            return requested, []
+        names = runnable(_folder(export_dir).manifest)
+        if "trt" in names and not torch.cuda.is_available():
+            return [n for n in names if n != "trt"], ["note: backend trt skipped (no CUDA GPU here)"]
+        return names, []
+    have = rank_backends(export_dir, found[0])
+    if default_ort and requested == ["ort"] and "ort" not in have and "pt2" in have:
+        return ["pt2"], ["backend ort: this sharded export has no ONNX; running the pt2 rank programs"]
+    missing = [b for b in requested if b not in have]
+    if missing:
+        raise RunnerError(f"{export_dir}: sharded export has rank programs for {have}, not {missing}")
+    return requested or have, []
+
+
+def open_session(export_dir: Path, backends: list[str], options: RunnerOptions = RunnerOptions()) -> Session:
+    """Runners for `backends` over the export folder, whatever its rank count (rank programs: inside a
+    launcher, see `world_to_spawn`). RunnerError (one line) when a runner cannot be built."""
+    folder = _folder(export_dir)
+    found = _parallel(export_dir)
+    s = Session(Path(export_dir), folder.config(), folder.options().cache, folder.dtype(),
+                folder.manifest["dynamic_dims"], ParallelPlan(1, 1) if found is None else found[1])
+    if found is None:
+        s.runners = {b: make_runner(b, export_dir, options) for b in backends}
+        return s
+    _open_ranks(s, found[0], backends, options)
+    return s
+
+
+def _open_ranks(s: Session, data: dict, backends: list[str], options: RunnerOptions) -> None:
+    from . import dist_run
+
+    if len(data["parallel"]["ranks"]) != s.plan.world:
+        raise RunnerError(f"{s.export_dir}: weightless rank export (exported with --no-weights); it cannot run")
+    s.rank, tp_pg = dist_run.init(s.plan)
+    local = dist_run._folder_cfg(s.export_dir, data, s.rank)
+    for b in backends:
+        mine = dist_run.rank_runner(s.export_dir, data, s.rank, options, b)
+        s.runners[b] = dist_run.WholeStateRunner(mine, s.cfg, local, s.plan, s.rank, tp_pg, b)
+
+
+def check(s: Session, *, batch: int, prompt_len: int, new_tokens: int, backends: list[str]) -> None:
+    """Refuse a request the session cannot serve (runners.check_request; eager unbounded by traced dims)."""
+    from .runners import check_request
+
+    for b in backends:
+        check_request(s.cfg, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, backend=b, cache=s.cache,
+                      dims=None if b == "eager" else s.dims)
+
+
+def decode(s: Session, backend: str, prompt: torch.Tensor, sampling, on_token=None):
+    return generate(s.runners[backend], s.cfg, prompt, sampling, dtype=s.dtype, on_token=on_token, cache=s.cache)
+
+
+@dataclass
+class Verdict:
+    report: VerifyReport
+    greedy: dict[str, Any] | None = None  # rank programs: {"identical", "tokens", "got"}
+
+    @property
+    def ok(self) -> bool:
+        return self.report.ok and (self.greedy is None or self.greedy["identical"])
+
+    def to_json(self, s: Session, backends: list[str]) -> dict[str, Any]:
+        out = self.report.to_json()
+        if self.greedy is not None:
+            out |= {"greedy_identical": self.greedy["identical"], "tokens": self.greedy["tokens"],
+                    "plan": s.plan.to_dict(), "backends": backends}
+        return out
+
+
+def verify_session(s: Session, reference: Runner, backends: list[str], *, steps: int, batch: int, prompt_len: int,
+                   seed: int) -> Verdict:
+    """Parity of `backends` against `reference` over a prefill and `steps` decode steps; rank programs add
+    their greedy tokens against the reference's."""
+    from ..text.sampling import SamplingOptions
+
+    runners = [s.runners[b] for b in backends]
+    report = run_parity(reference, runners, s.cfg, steps=steps, batch=batch, prompt_len=prompt_len, dtype=s.dtype,
+                        seed=seed, cache=s.cache)
+    if s.plan.world == 1:
+        return Verdict(report)
+    prompt = torch.randint(0, s.cfg.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(seed))
+    greedy = SamplingOptions(steps + 1)
+    want = generate(reference, s.cfg, prompt, greedy, dtype=s.dtype, cache=s.cache).tokens
+    gots = [generate(r, s.cfg, prompt, greedy, dtype=s.dtype, cache=s.cache).tokens for r in runners]
+    got = next((g for g in gots if not torch.equal(want, g)), want)
+    return Verdict(report, {"identical": torch.equal(got, want), "tokens": want.tolist(), "got": got.tolist()})
+
+
+def peak_rss_line(s: Session) -> str | None:
+    """Rank programs: the peak RSS of every rank (a collective: every rank calls it); None for one program."""
+    if s.plan.world == 1:
+        return None
+    import torch.distributed as dist
+
+    from .dist_run import peak_rss_mib
+
+    rss: list = [None] * dist.get_world_size()
+    dist.all_gather_object(rss, round(peak_rss_mib(), 1))
+    return "peak RSS per rank (MiB): " + ", ".join(f"{r}: {m}" for r, m in enumerate(rss))

@@ -1,0 +1,145 @@
+"""Engine builds through TensorRT-RTX on CPU: ONNX parsing, plugin creators, field passing, shape functions,
+format negotiation and profiles run for real. Each build runs in a subprocess whose LD_LIBRARY_PATH holds the
+`libtensorrt_rtx.so` symlink (scripts/setup_trt_rtx.sh): the loader reads it only at process start.
+Engines are not executed (no GPU); the blob is searched for the plugin layers, their fields and cubins.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.trt, pytest.mark.skipif(
+    importlib.util.find_spec("tensorrt_rtx_bindings") is None and importlib.util.find_spec("tensorrt_rtx") is None,
+    reason="TensorRT-RTX not installed (pip install -e .[trt-rtx]; scripts/setup_trt_rtx.sh)")]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _rtx_env() -> dict:
+    link = subprocess.run([str(ROOT / "scripts/setup_trt_rtx.sh"), "--print-only", sys.prefix], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    return os.environ | {"LD_LIBRARY_PATH": f"{link}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+
+
+def _build(export_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-c", "from k3x.cli import app; app()", "build-engine", str(export_dir),
+           "--runtime", "trt-rtx", "--sm", "89", *args]
+    return subprocess.run(cmd, env=_rtx_env(), capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def k3_mini_export(tmp_path_factory) -> Path:
+    import torch
+
+    from k3x.export.onnx import OnnxOptions, export_onnx
+    from k3x.export.trace import op_counts, trace
+    from k3x.folder.artifacts import init_manifest
+    from k3x.model import K3ForCausalLM
+    from k3x.model.config import preset
+
+    out = tmp_path_factory.mktemp("k3-mini")
+    cfg = preset("k3-mini")
+    model = K3ForCausalLM(cfg).eval()
+    ep = trace(model)
+    init_manifest(out, cfg, dtype=torch.float32, weights=True, op_counts=op_counts(ep))
+    export_onnx(ep, cfg, out, OnnxOptions(flavors=("trt",)))
+    _list_onnx(out)
+    return out
+
+
+def _list_onnx(folder: Path) -> None:
+    """Record the folder's ONNX files as its `onnx` artifact: build-engine reads only hash-checked input."""
+    from k3x.folder.artifacts import update_manifest
+
+    update_manifest(folder, "onnx", sorted(p.name for p in folder.iterdir() if p.name.startswith("model.")))
+
+
+def test_k3_mini_engine_builds_with_plugins(k3_mini_export):
+    r = _build(k3_mini_export, "--max", "batch=4", "--max", "seq=64", "--opt", "seq=16", "--max", "past_seq=64",
+               "--opt", "past_seq=16")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "k3::MoE: AOT path (sm_89 cubins)" in r.stderr and "k3::KDA: AOT path (sm_89 cubins)" in r.stderr
+    blob = (k3_mini_export / "model.engine").read_bytes()
+    assert len(blob) > 100_000
+    for needle in (b"KDA", b"AttnRes", b"MoE", b"scale", b"num_heads", b"activation", b"situ", b"k3_kernels",
+                   b"_kda_recurrent_kernel", b"_kda_intra_kernel", b"_kda_state_kernel", b"_attn_res_kernel",
+                   b"_router_kernel", b"_moe_align_scan_kernel", b"_moe_gemm1_kernel", b"_moe_sum_kernel"):
+        assert needle in blob, needle  # plugin layers, their ONNX fields, and the embedded cubins
+    manifest = json.loads((k3_mini_export / "manifest.json").read_text())
+    entry = manifest["artifacts"]["trt"]
+    assert entry["sm"] == 89 and entry["runtime"] == "trt-rtx" and entry["tensorrt_version"].startswith("1.7")
+    assert entry["plugin_paths"] == {"KDA": "aot", "AttnRes": "aot", "MoE": "aot", "MoEMXFP4": "aot"}
+    assert json.loads((k3_mini_export / "model.engine.json").read_text())["plugin_paths"]["MoE"] == "aot"
+    assert entry["profile"]["batch"] == {"name": "batch", "min": 1, "opt": 1, "max": 4}
+    assert entry["input_shapes"]["input_ids"] == [[1, 1], [1, 16], [4, 64]]
+    assert {f["path"] for f in entry["files"]} == {"model.engine", "model.engine.json"}
+
+
+def _kda_model(path: Path, *, g_type: int, v_heads: int) -> None:
+    """A one-node k3::KDA graph (dims named like the real export), written as model.trt.onnx."""
+    from onnx import TensorProto as T
+    from onnx import helper
+
+    def inp(name, t, shape):
+        return helper.make_tensor_value_info(name, t, shape)
+
+    H, K = 2, 16
+    node = helper.make_node("KDA", ["q", "k", "v", "g", "beta", "s"], ["o", "s_out"], domain="k3",
+                            plugin_namespace="k3", scale=0.25, num_heads=H, head_dim=K, value_dim=K,
+                            gate_lower_bound=-5.0)
+    graph = helper.make_graph([node], "kda", [
+        inp("q", T.FLOAT, ["batch", "seq", H, K]), inp("k", T.FLOAT, ["batch", "seq", H, K]),
+        inp("v", T.FLOAT, ["batch", "seq", v_heads, K]), inp("g", g_type, ["batch", "seq", H, K]),
+        inp("beta", T.FLOAT, ["batch", "seq", H]), inp("s", T.FLOAT, ["batch", H, K, K])],
+        [inp("o", T.FLOAT, None), inp("s_out", T.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("k3", 1)])
+    path.write_bytes(model.SerializeToString())
+    _list_onnx(path.parent)
+
+
+@pytest.fixture()
+def bare_export(tmp_path) -> Path:
+    import torch
+
+    from k3x.folder.artifacts import init_manifest
+    from k3x.model.config import preset
+
+    init_manifest(tmp_path, preset("k3-mini"), dtype=torch.float32, weights=False, op_counts={})
+    return tmp_path
+
+
+def test_unsupported_format_is_reported(bare_export):
+    from onnx import TensorProto
+
+    _kda_model(bare_export / "model.trt.onnx", g_type=TensorProto.FLOAT16, v_heads=2)
+    r = _build(bare_export, "--max", "seq=32", "--opt", "seq=8")
+    assert r.returncode == 1 and not (bare_export / "model.engine").exists()
+    assert "engine build failed" in r.stderr and "k3::KDA formats:" in r.stderr and "g: fp32" in r.stderr
+
+
+def test_shape_function_error_is_reported(bare_export):
+    from onnx import TensorProto
+
+    _kda_model(bare_export / "model.trt.onnx", g_type=TensorProto.FLOAT, v_heads=3)
+    r = _build(bare_export, "--max", "seq=32", "--opt", "seq=8")
+    assert r.returncode == 1 and not (bare_export / "model.engine").exists()
+    assert "k3::KDA get_output_shapes" in r.stderr and "v[:3] has shape" in r.stderr, r.stderr[-3000:]
+
+
+def test_good_kda_node_builds_and_missing_runtime_is_named(bare_export):
+    from onnx import TensorProto
+
+    _kda_model(bare_export / "model.trt.onnx", g_type=TensorProto.FLOAT, v_heads=2)
+    r = _build(bare_export, "--max", "seq=32", "--opt", "seq=8", "--max", "batch=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run([sys.executable, "-c", "from k3x.cli import app; app()", "build-engine", str(bare_export),
+                        "--runtime", "trt"], capture_output=True, text=True, timeout=120)
+    if importlib.util.find_spec("tensorrt") is None:
+        assert r.returncode == 1 and "install tensorrt-cu13" in r.stderr

@@ -1,0 +1,128 @@
+"""ONNX Runtime runner: provider choice, IO binding with state carried between steps, bad-input errors,
+and `k3x run --backend ort` against eager greedy decoding."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from k3x.checkpoint.files import load_checkpoint
+from k3x.cli import app
+from k3x.model import empty_state, preset, state_specs
+from k3x.runtime import generate as eager
+from k3x.runtime.ort_runner import OrtRunner, import_onnxruntime, output_shapes
+from k3x.runtime.runners import RunnerError, RunnerOptions, generate, make_runner, next_feeds
+from k3x.text.sampling import SamplingOptions
+from onnx_mini_folder import mini_export
+
+ort = pytest.importorskip("onnxruntime")
+CFG = preset("k3-mini")
+cli = CliRunner()
+
+
+def start_feeds(ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"input_ids": ids, **dict(zip((s.input_name for s in state_specs(CFG)), empty_state(CFG, ids.shape[0])))}
+
+
+def test_auto_provider_is_what_the_session_really_uses():
+    runner = make_runner("ort", mini_export().folder, RunnerOptions(provider="auto"))
+    assert runner.provider == ("cuda" if "CUDAExecutionProvider" in runner.session.get_providers() else "cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_cuda_provider_without_cuda_fails_clearly():
+    with pytest.raises(RunnerError, match="CUDAExecutionProvider did not initialise"):
+        make_runner("ort", mini_export().folder, RunnerOptions(provider="cuda"))
+
+
+def test_output_shapes_from_dim_names():
+    feeds = {"input_ids": torch.zeros(2, 5, dtype=torch.long), "past_key_values.2.latent": torch.zeros(2, 7, 32)}
+    shapes = output_shapes({"logits": ["batch", "seq", 512], "present.2.latent": ["batch", "total_seq", 32]}, feeds)
+    assert shapes == {"logits": (2, 5, 512), "present.2.latent": (2, 12, 32)}
+    with pytest.raises(RunnerError, match="unk"):
+        output_shapes({"x": ["unk"]}, feeds)
+
+
+def test_io_binding_decode_matches_eager_step_by_step():
+    m = mini_export()
+    runner = OrtRunner(m.folder / "model.onnx", provider="cpu")
+    model = load_checkpoint(m.checkpoint)
+    ids = torch.tensor([[5, 9, 2, 7], [1, 1, 3, 8]])
+    feeds = start_feeds(ids)
+    state = list(feeds.values())[1:]
+    for step in range(4):
+        out = runner.infer(feeds)
+        with torch.no_grad():
+            logits, state = model(feeds["input_ids"], state)
+        torch.testing.assert_close(out["logits"], logits, atol=2e-5, rtol=2e-4)
+        for s, t in zip(state_specs(CFG), state):
+            torch.testing.assert_close(out[s.output_name], t, atol=2e-5, rtol=2e-4, msg=f"step {step} {s.output_name}")
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        feeds = next_feeds(CFG, out, token)  # ORT's own present tensors become its next past
+        assert feeds["past_key_values.2.latent"].shape[1] == ids.shape[1] + step
+
+
+def test_feeds_that_do_not_match_the_model_are_named():
+    runner = OrtRunner(mini_export().folder / "model.onnx", provider="cpu")
+    feeds = start_feeds(torch.tensor([[1, 2]]))
+    del feeds["past.0.conv"]
+    with pytest.raises(RunnerError, match=r"missing \['past.0.conv'\]"):
+        runner.infer(feeds)
+    feeds = start_feeds(torch.tensor([[1, 2]]))
+    feeds["past.1.recurrent"] = feeds["past.1.recurrent"].double()
+    with pytest.raises(RunnerError, match="past.1.recurrent"):
+        runner.infer(feeds)
+
+
+def test_missing_onnxruntime_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)
+    with pytest.raises(RunnerError, match="onnxruntime is not installed"):
+        import_onnxruntime()
+
+
+def test_greedy_decode_equals_eager_generate_and_cli_prints_it():
+    m = mini_export()
+    prompt = torch.tensor([[1, 2, 3]])
+    six = SamplingOptions(max_new_tokens=6)
+    expected = eager.generate(load_checkpoint(m.checkpoint), prompt, six).tokens
+    tokens = generate(make_runner("ort", m.folder, RunnerOptions(provider="cpu")), CFG, prompt, six).tokens
+    assert torch.equal(tokens, expected)
+    res = cli.invoke(app, ["run", str(m.folder), "--backend", "ort", "--prompt-ids", "1,2,3", "--max-new-tokens", "6",
+                           "--provider", "cpu"])
+    assert res.exit_code == 0, res.output
+    assert "tokens: " + ",".join(map(str, expected[0].tolist())) in res.output
+    assert "backend ort on cpu" in res.output and "tokens/s" in res.output
+
+
+def test_seeded_sampling_is_the_same_on_ort_and_eager():
+    m = mini_export()
+    opts = SamplingOptions(max_new_tokens=8, temperature=1.2, top_k=50, seed=9)
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    expected = eager.generate(load_checkpoint(m.checkpoint), prompt, opts).tokens
+    res = cli.invoke(app, ["run", str(m.folder), "--backend", "ort", "--prompt-ids", "3,1,4,1,5", "--max-new-tokens",
+                           "8", "--temperature", "1.2", "--top-k", "50", "--seed", "9", "--provider", "cpu"])
+    assert res.exit_code == 0, res.output
+    assert "tokens: " + ",".join(map(str, expected[0].tolist())) in res.output
+
+
+def test_run_rejects_a_folder_that_is_not_an_export(tmp_path):
+    res = cli.invoke(app, ["run", str(tmp_path), "--backend", "ort"])
+    assert res.exit_code == 1
+    assert "not a k3x export folder" in res.output and str(tmp_path) in res.output
+
+
+def test_a_model_whose_inputs_do_not_match_the_export_is_named(tmp_path):
+    import json
+    import shutil
+
+    folder = shutil.copytree(mini_export().folder, tmp_path / "export")
+    manifest = json.loads((folder / "manifest.json").read_text())
+    cfg = manifest["config"]  # claim one layer fewer than model.onnx has: the state feeds no longer match
+    cfg["layer_types"], cfg["mlp_types"] = cfg["layer_types"][:-1], cfg["mlp_types"][:-1]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    res = cli.invoke(app, ["run", str(folder), "--backend", "ort", "--provider", "cpu", "--max-new-tokens", "2"])
+    assert res.exit_code == 1
+    assert "feeds do not match the model inputs" in res.output and "past_key_values.5.latent" in res.output
