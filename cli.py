@@ -51,12 +51,13 @@ def load_model_or_fail(checkpoint: Path, dtype: str = "fp32"):
 
 def config_or_fail(preset_name: str | None, checkpoint: Path | None):
     from .checkpoint.files import CheckpointError, checkpoint_file
-    from .model.config import ConfigError, K3Config, preset
+    from .checkpoint.hf_config import config_from_hf
+    from .model.config import ConfigError, preset
 
     if (preset_name is None) == (checkpoint is None):
         fail("give exactly one of --preset NAME or --checkpoint DIR")
     try:
-        return preset(preset_name) if preset_name else K3Config.from_hf(checkpoint_file(checkpoint, "config.json"))
+        return preset(preset_name) if preset_name else config_from_hf(checkpoint_file(checkpoint, "config.json"))
     except (ConfigError, CheckpointError) as e:
         fail(str(e))
 

@@ -10,7 +10,7 @@ entry (a dtype conversion, dense-decoded experts, a trimmed `A_log`) is a filled
 
 Notable choices:
 - Offsets come from the safetensors header (8-byte little-endian length + JSON, data after it), read once
-  per shard; `checkpoint._validate` has already checked every name, shape and dtype.
+  per shard; `files.validate` has already checked every name, shape and dtype.
 - The E8M0 scale check of `load_checkpoint` (0xFF is NaN, refused) still runs on copied scales: they are read
   with `pread` (1/16 of the packed bytes), never mapped, so nothing of the shards stays resident.
 """

@@ -44,7 +44,7 @@ from ..model.init import build_model
 from ..model.model import K3ForCausalLM
 from ..model.options import BuildOptions
 from ..plan.kernels import Kernels
-from .hf_config import config_to_hf
+from .hf_config import config_from_hf, config_to_hf
 from .hf_transformers import rename_weight
 
 INDEX = "model.safetensors.index.json"
@@ -216,7 +216,7 @@ def checkpoint_config(path: str | Path, expert_format: str | None = None, files:
     if expert_format not in (None, "dense", "mxfp4"):
         raise CheckpointError(f"expert_format={expert_format!r}: expected 'dense', 'mxfp4' or None (as stored)")
     try:
-        cfg = K3Config.from_hf(checkpoint_file(path, "config.json"))
+        cfg = config_from_hf(checkpoint_file(path, "config.json"))
         fmt = expert_format or stored_expert_format(tensor_files(path) if files is None else files)
         return cfg, BuildOptions(Kernels(kernels), fmt)
     except ConfigError as e:

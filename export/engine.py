@@ -7,7 +7,7 @@
   within the exported range: a profile past it corrupted TensorRT's heap). Static dims stay.
 - Precision: TensorRT 11 networks are strongly typed, so the precision plan is the ONNX graph's own dtypes;
   no builder precision flags are set.
-- Plugins: IPluginV3 creators from `k3x.trt`, one path per plugin (AOT cubins for `sm`, or JIT), printed
+- Plugins: IPluginV3 creators (custom_ops/trt_plugins.py), one path per plugin (AOT cubins for `sm`, or JIT), printed
   and recorded. A timing cache file lives next to the engine, listed in the `trt` artifact, and is reused
   only while its recorded sha256 matches.
 - Input: the manifest's `onnx` artifact, every file checked (inside the folder, size, sha256) before the
@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..folder.artifacts import ExportFolder, ManifestError, refuse_unlisted, write_artifact
-from .trace import DYNAMIC_DIMS, DimRange
+from ..folder.dims import DYNAMIC_DIMS, DimRange
 
 log = logging.getLogger("k3x.trt")
 ENGINE_FILE, ENGINE_META, TIMING_CACHE, ONNX_FILE = "model.engine", "model.engine.json", "timing.cache", "model.trt.onnx"
@@ -279,7 +279,7 @@ def _build_engine(export_dir: Path, options: EngineOptions) -> EngineArtifact:
     onnx_path, onnx_sha256, cache_bytes = _checked_input(export_dir)
     ranges = profile_ranges(options.dims, ExportFolder.open(export_dir).manifest["dynamic_dims"])
     trt = import_trt(options.runtime)
-    from .. import trt as plugins
+    from ..custom_ops import trt_plugins as plugins
 
     sm = options.target_sm
     paths = plugins.register_creators(trt, sm=sm, path=options.plugin_path)

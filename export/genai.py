@@ -39,10 +39,10 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
+from ..folder.dims import DYNAMIC_DIMS
 from ..model.config import K3Config
 from ..model.options import CacheOptions
 from ..model.state import state_specs
-from .trace import DYNAMIC_DIMS
 
 GENAI_MODEL = "model.genai.onnx"
 GENAI_CONFIG = "genai_config.json"

@@ -12,7 +12,7 @@ Notable choices:
   Function bodies are attached after export, because torch.onnx inlines every local function.
 - I/O names follow ONNX Runtime GenAI's conventions (`input_ids`, `past.{i}.*` / `past_key_values.{i}.latent` -> `logits`,
   `present.{i}.*`); the exporter's symbolic dims are renamed to `batch`, `seq`, `past_seq` (from
-  export/trace.DYNAMIC_DIMS) and `present.{i}.latent` gets `total_seq`.
+  folder/dims.DYNAMIC_DIMS) and `present.{i}.latent` gets `total_seq`.
 - No onnxscript optimizer by default: initializers keep their state_dict names (refit, external data
   pointing into checkpoints) and weights are not re-laid-out; ONNX Runtime folds constants itself at
   session creation (measured: k3-mini decode no slower without it). Two small passes instead:
@@ -39,12 +39,12 @@ import onnx_ir as ir
 import torch
 from torch.export import ExportedProgram
 
+from ..folder.dims import DYNAMIC_DIMS
 from ..model.config import K3Config
 from ..model.options import CacheOptions
 from ..model.state import state_specs
 from ..plan.onnx_node import DOMAIN
 from .onnx_flavors import FLAVOR_PASSES
-from .trace import DYNAMIC_DIMS
 
 FLAVOR_FILES: dict[str, str] = {"ort": "model.onnx", "trt": "model.trt.onnx"}
 EXTERNAL_DATA = "model.onnx.data"
@@ -99,7 +99,7 @@ def _rename_io(model: ir.Model, cfg: K3Config, cache: CacheOptions | None) -> No
     if len(inputs) != 1 + len(specs) or len(outputs) != 1 + len(specs):
         raise ValueError(f"exported graph has {len(g.inputs)} inputs / {len(outputs)} outputs; "
                          f"expected {1 + len(specs)} each for config {cfg.name!r}")
-    # symbol -> dim name of export/trace.DYNAMIC_DIMS, read off the inputs the exporter produced
+    # symbol -> dim name of folder/dims.DYNAMIC_DIMS, read off the inputs the exporter produced
     sym = {str(inputs[0].shape[0]): "batch", str(inputs[0].shape[1]): "seq"}
     for s, v in zip(specs, inputs[1:]):
         if s.dims[1:2] == ("past_seq",):

@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import io
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -28,25 +27,10 @@ import torch
 from torch.export import Dim, ExportedProgram
 from torch.export.passes import move_to_device_pass
 
+from ..folder.dims import DYNAMIC_DIMS
 from ..model import K3Config, K3ForCausalLM
 from ..model.options import CacheOptions
 from ..model.state import state_specs
-
-
-@dataclass(frozen=True)
-class DimRange:
-    name: str
-    min: int
-    opt: int
-    max: int
-
-
-# the one dynamic-dim table: (min, opt, max); opt is what optimisation profiles tune for
-DYNAMIC_DIMS: dict[str, DimRange] = {
-    "batch": DimRange("batch", 1, 1, 64),
-    "seq": DimRange("seq", 1, 128, 4096),
-    "past_seq": DimRange("past_seq", 0, 128, 8192),
-}
 
 
 def torch_dims() -> dict[str, Dim]:

@@ -123,7 +123,7 @@ def init_manifest(out_dir: str | Path, cfg: K3Config, *, dtype: torch.dtype, wei
                   checkpoint_hash: str | None = None, options: ModelOptions | None = None) -> dict[str, Any]:
     """Start a fresh manifest (no artifacts) in `out_dir`, created if needed; replaces an older one.
     `options`: what the program was built with (default: reference kernels, dense experts, growing cache)."""
-    from ..export.trace import DYNAMIC_DIMS  # trace imports torch.export machinery; keep this module light
+    from .dims import DYNAMIC_DIMS
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,8 @@ Architecture: docs/model.md §1 (config values), §11 (tensor shapes).
 Notable choices:
 - Frozen dataclasses nested per concern (KDA, MLA, MoE, AttnRes); derived sizes are properties.
 - The hybrid layout is explicit: `layer_types` ("kda"/"mla") and `mlp_types` ("dense"/"moe"), one
-  entry per decoder layer. `from_hf` reads them from the config's own lists, never from a pattern.
+  entry per decoder layer. `checkpoint/hf_config.config_from_hf` reads them from the config's own lists,
+  never from a pattern.
 - Presets by exact name in `PRESETS`; variants come from `dataclasses.replace`.
 - The architecture only, exactly what config.json says: build and run choices (kernels, expert format,
   cache capacity, the parallel plan) are option objects of their own (model/options.py, model/parallel.py).
@@ -24,7 +25,6 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 LayerType = Literal["kda", "mla"]
@@ -268,12 +268,6 @@ class K3Config:
         d["mlp_types"] = tuple(d["mlp_types"])
         d["extra"] = tuple(sorted((d.get("extra") or {}).items()))
         return cls(**d)
-
-    @classmethod
-    def from_hf(cls, path: str | Path) -> K3Config:
-        from ..checkpoint.hf_config import config_from_hf
-
-        return config_from_hf(path)
 
 
 def schedule(num_layers: int, mla_every: int, final_mla: bool, first_dense: int) -> tuple[tuple, tuple]:

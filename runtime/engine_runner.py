@@ -33,7 +33,7 @@ class TrtRunner:
             self.meta = check_engine_meta(export_dir, tensorrt_version=trt.__version__, sm=major * 10 + minor)
         except EngineBuildError as e:
             raise RunnerError(str(e)) from None
-        from .. import trt as plugins
+        from ..custom_ops import trt_plugins as plugins
         from ..trt import adapter
 
         self._errors = adapter.ERRORS

@@ -248,7 +248,7 @@ def check_request(cfg, *, batch: int, prompt_len: int, new_tokens: int, dims: di
         for dim, value, what in limits:
             if dim in dims and value > dims[dim]["max"]:
                 raise RunnerError(f"backend {backend}: {what} = {value} is over the exported maximum {dim}="
-                                  f"{dims[dim]['max']} (trace.DYNAMIC_DIMS at export time); use a shorter request")
+                                  f"{dims[dim]['max']} (DYNAMIC_DIMS at export time); use a shorter request")
     if positions > cfg.max_position_embeddings:
         raise RunnerError(f"prompt length {prompt_len} + {new_tokens - 1} decode steps = {positions} positions: "
                           f"over the model's context length (max_position_embeddings={cfg.max_position_embeddings})")

@@ -1,6 +1,6 @@
-"""The TensorRT plumbing shared by every op family's plugin (each family states its own plugin in
-`custom_ops/<family>/plugin.py`: a `PluginSpec` made from the family's signature; the registry lists the
-families).
+"""The TensorRT plumbing shared by every op family's plugin, knowing no family (each family states its own
+plugin in `custom_ops/<family>/plugin.py`: a `PluginSpec` made from the family's signature;
+custom_ops/trt_plugins.py registers them all).
 
 `core.py` is the spec type (ports and formats, fields, shape/type rules, the family's launch plan); `aot.py`
 compiles plans to cubins and launches them through the CUDA driver; `adapter.py` exposes a spec as an
@@ -14,65 +14,4 @@ from __future__ import annotations
 
 from .core import PluginError, PluginSpec
 
-
-def specs() -> dict[str, PluginSpec]:
-    """op_type -> spec of every registered family (imports the family files, hence torch and triton)."""
-    from ..custom_ops.registry import families
-
-    return {f.plugin.SPEC.name: f.plugin.SPEC for f in families()}
-
-
-def register_creators(trt, *, sm: int, path: str | dict[str, str] = "aot") -> dict[str, str]:
-    """Register an IPluginV3 creator per plugin in namespace "k3" (replacing ones this process registered
-    with other settings); `path` is one request for all or op_type -> path. Returns op_type -> path taken."""
-    from .adapter import creator
-
-    registry, taken = trt.get_plugin_registry(), {}
-    for name, spec in specs().items():
-        taken[name] = spec.resolve_path(path if isinstance(path, str) else path[name])
-        key = (id(trt), name)
-        old = _REGISTERED.get(key)
-        if old is not None and (old.sm, old.path) == (sm, taken[name]):
-            continue
-        if old is not None:
-            registry.deregister_creator(old)
-        c = creator(trt, spec, sm=sm, path=taken[name])
-        if not registry.register_creator(c, spec.namespace):
-            raise PluginError(f"k3::{name}: plugin creator could not be registered (another library owns k3::{name}?)")
-        _REGISTERED[key] = c  # TensorRT holds a raw pointer: keep the Python object alive
-    _register_collectives(trt, registry)
-    return taken
-
-
-def _register_collectives(trt, registry) -> None:
-    """The rank programs' AllReduce / AllGather creators (trt/collectives.py), once per process."""
-    from . import collectives
-
-    for op in collectives.FIELDS:
-        key = (id(trt), op)
-        if key in _REGISTERED:
-            continue
-        c = collectives.creator(trt, op)
-        if not registry.register_creator(c, collectives.NAMESPACE):
-            raise PluginError(f"k3::{op}: plugin creator could not be registered (another library owns k3::{op}?)")
-        _REGISTERED[key] = c
-
-
-_REGISTERED: dict = {}
-
-
-def register_qdp(*, sm: int, opt_dims: dict[str, dict]) -> None:
-    """TensorRT 11 only: register the QDP (`tensorrt.plugin`) form of every plugin instead of the IPluginV3
-    creators (the two cannot share a process: same name/namespace). `opt_dims[op]` are the dims the AOT
-    constexprs are chosen at ({op_type: {dim: size}}, the spec's `dims` names). Not exercised in
-    CI (no TensorRT 11 there); build_engine uses the IPluginV3 creators."""
-    try:
-        import tensorrt.plugin as trtp
-    except ImportError as e:
-        raise PluginError(f"QDP plugins need TensorRT 11 (`pip install tensorrt-cu13`): {e}") from None
-    from . import qdp
-
-    for name, spec in specs().items():
-        qdp.register(trtp, spec, sm=sm, opt_dims=opt_dims.get(name, {}))
-
-__all__ = ["PluginError", "PluginSpec", "register_creators", "register_qdp", "specs"]
+__all__ = ["PluginError", "PluginSpec"]

@@ -74,7 +74,7 @@ def test_plugin_port_tables_match_the_plugin_specs():
     sys.path.insert(0, str(BENCH))
     import gpu_check_plugins
 
-    from k3x.trt import specs
+    from k3x.custom_ops.trt_plugins import specs
 
     real = specs()
     for name, (_, ins, outs) in gpu_check_plugins.PORTS.items():

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from k3x.checkpoint.files import CheckpointError, load_checkpoint
+from k3x.checkpoint.hf_config import config_from_hf
 from k3x.checkpoint.hf_transformers import rename_weight, to_published
-from k3x.model.config import ConfigError, K3Config
+from k3x.model.config import ConfigError
 from k3x.model.state import empty_state
 
 transformers = pytest.importorskip("transformers")
@@ -119,7 +120,7 @@ def test_published_config_style_loads_the_same_weights(tf_ckpt, tmp_path, ids):
     shutil.copytree(tf_ckpt, pub)
     (pub / "config.json").write_text(json.dumps(raw))
     same_name = lambda c: dataclasses.replace(c, name="x")  # noqa: E731 (the name is the folder's)
-    assert same_name(K3Config.from_hf(pub)) == same_name(K3Config.from_hf(tf_ckpt))
+    assert same_name(config_from_hf(pub)) == same_name(config_from_hf(tf_ckpt))
     assert torch.equal(_k3x_logits(pub, ids)[0], _k3x_logits(tf_ckpt, ids)[0])
 
 

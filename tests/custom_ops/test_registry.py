@@ -103,11 +103,11 @@ def test_new_family_reaches_every_stage(toy_family):
     import onnx_ir as ir
     import onnxruntime as ort
 
+    from k3x.custom_ops.trt_plugins import specs
     from k3x.export.onnx import translation_table
     from k3x.export.onnx_collectives import translation_table as collectives
     from k3x.export.onnx_flavors import ort_pass, trt_pass
     from k3x.model.config import ConfigError, preset
-    from k3x.trt import specs
 
     toy_family.op  # noqa: B018  (registers torch.ops.k3.toy)
     table = translation_table()

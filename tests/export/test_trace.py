@@ -16,7 +16,8 @@ import textwrap
 import pytest
 import torch
 
-from k3x.export.trace import DYNAMIC_DIMS, op_counts, save_pt2, trace
+from k3x.export.trace import op_counts, save_pt2, trace
+from k3x.folder.dims import DYNAMIC_DIMS
 from k3x.model import build_model, empty_state, preset
 from k3x.model.state import state_specs
 from tolerances import assert_close

@@ -9,7 +9,7 @@ import torch
 
 from k3x.folder.artifacts import (MANIFEST, ExportFolder, ManifestError, init_manifest, read_manifest, sha256,
     update_manifest, write_artifact)
-from k3x.export.trace import DYNAMIC_DIMS
+from k3x.folder.dims import DYNAMIC_DIMS
 from k3x.model import preset
 from k3x.model.state import state_specs
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from k3x.checkpoint.hf_config import config_to_hf
+from k3x.checkpoint.hf_config import config_from_hf, config_to_hf
 from k3x.model.config import PRESETS, AttnResConfig, ConfigError, K3Config, KDAConfig, preset
 
 
@@ -39,7 +39,7 @@ def test_unknown_preset_lists_valid_names():
 def test_hf_round_trip(tmp_path, name):
     c = PRESETS[name]
     (tmp_path / "config.json").write_text(json.dumps(config_to_hf(c)))
-    back = K3Config.from_hf(tmp_path)
+    back = config_from_hf(tmp_path)
     assert dataclasses.replace(back, name=c.name) == c
 
 
@@ -67,7 +67,7 @@ def k3_config_json() -> dict:
 
 def test_published_k3_json_equals_preset(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(k3_config_json()))
-    assert dataclasses.replace(K3Config.from_hf(tmp_path), name="k3") == preset("k3")
+    assert dataclasses.replace(config_from_hf(tmp_path), name="k3") == preset("k3")
 
 
 def test_schedule_comes_from_the_lists_not_a_pattern(tmp_path):
@@ -75,7 +75,7 @@ def test_schedule_comes_from_the_lists_not_a_pattern(tmp_path):
     lac = cfg["text_config"]["linear_attn_config"]
     lac["full_attn_layers"], lac["kda_layers"] = [1, 93], list(range(2, 93))
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    c = K3Config.from_hf(tmp_path)
+    c = config_from_hf(tmp_path)
     assert c.mla_layers == (0, 92) and len(c.kda_layers) == 91
 
 
@@ -96,7 +96,7 @@ def test_bad_json_names_the_field(tmp_path, mutate, field):
     mutate(cfg["text_config"])
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match=field):
-        K3Config.from_hf(tmp_path)
+        config_from_hf(tmp_path)
 
 
 def test_invalid_dataclass_fields_are_named():

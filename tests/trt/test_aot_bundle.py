@@ -9,7 +9,8 @@ import struct
 
 import pytest
 
-from k3x.trt import aot, specs
+from k3x.custom_ops.trt_plugins import specs
+from k3x.trt import aot
 from k3x.trt.adapter import compile_plan
 from k3x.trt.core import PluginError
 

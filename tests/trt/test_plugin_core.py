@@ -13,8 +13,9 @@ import pytest
 from k3x.custom_ops.attn_res import attn_res_output_shape
 from k3x.custom_ops.kda import kda_output_shapes
 from k3x.custom_ops.registry import families
+from k3x.custom_ops.trt_plugins import specs
 from k3x.plan.launch import PlanError, workspace_layout
-from k3x.trt import PluginError, aot, specs
+from k3x.trt import PluginError, aot
 from k3x.trt.adapter import compile_plan
 
 NODE_SPECS = {f.onnx.NODE.op_type: f.onnx.NODE for f in families()}

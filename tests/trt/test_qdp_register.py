@@ -11,7 +11,8 @@ import typing
 
 import pytest
 
-from k3x.trt import PluginSpec, qdp, specs
+from k3x.custom_ops.trt_plugins import specs
+from k3x.trt import PluginSpec, qdp
 
 ATTR_TYPES = (int, float, bytes, bool, str)
 

@@ -113,7 +113,7 @@ def _run(spec, opt_dims: dict, tensors: list[torch.Tensor], attrs: dict) -> list
 ])
 def test_child_moe_plan(N, opt_N, E, k, hot):
     from k3x.custom_ops.moe import reference
-    from k3x.trt import specs
+    from k3x.custom_ops.trt_plugins import specs
 
     spec = specs()["MoE"]
     d, L, I = 16, 32, 48
@@ -135,7 +135,7 @@ def test_child_moe_plan(N, opt_N, E, k, hot):
 @child
 def test_child_attn_res_plan():
     from k3x.custom_ops.attn_res import reference
-    from k3x.trt import specs
+    from k3x.custom_ops.trt_plugins import specs
 
     spec = specs()["AttnRes"]
     R, N, d = 5, 3, 48
