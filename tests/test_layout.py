@@ -1,12 +1,16 @@
 """Layout guards (docs/architecture.md): every op family has every role; reference and kernels never import
-each other; no module outside custom_ops/ names a family (the model definition and benchmarks excepted);
-no non-kernel source file passes 400 lines; nothing points outside the repository."""
+each other; no module outside custom_ops/ names a family (the model definition, checkpoint names and
+benchmarks excepted); imports point one way between packages (PACKAGE_ORDER: none back up, no cycle across
+packages); no private name is imported from another module; no non-kernel source file passes 400 lines;
+nothing points outside the repository."""
 
 from __future__ import annotations
 
 import ast
 import re
 from pathlib import Path
+
+from import_graph import PACKAGE_ORDER, layer, package_cycles, private_imports, project_imports
 
 import pytest
 
@@ -62,9 +66,10 @@ def test_every_family_has_every_role(family):
 
 
 def test_no_module_outside_custom_ops_names_a_family():
-    """exporter/, plugins/, cli.py and the other top-level modules iterate the registry instead."""
+    """export/, runtime/, trt/, cli.py and the other top-level modules iterate the registry instead."""
     words = family_words()
-    exempt = ("custom_ops", "model", "bench")  # the ops themselves, the model definition, per-kernel benchmarks
+    # the ops themselves, the model definition, checkpoint names (config.json's and the tensors'), benchmarks
+    exempt = ("custom_ops", "model", "checkpoint", "bench")
     hits = [f"{p.relative_to(ROOT)}:{line}: {text!r}" for p in sources()
             if p.relative_to(ROOT).parts[0] not in exempt for line, text in code_tokens(p) if words.search(text)]
     assert not hits, "modules outside custom_ops/ name an op family:\n" + "\n".join(hits)
@@ -101,3 +106,40 @@ def test_nothing_points_outside_the_repository():
     hits = [f"{p.relative_to(ROOT)}:{i}" for p in files for i, line in enumerate(p.read_text().splitlines(), 1)
             if pattern.search(line) and p.name != "test_layout.py"]
     assert not hits, "references outside the repository:\n" + "\n".join(hits)
+
+
+def test_imports_point_one_way():
+    """A module imports only its own package or one below it in PACKAGE_ORDER (function-level and
+    TYPE_CHECKING imports count: an import inside a function still runs up)."""
+    back = [f"{p.relative_to(ROOT)}:{line}: {mod} (layer {layer(mod)}) -> {target} (layer {layer(target)})"
+            for p in sources() for mod, line, target in project_imports(p, ROOT) if layer(target) > layer(mod)]
+    order = " < ".join("/".join(n or "k3x" for n in g) for g in PACKAGE_ORDER)
+    assert not back, f"imports running back up the package order ({order}):\n" + "\n".join(back)
+
+
+def test_no_import_cycle_across_packages():
+    cycles = package_cycles([edge for p in sources() for edge in project_imports(p, ROOT)])
+    assert not cycles, "packages importing each other: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_no_private_name_imported_from_another_module():
+    """`from x import _name` couples a file to another file's internals: make the name public in its owner
+    (or move the code there). Tests are excluded."""
+    hits = [f"{p.relative_to(ROOT)}:{line}: {target}.{name}" for p in sources()
+            for line, target, name in private_imports(p, ROOT)]
+    assert not hits, "private names imported across files:\n" + "\n".join(hits)
+
+
+def test_the_import_guards_see_a_violation(tmp_path):
+    """The scans above can fail: a model module importing the runtime (inside a function) and a private name
+    of another module are caught."""
+    pkg = tmp_path / "model"
+    pkg.mkdir()
+    probe = pkg / "probe.py"
+    probe.write_text("def f():\n    from ..runtime.runners import _artifact\n")
+    edges = project_imports(probe, tmp_path)
+    assert [(m, t) for m, _, t in edges] == [("k3x.model.probe", "k3x.runtime.runners")]
+    assert layer("k3x.runtime.runners") > layer("k3x.model.probe")
+    assert private_imports(probe, tmp_path) == [(2, "k3x.runtime.runners", "_artifact")]
+    assert package_cycles([("k3x.model.a", 1, "k3x.runtime.b"), ("k3x.runtime.b", 1, "k3x.model.c")]) == [
+        ["model", "runtime"]]
