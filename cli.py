@@ -12,7 +12,8 @@ from .cli_decode import Chat, MaxNewTokens, PromptIds, PromptText, Seed, Tempera
 from .cli_parallel import EP, TP, FitBatch, FitContext, inspect_parallel
 from .cli_runner import CudaGraph, MaxContext, SkipHashCheck, close_session, eager_generate, open_session, \
     reference_options, runner_options
-from .cli_support import App, Progress, echo, export_folder as _export_folder, fail, load_ids_npy, one_line
+from .cli_support import App, Progress, echo, export_folder as _export_folder, fail, load_ids_npy, one_line, \
+    parse_ids
 from .export.pipeline import DType, ExpertFormat, KernelChoice, Target
 
 app = App(
@@ -27,16 +28,6 @@ app = App(
 @app.callback()
 def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(message)s")
-
-
-def parse_ids(text: str, what: str) -> list[int]:
-    try:
-        ids = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        fail(f"{what}={text!r}: expected comma-separated integers, e.g. 1,2,3")
-    if not ids:
-        fail(f"{what}: no token ids given")
-    return ids
 
 
 def load_model_or_fail(checkpoint: Path, dtype: str = "fp32"):

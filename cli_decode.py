@@ -50,7 +50,7 @@ def prepare(folder: Path, vocab_size: int, prompt: str | None, prompt_ids: str |
             sampling: Sampling, export: Any = None) -> Prepared:
     """Prompt ids (from --prompt-ids, or --prompt through the folder's tokenizer) and sampling options.
     `export` (an ExportFolder): the folder is an export; only its manifest's hash-checked tokenizer files are read."""
-    from .cli import fail, parse_ids
+    from .cli_support import fail, parse_ids
     from .folder.artifacts import ManifestError
     from .text.sampling import SamplingOptions
     from .text.tokenizer import TokenizerError, eos_token_ids, find_tokenizer

@@ -165,3 +165,13 @@ def export_folder(export_dir: Path):
         return folder
     except ManifestError as e:
         fail(f"{export_dir}: not a k3x export folder ({e})")
+
+
+def parse_ids(text: str, what: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        fail(f"{what}={text!r}: expected comma-separated integers, e.g. 1,2,3")
+    if not ids:
+        fail(f"{what}: no token ids given")
+    return ids
