@@ -140,5 +140,5 @@ def test_path_with_terminal_escapes_in_an_error_is_escaped(ckpt_dir, tmp_path):
 
 
 def test_a_failing_sharded_export_is_one_line(ckpt_dir, tmp_path):
-    code, out = k3x("export", "--checkpoint", ckpt_dir, "--tp", "2", "--out", tmp_path / "e")
-    assert code == 1 and _errors(out) == ["error: kda.num_heads=3: not divisible by tp=2"], out
+    code, out = k3x("export", "--checkpoint", ckpt_dir, "--tp", "3", "--out", tmp_path / "e")
+    assert code == 1 and _errors(out) == ["error: kda.num_heads=4: not divisible by tp=3"], out
