@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from ..custom_ops.common import cast
 from ..custom_ops.kda import kda
 from ..custom_ops.kda.reference import kda_gate, l2norm
+from ..custom_ops.kda_packed import kda_packed
 from ..plan.kernels import Kernels
 from .config import K3Config
 from .layers import RMSNorm, linear
@@ -47,21 +48,88 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x: Tensor, conv_state: Tensor, recurrent_state: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [B, T, d]; conv_state [B, 3P, W-1] fp32; recurrent_state [B, H, K, V] fp32."""
-        B, T, _ = x.shape
-        H, D, W = self.H, self.D, self.W
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [B, T, 3P]
+        W = self.W
+        qkv = self._qkv(x)  # [B, T, 3P]
         xx = torch.cat([cast(conv_state, qkv.dtype), qkv.transpose(1, 2)], dim=-1)  # [B, 3P, W-1+T]
-        w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])  # [3P, 1, W]
-        y = F.silu(F.conv1d(xx, cast(w, xx.dtype), groups=w.shape[0]))  # [B, 3P, T]
+        w = self._conv_weight(xx.dtype)  # [3P, 1, W]
+        y = F.conv1d(xx, w, groups=w.shape[0]).transpose(1, 2)  # [B, T, 3P]
         new_conv = cast(xx[:, :, xx.shape[-1] - (W - 1):], torch.float32)  # [B, 3P, W-1]
-        q, k, v = y.transpose(1, 2).reshape(B, T, 3, H, D).unbind(2)  # 3 x [B, T, H, D]
-        q, k = l2norm(q), l2norm(k)
-        f = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, D)
-        g = kda_gate(f, self.A_log, self.dt_bias, self.cfg.kda.gate_lower_bound)  # [B, T, H, D] fp32
-        beta = torch.sigmoid(cast(self.b_proj(x), torch.float32))  # [B, T, H]
-        out = kda(q, k, v, g, beta, recurrent_state, scale=D ** -0.5, kernels=self.kernels,
+        q, k, v, g, beta = self._heads(x, y)
+        out = kda(q, k, v, g, beta, recurrent_state, scale=self.D ** -0.5, kernels=self.kernels,
                   gate_lower_bound=self.cfg.kda.gate_lower_bound)
+        return self._output(x, out.output), new_conv, out.final_state
+
+    def forward_packed(self, x: Tensor, conv_pool: Tensor, rec_pool: Tensor, cu_seqlens: Tensor, slots: Tensor, *,
+                       kernels: Kernels) -> tuple[Tensor, Tensor, Tensor]:
+        """One serving step: x [N, d] packs B sequences (rows cu_seqlens[b]:cu_seqlens[b+1], int32 [B+1]);
+        sequence b's state is row slots[b] (int32 [B]) of conv_pool [S, 3P, W-1] and rec_pool [S, H, K, V]
+        (fp32, read only). Returns y [N, d], new conv [B, 3P, W-1] fp32, new recurrent [B, H, K, V] fp32."""
+        qkv = self._qkv(x)  # [N, 3P]
+        states = cast(conv_pool.index_select(0, cast(slots, torch.int64)), qkv.dtype)  # [B, 3P, W-1]
+        y, new_conv = packed_causal_conv(qkv, states, cu_seqlens, self._conv_weight(qkv.dtype))
+        q, k, v, g, beta = self._heads(x, y)
+        out = kda_packed(q, k, v, g, beta, rec_pool, cu_seqlens, slots, scale=self.D ** -0.5, kernels=kernels,
+                         gate_lower_bound=self.cfg.kda.gate_lower_bound)
+        return self._output(x, out.output), cast(new_conv, torch.float32), out.final_state
+
+    def _qkv(self, x: Tensor) -> Tensor:
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [..., 3P] pre-conv
+
+    def _conv_weight(self, dtype: torch.dtype) -> Tensor:
+        w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])  # [3P, 1, W]
+        return cast(w, dtype)
+
+    def _heads(self, x: Tensor, y: Tensor) -> tuple[Tensor, ...]:
+        """x [..., d], y [..., 3P] (conv out, pre-SiLU) -> q, k, v [..., H, D]; g [..., H, D] fp32; beta [..., H]."""
+        H, D = self.H, self.D
+        q, k, v = F.silu(y).unflatten(-1, (3, H, D)).unbind(-3)  # 3 x [..., H, D]
+        q, k = l2norm(q), l2norm(k)
+        f = self.f_b_proj(self.f_a_proj(x)).unflatten(-1, (H, D))
+        g = kda_gate(f, self.A_log, self.dt_bias, self.cfg.kda.gate_lower_bound)  # [..., H, D] fp32
+        beta = torch.sigmoid(cast(self.b_proj(x), torch.float32))  # [..., H]
+        return q, k, v, g, beta
+
+    def _output(self, x: Tensor, core: Tensor) -> Tensor:
+        """x [..., d], core [..., H, D] (the recurrence's output) -> [..., d]."""
         gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
-        o = self.o_norm(out.output)  # [B, T, H, D]
-        o = o * cast(torch.sigmoid(cast(gate, torch.float32).view(B, T, H, D)), o.dtype)
-        return self.o_proj(o.reshape(B, T, H * D)), new_conv, out.final_state
+        o = self.o_norm(core)
+        o = o * cast(torch.sigmoid(cast(gate, torch.float32).unflatten(-1, (self.H, self.D))), o.dtype)
+        return self.o_proj(o.flatten(-2))
+
+
+def packed_causal_conv(qkv: Tensor, states: Tensor, cu_seqlens: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+    """The depthwise causal conv over packed rows, standard ops only (gathers; exportable with dynamic N, B).
+
+    qkv [N, C] pre-conv inputs of B packed sequences; states [B, C, W-1] each sequence's last W-1 inputs
+    before this step; cu_seqlens [B+1]; weight [C, 1, W]. Row t of sequence b reads its inputs t-W+1..t:
+    this step's rows where t-j >= 0, else states[b][:, W-1+t-j]. Returns (y [N, C] pre-activation,
+    new states [B, C, W-1]: the last W-1 inputs of each sequence, old state columns when it is shorter).
+    """
+    N, C = qkv.shape
+    B, _, M = states.shape  # M = W-1
+    cu = cast(cu_seqlens, torch.int64)
+    # every input a step can read, one row each: the B old states (M rows each), then this step's N rows
+    ext = torch.cat([states.transpose(1, 2).reshape(B * M, C), qkv])  # [B*M + N, C]
+    # index grids are 2-D and never sliced from cu: a 1-D [B] or [N] intermediate makes torch.export guard
+    # its size >= 2 (contiguity), which a decode step (N = 1) or one sequence (B = 1) would fail
+    n, i = _grid(N, M + 1, qkv.device)  # row n, tap i (reads local position t - M + i)
+    seq = (n[..., None] >= cu).sum(-1) - 1  # [N, W] sequence of row n (cu is sorted, cu[B] = N > n)
+    start = cu.index_select(0, seq.flatten()).view_as(seq)
+    window = ext.index_select(0, _ext_row(B, M, seq, start, n - start - M + i).flatten())
+    y = (window.view(N, M + 1, C) * weight[:, 0].transpose(0, 1)).sum(1)  # [N, C]
+    b, j = _grid(B, M, qkv.device)  # sequence b, column j of its new state
+    start = cu.index_select(0, b.flatten()).view_as(b)
+    length = cu.index_select(0, b.flatten() + 1).view_as(b) - start
+    new = ext.index_select(0, _ext_row(B, M, b, start, length - M + j).flatten())
+    return y, new.view(B, M, C).transpose(1, 2)
+
+
+def _grid(rows: int, cols: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(r, c) [rows, cols]: each element's row and column index."""
+    flat = torch.arange(rows * cols, device=device).view(rows, cols)
+    return flat // cols, flat % cols
+
+
+def _ext_row(B: int, M: int, b: Tensor, start: Tensor, p: Tensor) -> Tensor:
+    """Row of `ext` holding sequence b's input at local position p >= -M (start: b's first packed row)."""
+    return torch.where(p >= 0, B * M + start + p, b * M + M + p)

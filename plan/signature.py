@@ -35,6 +35,7 @@ TYPE_VARS: dict[str, tuple[tuple[str, ...], str]] = {
     "N": (FLOAT, "norm weights (fp32 in K3's precision plan, independent of W)"),
     "G": (FLOAT, "router weights (independent of the expert weights)"),
     "O": (("int32",), "expert_offset [1]: global id of the first local expert (expert parallelism)"),
+    "I": (("int32",), "int32 indices of a serving step: packed-sequence offsets, pool slots, block tables"),
     "U": (("uint8", "int8"), "packed weights (two 4-bit codes per byte) and their E8M0 scale bytes: uint8 (ort "
                              "flavor) or the same bytes as int8 (trt flavor)"),
 }

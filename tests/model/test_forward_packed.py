@@ -1,0 +1,93 @@
+"""KimiDeltaAttention.forward_packed (one serving step over packed sequences, pool-indexed state) equals
+`forward` run per sequence from that sequence's state, and exports with dynamic N (tokens) and B (sequences)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3x.model import preset
+from k3x.model.kda import KimiDeltaAttention
+from tolerances import assert_close
+
+
+def layer(seed=0):
+    cfg = preset("k3-mini")
+    torch.manual_seed(seed)
+    m = KimiDeltaAttention(cfg).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0.0, 0.3)  # non-trivial conv taps, gates and norms (init zeros some of them)
+    return m
+
+
+def step_inputs(m, lens, S=None, seed=0):
+    """x [N, d], pools with spare rows, cu_seqlens, a permuted choice of slots."""
+    gen = torch.Generator().manual_seed(seed)
+    c, d = m.cfg.kda, m.cfg.hidden_size
+    P, H, D, W = c.proj_dim, c.num_heads, c.head_dim, c.conv_kernel
+    S = S or len(lens) + 2
+    x = torch.randn(sum(lens), d, generator=gen)
+    conv_pool = torch.randn(S, 3 * P, W - 1, generator=gen)
+    rec_pool = torch.randn(S, H, D, D, generator=gen) * 0.3
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    slots = torch.randperm(S, generator=gen)[: len(lens)].to(torch.int32)
+    return x, conv_pool, rec_pool, cu, slots
+
+
+@pytest.mark.parametrize("lens", [
+    pytest.param([1], id="decode"),
+    pytest.param([2], id="shorter-than-W-1"),
+    pytest.param([1, 2, 3, 4, 5], id="around-W"),
+    pytest.param([70, 1, 2, 1, 64], id="prefill-and-decode"),
+])
+def test_matches_forward_per_sequence(lens):
+    m = layer()
+    x, conv_pool, rec_pool, cu, slots = step_inputs(m, lens, seed=len(lens))
+    pools = conv_pool.clone(), rec_pool.clone()
+    with torch.no_grad():
+        y, new_conv, new_rec = m.forward_packed(x, conv_pool, rec_pool, cu, slots, kernels="reference")
+        for b, slot in enumerate(slots.tolist()):
+            a, e = cu[b].item(), cu[b + 1].item()
+            yb, cb, rb = m(x[None, a:e], conv_pool[slot: slot + 1], rec_pool[slot: slot + 1])
+            assert_close(y[a:e], yb[0], torch.float32, f"y of sequence {b}")
+            assert_close(new_conv[b], cb[0], torch.float32, f"new conv of sequence {b}")
+            assert_close(new_rec[b], rb[0], torch.float32, f"new recurrent of sequence {b}")
+    assert new_conv.dtype == new_rec.dtype == torch.float32
+    assert torch.equal(pools[0], conv_pool) and torch.equal(pools[1], rec_pool), "a pool was written"
+
+
+def test_short_sequence_keeps_old_conv_columns():
+    """A 1-row sequence's new conv state is its old state shifted by one column plus the new input."""
+    m = layer()
+    x, conv_pool, rec_pool, cu, slots = step_inputs(m, [1, 3])
+    with torch.no_grad():
+        _, new_conv, _ = m.forward_packed(x, conv_pool, rec_pool, cu, slots, kernels="reference")
+        first = torch.cat([m.q_proj(x[:1]), m.k_proj(x[:1]), m.v_proj(x[:1])], -1)[0]
+    assert torch.equal(new_conv[0, :, :-1], conv_pool[slots[0], :, 1:])
+    assert_close(new_conv[0, :, -1], first, torch.float32, "new input column")
+
+
+class Step(torch.nn.Module):
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, x, conv_pool, rec_pool, cu_seqlens, slots):
+        return self.m.forward_packed(x, conv_pool, rec_pool, cu_seqlens, slots, kernels="reference")
+
+
+def test_exports_with_dynamic_tokens_and_sequences():
+    from torch.export import Dim, export
+
+    m = layer()
+    N, B, S = Dim("N", min=1, max=4096), Dim("B", min=1, max=256), Dim("S", min=1, max=1024)
+    shapes = {"x": {0: N}, "conv_pool": {0: S}, "rec_pool": {0: S}, "cu_seqlens": {0: B + 1}, "slots": {0: B}}
+    with torch.no_grad():
+        ep = export(Step(m), step_inputs(m, [5, 1, 3]), dynamic_shapes=shapes)
+        for lens in ([1], [70, 1, 2], [2, 2, 2, 2, 9]):  # other N and B than traced
+            args = step_inputs(m, lens, S=7, seed=sum(lens))
+            for got, want in zip(ep.module()(*args), Step(m)(*args)):
+                assert_close(got, want, torch.float32, f"exported {lens}")
+    ops = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert "k3.kda_packed.default" in ops
