@@ -27,17 +27,25 @@ def translate(q, k, v, g, beta, initial_state, scale: float, kernels: str, gate_
 def function(opset_version: int, nodes: list) -> tuple[onnx.FunctionProto, dict[str, int]]:
     """The ONNX Runtime body and the extra opsets it imports."""
     b = Body("KDA", "pack")
+    o, state = linear_attention(b, "q", "k", "v", "g", "beta", "initial_state")
+    b.step = "unpack"
+    o = b.op("Reshape", o, b.op("Shape", "v"))  # [B, T, H*V] -> [B, T, H, V]
+    b.out("CastLike", [o, "v"], ["o"])
+    b.out("Identity", [state], ["final_state"])
+    return b.function(NODE, {"": opset_version, MS_DOMAIN: 1}), {MS_DOMAIN: 1}
+
+
+def linear_attention(b: Body, q: str, k: str, v: str, g: str, beta: str, s0: str) -> tuple[str, str]:
+    """The recurrence as nodes of `b` (also k3::KDAPacked's body): q, k, g [B, T, H, K], v [B, T, H, V],
+    beta [B, T, H], s0 [B, H, K, V], any float dtype -> (o [B, T, H*V] fp32, final state fp32). The calling
+    node's attributes `num_heads` and `scale` are referenced, so the node must have them."""
     packed = b.ints(0, 0, -1)  # [B, T, H, D] -> [B, T, H*D]
-    q, k, v, g = (b.op("Reshape", b.op("Cast", x, to=onnx.TensorProto.FLOAT), packed) for x in ("q", "k", "v", "g"))
-    beta, s0 = (b.op("Cast", x, to=onnx.TensorProto.FLOAT) for x in ("beta", "initial_state"))
+    q, k, v, g = (b.op("Reshape", b.op("Cast", x, to=onnx.TensorProto.FLOAT), packed) for x in (q, k, v, g))
+    beta, s0 = (b.op("Cast", x, to=onnx.TensorProto.FLOAT) for x in (beta, s0))
     b.step = "recurrence"
     o, state = b.op("LinearAttention", q, k, v, s0, g, beta, outputs=2, domain=MS_DOMAIN, update_rule="gated_delta")
     la = b.nodes[-1]
     for attr, ref in (("q_num_heads", "num_heads"), ("kv_num_heads", "num_heads")):
         la.attribute.append(onnx.AttributeProto(name=attr, ref_attr_name=ref, type=onnx.AttributeProto.INT))
     la.attribute.append(onnx.AttributeProto(name="scale", ref_attr_name="scale", type=onnx.AttributeProto.FLOAT))
-    b.step = "unpack"
-    o = b.op("Reshape", o, b.op("Shape", "v"))  # [B, T, H*V] -> [B, T, H, V]
-    b.out("CastLike", [o, "v"], ["o"])
-    b.out("Identity", [state], ["final_state"])
-    return b.function(NODE, {"": opset_version, MS_DOMAIN: 1}), {MS_DOMAIN: 1}
+    return o, state
