@@ -6,6 +6,5 @@ from . import registry
 
 for _family in registry.families():
     _family.op  # noqa: B018  (imports op.py: registers torch.ops.k3.<family>)
-from .kda_packed import op as _kda_packed_op  # noqa: E402,F401  (until its family is in FAMILIES)
 
 __all__ = ["Kernels", "registry"]

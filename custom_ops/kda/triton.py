@@ -179,17 +179,42 @@ def _row_scores(k, q, g, ka, Ga, ga, o_t, rows, o_k, m_k, T, scale, Lr, Qr, I: t
 
 
 @triton.jit
+def seq_span(cu_seqlens, i_b, T, NT, chunk_stride, BT: tl.constexpr, VARLEN: tl.constexpr):
+    """(first row, length, gl chunk base, gl chunk stride) of sequence i_b. Dense [B, T]: rows i_b·T.., gl
+    [B, NT, H, K] (chunk base i_b·NT, stride H·K). VARLEN (packed by cu_seqlens): rows cu[i_b]..cu[i_b+1]-1,
+    gl indexed by each chunk's first packed row (base cu[i_b], stride BT·H·K), so it needs N rows."""
+    if VARLEN:
+        bos = tl.load(cu_seqlens + i_b).to(tl.int64)
+        T = (tl.load(cu_seqlens + i_b + 1) - bos).to(tl.int32)
+        return bos, T, bos, chunk_stride * BT
+    return i_b.to(tl.int64) * T, T, i_b.to(tl.int64) * NT, chunk_stride
+
+
+@triton.jit
+def state_row(slots, i_b, i_h, H: tl.constexpr, VARLEN: tl.constexpr):
+    """Row (of [*, K, V]) of sequence i_b's initial state, head i_h: its pool slot's when VARLEN."""
+    if VARLEN:
+        return tl.load(slots + i_b).to(tl.int64) * H + i_h
+    return i_b.to(tl.int64) * H + i_h
+
+
+@triton.jit
 def _kda_intra_kernel(
     q, k, v, g, beta,  # inputs [B, T, H, K|V], beta [B, T, H]
+    cu_seqlens,  # VARLEN: [B+1] int32 (inputs packed [N, H, *]); else None
     w, u, qg, kg, A, gl,  # outputs [B, T, H, K], [B, T, H, V], [B, T, H, K] ×2, [B, T, H, BT], [B, NT, H, K] fp32
     T, NT,
     scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, DOT_BF16: tl.constexpr, SAFE_GATE: tl.constexpr,
+    VARLEN: tl.constexpr, SPLIT: tl.constexpr,
 ):
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
-    tok0 = i_b.to(tl.int64) * T  # first token of this sequence in the flattened [B*T] axis
+    tok0, T, c0, gs = seq_span(cu_seqlens, i_b, T, NT, H * K, BT, VARLEN)
+    if VARLEN:
+        if (i_t * BT >= T) | (T <= SPLIT):  # past this sequence's chunks, or left to the recurrent kernel
+            return
     # per-head base pointers; a row r of the sequence is at + r * (H * X)
     q += (tok0 * H + i_h) * K
     k += (tok0 * H + i_h) * K
@@ -201,7 +226,7 @@ def _kda_intra_kernel(
     u += (tok0 * H + i_h) * V
     A += (tok0 * H + i_h) * BT
     beta += tok0 * H + i_h
-    gl += ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K
+    gl += (c0 * H + i_h) * K + i_t * gs
 
     o_t = tl.arange(0, BT)
     rows = i_t * BT + o_t  # the chunk's rows
@@ -290,21 +315,26 @@ def _kda_intra_kernel(
 @triton.jit
 def _kda_state_kernel(
     w, u, qg, kg, A, gl, h0,  # from the intra kernel; h0 [B, H, K, V] fp32 (ignored unless HAS_H0)
+    cu_seqlens, slots,  # VARLEN: [B+1], [B] int32, h0 is the pool [S, H, K, V] read at row slots[b]; else None
     o, ht,  # outputs [B, T, H, V], [B, H, K, V] fp32
     T, NT,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DOT_BF16: tl.constexpr, HAS_H0: tl.constexpr,
+    DOT_BF16: tl.constexpr, HAS_H0: tl.constexpr, VARLEN: tl.constexpr, SPLIT: tl.constexpr,
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
-    tok0 = i_b.to(tl.int64) * T
+    tok0, T, c0, gs = seq_span(cu_seqlens, i_b, T, NT, H * K, BT, VARLEN)
+    if VARLEN:
+        if T <= SPLIT:  # left to the recurrent kernel
+            return
+        NT = tl.cdiv(T, BT)
     w += (tok0 * H + i_h) * K
     qg += (tok0 * H + i_h) * K
     kg += (tok0 * H + i_h) * K
     u += (tok0 * H + i_h) * V
     o += (tok0 * H + i_h) * V
     A += (tok0 * H + i_h) * BT
-    gl += (i_b.to(tl.int64) * NT * H + i_h) * K
+    gl += (c0 * H + i_h) * K
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     o_t = tl.arange(0, BT)
@@ -313,7 +343,8 @@ def _kda_state_kernel(
     p_s = i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
     S = tl.zeros([BK, BV], dtype=tl.float32)  # state slice [K, BV]
     if HAS_H0:
-        S = tl.load(h0 + p_s, mask=m_s, other=0.0).to(tl.float32)
+        S = tl.load(h0 + state_row(slots, i_b, i_h, H, VARLEN) * K * V + o_k[:, None] * V + o_v[None, :],
+                    mask=m_s, other=0.0).to(tl.float32)
     ddt = w.dtype.element_ty
     for i_t in range(0, NT):
         rows = i_t * BT + o_t
@@ -324,7 +355,7 @@ def _kda_state_kernel(
         b_kg = tl.load(kg + r64[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_u = tl.load(u + r64[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
         b_A = tl.load(A + r64[:, None] * (H * BT) + o_t[None, :], mask=m_t[:, None], other=0.0)
-        b_gl = tl.load(gl + i_t * H * K + o_k, mask=m_k, other=0.0)
+        b_gl = tl.load(gl + i_t * gs + o_k, mask=m_k, other=0.0)
         S_d = S.to(ddt)
         vn = b_u.to(tl.float32) - _mma(b_w, S_d, tl.zeros([BT, BV], dtype=tl.float32), DOT_BF16)  # V' [BT, BV]
         vn_d = vn.to(ddt)
@@ -339,15 +370,20 @@ def _kda_state_kernel(
 @triton.jit
 def _kda_recurrent_kernel(  # arguments in TensorRT QDP order: inputs, int32 scalars, outputs
     q, k, v, g, beta, h0,  # [B, T, H, K|V], beta [B, T, H], h0 [B, H, K, V] fp32 (may alias ht)
+    cu_seqlens, slots,  # VARLEN: [B+1], [B] int32, h0 is the pool [S, H, K, V] read at row slots[b]; else None
     T,
     o, ht,  # [B, T, H, V], [B, H, K, V] fp32
     scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_H0: tl.constexpr,
+    HAS_H0: tl.constexpr, VARLEN: tl.constexpr, SPLIT: tl.constexpr,
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
-    tok0 = i_b.to(tl.int64) * T
+    tok0, T, _c0, _gs = seq_span(cu_seqlens, i_b, T, 1, 0, 1, VARLEN)
+    if VARLEN:
+        if SPLIT > 0:
+            if T > SPLIT:  # left to the chunked kernels
+                return
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
@@ -355,7 +391,8 @@ def _kda_recurrent_kernel(  # arguments in TensorRT QDP order: inputs, int32 sca
     p_s = i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_H0:
-        S = tl.load(h0 + p_s, mask=m_s, other=0.0).to(tl.float32)
+        S = tl.load(h0 + state_row(slots, i_b, i_h, H, VARLEN) * K * V + o_k[:, None] * V + o_v[None, :],
+                    mask=m_s, other=0.0).to(tl.float32)
     for t in range(0, T):
         row = (tok0 + t) * H + i_h
         b_q = tl.load(q + row * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
@@ -464,37 +501,70 @@ def plan(d: dict, dtypes: list[str], attrs: dict) -> Plan:
     variant "recurrent" for T <= RECURRENT_MAX_T (one kernel), "chunked" above (intra + state kernels, their
     intermediates w, u, qg, kg, A, gl in the workspace). `dtypes` are the port dtypes (q first); `scale` is
     specialised into the code. Ports: q, k, v, g, beta, initial_state -> o, final_state."""
-    B, T, H, K, V = d["B"], d["T"], d["H"], d["K"], d["V"]
-    scale = float(attrs["scale"])
     safe = safe_gate(attrs.get("gate_lower_bound"))
-    r = kda_recurrent_launch_config(B, max(T, 1), H, K, V)
-    recurrent = Launch(_kda_recurrent_kernel, ("q", "k", "v", "g", "beta", "initial_state", "T", "o", "final_state"),
-                       {"scale": scale, "H": H, "K": K, "V": V, "BK": r["BK"], "BV": r["BV"], "HAS_H0": True},
-                       grid=lambda x, BV=r["BV"]: (cdiv(V, BV), x["B"] * H, 1), scalars=lambda x: {"T": x["T"]},
-                       num_warps=r["num_warps"], num_stages=r["num_stages"])
-    c = kda_chunk_launch_config(B, max(T, RECURRENT_MAX_T + 1), H, K, V)
-    dot_bf16 = dtypes[0] == "bf16"
-    idt = "bf16" if dot_bf16 else "fp32"  # dtype of the intermediates
-    nt = lambda x: cdiv(x["T"], BT)  # noqa: E731
-    rows = lambda n: (lambda x: x["B"] * x["T"] * H * n)  # noqa: E731
-    ws = (Buffer("w", idt, rows(K)), Buffer("u", idt, rows(V)), Buffer("qg", idt, rows(K)),
-          Buffer("kg", idt, rows(K)), Buffer("A", idt, rows(BT)), Buffer("gl", "fp32", lambda x: x["B"] * nt(x) * H * K))
-    ci, cs = c["intra"], c["state"]
-    sizes = lambda x: {"T": x["T"], "NT": nt(x)}  # noqa: E731
-    intra = Launch(_kda_intra_kernel, ("q", "k", "v", "g", "beta", "w", "u", "qg", "kg", "A", "gl", "T", "NT"),
-                   {"scale": scale, "H": H, "K": K, "V": V, "BT": BT, "BC": BC, "BK": ci["BK"], "BV": ci["BV"],
-                    "DOT_BF16": dot_bf16, "SAFE_GATE": safe},
-                   grid=lambda x: (nt(x), x["B"] * H, 1), scalars=sizes,
-                   num_warps=ci["num_warps"], num_stages=ci["num_stages"])
-    state = Launch(_kda_state_kernel, ("w", "u", "qg", "kg", "A", "gl", "initial_state", "o", "final_state", "T",
-                                       "NT"),
-                   {"H": H, "K": K, "V": V, "BT": BT, "BK": cs["BK"], "BV": cs["BV"], "DOT_BF16": dot_bf16,
-                    "HAS_H0": True},
-                   grid=lambda x, BV=cs["BV"]: (cdiv(V, BV), x["B"] * H, 1), scalars=sizes,
-                   num_warps=cs["num_warps"], num_stages=cs["num_stages"])
+    recurrent = recurrent_launch(d, attrs, varlen=False, split=0)
+    intra, state, ws = chunked_launches(d, dtypes, attrs, varlen=False, split=0)
     return Plan((Variant("recurrent", (recurrent,), when=lambda x: x["T"] <= RECURRENT_MAX_T),
                  Variant("chunked" if safe else "chunked-unbounded-gate", (intra, state),
                          when=lambda x: x["T"] > RECURRENT_MAX_T)), workspace=ws)
+
+
+DENSE = {"cu_seqlens": None, "slots": None, "VARLEN": False, "SPLIT": 0}  # the packed-only arguments, unused
+
+
+def _layout(d: dict, varlen: bool) -> tuple:
+    """(T for the launch configs, the kernels' T scalar, rows of the token axis, the initial-state ports) of
+    dense [B, T, H, *] ports, or of packed [N, H, *] ports (varlen: dims N, B; the kernels read each
+    sequence's T from cu_seqlens and its initial state from state_pool row slots[b])."""
+    if varlen:
+        return d["N"], (lambda x: x["N"]), (lambda x: x["N"]), ("state_pool", "cu_seqlens", "slots")
+    return d["T"], (lambda x: x["T"]), (lambda x: x["B"] * x["T"]), ("initial_state",)
+
+
+def recurrent_launch(d: dict, attrs: dict, *, varlen: bool, split: int) -> Launch:
+    """The recurrent kernel's launch. varlen: packed ports plus state_pool, cu_seqlens, slots,
+    running only the sequences of <= `split` rows (0: all of them)."""
+    B, H, K, V = d["B"], d["H"], d["K"], d["V"]
+    t_hint, t_arg, _, h0 = _layout(d, varlen)
+    r = kda_recurrent_launch_config(B, max(t_hint, 1), H, K, V)
+    return Launch(_kda_recurrent_kernel, ("q", "k", "v", "g", "beta", *h0, "T", "o", "final_state"),
+                  {"scale": float(attrs["scale"]), "H": H, "K": K, "V": V, "BK": r["BK"], "BV": r["BV"], "HAS_H0": True}
+                  | ({"VARLEN": True, "SPLIT": split} if varlen else DENSE),
+                  grid=lambda x, BV=r["BV"]: (cdiv(V, BV), x["B"] * H, 1), scalars=lambda x: {"T": t_arg(x)},
+                  num_warps=r["num_warps"], num_stages=r["num_stages"])
+
+
+def chunked_launches(d: dict, dtypes: list[str], attrs: dict, *, varlen: bool,
+                     split: int) -> tuple[Launch, Launch, tuple[Buffer, ...]]:
+    """The chunked pair (intra, state) and their workspace. varlen: packed ports plus cu_seqlens, slots, running
+    only the sequences of > `split` rows; programs past a sequence's chunks return at once (the chunk grid is
+    sized for the longest possible sequence, N rows)."""
+    B, H, K, V = d["B"], d["H"], d["K"], d["V"]
+    t_hint, t_arg, tokens, h0 = _layout(d, varlen)
+    c = kda_chunk_launch_config(B, max(t_hint, RECURRENT_MAX_T + 1), H, K, V)
+    dot_bf16 = dtypes[0] == "bf16"
+    idt = "bf16" if dot_bf16 else "fp32"  # dtype of the intermediates
+    nt = lambda x: cdiv(t_arg(x), BT)  # noqa: E731
+    rows = lambda n: (lambda x: tokens(x) * H * n)  # noqa: E731
+    gl_rows = tokens if varlen else (lambda x: x["B"] * nt(x))  # varlen: gl indexed by each chunk's first row
+    ws = (Buffer("w", idt, rows(K)), Buffer("u", idt, rows(V)), Buffer("qg", idt, rows(K)),
+          Buffer("kg", idt, rows(K)), Buffer("A", idt, rows(BT)), Buffer("gl", "fp32", lambda x: gl_rows(x) * H * K))
+    ci, cs = c["intra"], c["state"]
+    sizes = lambda x: {"T": t_arg(x), "NT": nt(x)}  # noqa: E731
+    mode = {"VARLEN": True, "SPLIT": split} if varlen else DENSE
+    intra = Launch(_kda_intra_kernel, ("q", "k", "v", "g", "beta", *(("cu_seqlens",) if varlen else ()),
+                                       "w", "u", "qg", "kg", "A", "gl", "T", "NT"),
+                   {"scale": float(attrs["scale"]), "H": H, "K": K, "V": V, "BT": BT, "BC": BC, "BK": ci["BK"],
+                    "BV": ci["BV"], "DOT_BF16": dot_bf16, "SAFE_GATE": safe_gate(attrs.get("gate_lower_bound"))}
+                   | {k: v for k, v in mode.items() if k != "slots"},
+                   grid=lambda x: (nt(x), x["B"] * H, 1), scalars=sizes,
+                   num_warps=ci["num_warps"], num_stages=ci["num_stages"])
+    state = Launch(_kda_state_kernel, ("w", "u", "qg", "kg", "A", "gl", *h0, "o", "final_state", "T", "NT"),
+                   {"H": H, "K": K, "V": V, "BT": BT, "BK": cs["BK"], "BV": cs["BV"], "DOT_BF16": dot_bf16,
+                    "HAS_H0": True} | mode,
+                   grid=lambda x, BV=cs["BV"]: (cdiv(V, BV), x["B"] * H, 1), scalars=sizes,
+                   num_warps=cs["num_warps"], num_stages=cs["num_stages"])
+    return intra, state, ws
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None) -> None:
