@@ -7,29 +7,12 @@ import pytest
 import torch
 
 import k3x.custom_ops  # noqa: F401  (registers torch.ops.k3.*)
-from k3x.custom_ops.kda.reference import l2norm
 from k3x.custom_ops.kda_packed import kda_packed, kda_packed_output_shapes
 from k3x.custom_ops.kda_packed.reference import kda_packed as kda_packed_reference
+from packed_steps import kda_step as packed_inputs
 from tolerances import assert_close
 
 CHECKS = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")  # as test_opcheck.py
-
-
-def packed_inputs(lens, H=2, K=16, V=24, S=None, dtype=torch.float32, seed=0):
-    """q, k, v, g, beta, pool, cu_seqlens, slots for sequences of `lens` rows; slots a permutation of a pool
-    with spare rows (so a wrong slot reads some other sequence's state)."""
-    gen = torch.Generator().manual_seed(seed)
-    N, B = sum(lens), len(lens)
-    S = S or B + 3
-    q = l2norm(torch.randn(N, H, K, generator=gen)).to(dtype)
-    k = l2norm(torch.randn(N, H, K, generator=gen)).to(dtype)
-    v = torch.randn(N, H, V, generator=gen).to(dtype)
-    g = -5.0 * torch.rand(N, H, K, generator=gen)
-    beta = torch.rand(N, H, generator=gen)
-    pool = torch.randn(S, H, K, V, generator=gen) * 0.5
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    slots = torch.randperm(S, generator=gen)[:B].to(torch.int32)
-    return q, k, v, g, beta, pool, cu, slots
 
 
 def per_sequence(q, k, v, g, beta, pool, cu, slots):

@@ -6,33 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3x.model import preset
-from k3x.model.kda import KimiDeltaAttention
+from packed_steps import LayerStep as Step, kda_layer as layer, layer_step as step_inputs
 from tolerances import assert_close
-
-
-def layer(seed=0):
-    cfg = preset("k3-mini")
-    torch.manual_seed(seed)
-    m = KimiDeltaAttention(cfg).eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0.0, 0.3)  # non-trivial conv taps, gates and norms (init zeros some of them)
-    return m
-
-
-def step_inputs(m, lens, S=None, seed=0):
-    """x [N, d], pools with spare rows, cu_seqlens, a permuted choice of slots."""
-    gen = torch.Generator().manual_seed(seed)
-    c, d = m.cfg.kda, m.cfg.hidden_size
-    P, H, D, W = c.proj_dim, c.num_heads, c.head_dim, c.conv_kernel
-    S = S or len(lens) + 2
-    x = torch.randn(sum(lens), d, generator=gen)
-    conv_pool = torch.randn(S, 3 * P, W - 1, generator=gen)
-    rec_pool = torch.randn(S, H, D, D, generator=gen) * 0.3
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    slots = torch.randperm(S, generator=gen)[: len(lens)].to(torch.int32)
-    return x, conv_pool, rec_pool, cu, slots
 
 
 @pytest.mark.parametrize("lens", [
@@ -66,15 +41,6 @@ def test_short_sequence_keeps_old_conv_columns():
         first = torch.cat([m.q_proj(x[:1]), m.k_proj(x[:1]), m.v_proj(x[:1])], -1)[0]
     assert torch.equal(new_conv[0, :, :-1], conv_pool[slots[0], :, 1:])
     assert_close(new_conv[0, :, -1], first, torch.float32, "new input column")
-
-
-class Step(torch.nn.Module):
-    def __init__(self, m):
-        super().__init__()
-        self.m = m
-
-    def forward(self, x, conv_pool, rec_pool, cu_seqlens, slots):
-        return self.m.forward_packed(x, conv_pool, rec_pool, cu_seqlens, slots, kernels="reference")
 
 
 def test_exports_with_dynamic_tokens_and_sequences():

@@ -6,25 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3x.custom_ops.kda.reference import l2norm
 from k3x.custom_ops.kda_packed import reference
 from k3x.custom_ops.kda_packed import triton as kernels
+from packed_steps import kda_step
 from tolerances import assert_close
 
 
 def _inputs(lens, H, K, V, device, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    N, B = sum(lens), len(lens)
-    S = B + 2
-    q = l2norm(torch.randn(N, H, K, generator=gen))
-    k = l2norm(torch.randn(N, H, K, generator=gen))
-    v = torch.randn(N, H, V, generator=gen)
-    g = -5.0 * torch.rand(N, H, K, generator=gen)
-    beta = torch.rand(N, H, generator=gen)
-    pool = torch.randn(S, H, K, V, generator=gen) * 0.5
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    slots = torch.randperm(S, generator=gen)[:B].to(torch.int32)
-    return [x.to(device) for x in (q, k, v, g, beta, pool, cu, slots)]
+    return [x.to(device) for x in kda_step(lens, H=H, K=K, V=V, S=len(lens) + 2, seed=seed)]
 
 
 @pytest.mark.parametrize("lens,H,K,V,variant", [

@@ -1,0 +1,81 @@
+"""The `ort` body of k3::KDAPacked (custom_ops/kda_packed/onnx.py `function`): a tiny module calling
+torch.ops.k3.kda_packed, exported by torch.onnx (the family's translation), given the body by the ort pass
+and run by onnxruntime, equals the packed reference for steps of other N and B than the one traced
+(decode rows, prefill tails, mixed, permuted slots) through one session."""
+
+from __future__ import annotations
+
+import onnx
+import onnx_ir as ir
+import pytest
+import torch
+
+import k3x.custom_ops  # noqa: F401  (registers torch.ops.k3.*)
+from k3x.custom_ops.kda_packed.reference import kda_packed
+from k3x.export.onnx import translation_table
+from k3x.export.onnx_flavors import ort_pass
+from packed_steps import LayerStep, kda_layer, kda_step, layer_step
+from tolerances import assert_close
+
+ort = pytest.importorskip("onnxruntime")
+
+H, K, V, S = 2, 16, 8, 9
+NAMES = ("q", "k", "v", "g", "beta", "state_pool", "cu_seqlens", "slots")
+
+
+class Packed(torch.nn.Module):
+    def forward(self, q, k, v, g, beta, state_pool, cu_seqlens, slots):
+        return torch.ops.k3.kda_packed(q, k, v, g, beta, state_pool, cu_seqlens, slots, K ** -0.5, "reference", -5.0)
+
+
+@pytest.fixture(scope="module")
+def session():
+    from torch.export import Dim
+
+    N, B = Dim("N", min=1, max=4096), Dim("B", min=1, max=S)
+    shapes = {n: {0: N} for n in NAMES[:5]} | {"state_pool": {0: Dim("S", min=1, max=64)},
+                                                "cu_seqlens": {0: B + 1}, "slots": {0: B}}
+    ep = torch.export.export(Packed(), kda_step([5, 1, 3], H=H, K=K, V=V, S=S), dynamic_shapes=shapes)
+    prog = torch.onnx.export(ep, dynamic_shapes=shapes, dynamo=True, custom_translation_table=translation_table(),
+                             opset_version=20, optimize=False, verbose=False)
+    assert [n.op_type for n in prog.model.graph] == ["KDAPacked"]
+    proto = ir.serde.serialize_model(ort_pass(prog.model))
+    onnx.checker.check_model(proto, full_check=True)
+    return ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("lens", [
+    pytest.param([1], id="one-decode-row"),
+    pytest.param([1, 1, 1, 1, 1, 1, 1], id="decode-B7"),
+    pytest.param([70], id="one-prefill"),
+    pytest.param([2, 65, 1, 15, 64], id="mixed"),
+])
+def test_body_matches_reference(session, lens):
+    args = kda_step(lens, H=H, K=K, V=V, S=S, seed=len(lens))
+    o, s = session.run(None, {n: x.numpy() for n, x in zip(NAMES, args)})
+    ro, rs = kda_packed(*args, scale=K ** -0.5)
+    assert_close(torch.from_numpy(o), ro, torch.float32, f"{lens}: o")
+    assert_close(torch.from_numpy(s), rs, torch.float32, f"{lens}: final_state")
+
+
+def test_packed_layer_runs_in_onnxruntime():
+    """KimiDeltaAttention.forward_packed (packed conv by gathers + k3::KDAPacked) exported to ONNX, ort
+    flavor: equals the eager layer for a step of other N and B than traced."""
+    from torch.export import Dim
+
+    m = kda_layer()
+    N, B, P = Dim("N", min=1, max=4096), Dim("B", min=1, max=64), Dim("S", min=1, max=64)
+    shapes = {"x": {0: N}, "conv_pool": {0: P}, "rec_pool": {0: P}, "cu_seqlens": {0: B + 1}, "slots": {0: B}}
+    with torch.no_grad():
+        ep = torch.export.export(LayerStep(m), layer_step(m, [5, 1, 3]), dynamic_shapes=shapes)
+    prog = torch.onnx.export(ep, dynamic_shapes=shapes, dynamo=True, custom_translation_table=translation_table(),
+                             opset_version=20, verbose=False)
+    proto = ir.serde.serialize_model(ort_pass(prog.model))
+    sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    for lens in ([1], [70, 1, 2, 1]):
+        args = layer_step(m, lens, S=6, seed=7)
+        got = sess.run(None, {i.name: a.numpy() for i, a in zip(sess.get_inputs(), args)})
+        with torch.no_grad():
+            want = LayerStep(m)(*args)
+        for what, a, b in zip(("y", "new conv", "new recurrent"), got, want):
+            assert_close(torch.from_numpy(a), b, torch.float32, f"{lens}: {what}")
