@@ -34,3 +34,26 @@ def test_matches_reference(lens, H, K, V, variant, device):
     assert_close(o.cpu(), ro, torch.float32, f"{lens}: o")
     assert_close(s.cpu(), rs, torch.float32, f"{lens}: final state")
     assert torch.equal(args[5], pool), "the pool was written"
+
+
+def test_unbounded_gate_variant(device):
+    """Without a gate bound (Kimi Linear) the mixed variant's intra kernel keeps the pairwise fallback."""
+    args = _inputs([20, 1, 40], 2, 16, 16, device, seed=3)
+    args[3] = args[3] * 4.0  # gates down to -20: 16-row spans past 80
+    d = kernels.dims([tuple(x.shape) for x in args])
+    assert kernels.plan(d, ["fp32"], {"scale": 0.25}).select(d).name == "mixed-unbounded-gate"
+    o, s = kernels.kda_packed(*args, scale=0.25)
+    ro, rs = reference.kda_packed(*(x.cpu() for x in args), scale=0.25)
+    assert_close(o.cpu(), ro, torch.float32, "o")
+    assert_close(s.cpu(), rs, torch.float32, "final state")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", [[1] * 64, [1] * 31 + [300, 17, 1000]], ids=["decode-B64", "mixed-B34"])
+def test_op_bf16_gpu(lens, device):
+    """torch.ops.k3.kda_packed with kernels='triton' at K3's head dims, bf16."""
+    q, k, v, g, beta, pool, cu, slots = (x.to(device) for x in kda_step(lens, H=4, K=128, V=128, dtype=torch.bfloat16))
+    o, s = torch.ops.k3.kda_packed(q, k, v, g, beta, pool, cu, slots, 128 ** -0.5, "triton", -5.0)
+    ro, rs = reference.kda_packed(q, k, v, g, beta, pool, cu, slots, scale=128 ** -0.5)
+    assert_close(o, ro, torch.bfloat16, "o")
+    assert_close(s, rs, torch.bfloat16, "final state")
