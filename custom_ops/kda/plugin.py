@@ -28,9 +28,15 @@ def check(shapes, attrs: dict) -> str | None:
     V = v[3]
     checks = [("k", k, q), ("g", g, q), ("v[:3]", v[:3], q[:3]), ("beta", beta, [B, T, H]),
               ("initial_state", s, [B, H, K, V])]
+    return check_dims(checks, f"q {q}, v {v}", attrs, H, K, V)
+
+
+def check_dims(checks, context: str, attrs: dict, H, K, V) -> str | None:
+    """Why the shapes fail (also k3::KDAPacked's check): the first (name, got, want) of `checks` that differs,
+    a field num_heads / head_dim / value_dim other than H, K, V, or K, V outside the kernels' limits."""
     for name, got, want in checks:
         if not dims_match(got, want):
-            return f"{name} has shape {got}, expected {want} (from q {q}, v {v})"
+            return f"{name} has shape {got}, expected {want} (from {context})"
     for f, d in (("num_heads", H), ("head_dim", K), ("value_dim", V)):
         if not dims_match([attrs.get(f)], [d]):
             return f"field {f}={attrs.get(f)} does not match the tensors' {d}"

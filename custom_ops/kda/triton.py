@@ -33,6 +33,12 @@ Recurrent decode (docs/model.md §2.1): `_kda_recurrent_kernel`, grid (V/BV, B*H
 registers, token loop inside.  `kda_recurrent_` updates a state buffer in place (decode step).
 `kda` picks recurrent for T <= RECURRENT_MAX_T, chunked above.
 
+Packed mode (k3::kda_packed, `VARLEN` constexpr; dense k3::kda pins it off and its extra pointers to None):
+ports [N, H, *] hold B sequences end to end; each program reads its sequence's first row and length from
+cu_seqlens [B+1] and its initial state from the pool row slots[b]; `SPLIT` > 0 lets the recurrent kernel take
+the sequences of <= SPLIT rows and the chunked pair the longer ones, in one step. `recurrent_launch` and
+`chunked_launches` build the launches of either mode (kda_packed/triton.py plans with them).
+
 Launch parameters are pure functions of the shapes (`kda_chunk_launch_config`, chosen from the kernels'
 compiled sm_90 resources; `kda_recurrent_launch_config`), gathered in one `plan` (plan/launch.py) that the torch launchers below
 run with Triton's JIT and the TensorRT plugin runs from cubins compiled ahead of time.

@@ -14,10 +14,10 @@ sequence (exact for any step, slow for long prefills) — use the IPluginV3 path
 
 from __future__ import annotations
 
-from ...trt.core import PluginSpec, dims_match
+from ...trt.core import PluginSpec
+from ..kda.plugin import check_dims
 from . import triton as kt
 from .op import SIGNATURE
-from ..kda.op import KERNEL_HEAD_DIM
 
 
 def check(shapes, attrs: dict) -> str | None:
@@ -29,16 +29,7 @@ def check(shapes, attrs: dict) -> str | None:
     V, B = v[2], slots[0]
     checks = [("k", k, q), ("g", g, q), ("v[:2]", v[:2], q[:2]), ("beta", beta, [N, H]),
               ("state_pool[1:]", pool[1:], [H, K, V]), ("cu_seqlens", cu, [None if B is None else B + 1])]
-    for name, got, want in checks:
-        if not dims_match(got, want):
-            return f"{name} has shape {got}, expected {want} (from q {q}, v {v}, slots {slots})"
-    for f, d in (("num_heads", H), ("head_dim", K), ("value_dim", V)):
-        if not dims_match([attrs.get(f)], [d]):
-            return f"field {f}={attrs.get(f)} does not match the tensors' {d}"
-    lo, hi = KERNEL_HEAD_DIM
-    if K is not None and V is not None and not (lo <= K <= hi and lo <= V <= hi):
-        return f"needs {lo} <= K, V <= {hi} (Triton kernels), got K={K}, V={V}"
-    return None
+    return check_dims(checks, f"q {q}, v {v}, slots {slots}", attrs, H, K, V)
 
 
 SPEC = PluginSpec.of(

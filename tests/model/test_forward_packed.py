@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from packed_steps import LayerStep as Step, kda_layer as layer, layer_step as step_inputs
+from packed_steps import LayerStep, kda_layer, layer_step
 from tolerances import assert_close
 
 
@@ -17,8 +17,8 @@ from tolerances import assert_close
     pytest.param([70, 1, 2, 1, 64], id="prefill-and-decode"),
 ])
 def test_matches_forward_per_sequence(lens):
-    m = layer()
-    x, conv_pool, rec_pool, cu, slots = step_inputs(m, lens, seed=len(lens))
+    m = kda_layer()
+    x, conv_pool, rec_pool, cu, slots = layer_step(m, lens, seed=len(lens))
     pools = conv_pool.clone(), rec_pool.clone()
     with torch.no_grad():
         y, new_conv, new_rec = m.forward_packed(x, conv_pool, rec_pool, cu, slots, kernels="reference")
@@ -34,8 +34,8 @@ def test_matches_forward_per_sequence(lens):
 
 def test_short_sequence_keeps_old_conv_columns():
     """A 1-row sequence's new conv state is its old state shifted by one column plus the new input."""
-    m = layer()
-    x, conv_pool, rec_pool, cu, slots = step_inputs(m, [1, 3])
+    m = kda_layer()
+    x, conv_pool, rec_pool, cu, slots = layer_step(m, [1, 3])
     with torch.no_grad():
         _, new_conv, _ = m.forward_packed(x, conv_pool, rec_pool, cu, slots, kernels="reference")
         first = torch.cat([m.q_proj(x[:1]), m.k_proj(x[:1]), m.v_proj(x[:1])], -1)[0]
@@ -46,14 +46,14 @@ def test_short_sequence_keeps_old_conv_columns():
 def test_exports_with_dynamic_tokens_and_sequences():
     from torch.export import Dim, export
 
-    m = layer()
+    m = kda_layer()
     N, B, S = Dim("N", min=1, max=4096), Dim("B", min=1, max=256), Dim("S", min=1, max=1024)
     shapes = {"x": {0: N}, "conv_pool": {0: S}, "rec_pool": {0: S}, "cu_seqlens": {0: B + 1}, "slots": {0: B}}
     with torch.no_grad():
-        ep = export(Step(m), step_inputs(m, [5, 1, 3]), dynamic_shapes=shapes)
+        ep = export(LayerStep(m), layer_step(m, [5, 1, 3]), dynamic_shapes=shapes)
         for lens in ([1], [70, 1, 2], [2, 2, 2, 2, 9]):  # other N and B than traced
-            args = step_inputs(m, lens, S=7, seed=sum(lens))
-            for got, want in zip(ep.module()(*args), Step(m)(*args)):
+            args = layer_step(m, lens, S=7, seed=sum(lens))
+            for got, want in zip(ep.module()(*args), LayerStep(m)(*args)):
                 assert_close(got, want, torch.float32, f"exported {lens}")
     ops = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
     assert "k3.kda_packed.default" in ops
