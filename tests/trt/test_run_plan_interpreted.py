@@ -39,8 +39,8 @@ def test_plans_under_interpreter():
 class _InterpretedDriver:
     """`aot.CudaDriver.launch`'s contract on host memory: pointer values are resolved back to tensors."""
 
-    def __init__(self, plan, tensors: list[torch.Tensor], workspace: torch.Tensor):
-        self.fns = {l.kernel_name: l for v in plan.variants for l in v.launches}
+    def __init__(self, launches: dict, tensors: list[torch.Tensor], workspace: torch.Tensor):
+        self.fns = launches  # kernel key -> Launch (one kernel may be launched with different constexprs)
         self.by_ptr = {t.data_ptr(): t for t in tensors}
         self.ws = workspace
         self.launched: list[str] = []
@@ -63,20 +63,21 @@ class _InterpretedDriver:
         if min(grid) <= 0:
             return
         aot.check_divisible(k, values)
-        launch = self.fns[k.name]
+        launch = self.fns[k.key]
         args = [self._tensor(int(values[a]), t) if t.startswith("*") else int(values[a])
                 for a, t in zip(k.arg_names, k.arg_types)]
         launch.kernel[grid](*args, **launch.constexprs, num_warps=launch.num_warps, num_stages=launch.num_stages)
         self.launched.append(k.name)
 
 
-def _fake_kernels(spec, plan, dtypes: list[str], dims: dict) -> dict:
+def _fake_kernels(spec, plan, dtypes: list[str], dims: dict) -> tuple[dict, dict]:
     """What `aot.unpack` gives `run_plan`, without compiling (the interpreter process cannot): keys, names,
-    argument order and types, divisibility — from the same `aot` functions `compile_launch` uses."""
+    argument order and types, divisibility — from the same `aot` functions `compile_launch` uses; and the
+    launch of each key."""
     from k3x.trt import aot
 
     types = dict(zip([p.name for p in spec.ports], dtypes)) | {b.name: b.dtype for b in plan.workspace}
-    out = {}
+    out, launches = {}, {}
     for v in plan.variants:
         for launch in v.launches:
             sig = aot.signature(launch, types | {n: "i32" for n in launch.scalars(dims)})
@@ -85,7 +86,8 @@ def _fake_kernels(spec, plan, dtypes: list[str], dims: dict) -> dict:
             out[key] = aot.CompiledKernel(key=key, name=launch.kernel_name, sm=90, arg_names=launch.args,
                                           arg_types=arg_types, n_params=0, num_warps=launch.num_warps, shared=0,
                                           cubin=b"", divisible=aot.divisible_args(launch, sig))
-    return out
+            launches[key] = launch
+    return out, launches
 
 
 def _run(spec, opt_dims: dict, tensors: list[torch.Tensor], attrs: dict) -> list[str]:
@@ -99,9 +101,9 @@ def _run(spec, opt_dims: dict, tensors: list[torch.Tensor], attrs: dict) -> list
     run_dims = spec.dims(shapes[:len(spec.inputs)])
     ws = torch.full((workspace_layout(plan.workspace, run_dims)[1] + 256,), 255, dtype=torch.uint8)  # NaN / -1
     ws = ws[(-ws.data_ptr()) % 256:]  # TensorRT hands out 256-byte-aligned workspaces
-    driver = _InterpretedDriver(plan, tensors, ws)
-    run_plan(spec, plan, _fake_kernels(spec, plan, dtypes, spec.dims([tuple(s) for s in shapes[:len(spec.inputs)]])),
-             driver, shapes, dtypes, [t.data_ptr() for t in tensors], ws.data_ptr(), 0, 90)
+    kernels, launches = _fake_kernels(spec, plan, dtypes, spec.dims([tuple(s) for s in shapes[:len(spec.inputs)]]))
+    driver = _InterpretedDriver(launches, tensors, ws)
+    run_plan(spec, plan, kernels, driver, shapes, dtypes, [t.data_ptr() for t in tensors], ws.data_ptr(), 0, 90)
     return driver.launched
 
 
@@ -144,3 +146,26 @@ def test_child_attn_res_plan():
     out = torch.full((R, d), float("nan"))
     assert _run(spec, dict(R=16, N=N, d=d), [prefix, bank, nw, pw, out], {"eps": 1e-5}) == ["_attn_res_kernel"]
     torch.testing.assert_close(out, reference.attn_res(prefix, bank, nw, pw, 1e-5), rtol=1e-4, atol=1e-5)
+
+
+@child
+@pytest.mark.parametrize("lens, launched", [
+    pytest.param([1, 1, 1], ["_kda_recurrent_kernel"], id="decode"),
+    pytest.param([1, 20, 2, 70], ["_kda_recurrent_kernel", "_kda_intra_kernel", "_kda_state_kernel"], id="mixed"),
+])
+def test_child_kda_packed_plan(lens, launched):
+    """k3::KDAPacked's plan through run_plan (workspace poisoned, sized by N; planned at other dims)."""
+    from k3x.custom_ops.kda_packed import reference
+    from k3x.custom_ops.trt_plugins import specs
+    from packed_steps import kda_step
+
+    spec = specs()["KDAPacked"]
+    q, k, v, g, beta, pool, cu, slots = kda_step(lens, H=2, K=16, V=32, seed=len(lens))
+    o = torch.full(v.shape, float("nan"))
+    s = torch.full((len(lens), *pool.shape[1:]), float("nan"))
+    attrs = {"scale": 0.25, "num_heads": 2, "head_dim": 16, "value_dim": 32, "gate_lower_bound": -5.0}
+    got = _run(spec, dict(N=128, B=8, H=2, K=16, V=32), [q, k, v, g, beta, pool, cu, slots, o, s], attrs)
+    assert got == launched
+    ro, rs = reference.kda_packed(q, k, v, g, beta, pool, cu, slots, scale=0.25)
+    torch.testing.assert_close(o, ro, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(s, rs, rtol=1e-4, atol=1e-5)
