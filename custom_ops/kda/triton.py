@@ -197,11 +197,9 @@ def seq_span(cu_seqlens, i_b, T, NT, chunk_stride, BT: tl.constexpr, VARLEN: tl.
 
 
 @triton.jit
-def state_row(slots, i_b, i_h, H: tl.constexpr, VARLEN: tl.constexpr):
-    """Row (of [*, K, V]) of sequence i_b's initial state, head i_h: its pool slot's when VARLEN."""
-    if VARLEN:
-        return tl.load(slots + i_b).to(tl.int64) * H + i_h
-    return i_b.to(tl.int64) * H + i_h
+def slot_shift(slots, i_b, ROW: tl.constexpr):
+    """Elements from row i_b to row slots[i_b] of a state pool of ROW-element rows (VARLEN's initial states)."""
+    return (tl.load(slots + i_b).to(tl.int64) - i_b) * ROW
 
 
 @triton.jit
@@ -349,8 +347,9 @@ def _kda_state_kernel(
     p_s = i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
     S = tl.zeros([BK, BV], dtype=tl.float32)  # state slice [K, BV]
     if HAS_H0:
-        S = tl.load(h0 + state_row(slots, i_b, i_h, H, VARLEN) * K * V + o_k[:, None] * V + o_v[None, :],
-                    mask=m_s, other=0.0).to(tl.float32)
+        if VARLEN:
+            h0 += slot_shift(slots, i_b, H * K * V)  # the pool row of this sequence
+        S = tl.load(h0 + p_s, mask=m_s, other=0.0).to(tl.float32)
     ddt = w.dtype.element_ty
     for i_t in range(0, NT):
         rows = i_t * BT + o_t
@@ -397,8 +396,9 @@ def _kda_recurrent_kernel(  # arguments in TensorRT QDP order: inputs, int32 sca
     p_s = i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_H0:
-        S = tl.load(h0 + state_row(slots, i_b, i_h, H, VARLEN) * K * V + o_k[:, None] * V + o_v[None, :],
-                    mask=m_s, other=0.0).to(tl.float32)
+        if VARLEN:
+            h0 += slot_shift(slots, i_b, H * K * V)  # the pool row of this sequence
+        S = tl.load(h0 + p_s, mask=m_s, other=0.0).to(tl.float32)
     for t in range(0, T):
         row = (tok0 + t) * H + i_h
         b_q = tl.load(q + row * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
