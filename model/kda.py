@@ -7,6 +7,8 @@
   Kimi Linear gate `−exp(A_log)·softplus(f + dt_bias)`; β = σ(b_proj x). Gates and β stay fp32.
 - Core recurrence through `torch.ops.k3.kda` only; state `[B, H, K, V]` fp32.
 - Output: per-head RMSNorm ⊙ σ(output gate), full rank (K3) or low rank (Kimi Linear), then o_proj.
+- `forward_packed`: one serving step over B sequences packed end to end, states read from slot-indexed
+  pools (the conv by gathers, `packed_causal_conv`; the recurrence through `torch.ops.k3.kda_packed`).
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ def packed_causal_conv(qkv: Tensor, states: Tensor, cu_seqlens: Tensor, weight: 
     # index grids are 2-D and never sliced from cu: a 1-D [B] or [N] intermediate makes torch.export guard
     # its size >= 2 (contiguity), which a decode step (N = 1) or one sequence (B = 1) would fail
     n, i = _grid(N, M + 1, qkv.device)  # row n, tap i (reads local position t - M + i)
-    seq = (n[..., None] >= cu).sum(-1) - 1  # [N, W] sequence of row n (cu is sorted, cu[B] = N > n)
+    seq = (n[..., None] >= cu).sum(-1) - 1  # [N, W] row n's sequence (cu sorted); N·W·(B+1) compares, cheap
     start = cu.index_select(0, seq.flatten()).view_as(seq)
     window = ext.index_select(0, _ext_row(B, M, seq, start, n - start - M + i).flatten())
     y = (window.view(N, M + 1, C) * weight[:, 0].transpose(0, 1)).sum(1)  # [N, C]

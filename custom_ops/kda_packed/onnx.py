@@ -7,7 +7,8 @@ each sequence's last row with g = 0 and beta = 0: the delta rule leaves the stat
 (S·exp(0) + k·0), so final_state is exact, and their outputs are never gathered back. Why not an ONNX Loop
 over the sequences: one fused LinearAttention call, no subgraph, and exact O(N) work for the common steps
 (decode only: L = 1; one prefill: B = 1); the price is B·L rows when a long prefill shares a step with many
-decode rows. The gathers cost O(N + B·L); the pool is only read (Gather), never copied whole.
+decode rows. Unpacking finds each row's sequence by an [N, B] comparison; the pool is only read
+(Gather of B rows), never copied whole.
 """
 
 from __future__ import annotations
