@@ -12,6 +12,8 @@
   give the same result on the filled positions. Capacity overflow is refused by the caller (K3Model on CPU,
   runners.check_request before a run): a scatter index past C is an error, not a clear one.
 Plain PyTorch: it lowers to standard ONNX ops.
+- Serving step (`forward_paged`): packed sequences over a paged latent pool, weights absorbed, through the
+  `k3::mla_paged` custom op (custom_ops/mla_paged).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import torch
 from torch import Tensor, nn
 
 from ..custom_ops.common import cast
+from ..custom_ops.mla_paged import mla_paged
+from ..plan.kernels import Kernels
 from .config import K3Config
 from .layers import RMSNorm, linear
 
@@ -43,16 +47,31 @@ class GatedMLA(nn.Module):
             self.g_proj = linear(d, m.num_heads * m.v_head_dim)
         self.o_proj = linear(m.num_heads * m.v_head_dim, d)
 
+    def _query(self, x: Tensor) -> Tensor:
+        """x [..., d] -> q [..., H, qk_nope + rope]."""
+        m = self.m
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.use_q_lora else self.q_proj(x)
+        return q.unflatten(-1, (-1, m.qk_head_dim))
+
+    def _latent(self, x: Tensor) -> Tensor:
+        """x [..., d] -> the cached latent [..., kv_lora + rope]: normed c_KV | k_extra."""
+        c, k_extra = self.kv_a_proj_with_mqa(x).split([self.m.kv_lora_rank, self.m.qk_rope_head_dim], dim=-1)
+        return torch.cat([self.kv_a_layernorm(c), k_extra], dim=-1)
+
+    def _output(self, o: Tensor, x: Tensor) -> Tensor:
+        """Attention output o [..., H * v_head_dim] -> y [..., d]: the output gate σ(g_proj x), then o_proj."""
+        if self.m.output_gate:
+            o = o * cast(torch.sigmoid(cast(self.g_proj(x), torch.float32)), o.dtype)
+        return self.o_proj(o)
+
     def forward(self, x: Tensor, past_latent: Tensor, past_length: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """x [B, T, d]; past_latent [B, P, kv_lora + rope] -> (y [B, T, d], present [B, P+T, kv_lora + rope]).
         Static cache: past_latent [B, C, ...] and past_length (int64 scalar) -> present [B, C, ...]."""
         m = self.m
         B, T, _ = x.shape
         H, R, N, Dv = m.num_heads, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.use_q_lora else self.q_proj(x)
-        q = q.view(B, T, H, N + R).transpose(1, 2)  # [B, H, T, N+R]
-        c, k_extra = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, R], dim=-1)
-        latent = torch.cat([self.kv_a_layernorm(c), k_extra], dim=-1)  # [B, T, kv_lora + R]
+        q = self._query(x).transpose(1, 2)  # [B, H, T, N+R]
+        latent = self._latent(x)  # [B, T, kv_lora + R]
         if past_length is None:
             present = torch.cat([cast(past_latent, latent.dtype), latent], dim=1)  # [B, S, kv_lora + R]
             offset = present.shape[1] - T
@@ -70,6 +89,24 @@ class GatedMLA(nn.Module):
         causal = torch.arange(S, device=x.device)[None, :] <= qpos  # [T, S]
         probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
         o = (cast(probs, v.dtype) @ v.transpose(1, 2)).transpose(1, 2).reshape(B, T, H * Dv)  # [B, T, H*Dv]
-        if m.output_gate:
-            o = o * cast(torch.sigmoid(cast(self.g_proj(x), torch.float32)), o.dtype)
-        return self.o_proj(o), present
+        return self._output(o, x), present
+
+    def forward_paged(self, x: Tensor, latent_pool: Tensor, block_table: Tensor, past_lens: Tensor,
+                      cu_seqlens: Tensor, *, kernels: Kernels) -> tuple[Tensor, Tensor]:
+        """A serving step with absorbed weights: x [N, d] (B sequences packed end to end, sequence b = rows
+        cu_seqlens[b]:cu_seqlens[b+1], its first token at position past_lens[b]); latent_pool [NB, BS,
+        kv_lora + rope] read through block_table [B, MB] int32 (never written) -> (y [N, d], new_latent [N,
+        kv_lora + rope]: this step's latents, which the runtime writes into the pool).
+        Absorbed: q_nope goes through W_uk into the latent space, attention runs over the latent itself
+        (k3::mla_paged), its output goes through W_uv — the same math as `forward`, which up-projects keys and
+        values from every cached latent instead."""
+        m = self.m
+        Nn, Dv = m.qk_nope_head_dim, m.v_head_dim
+        q_nope, q_rope = self._query(x).split([Nn, m.qk_rope_head_dim], dim=-1)  # [N, H, Nn], [N, H, R]
+        latent = self._latent(x)  # [N, kv_lora + R]
+        w_uk, w_uv = self.kv_b_proj.weight.unflatten(0, (-1, Nn + Dv)).split([Nn, Dv], dim=1)  # [H, Nn|Dv, C]
+        q_latent = torch.einsum("nhd,hdc->nhc", q_nope, w_uk)  # [N, H, C]
+        o = mla_paged(q_latent, q_rope, latent, latent_pool, block_table, past_lens, cu_seqlens,
+                      scale=m.qk_head_dim ** -0.5, kernels=kernels)  # [N, H, C]
+        v = torch.einsum("nhc,hvc->nhv", o, w_uv).flatten(1)  # [N, H * Dv]
+        return self._output(v, x), latent
