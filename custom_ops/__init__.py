@@ -6,6 +6,5 @@ from . import registry
 
 for _family in registry.families():
     _family.op  # noqa: B018  (imports op.py: registers torch.ops.k3.<family>)
-from . import mla_paged as _mla_paged  # noqa: E402,F401  (not in FAMILIES until every role exists)
 
 __all__ = ["Kernels", "registry"]

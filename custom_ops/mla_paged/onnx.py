@@ -1,0 +1,99 @@
+"""`k3::MLAPaged` in ONNX: the node spec (= the TensorRT plugin's fields), the torch.onnx translation of
+`torch.ops.k3.mla_paged`, and the ONNX Runtime function body in standard ops (fp32):
+
+1. pad: sequence b's rows become a [Tmax] row of a [B, Tmax] grid (Tmax = the step's longest sequence; a
+   short sequence repeats its last row, masked out of its keys and never read back);
+2. past keys: the block table's blocks gathered per sequence, [B, MB*BS, L] — MB is the step's longest
+   sequence's block count, so nothing here grows with the pool;
+3. scores over [past | step] (two MatMuls, no concatenated keys): past key j visible iff j < past_lens[b],
+   step key s iff s <= t; one Softmax over both; o = p_past @ past[:C] + p_step @ step[:C];
+4. unpad: packed row n = grid cell (b, n - cu_seqlens[b]) with b = #{b' : cu_seqlens[b'+1] <= n}.
+"""
+
+from __future__ import annotations
+
+import onnx
+
+from ...plan.onnx_node import COMMON_ATTRIBUTES, Body, NodeSpec, opset, static
+from .op import SIGNATURE
+
+NODE = NodeSpec.of(SIGNATURE)
+NODE.register()  # onnx.checker and the exporter need the schema before any node is emitted
+
+FLOAT, INT64 = onnx.TensorProto.FLOAT, onnx.TensorProto.INT64
+
+
+def translate(q_latent, q_rope, latent, latent_pool, block_table, past_lens, cu_seqlens, scale: float, kernels: str):
+    return opset().MLAPaged(q_latent, q_rope, latent, latent_pool, block_table, past_lens, cu_seqlens,
+                            scale=float(scale), num_heads=static(q_latent.shape[1], "mla_paged heads"),
+                            kv_lora_rank=static(q_latent.shape[2], "mla_paged kv_lora_rank"),
+                            rope_dim=static(q_rope.shape[2], "mla_paged rope_dim"),
+                            block_size=static(latent_pool.shape[1], "mla_paged block_size"), **COMMON_ATTRIBUTES)
+
+
+def _dim(b: Body, x: str, axis: int) -> str:
+    """x's dim `axis` as an int64 scalar."""
+    return b.op("Squeeze", b.op("Shape", x, start=axis, end=axis + 1), b.ints(0))
+
+
+def _range(b: Body, n: str) -> str:
+    return b.op("Range", b.op("Constant", value_int=0), n, b.op("Constant", value_int=1))
+
+
+def _pad(b: Body) -> tuple[str, str, str, str]:
+    """(grid [B, Tmax] of packed row ids, starts [B], t [Tmax] = 0..Tmax-1, Tmax) as int64."""
+    cu = b.op("Cast", "cu_seqlens", to=INT64)
+    starts = b.op("Slice", cu, b.ints(0), b.ints(-1))
+    lens = b.op("Sub", b.op("Slice", cu, b.ints(1), b.ints(2 ** 62)), starts)  # [B]
+    tmax = b.op("ReduceMax", lens, keepdims=0)
+    t = _range(b, tmax)
+    last = b.op("Sub", b.op("Unsqueeze", lens, b.ints(1)), b.op("Constant", value_int=1))  # [B, 1]
+    grid = b.op("Add", b.op("Unsqueeze", starts, b.ints(1)), b.op("Min", b.op("Unsqueeze", t, b.ints(0)), last))
+    return grid, starts, t, tmax
+
+
+def _unpad(b: Body, o: str, starts: str, tmax: str) -> str:
+    """o [B, H, Tmax, C] -> [N, H, C] in packed row order."""
+    n = _range(b, _dim(b, "q_latent", 0))
+    ends = b.op("Cast", b.op("Slice", "cu_seqlens", b.ints(1), b.ints(2 ** 62)), to=INT64)
+    before = b.op("LessOrEqual", b.op("Unsqueeze", ends, b.ints(0)), b.op("Unsqueeze", n, b.ints(1)))  # [N, B]
+    seq = b.op("ReduceSum", b.op("Cast", before, to=INT64), b.ints(1), keepdims=0)  # [N]
+    cell = b.op("Add", b.op("Mul", seq, tmax), b.op("Sub", n, b.op("Gather", starts, seq)))
+    rows = b.op("Reshape", b.op("Transpose", o, perm=[0, 2, 1, 3]),
+                b.op("Concat", b.ints(-1), b.op("Shape", o, start=1, end=2), b.op("Shape", o, start=3), axis=0))
+    return b.op("Gather", rows, cell)
+
+
+def function(opset_version: int, nodes: list) -> tuple[onnx.FunctionProto, dict[str, int]]:
+    """The ONNX Runtime body and the extra opsets it imports (none)."""
+    b = Body("MLAPaged", "pad")
+    grid, starts, t, tmax = _pad(b)
+    q = b.op("Cast", b.op("Concat", "q_latent", "q_rope", axis=-1), to=FLOAT)  # [N, H, L]
+    q = b.op("Transpose", b.op("Gather", q, grid), perm=[0, 2, 1, 3])  # [B, H, Tmax, L]
+    step = b.op("Unsqueeze", b.op("Cast", b.op("Gather", "latent", grid), to=FLOAT), b.ints(1))  # [B, 1, Tmax, L]
+    b.step = "gather"
+    blocks = b.op("Gather", "latent_pool", "block_table", axis=0)  # [B, MB, BS, L]
+    past = b.op("Reshape", blocks, b.op("Concat", b.ints(0, 1, -1), b.op("Shape", "latent_pool", start=2), axis=0))
+    past = b.op("Cast", past, to=FLOAT)  # [B, 1, MB*BS, L]
+    b.step = "scores"
+    scale = b.ref("scale", onnx.AttributeProto.FLOAT, "value_float")
+    ninf = b.op("Constant", value_float=float("-inf"))
+    j = _range(b, _dim(b, past, 2))
+    past_lens = b.op("Cast", "past_lens", to=INT64)
+    seen = b.op("Less", b.op("Unsqueeze", j, b.ints(0)), b.op("Unsqueeze", past_lens, b.ints(1)))  # [B, P]
+    seen = b.op("Unsqueeze", seen, b.ints(1, 2))  # [B, 1, 1, P]
+    causal = b.op("LessOrEqual", b.op("Unsqueeze", t, b.ints(0)), b.op("Unsqueeze", t, b.ints(1)))  # [t, s]
+    scores = []
+    for keys, mask in ((past, seen), (step, causal)):
+        s = b.op("Mul", b.op("MatMul", q, b.op("Transpose", keys, perm=[0, 1, 3, 2])), scale)
+        scores.append(b.op("Where", mask, s, ninf))
+    p = b.op("Softmax", b.op("Concat", *scores, axis=-1), axis=-1)  # [B, H, Tmax, P + Tmax]
+    b.step = "mix"
+    C = b.op("Shape", "q_latent", start=2, end=3)
+    p_past, p_step = b.op("Split", p, b.op("Concat", b.op("Shape", past, start=2, end=3),
+                                            b.op("Unsqueeze", tmax, b.ints(0)), axis=0), axis=-1, outputs=2)
+    o = b.op("Add", *(b.op("MatMul", pk, b.op("Slice", keys, b.ints(0), C, b.ints(-1)))
+                      for pk, keys in ((p_past, past), (p_step, step))))  # [B, H, Tmax, C]
+    b.step = "unpad"
+    b.out("CastLike", [_unpad(b, o, starts, tmax), "q_latent"], ["o"])
+    return b.function(NODE, {"": opset_version}), {}

@@ -1,0 +1,60 @@
+"""k3::mla_paged Triton kernel vs the fp32 reference: decode-only steps (the `decode` variant) and mixed steps
+(`rows`), block sizes 1/4/16, awkward head counts, C and R (R = 0 too), permuted and strided block tables,
+past lengths crossing block and key-tile edges, prefill chunks longer than a query block."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3x.custom_ops.mla_paged import reference
+from k3x.custom_ops.mla_paged import triton as kernels
+from paged_cases import paged_case
+from tolerances import assert_close
+
+
+def _check(seqs, block_size, H, C, R, device, *, strided=False, dtype=torch.float32):
+    case = paged_case(seqs, block_size, C + R, strided=strided)
+    gen = torch.Generator().manual_seed(5)
+    N = case.latent.shape[0]
+    ql, qr = torch.randn(N, H, C, generator=gen), torch.randn(N, H, R, generator=gen)
+    args = [x.to(device) for x in (ql, qr, case.latent, *case.paged)]
+    args[:4] = [x.to(dtype) for x in args[:4]]
+    scale = (C + R) ** -0.5
+    out = kernels.mla_paged(*args, scale=scale)
+    assert out.shape == (N, H, C) and out.dtype == dtype
+    want = reference.mla_paged(*[x.cpu().float() if x.is_floating_point() else x.cpu() for x in args], scale)
+    assert_close(out.cpu(), want.to(dtype), dtype, f"{seqs} BS={block_size} H={H} C={C} R={R}")
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("seqs", [
+    pytest.param([(0, 1)], id="first-token"),
+    pytest.param([(33, 1), (5, 1), (16, 1)], id="B3-pasts-across-tiles"),
+    pytest.param([(1, 1), (0, 1), (47, 1), (15, 1), (2, 1), (31, 1), (17, 1)], id="B7"),
+])
+def test_decode_steps(seqs, block_size, device):
+    _check(seqs, block_size, 3, 24, 8, device, strided=True)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("seqs", [
+    pytest.param([(0, 37)], id="prefill-37"),
+    pytest.param([(19, 21)], id="chunk-with-past"),
+    pytest.param([(0, 5), (40, 1), (3, 18), (0, 1), (9, 2)], id="mixed-B5"),
+])
+def test_mixed_steps(seqs, block_size, device):
+    _check(seqs, block_size, 3, 24, 8, device)
+
+
+@pytest.mark.parametrize("H,C,R", [(1, 16, 0), (5, 20, 3), (17, 12, 5), (2, 40, 64)],
+                         ids=["H1-C16-R0", "H5-C20-R3", "H17-C12-R5", "H2-C40-R64"])
+def test_awkward_dims(H, C, R, device):
+    _check([(7, 3), (20, 1)], 4, H, C, R, device)
+    _check([(7, 1), (20, 1)], 4, H, C, R, device)  # decode variant
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqs", [[(1000, 1)] * 4, [(300, 64), (5000, 1)]], ids=["decode-B4", "mixed"])
+def test_k3_sizes_bf16_gpu(seqs, device):
+    _check(seqs, 16, 16, 512, 64, device, dtype=torch.bfloat16)

@@ -1,0 +1,86 @@
+"""k3::MLAPaged in ONNX (custom_ops/mla_paged/onnx.py): a tiny module calling torch.ops.k3.mla_paged goes
+through torch.export and torch.onnx with the registry's translation table, gets the `ort` body, and one ONNX
+Runtime session (N, B, MB, NB dynamic) matches the reference on decode-only, prefill and mixed steps; the
+body reads the pool only through a Gather of the step's block table; the `trt` pass leaves the bare node."""
+
+from __future__ import annotations
+
+import onnx
+import onnx_ir as ir
+import pytest
+import torch
+from torch.export import Dim
+
+import k3x.custom_ops  # noqa: F401  (registers torch.ops.k3.*)
+from k3x.custom_ops.mla_paged import mla_paged
+from k3x.custom_ops.mla_paged.onnx import NODE
+from k3x.custom_ops.mla_paged.reference import mla_paged as reference
+from k3x.export.onnx import translation_table
+from k3x.export.onnx_flavors import ort_pass, trt_pass
+from paged_cases import paged_case
+from tolerances import assert_close
+
+ort = pytest.importorskip("onnxruntime")
+
+H, C, R, BS = 3, 12, 5, 4
+NAMES = ("q_latent", "q_rope", "latent", "latent_pool", "block_table", "past_lens", "cu_seqlens")
+
+
+class _Attention(torch.nn.Module):
+    def forward(self, q_latent, q_rope, latent, latent_pool, block_table, past_lens, cu_seqlens):
+        return mla_paged(q_latent, q_rope, latent, latent_pool, block_table, past_lens, cu_seqlens, scale=0.3)
+
+
+def _inputs(seqs, seed=0):
+    case = paged_case(seqs, BS, C + R, gen=torch.Generator().manual_seed(seed))
+    gen = torch.Generator().manual_seed(seed + 1)
+    N = case.latent.shape[0]
+    return (torch.randn(N, H, C, generator=gen), torch.randn(N, H, R, generator=gen), case.latent,
+            *(x.contiguous() for x in case.paged))
+
+
+def _export() -> ir.Model:
+    N, B, MB, NB = Dim("N", min=1), Dim("B", min=1), Dim("MB", min=1), Dim("NB", min=1)
+    dims = {"q_latent": {0: N}, "q_rope": {0: N}, "latent": {0: N}, "latent_pool": {0: NB},
+            "block_table": {0: B, 1: MB}, "past_lens": {0: B}, "cu_seqlens": {0: Dim("B1", min=2)}}
+    ep = torch.export.export(_Attention(), _inputs([(6, 3), (0, 2)]), dynamic_shapes=dims, strict=False)
+    return torch.onnx.export(ep, dynamo=True, custom_translation_table=translation_table(), optimize=False,
+                             opset_version=23, verbose=False).model
+
+
+@pytest.fixture(scope="module")
+def session():
+    proto = ir.serde.serialize_model(ort_pass(_export()))
+    onnx.checker.check_model(proto, full_check=True)
+    return proto, ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("seqs", [
+    pytest.param([(5, 1)], id="decode-1"),
+    pytest.param([(9, 1), (0, 1), (4, 1), (16, 1)], id="decode-B4"),
+    pytest.param([(0, 11)], id="prefill"),
+    pytest.param([(31, 1), (0, 1), (16, 3), (1, 1), (8, 8), (15, 2), (2, 13)], id="mixed-B7"),
+])
+def test_ort_body_matches_reference(session, seqs):
+    _, sess = session
+    args = _inputs(seqs, seed=len(seqs))
+    feeds = {i.name: a.numpy() for i, a in zip(sess.get_inputs(), args)}
+    (o,) = sess.run(None, feeds)
+    assert_close(torch.from_numpy(o), reference(*args, 0.3), torch.float32, f"{seqs}")
+
+
+def test_body_reads_the_pool_only_through_the_block_table(session):
+    proto, _ = session
+    (fn,) = [f for f in proto.functions if f.name == NODE.op_type]
+    readers = [n.op_type for n in fn.node if "latent_pool" in n.input]
+    assert sorted(readers) == ["Gather", "Shape"], readers
+    gather = next(n for n in fn.node if n.op_type == "Gather" and "latent_pool" in n.input)
+    assert list(gather.input) == ["latent_pool", "block_table"]
+
+
+def test_trt_pass_keeps_the_bare_node_with_its_fields():
+    model = trt_pass(_export())
+    (node,) = [n for n in model.graph if n.op_type == NODE.op_type]
+    assert {f for f, _ in NODE.fields} <= set(node.attributes)
+    assert [node.attributes[f].value for f in ("num_heads", "kv_lora_rank", "rope_dim", "block_size")] == [H, C, R, BS]
+    assert not [k for k in model.functions if k[1] == NODE.op_type]
