@@ -139,7 +139,7 @@ def mla_paged(q_latent: Tensor, q_rope: Tensor, latent: Tensor, latent_pool: Ten
     if q_rope.shape[:2] != (N, H) or latent.shape != (N, C + q_rope.shape[2]) or latent_pool.shape[2] != latent.shape[1]:
         raise ValueError(f"mla_paged: q_latent {tuple(q_latent.shape)}, q_rope {tuple(q_rope.shape)}, latent "
                          f"{tuple(latent.shape)}, latent_pool {tuple(latent_pool.shape)} do not agree")
-    o = torch.empty_like(q_latent)
+    o = q_latent.new_empty(N, H, C)  # contiguous, whatever q_latent's strides (empty_like keeps them)
     ins = [x.contiguous() for x in (q_latent, q_rope, latent, latent_pool, block_table, past_lens, cu_seqlens)]
     names = ("q_latent", "q_rope", "latent", "latent_pool", "block_table", "past_lens", "cu_seqlens")
     d = dims([x.shape for x in ins])

@@ -169,3 +169,26 @@ def test_child_kda_packed_plan(lens, launched):
     ro, rs = reference.kda_packed(q, k, v, g, beta, pool, cu, slots, scale=0.25)
     torch.testing.assert_close(o, ro, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(s, rs, rtol=1e-4, atol=1e-5)
+
+
+@child
+@pytest.mark.parametrize("seqs, opt", [
+    pytest.param([(9, 1), (0, 1), (21, 1)], dict(N=3, B=3), id="decode-B3"),  # the decode variant
+    pytest.param([(5, 7), (0, 1), (13, 2)], dict(N=1, B=1), id="mixed-planned-at-decode"),  # rows, planned elsewhere
+])
+def test_child_mla_paged_plan(seqs, opt):
+    from k3x.custom_ops.mla_paged import reference
+    from k3x.custom_ops.trt_plugins import specs
+    from paged_cases import paged_case
+
+    spec = specs()["MLAPaged"]
+    H, C, R, BS = 3, 20, 6, 4
+    case = paged_case(seqs, BS, C + R)
+    N = case.latent.shape[0]
+    ql, qr = torch.randn(N, H, C), torch.randn(N, H, R)
+    ins = [ql, qr, case.latent, *(x.contiguous() for x in case.paged)]
+    o = torch.full((N, H, C), float("nan"))
+    opt_dims = dict(H=H, C=C, R=R, NB=case.pool.shape[0], BS=BS, L=C + R, MB=case.block_table.shape[1]) | opt
+    attrs = spec.attrs(dict(scale=0.2, num_heads=H, kv_lora_rank=C, rope_dim=R, block_size=BS))
+    assert _run(spec, opt_dims, ins + [o], attrs) == ["_mla_paged_kernel"]
+    torch.testing.assert_close(o, reference.mla_paged(*ins, 0.2), rtol=1e-4, atol=1e-5)

@@ -58,3 +58,20 @@ def test_awkward_dims(H, C, R, device):
 @pytest.mark.parametrize("seqs", [[(1000, 1)] * 4, [(300, 64), (5000, 1)]], ids=["decode-B4", "mixed"])
 def test_k3_sizes_bf16_gpu(seqs, device):
     _check(seqs, 16, 16, 512, 64, device, dtype=torch.bfloat16)
+
+
+def test_model_forward_paged_with_the_kernel(allow_cpu_triton, device):
+    """GatedMLA.forward_paged (k3-mini sizes) with kernels=triton equals kernels=reference."""
+    from k3x.model import preset
+    from k3x.model.mla import GatedMLA
+
+    torch.manual_seed(0)
+    m = GatedMLA(preset("k3-mini")).to(device).eval()
+    case = paged_case([(0, 6), (11, 1), (4, 3)], 4, m.m.latent_dim)
+    x = torch.randn(case.latent.shape[0], m.o_proj.out_features, device=device)
+    paged = [t.to(device) for t in case.paged]
+    with torch.no_grad():
+        y, lat = m.forward_paged(x, *paged, kernels="triton")
+        y_ref, lat_ref = m.forward_paged(x, *paged, kernels="reference")
+    assert_close(y.cpu(), y_ref.cpu(), torch.float32, "y")
+    torch.testing.assert_close(lat, lat_ref)

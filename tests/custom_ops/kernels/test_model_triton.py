@@ -1,7 +1,8 @@
 """k3-mini end to end with kernels=triton vs kernels=reference: the kernels wired through torch.ops.k3.
 
 Under the interpreter the tensors are CPU tensors, which the op's backend check refuses for 'triton'
-(outside the interpreter Triton needs CUDA); the test lifts that check for itself only.
+(outside the interpreter Triton needs CUDA); the test lifts that check for itself only (conftest.py's
+`allow_cpu_triton`).
 """
 
 from __future__ import annotations
@@ -14,14 +15,6 @@ from k3x.model import build_model, empty_state, preset
 from k3x.model.options import BuildOptions
 from k3x.plan.kernels import Kernels
 from tolerances import assert_close
-
-
-@pytest.fixture
-def allow_cpu_triton(monkeypatch, device):
-    if device == "cpu":
-        import k3x.plan.kernels as kernels
-
-        monkeypatch.setattr(kernels, "check_kernels", lambda op, name, *tensors: (True, ""))
 
 
 def test_model_triton_matches_reference(allow_cpu_triton, device):
