@@ -1,4 +1,5 @@
-"""`k3::mla_paged` — schema, fake impl, shape rule, limits and the kernel dispatch. Torch-only; Triton is imported lazily.
+"""`k3::mla_paged` — schema, fake impl, shape rule, limits and the kernel dispatch. Torch-only; Triton is
+imported lazily.
 
     k3::mla_paged(q_latent [N, H, C], q_rope [N, H, R], latent [N, C+R], latent_pool [NB, BS, C+R],
                   block_table [B, MB] int32, past_lens [B] int32, cu_seqlens [B+1] int32, scale, kernels)

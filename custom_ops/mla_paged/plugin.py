@@ -6,11 +6,11 @@
              kv_lora_rank, rope_dim, block_size) -> o [N, H, C] (q_latent's dtype).  LINEAR only.
     Ports, fields, output shape and type: `SIGNATURE` (op.py).
 
-One kernel, two variants by the runtime dims (`triton.plan`): `decode` when every sequence brings one token
-(N == B), else `rows`. The pool is an input the plugin only reads (TensorRT may alias it with the runtime's
-buffer). Paths: IPluginV3 "aot" embeds both variants' cubins (the `rows` one always, `decode` when a profile
-point has N == B); QDP has no `aot_impl` (it takes a plan's first variant for every shape, and `decode`
-cannot run prefill rows), so QDP runs the plan with Triton's JIT.
+Two variants by the runtime dims (`triton.plan`): `decode` when every sequence brings one token (N == B):
+split over keys, then a combine, the partials in the TensorRT workspace; else `rows`, one kernel. The pool is
+an input the plugin only reads (TensorRT may alias it with the runtime's buffer). Paths: IPluginV3 "aot"
+embeds the cubins (`rows` always, `decode`'s two when a profile point has N == B, as the min point (1, 1)
+does); QDP has no `aot_impl` (one kernel, no workspace), so QDP runs the plan with Triton's JIT.
 """
 
 from __future__ import annotations
@@ -44,5 +44,5 @@ def check(shapes, attrs: dict) -> str | None:
 
 SPEC = PluginSpec.of(
     SIGNATURE, dims=kt.dims, check=check, plan=kt.plan, qdp_aot_dims=None,
-    notes="IPluginV3 aot: decode / rows cubins (_mla_paged_kernel); QDP: jit only",
+    notes="IPluginV3 aot: rows kernel, decode split + combine kernels (workspace); QDP: jit only",
 )

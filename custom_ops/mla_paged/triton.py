@@ -1,22 +1,25 @@
-"""Absorbed MLA attention over a paged latent pool: Triton kernel, its launch plan and launcher. Never imports
+"""Absorbed MLA attention over a paged latent pool: Triton kernels, their launch plan and launcher. Never imports
 `reference.py`.
 
 Same contract as `reference.mla_paged` (op.py): q_latent [N, H, C], q_rope [N, H, R], latent [N, C+R],
 latent_pool [NB, BS, C+R], block_table [B, MB] int32, past_lens [B] int32, cu_seqlens [B+1] int32
 -> o [N, H, C] in q_latent's dtype.
 
-One program per (sequence b, block of BMR query rows of b, block of BH heads): its M = BMR * BH query rows
-(row-major over (row, head)) share every key — MLA's keys are the latent itself, one per position for all
-heads — so a key tile is read once per program and multiplied for all its rows. Keys in blocks of BK
-positions: position p < past_lens[b] is row p % BS of pool block block_table[b, p // BS]; later positions are
-this step's latent rows of b. Online softmax in fp32 (exp2, scale·log2 e folded into the scores); the
-accumulator holds [M, C] fp32; o = acc / l. A program stops at its last query row's position, so the work
-is proportional to each sequence's real length, never to the pool or to MB beyond what b uses.
-Grid: (B, cdiv(N, BMR), cdiv(H, BH)) (grids are + * // of the dims, so no tighter N - B + 1); programs past
-their sequence's rows return after two loads. Variants: `rows` (prefill chunks mixed in: BMR * BH = 64, 32 when C > 256) and
-`decode` (N == B: every sequence one row, BMR = 1, 16..64 heads per program, grid (B, 1, cdiv(H, BH))).
-Not split over keys: a lone long decode runs cdiv(H, BH) programs (a split-K variant with a combine pass is
-the next step for long-context decode on a GPU).
+Keys (MLA's keys are the latent itself, one per position for all heads) are read in tiles of BK positions:
+position p < past_lens[b] is row p % BS of pool block block_table[b, p // BS]; later positions are this
+step's latent rows of b. Online softmax in fp32 (exp2, scale·log2 e folded into the scores), an [M, C] fp32
+accumulator, o = acc / l. Work is proportional to each sequence's real length, never to the pool.
+Variants (`plan`):
+- `rows` (any step; taken when some sequence brings several rows): one program per (sequence b, block of BMR
+  query rows of b, block of BH heads); its M = BMR·BH query rows share every key tile (BMR·BH = 64, 32 when
+  C > 256). Grid (B, cdiv(N, BMR), cdiv(H, BH)) (grids are + * // of the dims, so not the tighter
+  N - B + 1); programs past their sequence's rows return after two loads. A program stops at its last row's
+  position.
+- `decode` (N == B: one row per sequence): split over keys so a lone long sequence still fills the GPU —
+  `_mla_paged_split_kernel` per (b, split of KEYS_PER_SPLIT keys, BH heads) writes its partial (max, sum,
+  unnormalised [BH, C]) to the workspace, an empty split (-inf, 0, 0); `_mla_paged_combine_kernel` per (b, BH
+  heads) merges them with weights 2^(m_s - max m). NSPLIT = cdiv(MB·BS, KEYS_PER_SPLIT): the step's longest
+  sequence sets it, shorter ones leave their tail splits empty.
 fp32 inputs multiply in IEEE fp32 (tl.dot input_precision="ieee"); bf16/fp16 inputs are widened to fp32 and
 multiplied in tf32, exact for their mantissas (the probabilities are rounded to tf32 in the second product).
 """
@@ -29,7 +32,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ...plan.dtypes import dtype_name
-from ...plan.launch import Launch, Plan, Variant, cdiv, run
+from ...plan.launch import Buffer, Launch, Plan, Variant, cdiv, run
 from .op import KERNEL_MAX_LATENT
 
 LOG2E = 1.4426950408889634
@@ -45,9 +48,42 @@ def _load_keys(pool, latent, table_row, p, past, n_keys, start, o_d, D, off, BS:
     from_pool = tl.load(pool + (blk * BS + p % BS)[:, None] * L + off + o_d[None, :],
                         mask=in_pool[:, None] & m_d, other=0.0)
     row = (start + p - past).to(tl.int64)
-    from_step = tl.load(latent + row[:, None] * L + off + o_d[None, :], mask=((p >= past) & (p < n_keys))[:, None] & m_d,
-                        other=0.0)
+    in_step = (p >= past) & (p < n_keys)
+    from_step = tl.load(latent + row[:, None] * L + off + o_d[None, :], mask=in_step[:, None] & m_d, other=0.0)
     return from_pool.to(tl.float32) + from_step.to(tl.float32)
+
+
+@triton.jit
+def _load_q(q_latent, q_rope, q_off, live, C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr):
+    """The queries of rows q_off ([M] = packed row * H + head): q_latent [M, BC], q_rope [M, BR], fp32."""
+    o_c, o_r = tl.arange(0, BC), tl.arange(0, BR)
+    ql = tl.load(q_latent + q_off[:, None] * C + o_c[None, :], mask=live[:, None] & (o_c < C)[None, :], other=0.0)
+    qr = tl.load(q_rope + q_off[:, None] * R + o_r[None, :], mask=live[:, None] & (o_r < R)[None, :], other=0.0)
+    return ql.to(tl.float32), qr.to(tl.float32)
+
+
+@triton.jit
+def _attend(ql, qr, qpos, m_i, l_i, acc, pool, latent, table_row, past, n_keys, start, k_lo, k_hi,
+            QK_SCALE: tl.constexpr, C: tl.constexpr, R: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr,
+            BR: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax of queries at positions qpos [M] over keys [k_lo, k_hi) (k_lo <= every qpos): the running
+    (max, sum, [M, BC] accumulator) updated; scores in log2 units."""
+    o_c, o_r = tl.arange(0, BC), tl.arange(0, BR)
+    for k0 in range(k_lo, k_hi, BK):
+        p = k0 + tl.arange(0, BK)
+        kc = _load_keys(pool, latent, table_row, p, past, n_keys, start, o_c, C, 0, BS, C + R)  # [BK, BC]
+        kr = _load_keys(pool, latent, table_row, p, past, n_keys, start, o_r, R, C, BS, C + R)  # [BK, BR]
+        s = tl.dot(ql, tl.trans(kc), input_precision=PRECISION)
+        s += tl.dot(qr, tl.trans(kr), input_precision=PRECISION)
+        seen = (p[None, :] <= qpos[:, None]) & (p < k_hi)[None, :]
+        s = tl.where(seen, s * QK_SCALE, float("-inf"))  # [M, BK]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        prob = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(prob, 1)
+        acc = acc * alpha[:, None] + tl.dot(prob, kc, input_precision=PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -60,6 +96,7 @@ def _mla_paged_kernel(
     BMR: tl.constexpr, BH: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    """One program: BMR query rows of sequence b x BH heads, over all the keys they see."""
     b = tl.program_id(0)
     start = tl.load(cu_seqlens + b)
     T = tl.load(cu_seqlens + b + 1) - start
@@ -67,37 +104,79 @@ def _mla_paged_kernel(
     if r0 >= T:
         return
     past = tl.load(past_lens + b)
-    L = C + R
     i = tl.arange(0, BMR * BH)
     row, head = r0 + i // BH, tl.program_id(2) * BH + i % BH  # [M]
     live = (row < T) & (head < H)
     q_off = ((start + row).to(tl.int64) * H + head)
-    o_c, o_r = tl.arange(0, BC), tl.arange(0, BR)
-    ql = tl.load(q_latent + q_off[:, None] * C + o_c[None, :], mask=live[:, None] & (o_c < C)[None, :],
-                 other=0.0).to(tl.float32)  # [M, BC]
-    qr = tl.load(q_rope + q_off[:, None] * R + o_r[None, :], mask=live[:, None] & (o_r < R)[None, :],
-                 other=0.0).to(tl.float32)  # [M, BR]
+    ql, qr = _load_q(q_latent, q_rope, q_off, live, C, R, BC, BR)
     m_i = tl.full([BMR * BH], float("-inf"), tl.float32)
     l_i = tl.zeros([BMR * BH], tl.float32)
     acc = tl.zeros([BMR * BH, BC], tl.float32)
-    table_row = block_table + b.to(tl.int64) * MB
-    qpos = past + row  # [M] each query's own position: it sees keys at <= qpos
     n_keys = past + tl.minimum(T, r0 + BMR)
-    for k0 in range(0, n_keys, BK):
-        p = k0 + tl.arange(0, BK)
-        kc = _load_keys(latent_pool, latent, table_row, p, past, n_keys, start, o_c, C, 0, BS, L)  # [BK, BC]
-        kr = _load_keys(latent_pool, latent, table_row, p, past, n_keys, start, o_r, R, C, BS, L)  # [BK, BR]
-        s = tl.dot(ql, tl.trans(kc), input_precision=PRECISION)
-        s += tl.dot(qr, tl.trans(kr), input_precision=PRECISION)
-        s = tl.where(p[None, :] <= qpos[:, None], s * QK_SCALE, float("-inf"))  # [M, BK]
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        prob = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(prob, 1)
-        acc = acc * alpha[:, None] + tl.dot(prob, kc, input_precision=PRECISION)
-        m_i = m_new
+    m_i, l_i, acc = _attend(ql, qr, past + row, m_i, l_i, acc, latent_pool, latent, block_table + b.to(tl.int64) * MB,
+                            past, n_keys, start, 0, n_keys, QK_SCALE, C, R, BS, BC, BR, BK, PRECISION)
     out = acc / tl.where(live, l_i, 1.0)[:, None]
+    o_c = tl.arange(0, BC)
     tl.store(o + q_off[:, None] * C + o_c[None, :], out.to(o.dtype.element_ty), mask=live[:, None] & (o_c < C)[None, :])
+
+
+@triton.jit
+def _mla_paged_split_kernel(
+    q_latent, q_rope, latent, latent_pool, block_table, past_lens, cu_seqlens,  # inputs
+    MB, NSPLIT,  # block-table row stride, key splits per sequence
+    part_acc, part_ml,  # workspace: [B, NSPLIT, H, C] unnormalised outputs, [B, NSPLIT, H, 2] (max, sum)
+    QK_SCALE: tl.constexpr, H: tl.constexpr, C: tl.constexpr, R: tl.constexpr, BS: tl.constexpr,
+    BH: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, KPS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Decode (one row per sequence): keys [s * KPS, (s + 1) * KPS) of sequence b for BH heads; an empty split
+    leaves (-inf, 0, 0)."""
+    b, split = tl.program_id(0), tl.program_id(1)
+    start, past = tl.load(cu_seqlens + b), tl.load(past_lens + b)
+    head = tl.program_id(2) * BH + tl.arange(0, BH)
+    live = head < H
+    ql, qr = _load_q(q_latent, q_rope, start.to(tl.int64) * H + head, live, C, R, BC, BR)
+    m_i = tl.full([BH], float("-inf"), tl.float32)
+    l_i = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, BC], tl.float32)
+    k_lo = split * KPS
+    k_hi = tl.minimum(k_lo + KPS, past + 1)
+    m_i, l_i, acc = _attend(ql, qr, past + head * 0, m_i, l_i, acc, latent_pool, latent,
+                            block_table + b.to(tl.int64) * MB, past, past + 1, start, k_lo, k_hi,
+                            QK_SCALE, C, R, BS, BC, BR, BK, PRECISION)
+    slot = (b.to(tl.int64) * NSPLIT + split) * H + head  # [BH]
+    o_c = tl.arange(0, BC)
+    tl.store(part_acc + slot[:, None] * C + o_c[None, :], acc, mask=live[:, None] & (o_c < C)[None, :])
+    tl.store(part_ml + slot * 2, m_i, mask=live)
+    tl.store(part_ml + slot * 2 + 1, l_i, mask=live)
+
+
+@triton.jit
+def _mla_paged_combine_kernel(
+    cu_seqlens, NSPLIT, part_acc, part_ml, o,
+    H: tl.constexpr, C: tl.constexpr, BH: tl.constexpr, BC: tl.constexpr,
+):
+    """o of sequence b's one row, BH heads: the splits' partial softmaxes merged (weights 2^(m_s - max m))."""
+    b = tl.program_id(0)
+    head = tl.program_id(1) * BH + tl.arange(0, BH)
+    live = head < H
+    o_c = tl.arange(0, BC)
+    base = b.to(tl.int64) * NSPLIT * H + head  # [BH] slot of split 0
+    m_max = tl.full([BH], float("-inf"), tl.float32)
+    for split in range(0, NSPLIT):
+        m_max = tl.maximum(m_max, tl.load(part_ml + (base + split * H) * 2, mask=live, other=0.0))
+    l_i = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, BC], tl.float32)
+    for split in range(0, NSPLIT):
+        slot = base + split * H
+        w = tl.exp2(tl.load(part_ml + slot * 2, mask=live, other=0.0) - m_max)
+        l_i += w * tl.load(part_ml + slot * 2 + 1, mask=live, other=0.0)
+        acc += w[:, None] * tl.load(part_acc + slot[:, None] * C + o_c[None, :],
+                                    mask=live[:, None] & (o_c < C)[None, :], other=0.0)
+    row = tl.load(cu_seqlens + b).to(tl.int64)
+    out = acc / tl.where(live, l_i, 1.0)[:, None]
+    tl.store(o + (row * H + head)[:, None] * C + o_c[None, :], out.to(o.dtype.element_ty),
+             mask=live[:, None] & (o_c < C)[None, :])
 
 
 def dims(shapes) -> dict:
@@ -106,42 +185,60 @@ def dims(shapes) -> dict:
     return {"N": N, "H": H, "C": C, "R": R, "NB": NB, "BS": BS, "L": L, "B": B, "MB": MB}
 
 
-def _launch(d: dict, precision: str, scale: float, BMR: int, BH: int, decode: bool) -> Launch:
+INPUTS = ("q_latent", "q_rope", "latent", "latent_pool", "block_table", "past_lens", "cu_seqlens")
+KEYS_PER_SPLIT = 256  # decode: keys per program; a sequence's step runs cdiv(MB * BS, 256) splits
+
+
+def _blocks(d: dict, M: int) -> dict:
+    """Tile sizes for M = query rows x heads per program: latent columns (C, R padded), keys per tile, warps."""
     po2 = triton.next_power_of_2
     BC, BR = max(16, po2(d["C"])), max(16, po2(max(d["R"], 1)))
-    BK = 16 if BC * BMR * BH > 16384 else 32
-    return Launch(
-        _mla_paged_kernel,
-        ("q_latent", "q_rope", "latent", "latent_pool", "block_table", "past_lens", "cu_seqlens", "MB", "o"),
-        {"QK_SCALE": scale * LOG2E, "H": d["H"], "C": d["C"], "R": d["R"], "BS": d["BS"], "BMR": BMR, "BH": BH, "BC": BC, "BR": BR, "BK": BK,
-         "PRECISION": precision},
-        grid=lambda x: (x["B"], 1 if decode else cdiv(x["N"], BMR), cdiv(x["H"], BH)),
-        scalars=lambda x: {"MB": x["MB"]},
-        num_warps=8 if BC * BMR * BH >= 16384 else 4, num_stages=1)
+    return {"BC": BC, "BR": BR, "BK": 16 if BC * M > 16384 else 32, "num_warps": 8 if BC * M >= 16384 else 4}
+
+
+def _splits(x: dict):
+    return cdiv(x["MB"] * x["BS"], KEYS_PER_SPLIT)
 
 
 def plan(d: dict, dtypes: list[str], attrs: dict) -> Plan:
-    """Two variants of the one kernel: `decode` when N == B (every sequence one row), else `rows` (any step);
-    `scale` specialised into the code, like the static dims."""
+    """`decode` when N == B (every sequence one row): the split kernel over key ranges, then the combine;
+    else `rows`: one pass per (sequence, query block, head block). `scale` specialised into the code, like
+    the static dims; the splits' partials live in the workspace."""
     if d["C"] + d["R"] > KERNEL_MAX_LATENT:
         raise ValueError(f"mla_paged (triton): C + R = {d['C'] + d['R']} > {KERNEL_MAX_LATENT}")
-    precision = "ieee" if not dtypes or dtypes[0] == "fp32" else "tf32"
-    scale, heads = float(attrs["scale"]), triton.next_power_of_2(d["H"])
-    decode = _launch(d, precision, scale, 1, max(16, min(heads, 64)), True)
-    bh, m = min(heads, 16), 64 if d["C"] <= 256 else 32  # [M, C] fp32 accumulator: 64 KB at K3's C = 512
-    rows = _launch(d, precision, scale, m // bh, bh, False)
-    return Plan((Variant("decode", (decode,), when=lambda x: x["N"] == x["B"]), Variant("rows", (rows,))))
+    static = {"QK_SCALE": float(attrs["scale"]) * LOG2E, "H": d["H"], "C": d["C"], "R": d["R"], "BS": d["BS"],
+              "PRECISION": "ieee" if not dtypes or dtypes[0] == "fp32" else "tf32"}
+    heads, m = triton.next_power_of_2(d["H"]), 64 if d["C"] <= 256 else 32  # [M, C] fp32 accumulator: 64 KB at C = 512
+    rh, dh = min(heads, 16), max(16, min(heads, m))  # heads per program: rows, decode
+    rm = m // rh  # query rows per program
+    t = _blocks(d, m)
+    rows = Launch(_mla_paged_kernel, INPUTS + ("MB", "o"),
+                  static | {"BMR": rm, "BH": rh, "BC": t["BC"], "BR": t["BR"], "BK": t["BK"]},
+                  grid=lambda x: (x["B"], cdiv(x["N"], rm), cdiv(x["H"], rh)), scalars=lambda x: {"MB": x["MB"]},
+                  num_warps=t["num_warps"])
+    t = _blocks(d, dh)
+    split = Launch(_mla_paged_split_kernel, INPUTS + ("MB", "NSPLIT", "part_acc", "part_ml"),
+                   static | {"BH": dh, "BC": t["BC"], "BR": t["BR"], "BK": t["BK"], "KPS": KEYS_PER_SPLIT},
+                   grid=lambda x: (x["B"], _splits(x), cdiv(x["H"], dh)),
+                   scalars=lambda x: {"MB": x["MB"], "NSPLIT": _splits(x)}, num_warps=t["num_warps"])
+    combine = Launch(_mla_paged_combine_kernel, ("cu_seqlens", "NSPLIT", "part_acc", "part_ml", "o"),
+                     {"H": d["H"], "C": d["C"], "BH": dh, "BC": t["BC"]}, grid=lambda x: (x["B"], cdiv(x["H"], dh), 1),
+                     scalars=lambda x: {"NSPLIT": _splits(x)}, num_warps=4)
+    workspace = (Buffer("part_acc", "fp32", lambda x: x["B"] * _splits(x) * x["H"] * x["C"]),
+                 Buffer("part_ml", "fp32", lambda x: x["B"] * _splits(x) * x["H"] * 2))
+    return Plan((Variant("decode", (split, combine), when=lambda x: x["N"] == x["B"]), Variant("rows", (rows,))),
+                workspace)
 
 
 def mla_paged(q_latent: Tensor, q_rope: Tensor, latent: Tensor, latent_pool: Tensor, block_table: Tensor,
               past_lens: Tensor, cu_seqlens: Tensor, *, scale: float) -> Tensor:
     N, H, C = q_latent.shape
-    if q_rope.shape[:2] != (N, H) or latent.shape != (N, C + q_rope.shape[2]) or latent_pool.shape[2] != latent.shape[1]:
+    L = C + q_rope.shape[2]
+    if q_rope.shape[:2] != (N, H) or latent.shape != (N, L) or latent_pool.shape[2] != L:
         raise ValueError(f"mla_paged: q_latent {tuple(q_latent.shape)}, q_rope {tuple(q_rope.shape)}, latent "
                          f"{tuple(latent.shape)}, latent_pool {tuple(latent_pool.shape)} do not agree")
     o = q_latent.new_empty(N, H, C)  # contiguous, whatever q_latent's strides (empty_like keeps them)
     ins = [x.contiguous() for x in (q_latent, q_rope, latent, latent_pool, block_table, past_lens, cu_seqlens)]
-    names = ("q_latent", "q_rope", "latent", "latent_pool", "block_table", "past_lens", "cu_seqlens")
     d = dims([x.shape for x in ins])
-    run(plan(d, [dtype_name(q_latent.dtype)], {"scale": scale}), dict(zip(names, ins)) | {"o": o}, d)
+    run(plan(d, [dtype_name(q_latent.dtype)], {"scale": scale}), dict(zip(INPUTS, ins)) | {"o": o}, d)
     return o

@@ -54,20 +54,26 @@ def test_plan_variants_and_grids():
     plan = SPEC.plan(d, ["bf16"] * 8, ATTRS)
     rows = plan.select(d)
     assert rows.name == "rows" and rows.launches[0].grid(d) == (3, 5, 1)  # BMR = 32 // 16 = 2 rows per program
-    decode = SPEC.dims(shapes(N=3))
-    assert plan.select(decode).name == "decode" and plan.select(decode).launches[0].grid(decode) == (3, 1, 1)
-    assert plan.select(decode).launches[0].scalars(decode) == {"MB": 5}
+    decode = SPEC.dims(shapes(N=3, MB=40))  # 640 keys: 3 splits of 256
+    split, combine = plan.select(decode).launches
+    assert plan.select(decode).name == "decode"
+    assert split.grid(decode) == (3, 3, 1) and combine.grid(decode) == (3, 1, 1)
+    assert split.scalars(decode) == {"MB": 40, "NSPLIT": 3} and combine.scalars(decode) == {"NSPLIT": 3}
+    assert [b.numel(decode) for b in plan.workspace] == [3 * 3 * 16 * 512, 3 * 3 * 16 * 2]
 
 
 def test_kernels_compile_for_sm90():
     types = ["bf16"] * 4 + ["int32"] * 3 + ["bf16"]
     dims = [SPEC.dims(shapes(N=1, B=1)), SPEC.dims(shapes()), SPEC.dims(shapes(N=300, B=8))]
     plan = SPEC.plan(dims[1], types, ATTRS)
-    kernels = compile_plan(SPEC, plan, types, 90, dims)
-    assert len(kernels) == 2  # decode (N == B at the min point) and rows
-    for k in kernels:
-        assert k.name == "_mla_paged_kernel" and k.sm == 90 and k.cubin[:4] == b"\x7fELF"
-        assert k.arg_names == ("q_latent", "q_rope", "latent", "latent_pool", "block_table", "past_lens",
-                               "cu_seqlens", "MB", "o")
-        assert k.arg_types == ("*bf16",) * 4 + ("*i32",) * 3 + ("i32", "*bf16")
+    kernels = {k.name: k for k in compile_plan(SPEC, plan, types, 90, dims)}  # decode: N == B at the min point
+    assert set(kernels) == {"_mla_paged_kernel", "_mla_paged_split_kernel", "_mla_paged_combine_kernel"}
+    ins = ("q_latent", "q_rope", "latent", "latent_pool", "block_table", "past_lens", "cu_seqlens")
+    assert kernels["_mla_paged_kernel"].arg_names == ins + ("MB", "o")
+    assert kernels["_mla_paged_kernel"].arg_types == ("*bf16",) * 4 + ("*i32",) * 3 + ("i32", "*bf16")
+    assert kernels["_mla_paged_split_kernel"].arg_names == ins + ("MB", "NSPLIT", "part_acc", "part_ml")
+    assert kernels["_mla_paged_split_kernel"].arg_types[-2:] == ("*fp32", "*fp32")
+    assert kernels["_mla_paged_combine_kernel"].arg_names == ("cu_seqlens", "NSPLIT", "part_acc", "part_ml", "o")
+    for k in kernels.values():
+        assert k.sm == 90 and k.cubin[:4] == b"\x7fELF"
         assert k.block[0] == 32 * k.num_warps and 0 <= k.shared <= 227 * 1024

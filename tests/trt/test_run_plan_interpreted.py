@@ -172,11 +172,12 @@ def test_child_kda_packed_plan(lens, launched):
 
 
 @child
-@pytest.mark.parametrize("seqs, opt", [
-    pytest.param([(9, 1), (0, 1), (21, 1)], dict(N=3, B=3), id="decode-B3"),  # the decode variant
-    pytest.param([(5, 7), (0, 1), (13, 2)], dict(N=1, B=1), id="mixed-planned-at-decode"),  # rows, planned elsewhere
+@pytest.mark.parametrize("seqs, opt, kernels", [
+    pytest.param([(9, 1), (0, 1), (300, 1)], dict(N=3, B=3), ["_mla_paged_split_kernel", "_mla_paged_combine_kernel"],
+                 id="decode-B3-2-splits"),  # partials in the workspace
+    pytest.param([(5, 7), (0, 1), (13, 2)], dict(N=1, B=1), ["_mla_paged_kernel"], id="mixed-planned-at-decode"),
 ])
-def test_child_mla_paged_plan(seqs, opt):
+def test_child_mla_paged_plan(seqs, opt, kernels):
     from k3x.custom_ops.mla_paged import reference
     from k3x.custom_ops.trt_plugins import specs
     from paged_cases import paged_case
@@ -190,5 +191,5 @@ def test_child_mla_paged_plan(seqs, opt):
     o = torch.full((N, H, C), float("nan"))
     opt_dims = dict(H=H, C=C, R=R, NB=case.pool.shape[0], BS=BS, L=C + R, MB=case.block_table.shape[1]) | opt
     attrs = spec.attrs(dict(scale=0.2, num_heads=H, kv_lora_rank=C, rope_dim=R, block_size=BS))
-    assert _run(spec, opt_dims, ins + [o], attrs) == ["_mla_paged_kernel"]
+    assert _run(spec, opt_dims, ins + [o], attrs) == kernels
     torch.testing.assert_close(o, reference.mla_paged(*ins, 0.2), rtol=1e-4, atol=1e-5)

@@ -1,6 +1,7 @@
-"""k3::mla_paged Triton kernel vs the fp32 reference: decode-only steps (the `decode` variant) and mixed steps
-(`rows`), block sizes 1/4/16, awkward head counts, C and R (R = 0 too), permuted and strided block tables,
-past lengths crossing block and key-tile edges, prefill chunks longer than a query block."""
+"""k3::mla_paged Triton kernels vs the fp32 reference: decode-only steps (the `decode` variant, split over keys:
+one split or several, some empty) and mixed steps (`rows`), block sizes 1/4/16, awkward head counts, C and R
+(R = 0 too), permuted and strided block tables, past lengths crossing block and key-tile edges, prefill chunks
+longer than a query block; the model's forward_paged with kernels=triton."""
 
 from __future__ import annotations
 
@@ -35,6 +36,14 @@ def _check(seqs, block_size, H, C, R, device, *, strided=False, dtype=torch.floa
 ])
 def test_decode_steps(seqs, block_size, device):
     _check(seqs, block_size, 3, 24, 8, device, strided=True)
+
+
+@pytest.mark.parametrize("seqs", [
+    pytest.param([(600, 1)], id="one-long"),
+    pytest.param([(600, 1), (3, 1), (257, 1), (256, 1), (255, 1)], id="B5-empty-splits"),  # 3 splits of 256 keys
+])
+def test_decode_split_over_keys(seqs, device):
+    _check(seqs, 16, 5, 24, 8, device)
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
