@@ -1,0 +1,155 @@
+"""The state pools of a serving deployment (the serving step's contract: a step reads pools, never writes them).
+
+- KDA layer i: `pool.{i}.conv` [S, 3P, W-1] fp32 and `pool.{i}.recurrent` [S, H, K, V] fp32, one row per slot;
+- MLA layer i: `pool.{i}.latent` [NB, BS, kv_lora + rope] (model dtype), fixed-size blocks; sequence b's
+  position p lives in block `table[p // BS]`, row `p % BS`.
+
+`CacheAllocator` is pure bookkeeping (free lists of slots and blocks, one block table per sequence): the
+scheduler admits with it and never touches a tensor. `StatePools` holds the tensors and writes a step's new
+rows back in place (`write_back`: O(B + N) rows, never a copy of a pool). `pool_bytes` sizes a deployment
+(what `k3x inspect --context --sequences` prints).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..model.config import K3Config
+from ..model.state import state_bytes, state_specs
+
+
+def blocks_for(positions: int, block_size: int) -> int:
+    return -(-positions // block_size)
+
+
+class FreeList:
+    """Ids 0..n-1; `take` hands out the lowest free ids (deterministic), `give` returns them."""
+
+    def __init__(self, n: int) -> None:
+        self.capacity = n
+        self._free = list(range(n - 1, -1, -1))
+
+    @property
+    def available(self) -> int:
+        return len(self._free)
+
+    def take(self, k: int) -> list[int]:
+        if k > len(self._free):
+            raise ValueError(f"take {k}: only {len(self._free)} of {self.capacity} free")
+        return [self._free.pop() for _ in range(k)]
+
+    def give(self, ids: list[int]) -> None:
+        self._free.extend(ids)
+        self._free.sort(reverse=True)
+        if len(set(self._free)) != len(self._free):
+            raise ValueError(f"freed twice: {sorted(ids)}")
+
+
+class CacheAllocator:
+    """Slots and blocks of the sequences being served, by sequence id. Blocks are reserved at admission for
+    every position a sequence may reach (prompt + new tokens - 1), so a running sequence never waits."""
+
+    def __init__(self, slots: int, blocks: int, block_size: int) -> None:
+        if slots < 1 or blocks < 1 or block_size < 1:
+            raise ValueError(f"slots={slots}, blocks={blocks}, block_size={block_size}: each must be >= 1")
+        self.block_size = block_size
+        self.slots, self.blocks = FreeList(slots), FreeList(blocks)
+        self.slot_of: dict[int, int] = {}
+        self.table_of: dict[int, list[int]] = {}
+
+    def fits_ever(self, positions: int) -> bool:
+        return blocks_for(positions, self.block_size) <= self.blocks.capacity
+
+    def can_admit(self, positions: int) -> bool:
+        return self.slots.available > 0 and blocks_for(positions, self.block_size) <= self.blocks.available
+
+    def admit(self, seq: int, positions: int) -> int:
+        """A slot and the blocks for `positions` for sequence `seq` -> its slot."""
+        if seq in self.slot_of:
+            raise ValueError(f"sequence {seq}: already admitted")
+        if not self.can_admit(positions):
+            raise ValueError(f"sequence {seq}: no slot or not {blocks_for(positions, self.block_size)} free blocks")
+        self.slot_of[seq] = self.slots.take(1)[0]
+        self.table_of[seq] = self.blocks.take(blocks_for(positions, self.block_size))
+        return self.slot_of[seq]
+
+    def release(self, seq: int) -> None:
+        self.slots.give([self.slot_of.pop(seq)])
+        self.blocks.give(self.table_of.pop(seq))
+
+    def table_row(self, seq: int, width: int) -> list[int]:
+        """The first `width` block ids of `seq`'s table, padded with block 0 (a valid id, never read)."""
+        t = self.table_of[seq][:width]
+        return t + [0] * (width - len(t))
+
+
+def pool_names(cfg: K3Config) -> list[tuple[str, str]]:
+    """(pool input, step output) names in layer order: `pool.{i}.conv` -> `new.{i}.conv`, ..."""
+    return [(f"pool.{s.layer}.{s.kind}", f"new.{s.layer}.{s.kind}") for s in state_specs(cfg) if s.layer >= 0]
+
+
+def pool_shapes(cfg: K3Config, slots: int, blocks: int, block_size: int, dtype: torch.dtype
+                ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    out = {}
+    for s in state_specs(cfg):
+        if s.kind == "latent":
+            out[f"pool.{s.layer}.latent"] = ((blocks, block_size, s.dims[-1]), s.dtype(dtype))
+        elif s.layer >= 0:
+            out[f"pool.{s.layer}.{s.kind}"] = (s.shape(slots, 0), torch.float32)
+    return out
+
+
+class StatePools:
+    """The pool tensors of one deployment (zeros at start) and the in-place write-back of a step."""
+
+    def __init__(self, cfg: K3Config, *, slots: int, blocks: int, block_size: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        self.cfg, self.block_size = cfg, block_size
+        self.names = pool_names(cfg)
+        self.tensors: dict[str, Tensor] = {
+            n: torch.zeros(shape, dtype=dt, device=device)
+            for n, (shape, dt) in pool_shapes(cfg, slots, blocks, block_size, dtype).items()}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def reset_slot(self, slot: int) -> None:
+        """A new sequence starts from the zero KDA state (its blocks need no reset: only positions it wrote
+        are ever read)."""
+        for name, t in self.tensors.items():
+            if not name.endswith(".latent"):
+                t[slot].zero_()
+
+    def write_back(self, feeds: dict[str, Tensor], outputs: dict[str, Tensor]) -> None:
+        """conv/recurrent pool[slots[b]] = new[b]; the latent row of token (b, t) goes to position
+        past_lens[b] + t of sequence b. Index writes of B rows and N rows, in place."""
+        cu = feeds["cu_seqlens"].long().cpu()
+        lens = cu[1:] - cu[:-1]
+        seq_of_row = torch.repeat_interleave(torch.arange(len(lens)), lens)  # [N]
+        pos = feeds["past_lens"].long().cpu()[seq_of_row] + torch.arange(int(cu[-1])) - cu[:-1][seq_of_row]
+        blocks = feeds["block_table"].long().cpu()[seq_of_row, pos // self.block_size]
+        rows = pos % self.block_size
+        slots = feeds["slots"].long().cpu()
+        for pool_name, new_name in self.names:
+            pool, new = self.tensors[pool_name], outputs[new_name]
+            if pool_name.endswith(".latent"):
+                pool[blocks.to(pool.device), rows.to(pool.device)] = new.to(pool.device, pool.dtype)
+            else:
+                pool[slots.to(pool.device)] = new.to(pool.device, pool.dtype)
+
+
+def pool_bytes(cfg: K3Config, context: int, sequences: int, block_size: int = 16,
+               dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
+    """Pool memory of `sequences` sequences of up to `context` positions each: KDA bytes per sequence, MLA
+    bytes per token (all layers), blocks and total bytes (latent blocks rounded up per sequence)."""
+    if context < 1 or sequences < 1 or block_size < 1:
+        raise ValueError(f"context={context}, sequences={sequences}, block_size={block_size}: each must be >= 1")
+    per = state_bytes(cfg, dtype_bytes=torch.empty((), dtype=dtype).element_size())
+    kda, mla = per["kda_state_bytes_per_sequence"], per["mla_kv_bytes_per_token"]
+    blocks = sequences * blocks_for(context, block_size)
+    return {"kda_bytes_per_sequence": kda, "mla_bytes_per_token": mla, "blocks": blocks,
+            "kda_bytes": kda * sequences, "mla_bytes": mla * blocks * block_size,
+            "total_bytes": kda * sequences + mla * blocks * block_size}
+
