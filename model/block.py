@@ -10,6 +10,8 @@ AttnRes dataflow per layer l (state: `prefix` = running partial block sum, `bank
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -20,6 +22,9 @@ from .layers import GatedMLP, RMSNorm, linear
 from .mla import GatedMLA
 from .moe import LatentMoE
 from .options import BuildOptions
+
+
+Mixer = Callable[[Tensor], tuple[Tensor, list[Tensor]]]  # normed input -> (mixer output, new state)
 
 
 class DecoderLayer(nn.Module):
@@ -56,19 +61,21 @@ class DecoderLayer(nn.Module):
         norm, proj = getattr(self, f"{which}_res_norm"), getattr(self, f"{which}_res_proj")
         return attn_res(prefix, bank, norm.weight, proj.weight, eps=self.cfg.rms_norm_eps, kernels=self.kernels)
 
-    def forward(self, prefix: Tensor, bank: Tensor | None, state: list[Tensor], length: Tensor | None = None
-                ) -> tuple[Tensor, Tensor | None, list[Tensor]]:
+    def forward(self, prefix: Tensor, bank: Tensor | None, state: list[Tensor], length: Tensor | None = None,
+                mix: Mixer | None = None) -> tuple[Tensor, Tensor | None, list[Tensor]]:
         """prefix [B, T, d]; bank [B, T, N, d] or None; length: the static cache's past_length (MLA) or None
-        -> (prefix, bank, new state)."""
+        -> (prefix, bank, new state). `mix`: the mixer call in place of this layer's own over `state` (the
+        serving step's packed / paged mixers, model/serving.py); everything else is the same."""
+        mix = mix or (lambda x: self._mix(x, state, length))
         if self.cfg.attn_res is None:  # plain pre-norm residual: `prefix` is the residual stream
-            a, state = self._mix(self.input_layernorm(prefix), state, length)
+            a, state = mix(self.input_layernorm(prefix))
             h = prefix + a
             return h + self.ffn(self.post_attention_layernorm(h)), None, state
         h = prefix if bank is None else self._attn_res("self_attention", prefix, bank)
         zero_prefix = self.block_start
         if self.block_start:
             bank = prefix.unsqueeze(2) if bank is None else torch.cat([bank, prefix.unsqueeze(2)], dim=2)
-        a, state = self._mix(self.input_layernorm(h), state, length)
+        a, state = mix(self.input_layernorm(h))
         prefix = a if zero_prefix else prefix + a
         assert bank is not None, "AttnRes: layer 0 must start a block"
         h2 = self._attn_res("mlp", prefix, bank)

@@ -56,10 +56,14 @@ class K3Model(nn.Module):
             present.extend(new)
         if length is not None:
             present.append(length + input_ids.shape[1])
+        return self.finish(prefix, bank), present
+
+    def finish(self, prefix: Tensor, bank: Tensor | None) -> Tensor:
+        """The last layer's (prefix, bank) -> the final hidden states: AttnRes output mix, final norm."""
         if bank is not None:
             prefix = attn_res(prefix, bank, self.output_attn_res_norm.weight, self.output_attn_res_proj.weight,
                               eps=self.cfg.rms_norm_eps, kernels=self.build.kernels)
-        return self.norm(prefix), present
+        return self.norm(prefix)
 
 
 def _check_capacity(length: Tensor, seq: int, caches: list[Tensor]) -> None:

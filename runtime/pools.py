@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ..model.config import K3Config
+from ..model.serving import pool_names
 from ..model.state import state_bytes, state_specs
 
 
@@ -82,11 +83,6 @@ class CacheAllocator:
         """The first `width` block ids of `seq`'s table, padded with block 0 (a valid id, never read)."""
         t = self.table_of[seq][:width]
         return t + [0] * (width - len(t))
-
-
-def pool_names(cfg: K3Config) -> list[tuple[str, str]]:
-    """(pool input, step output) names in layer order: `pool.{i}.conv` -> `new.{i}.conv`, ..."""
-    return [(f"pool.{s.layer}.{s.kind}", f"new.{s.layer}.{s.kind}") for s in state_specs(cfg) if s.layer >= 0]
 
 
 def pool_shapes(cfg: K3Config, slots: int, blocks: int, block_size: int, dtype: torch.dtype

@@ -8,7 +8,8 @@ import torch
 
 from k3x.model.config import preset
 from k3x.model.state import state_bytes
-from k3x.runtime.pools import CacheAllocator, FreeList, StatePools, pool_bytes, pool_names
+from k3x.model.serving import pool_names
+from k3x.runtime.pools import CacheAllocator, FreeList, StatePools, pool_bytes
 
 CFG = preset("k3-mini")
 
