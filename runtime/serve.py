@@ -1,0 +1,103 @@
+"""Continuous batching over any serving-step runner: prompts in, one record per prompt out (input order).
+
+    runner = StepModuleRunner("eager", K3ServingStep(model, kernels="reference"))
+    records = serve(runner, cfg, prompts, SamplingOptions(max_new_tokens=8), ServeOptions(max_sequences=4))
+
+The scheduler (runtime/scheduler.py) packs each step; the pools (runtime/pools.py) are fed to the runner by
+name every step (the same tensors: a runner that binds them does not copy) and the step's new rows are
+written back in place. Tokens are chosen by the shared sampler (text/sampling.py), one `Sampler` per prompt
+(seeded `seed + index`), so a prompt's tokens do not depend on what it was batched with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from ..model.serving import STEP_INPUTS
+from ..text.sampling import Sampler, SamplingOptions
+from .pools import CacheAllocator, StatePools
+from .scheduler import Request, Scheduler
+
+Feeds = dict[str, Tensor]
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    max_sequences: int = 8  # slots: sequences in flight
+    cache_blocks: int | None = None  # MLA latent blocks; None = enough for every slot at its longest request
+    block_size: int = 16  # fixed at export for exported steps (manifest `serving.block_size`)
+    max_step_tokens: int = 512  # tokens per step (prompts longer than this are prefilled in chunks)
+    keep_logits: bool = False  # records carry the logits every token was chosen from (tests, verify)
+
+
+@dataclass
+class Record:
+    index: int
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logits: list[Tensor] = field(default_factory=list)  # [vocab] fp32 per token (ServeOptions.keep_logits)
+
+
+class StepModuleRunner:
+    """A serving step as a module (K3ServingStep, an ExportedProgram's module): flat feeds -> named outputs."""
+
+    def __init__(self, name: str, module: Callable, input_names: Sequence[str], output_names: Sequence[str],
+                 device: str | None = None) -> None:
+        self.name, self.module, self.device = name, module, device
+        self.input_names, self.output_names = list(input_names), list(output_names)
+
+    @torch.no_grad()
+    def infer(self, feeds: Feeds) -> Feeds:
+        args = [feeds[n] if self.device is None else feeds[n].to(self.device) for n in self.input_names]
+        logits, new = self.module(*args[: len(STEP_INPUTS)], args[len(STEP_INPUTS):])
+        return dict(zip(self.output_names, [logits, *new]))
+
+
+def default_blocks(requests: list[Request], options: ServeOptions) -> int:
+    """Enough blocks for the `max_sequences` longest requests at once (nothing waits for memory)."""
+    need = sorted((-(-r.positions // options.block_size) for r in requests), reverse=True)
+    return max(1, sum(need[: options.max_sequences]))
+
+
+def serve(runner, cfg, prompts: Sequence[Sequence[int]], sampling: SamplingOptions,
+          options: ServeOptions = ServeOptions(), *, max_new_tokens: Sequence[int] | None = None,
+          dtype: torch.dtype = torch.float32, device: str = "cpu") -> list[Record]:
+    """Generate for every prompt (ids) -> records in input order. `max_new_tokens`: per prompt (default:
+    sampling.max_new_tokens for all)."""
+    news = list(max_new_tokens) if max_new_tokens is not None else [sampling.max_new_tokens] * len(prompts)
+    if len(news) != len(prompts):
+        raise ValueError(f"max_new_tokens: {len(news)} values for {len(prompts)} prompts")
+    requests = [Request(i, tuple(int(t) for t in p), n) for i, (p, n) in enumerate(zip(prompts, news))]
+    blocks = options.cache_blocks or default_blocks(requests, options)
+    alloc = CacheAllocator(options.max_sequences, blocks, options.block_size)
+    sched = Scheduler(alloc, max_sequences=options.max_sequences, max_step_tokens=options.max_step_tokens,
+                      eos_token_ids=sampling.eos_token_ids)
+    for r in requests:
+        if any(t < 0 or t >= cfg.vocab_size for t in r.prompt):
+            raise ValueError(f"prompt {r.id}: token ids must be in [0, {cfg.vocab_size})")
+        sched.add(r)
+    pools = StatePools(cfg, slots=options.max_sequences, blocks=blocks, block_size=options.block_size,
+                       dtype=dtype, device=device)
+    records = [Record(r.id, list(r.prompt)) for r in requests]
+    seed = sampling.seed
+    samplers = [Sampler(replace(sampling, seed=None if seed is None else seed + i)) for i in range(len(requests))]
+    while (step := sched.next_step()) is not None:
+        for rid in step.admitted:
+            pools.reset_slot(alloc.slot_of[rid])
+        feeds = {**step.feeds, **pools.tensors}
+        out = runner.infer(feeds)
+        pools.write_back(feeds, out)
+        logits = out["logits"]
+        chosen = {}
+        for j, rid in enumerate(step.due):
+            row = logits[j: j + 1].float()
+            chosen[rid] = int(samplers[rid](row)[0])
+            records[rid].tokens.append(chosen[rid])
+            if options.keep_logits:
+                records[rid].logits.append(row[0].cpu())
+        sched.commit(step, chosen)
+    return records

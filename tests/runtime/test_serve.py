@@ -1,0 +1,76 @@
+"""The serving step under continuous batching equals the solo eager model (K3ForCausalLM with its growing state):
+mixed steps (prompts prefilled in chunks beside decoding sequences, different lengths, admitted as slots free
+up), fp32, k3-mini: the logits every token was chosen from and the greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tolerances import assert_close
+
+from k3x.model import build_model, empty_state, preset
+from k3x.model.serving import K3ServingStep
+from k3x.runtime.serve import ServeOptions, StepModuleRunner, serve
+from k3x.text.sampling import SamplingOptions
+
+CFG = preset("k3-mini")
+LENGTHS = [1, 2, 5, 9, 13, 21, 3, 40]
+NEW = [3, 1, 4, 2, 5, 1, 6, 2]
+
+
+@torch.no_grad()
+def solo(model, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy tokens and their logits from the eager model alone: one prefill, then one token per call."""
+    state = empty_state(model.cfg, 1)
+    ids, tokens, logits = torch.tensor([prompt]), [], []
+    for _ in range(n):
+        out, state = model(ids, state)
+        logits.append(out[0, -1])
+        tokens.append(int(out[0, -1].argmax()))
+        ids = torch.tensor([[tokens[-1]]])
+    return tokens, logits
+
+
+def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(CFG, dtype=torch.float32, seed=0).eval()
+
+
+def eager_runner(model) -> StepModuleRunner:
+    step = K3ServingStep(model, kernels="reference")
+    return StepModuleRunner("eager", step, step.input_names, step.output_names)
+
+
+@pytest.mark.parametrize("max_step_tokens", [8, 64])
+def test_continuous_batching_equals_solo(model, max_step_tokens):
+    ps = prompts(LENGTHS)
+    opts = ServeOptions(max_sequences=3, block_size=4, max_step_tokens=max_step_tokens, keep_logits=True)
+    records = serve(eager_runner(model), CFG, ps, SamplingOptions(), opts, max_new_tokens=NEW)
+    assert [r.index for r in records] == list(range(len(ps)))
+    for r, p, n in zip(records, ps, NEW):
+        tokens, logits = solo(model, p, n)
+        assert r.tokens == tokens, f"prompt {r.index}"
+        for j, (a, e) in enumerate(zip(r.logits, logits)):
+            assert_close(a, e, torch.float32, what=f"prompt {r.index} token {j}")
+
+
+def test_eos_frees_the_slot_early(model):
+    ps = prompts([4, 6, 3], seed=1)
+    first, _ = solo(model, ps[0], 3)
+    sampling = SamplingOptions(max_new_tokens=3, eos_token_ids=(first[0],))
+    records = serve(eager_runner(model), CFG, ps, sampling, ServeOptions(max_sequences=1, block_size=4))
+    assert records[0].tokens == [first[0]]  # stopped at its EOS; the others then ran through the one slot
+    for r, p in zip(records[1:], ps[1:]):
+        tokens, _ = solo(model, p, 3)
+        want = tokens[: tokens.index(first[0]) + 1] if first[0] in tokens else tokens
+        assert r.tokens == want
+
+
+def test_bad_prompt_is_refused_before_anything_runs(model):
+    with pytest.raises(ValueError, match=r"prompt 1: token ids must be in \[0, 512\)"):
+        serve(eager_runner(model), CFG, [[1], [512]], SamplingOptions())
