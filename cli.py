@@ -226,6 +226,9 @@ def export(
     ep: EP = 1,
     expert_format: Annotated[Optional[ExpertFormat], typer.Option(help="mxfp4 (packed) or dense experts.")] = None,
     max_context: MaxContext = None,
+    serving: Annotated[bool, typer.Option("--serving", help="Trace the serving step (packed sequences, state "
+                                          "pools, continuous batching) instead of the batch interface.")] = False,
+    block_size: Annotated[int, typer.Option(help="--serving: positions per MLA latent block.")] = 16,
 ) -> None:
     """Trace the model once (torch.export) and write the target's artifacts plus manifest.json."""
     import errno
@@ -236,7 +239,7 @@ def export(
 
     try:
         options = ExportOptions(tuple(target), out, preset, checkpoint, not no_weights, dtype, seed, kernels,
-                                expert_format, max_context, tp, ep)
+                                expert_format, max_context, tp, ep, serving, block_size)
         with Progress() as progress:
             result = run_export(options, progress)
     except (ValueError, FileNotFoundError, ManifestError, FolderError) as e:  # ConfigError, ...: name the input

@@ -62,6 +62,7 @@ class OnnxOptions:
     # weights streamed from a checkpoint (export/onnx_weights.py) into a meta-traced program's export
     weight_stream: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None
     cache: CacheOptions | None = None  # the latent cache interface traced (None: growing)
+    serving: dict | None = None  # the manifest's `serving` entry: a serving step's I/O names (export/serving.py)
 
     def __post_init__(self) -> None:
         bad = [f for f in self.flavors if f not in FLAVOR_FILES]
@@ -205,7 +206,7 @@ def _weights_to_inputs(model: ir.Model, weights: set[str]) -> None:
 
 
 def to_onnx_ir(ep: ExportedProgram, cfg: K3Config, *, weights: bool = True, optimize: bool = False,
-               opset: int = 23, cache: CacheOptions | None = None) -> ir.Model:
+               opset: int = 23, cache: CacheOptions | None = None, serving: dict | None = None) -> ir.Model:
     """torch.export program -> onnx_ir model with bare k3 nodes and GenAI-style I/O (the `trt` flavor)."""
     for name in ("onnx_ir", "onnxscript"):  # their passes log every clean-up / skipped fold at INFO
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -225,7 +226,12 @@ def to_onnx_ir(ep: ExportedProgram, cfg: K3Config, *, weights: bool = True, opti
     weight_names = set(ep.state_dict) | set(ep.constants)
     _fold_constants(model, weight_names)
     ir.passes.common.RemoveUnusedNodesPass()(model)  # SequenceAt positions, folded Constants
-    _rename_io(model, cfg, cache)
+    if serving is None:
+        _rename_io(model, cfg, cache)
+    else:
+        from .serving import rename_serving_io
+
+        rename_serving_io(model, serving)
     if not weights:
         _weights_to_inputs(model, weight_names)
     model.meta[OPSET_IMPORTS] = dict(model.opset_imports)  # as converted: each flavor pass starts from these
@@ -249,7 +255,7 @@ def export_onnx(ep: ExportedProgram, cfg: K3Config, out_dir: Path, options: Onnx
     streamed = options.weights and options.weight_stream is not None
     if model is None:
         model = to_onnx_ir(ep, cfg, weights=options.weights and not streamed, optimize=options.optimize,
-                           opset=options.opset, cache=options.cache)
+                           opset=options.opset, cache=options.cache, serving=options.serving)
     external = options.external_data
     if external is None:
         external = _weight_bytes(model) > EXTERNAL_DATA_THRESHOLD

@@ -88,20 +88,25 @@ class ExportOptions:
     max_context: int | None = None  # static MLA latent cache of this many positions (model/state.py); None = growing
     tp: int = 1  # the parallel plan (model/parallel.ParallelPlan): tp x ep rank programs; 1 x 1 = one program
     ep: int = 1
+    serving: bool = False  # trace the serving step (packed sequences, state pools: export/serving.py)
+    block_size: int = 16  # serving: positions per MLA latent block (fixed in the program)
 
     def __post_init__(self) -> None:
         if (self.preset is None) == (self.checkpoint is None):
             raise _config_error("export: give exactly one of --preset or --checkpoint")
         if not self.targets:
             raise _config_error("export: give at least one --target")
+        if self.serving and (self.max_context is not None or "aoti" in self.stages() or self.block_size < 1):
+            raise _config_error("--serving: targets pt2 and onnx, no --max-context (the pools replace it), "
+                                f"--block-size >= 1 (got {self.block_size})")
         if "aoti" in self.stages() and not self.weights:
             raise _config_error("--no-weights: target 'aoti' embeds the weights in the package; drop --no-weights "
                                 "or export --target pt2 --target onnx")
         if self.tp * self.ep > 1 and not set(self.stages()) <= {"pt2", "onnx"}:
             raise _config_error(f"--tp/--ep: rank programs are written for --target pt2 and onnx only "
                                 f"(got {list(self.stages())})")
-        if self.tp * self.ep > 1 and self.max_context is not None:
-            raise _config_error("--max-context: the static latent cache is not available for rank programs "
+        if self.tp * self.ep > 1 and (self.max_context is not None or self.serving):
+            raise _config_error(f"--{'serving' if self.serving else 'max-context'}: not available for rank programs "
                                 "(--tp/--ep > 1)")
 
     def plan(self) -> ParallelPlan:
@@ -172,14 +177,17 @@ def stage_aoti(ep: ExportedProgram, ctx: StageContext) -> str:
 
 def stage_onnx(ep: ExportedProgram, ctx: StageContext) -> str:
     from .onnx import OnnxOptions, onnx_stage
+    from .serving import serving_manifest
 
+    serving = serving_manifest(ctx.cfg, ctx.options.block_size) if ctx.options.serving else None
     cache = ctx.model.cache if ctx.model else None
-    art = onnx_stage(ctx.work_dir, ep, ctx.cfg, OnnxOptions(weights=ctx.options.weights,
-                                                           weight_stream=ctx.weight_stream, cache=cache))
+    art = onnx_stage(ctx.work_dir, ep, ctx.cfg, OnnxOptions(weights=ctx.options.weights, weight_stream=ctx.weight_stream,
+                                                           cache=cache, serving=serving))
     where = ", ".join(f"{flavor} {ctx.out_dir / Path(path).name}" for flavor, path in art.files.items())
     data = f", weights in {ctx.out_dir / Path(art.external_data).name}" if art.external_data else ""
-    if not ctx.options.weights:
-        return f"onnx: {where}{data} (weightless: weights are graph inputs; no GenAI package)"
+    if not ctx.options.weights or serving is not None:
+        why = "serving step" if serving is not None else "weightless: weights are graph inputs"
+        return f"onnx: {where}{data} ({why}; no GenAI package)"
     from .genai import genai_stage  # the ort model wrapped for onnxruntime-genai, beside it
 
     return f"onnx: {where}{data}\n" + genai_stage(ctx.work_dir, ctx.cfg, art.files["ort"].name, ctx.out_dir, cache)
@@ -322,16 +330,20 @@ def _weight_stream(job: ExportJob) -> Callable:
 def write_program(work: Path, job: ExportJob, timed: Timed) -> list[str]:
     """One program (world size 1): trace, manifest, tokenizer, then every target stage from the one trace."""
     from ..folder import artifacts
+    from .serving import serving_manifest, trace_serving
     from .trace import op_counts, trace
 
     with timed("model"):
         model = _build(job)
-    with timed("trace"):
-        ep = trace(model, cache=job.model.cache)
     o = job.options
+    with timed("trace"):
+        ep = trace_serving(model, block_size=o.block_size, kernels=job.model.build.kernels.value) if o.serving \
+            else trace(model, cache=job.model.cache)
     with timed("manifest"):
+        serving = serving_manifest(job.cfg, o.block_size) if o.serving else None
         artifacts.init_manifest(work, job.cfg, dtype=job.dtype, weights=o.weights, op_counts=op_counts(ep),
-                                checkpoint=o.checkpoint, checkpoint_hash=job.checkpoint_hash, options=job.model)
+                                checkpoint=o.checkpoint, checkpoint_hash=job.checkpoint_hash, options=job.model,
+                                serving=serving)
     ctx = StageContext(job.cfg, o, work, _weight_stream(job) if job.stream else None, job.model)
     notes = [copy_tokenizer(o.checkpoint, work)] if o.checkpoint else []
     for name in o.stages():

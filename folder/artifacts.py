@@ -120,9 +120,11 @@ def _no_constant(name: str) -> None:
 
 def init_manifest(out_dir: str | Path, cfg: K3Config, *, dtype: torch.dtype, weights: bool,
                   op_counts: dict[str, int], checkpoint: str | Path | None = None,
-                  checkpoint_hash: str | None = None, options: ModelOptions | None = None) -> dict[str, Any]:
+                  checkpoint_hash: str | None = None, options: ModelOptions | None = None,
+                  serving: dict[str, Any] | None = None) -> dict[str, Any]:
     """Start a fresh manifest (no artifacts) in `out_dir`, created if needed; replaces an older one.
-    `options`: what the program was built with (default: reference kernels, dense experts, growing cache)."""
+    `options`: what the program was built with (default: reference kernels, dense experts, growing cache).
+    `serving`: the serving-step interface (export/serving.py `serving_manifest`); `io` then names its I/O."""
     from .dims import DYNAMIC_DIMS
 
     out = Path(out_dir)
@@ -149,6 +151,9 @@ def init_manifest(out_dir: str | Path, cfg: K3Config, *, dtype: torch.dtype, wei
         "static_cache": None if capacity is None else {"max_context": capacity, "length_input": "past_length"},
         "artifacts": {},
     }
+    if serving is not None:
+        data["serving"] = serving
+        data["io"] = {"inputs": serving["inputs"], "outputs": serving["outputs"]}
     _write_json_atomic(out / MANIFEST, data)
     return data
 

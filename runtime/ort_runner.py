@@ -91,11 +91,16 @@ def ort_session(path: Path, provider: str = "auto", intra_op_threads: int = 0, c
 
 
 def output_shapes(dims: dict[str, list], feeds: Feeds) -> dict[str, tuple[int, ...]]:
-    """Concrete output shapes from the graph's dim names and the feeds' shapes."""
-    known: dict[str, int] = {"batch": feeds["input_ids"].shape[0], "seq": feeds["input_ids"].shape[1]}
-    past = [t.shape[1] for n, t in feeds.items() if n.startswith("past_key_values.")]
-    known["past_seq"] = past[0] if past else 0
-    known["total_seq"] = known["past_seq"] + known["seq"]
+    """Concrete output shapes from the graph's dim names and the feeds' shapes (the batch interface's
+    batch / seq / past_seq / total_seq, or a serving step's tokens / seqs / logits_rows: export/serving.py)."""
+    if "cu_seqlens" in feeds:
+        known = {"tokens": feeds["input_ids"].shape[0], "seqs": feeds["past_lens"].shape[0],
+                 "logits_rows": feeds["logits_index"].shape[0]}
+    else:
+        known = {"batch": feeds["input_ids"].shape[0], "seq": feeds["input_ids"].shape[1]}
+        past = [t.shape[1] for n, t in feeds.items() if n.startswith("past_key_values.")]
+        known["past_seq"] = past[0] if past else 0
+        known["total_seq"] = known["past_seq"] + known["seq"]
     out = {}
     for name, shape in dims.items():
         bad = [d for d in shape if not isinstance(d, int) and d not in known]

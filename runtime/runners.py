@@ -128,6 +128,15 @@ def _eager(export_dir: Path, options: RunnerOptions) -> Runner:
     return ModuleRunner("eager", model.to(options.device), cfg, options.device, d.options().cache)
 
 
+def serving_entry(export_dir: Path) -> dict:
+    """The manifest's `serving` entry (block_size, inputs, outputs) of a `k3x export --serving` folder."""
+    entry = _folder(export_dir).manifest.get("serving")
+    if not isinstance(entry, dict) or not isinstance(entry.get("block_size"), int):
+        raise RunnerError(f"{export_dir}: not a serving export (no `serving` entry in manifest.json); "
+                          "export with --serving")
+    return entry
+
+
 def load_pt2_artifact(folder: Path, options: RunnerOptions, what: str):
     """The folder's pt2 program: hashed (unless options.check_hashes is off), checked and loaded from one
     open file (folder/trust.py `checked_pt2`), so the path cannot be swapped between check and load."""

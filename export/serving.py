@@ -1,0 +1,95 @@
+"""The serving-step interface of an export (`k3x export --serving`, issue 20): trace, dims, manifest entry, ONNX names.
+
+The step (model/serving.py K3ServingStep) takes packed tokens of B sequences and the state pools; every size
+a deployment picks at run time is dynamic: N tokens, B sequences, MB blocks of the step's longest sequence,
+M logits rows, S slots, NB latent blocks. The block size BS is fixed here and recorded in the manifest
+(`serving: {block_size, inputs, outputs, dims}`) so runners know the interface without reading a graph.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+import torch
+from torch.export import Dim, ExportedProgram
+
+from ..model.serving import STEP_INPUTS, K3ServingStep, pool_names
+from ..model.state import state_specs
+
+if TYPE_CHECKING:
+    import onnx_ir as ir
+
+    from ..model import K3Config, K3ForCausalLM
+
+# (min, max) of each dynamic dim; examples are distinct and >= 2 so that none specialises or unifies
+SERVING_DIMS: dict[str, tuple[int, int]] = {
+    "tokens": (1, 65536), "seqs": (1, 1024), "table_blocks": (1, 65536), "logits_rows": (1, 65536),
+    "slots": (1, 4096), "blocks": (1, 1 << 22)}
+_EXAMPLE = {"tokens": 11, "seqs": 3, "table_blocks": 5, "logits_rows": 2, "slots": 4, "blocks": 7}
+
+
+def serving_manifest(cfg: K3Config, block_size: int) -> dict:
+    names = pool_names(cfg)
+    return {"block_size": block_size, "inputs": [*STEP_INPUTS, *(p for p, _ in names)],
+            "outputs": ["logits", *(n for _, n in names)],
+            "dims": {n: {"min": lo, "max": hi} for n, (lo, hi) in SERVING_DIMS.items()}}
+
+
+def _dynamic_shapes(cfg: K3Config) -> dict:
+    d = {n: Dim(n, min=max(lo, 2), max=hi) for n, (lo, hi) in SERVING_DIMS.items()}
+    pools = [{0: d["blocks"]} if s.kind == "latent" else {0: d["slots"]} for s in state_specs(cfg) if s.layer >= 0]
+    return {"input_ids": {0: d["tokens"]}, "cu_seqlens": {0: d["seqs"] + 1}, "past_lens": {0: d["seqs"]},
+            "slots": {0: d["seqs"]}, "block_table": {0: d["seqs"], 1: d["table_blocks"]},
+            "logits_index": {0: d["logits_rows"]}, "pools": pools}
+
+
+def example_inputs(cfg: K3Config, block_size: int, *, dtype: torch.dtype, device) -> tuple:
+    """A valid step at the example sizes: 3 sequences of 4 + 4 + 3 tokens, pasts 2, 0, 9."""
+    e, i32 = _EXAMPLE, torch.int32
+    ids = torch.zeros(e["tokens"], dtype=torch.long, device=device)
+    cu = torch.tensor([0, 4, 8, 11], dtype=i32, device=device)
+    past = torch.tensor([2, 0, min(9, e["table_blocks"] * block_size - 3)], dtype=i32, device=device)
+    slots = torch.tensor([3, 0, 1], dtype=i32, device=device)
+    table = torch.arange(e["seqs"] * e["table_blocks"], dtype=i32, device=device).view(e["seqs"], -1) % e["blocks"]
+    rows = torch.tensor([3, 10], dtype=torch.long, device=device)
+    pools = []
+    for s in state_specs(cfg):
+        if s.kind == "latent":
+            pools.append(torch.zeros(e["blocks"], block_size, s.dims[-1], dtype=s.dtype(dtype), device=device))
+        elif s.layer >= 0:
+            pools.append(torch.zeros(s.shape(e["slots"], 0), dtype=torch.float32, device=device))
+    return ids, cu, past, slots, table, rows, pools
+
+
+def trace_serving(model: K3ForCausalLM, *, block_size: int, kernels: str) -> ExportedProgram:
+    """torch.export of the serving step over `model`'s own modules (real weights or meta)."""
+    p = next(model.parameters())
+    step = K3ServingStep(model, kernels=kernels)
+    args = example_inputs(model.cfg, block_size, dtype=p.dtype, device=p.device)
+    with torch.no_grad(), torch._dynamo.config.patch(fake_tensor_cache_enabled=False):
+        return torch.export.export(step, args, dynamic_shapes=_dynamic_shapes(model.cfg))
+
+
+def rename_serving_io(model: ir.Model, serving: dict) -> None:
+    """Name the ONNX graph's inputs / outputs as the manifest's `serving` entry (and its dims by name)."""
+    import onnx_ir as ir
+
+    g = model.graph
+    inputs, outputs = list(g.inputs)[: len(serving["inputs"])], list(g.outputs)
+    if len(inputs) != len(serving["inputs"]) or len(outputs) != len(serving["outputs"]):
+        raise ValueError(f"serving graph has {len(g.inputs)} inputs / {len(outputs)} outputs; expected "
+                         f"{len(serving['inputs'])} / {len(serving['outputs'])}")
+    sym = {}
+    for v, axes in ((inputs[0], ["tokens"]), (inputs[2], ["seqs"]), (inputs[4], ["seqs", "table_blocks"]),
+                    (inputs[5], ["logits_rows"])):
+        sym.update({str(v.shape[k]): n for k, n in enumerate(axes)})
+    for name, v in zip(serving["inputs"][len(STEP_INPUTS):], inputs[len(STEP_INPUTS):]):
+        sym[str(v.shape[0])] = "blocks" if name.endswith(".latent") else "slots"
+    pattern = re.compile(r"\b(" + "|".join(re.escape(k) for k in sorted(sym, key=len, reverse=True)) + r")\b")
+    for v in [*inputs, *outputs]:
+        if v.shape is not None:
+            v.shape = ir.Shape([ir.SymbolicDim(pattern.sub(lambda m: sym[m.group(1)], d.value))
+                                if isinstance(d, ir.SymbolicDim) and d.value else d for d in v.shape])
+    for v, name in zip([*inputs, *outputs], [*serving["inputs"], *serving["outputs"]]):
+        v.name = name
