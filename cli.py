@@ -10,6 +10,7 @@ import typer
 
 from .cli_decode import Chat, MaxNewTokens, PromptIds, PromptText, Seed, Temperature, TopK, TopP
 from .cli_parallel import EP, TP, FitBatch, FitContext, inspect_parallel
+from .cli_serve import CacheBlocks, JsonOut, MaxSequences, MaxStepTokens, PromptsFile
 from .cli_runner import CudaGraph, MaxContext, SkipHashCheck, close_session, eager_generate, open_session, \
     reference_options, runner_options
 from .cli_support import App, Progress, echo, export_folder as _export_folder, fail, load_ids_npy, one_line, \
@@ -83,6 +84,8 @@ def inspect(
     checkpoint: Annotated[Optional[Path], typer.Option(help="Checkpoint folder (reads its config.json).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     tp: TP = 1, ep: EP = 1, batch: FitBatch = 1, context: FitContext = 131072,
+    sequences: Annotated[Optional[int], typer.Option(min=1, help="Serving pools: memory of this many sequences of "
+                                                                 "--context positions (bf16 latents, block 16).")] = None,
 ) -> None:
     """Layer plan, total/active parameters, cache sizes, bytes by storage format (meta device: no weights);
     with --tp/--ep: per-rank bytes, collective bytes and the fit on H200 / B200 / GB300."""
@@ -90,6 +93,10 @@ def inspect(
 
     from .model.summary import format_summary, summarize
 
+    if sequences is not None:
+        from .cli_serve import print_pools
+
+        return print_pools(config_or_fail(preset, checkpoint), context, sequences, 16, 2)
     if tp * ep > 1:
         return inspect_parallel(config_or_fail(preset, checkpoint), tp, ep, batch, context, json_out)
     s = summarize(config_or_fail(preset, checkpoint))
@@ -297,9 +304,15 @@ def run(
                         ] = "auto",
     skip_hash_check: SkipHashCheck = False,
     cuda_graph: CudaGraph = False,
+    prompts: PromptsFile = None,
+    max_sequences: MaxSequences = 8,
+    cache_blocks: CacheBlocks = None,
+    max_step_tokens: MaxStepTokens = 512,
+    json_out: JsonOut = None,
 ) -> None:
     """Decode with an exported artifact: prefill, then decode steps carrying state; greedy by default.
-    Prints text as it comes when the export folder has a tokenizer."""
+    Prints text as it comes when the export folder has a tokenizer. A serving export (export --serving)
+    serves --prompts FILE (or the one prompt) by continuous batching."""
     import torch
 
     from .cli_decode import Printer, Sampling, prepare
@@ -309,6 +322,13 @@ def run(
     folder = _export_folder(export_dir)
     p = prepare(export_dir, folder.config().vocab_size, prompt, prompt_ids, chat,
                 Sampling(max_new_tokens, temperature, top_k, top_p, seed), folder)
+    if prompts is not None or "serving" in folder.manifest:
+        from .cli_serve import run_prompts
+        from .runtime.serve import ServeOptions
+
+        return run_prompts(export_dir, prompts or [p.ids], p, backend,
+                           ServeOptions(max_sequences, cache_blocks, max_step_tokens=max_step_tokens), json_out,
+                           runner_options(provider, skip_hash_check))
     s = open_session(export_dir, [backend], runner_options(provider, skip_hash_check, cuda_graph=cuda_graph),
                       default_ort=True)
     (backend,) = s.runners

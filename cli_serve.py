@@ -1,0 +1,102 @@
+"""The serving side of the k3x CLI: `k3x run EXPORT --prompts FILE` (continuous batching over a serving export)
+and the pool memory `k3x inspect --context N --sequences S` prints.
+
+- FILE holds one prompt per line: token ids (`1,2,3`) or text (through the folder's tokenizer); line i is
+  record i of `--json OUT` (input order), whatever order the sequences finished in.
+- A serving export run without --prompts (`--prompt` / `--prompt-ids`) is served as a file of one prompt.
+- Errors name the file and line, or the flag; nothing is written on failure (`--json` is renamed into place).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+PromptsFile = Annotated[Optional[Path], typer.Option(
+    "--prompts", help="Serving export: a file of prompts, one a line (text, or ids as 1,2,3), served together "
+                      "by continuous batching.")]
+MaxSequences = Annotated[int, typer.Option(min=1, help="Serving: sequences in flight (KDA state slots).")]
+CacheBlocks = Annotated[Optional[int], typer.Option(
+    min=1, help="Serving: MLA latent cache blocks (default: enough for --max-sequences of the longest requests).")]
+MaxStepTokens = Annotated[int, typer.Option(min=1, help="Serving: tokens per step; longer prompts are prefilled "
+                                                        "in chunks.")]
+JsonOut = Annotated[Optional[Path], typer.Option("--json", help="Serving: write one record per prompt (input "
+                                                                "order: tokens and text) to this file.")]
+_IDS = re.compile(r"\s*\d+(\s*,\s*\d+)*\s*")
+
+
+def read_prompts(path: Path, tokenizer, vocab_size: int) -> list[list[int]]:
+    from .cli_support import fail
+
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        fail(f"--prompts {path}: cannot read it ({e})")
+    if not lines:
+        fail(f"--prompts {path}: no prompts (one a line)")
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        if _IDS.fullmatch(line):
+            ids = [int(x) for x in line.split(",")]
+        elif not line.strip():
+            fail(f"{path}:{n}: empty line (one prompt a line)")
+        elif tokenizer is None:
+            fail(f"{path}:{n}: text prompt, but the export has no tokenizer; write ids as 1,2,3")
+        else:
+            ids = tokenizer.encode(line)
+        if not ids or min(ids) < 0 or max(ids) >= vocab_size:
+            fail(f"{path}:{n}: token ids must be in [0, {vocab_size}) and at least one")
+        prompts.append(ids)
+    return prompts
+
+
+def run_prompts(export_dir: Path, prompts: list[list[int]] | Path, prepared, backend: str, serve_options,
+                json_out: Path | None, runner_options) -> None:
+    """Serve the prompts (a file, or ids) with the export's serving step; print and optionally write records."""
+    import json
+
+    from .cli_support import export_folder, fail, one_line
+    from .runtime.runners import RunnerError, serving_entry
+    from .runtime.serve import serve, serving_runner
+
+    folder = export_folder(export_dir)
+    cfg, tok = folder.config(), prepared.tokenizer
+    if isinstance(prompts, Path):
+        prompts = read_prompts(prompts, tok, cfg.vocab_size)
+    try:
+        options = replace(serve_options, block_size=int(serving_entry(export_dir)["block_size"]))
+        runner = serving_runner(backend, export_dir, runner_options)
+        records = serve(runner, cfg, prompts, prepared.options, options, dtype=folder.dtype())
+    except (RunnerError, ValueError) as e:
+        fail(str(e))
+    except Exception as e:  # noqa: BLE001 - one line, no traceback
+        fail(f"backend {backend}: {one_line(e)}")
+    out = [{"index": r.index, "prompt_tokens": len(r.prompt), "tokens": r.tokens,
+            **({"text": tok.decode(r.tokens)} if tok is not None else {})} for r in records]
+    for rec in out:
+        typer.echo(f"[{rec['index']}] tokens: " + ",".join(map(str, rec["tokens"]))
+                   + (f"  {rec['text']!r}" if "text" in rec else ""))
+    if json_out is not None:
+        from .folder.artifacts import atomic_write_bytes
+
+        atomic_write_bytes(json_out, (json.dumps(out, indent=1) + "\n").encode())
+
+
+def print_pools(cfg, context: int, sequences: int, block_size: int, dtype_bytes: int) -> None:
+    """`k3x inspect --context N --sequences S`: pool memory of a serving deployment."""
+    import torch
+
+    from .runtime.pools import pool_bytes
+
+    dtype = {2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
+    b = pool_bytes(cfg, context, sequences, block_size, dtype)
+    typer.echo(f"serving pools for {sequences} sequence(s) x {context:,} positions (block size {block_size}, "
+               f"latent {dtype_bytes} B/elem):\n"
+               f"  KDA state: {b['kda_bytes_per_sequence']:,} B per sequence -> {b['kda_bytes'] / 2**20:,.1f} MiB\n"
+               f"  MLA latent: {b['mla_bytes_per_token']:,} B per token, {b['blocks']:,} blocks -> "
+               f"{b['mla_bytes'] / 2**20:,.1f} MiB\n"
+               f"  total: {b['total_bytes'] / 2**30:,.3f} GiB")
