@@ -37,7 +37,7 @@ def serving_manifest(cfg: K3Config, block_size: int) -> dict:
 
 
 def _dynamic_shapes(cfg: K3Config) -> dict:
-    d = {n: Dim(n, min=max(lo, 2), max=hi) for n, (lo, hi) in SERVING_DIMS.items()}
+    d = {n: Dim(n, min=lo, max=hi) for n, (lo, hi) in SERVING_DIMS.items()}
     pools = [{0: d["blocks"]} if s.kind == "latent" else {0: d["slots"]} for s in state_specs(cfg) if s.layer >= 0]
     return {"input_ids": {0: d["tokens"]}, "cu_seqlens": {0: d["seqs"] + 1}, "past_lens": {0: d["seqs"]},
             "slots": {0: d["seqs"]}, "block_table": {0: d["seqs"], 1: d["table_blocks"]},

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tolerances import assert_close
+from serving_cases import assert_records_match_solo, prompts, solo
 
-from k3x.model import build_model, empty_state, preset
+from k3x.model import build_model, preset
 from k3x.model.serving import K3ServingStep
 from k3x.runtime.serve import ServeOptions, StepModuleRunner, serve
 from k3x.text.sampling import SamplingOptions
@@ -16,24 +16,6 @@ from k3x.text.sampling import SamplingOptions
 CFG = preset("k3-mini")
 LENGTHS = [1, 2, 5, 9, 13, 21, 3, 40]
 NEW = [3, 1, 4, 2, 5, 1, 6, 2]
-
-
-@torch.no_grad()
-def solo(model, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy tokens and their logits from the eager model alone: one prefill, then one token per call."""
-    state = empty_state(model.cfg, 1)
-    ids, tokens, logits = torch.tensor([prompt]), [], []
-    for _ in range(n):
-        out, state = model(ids, state)
-        logits.append(out[0, -1])
-        tokens.append(int(out[0, -1].argmax()))
-        ids = torch.tensor([[tokens[-1]]])
-    return tokens, logits
-
-
-def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist() for n in lengths]
 
 
 @pytest.fixture(scope="module")
@@ -48,19 +30,14 @@ def eager_runner(model) -> StepModuleRunner:
 
 @pytest.mark.parametrize("max_step_tokens", [8, 64])
 def test_continuous_batching_equals_solo(model, max_step_tokens):
-    ps = prompts(LENGTHS)
+    ps = prompts(LENGTHS, CFG.vocab_size)
     opts = ServeOptions(max_sequences=3, block_size=4, max_step_tokens=max_step_tokens, keep_logits=True)
     records = serve(eager_runner(model), CFG, ps, SamplingOptions(), opts, max_new_tokens=NEW)
-    assert [r.index for r in records] == list(range(len(ps)))
-    for r, p, n in zip(records, ps, NEW):
-        tokens, logits = solo(model, p, n)
-        assert r.tokens == tokens, f"prompt {r.index}"
-        for j, (a, e) in enumerate(zip(r.logits, logits)):
-            assert_close(a, e, torch.float32, what=f"prompt {r.index} token {j}")
+    assert_records_match_solo(model, records, ps, NEW, "eager step")
 
 
 def test_eos_frees_the_slot_early(model):
-    ps = prompts([4, 6, 3], seed=1)
+    ps = prompts([4, 6, 3], CFG.vocab_size, seed=1)
     first, _ = solo(model, ps[0], 3)
     sampling = SamplingOptions(max_new_tokens=3, eos_token_ids=(first[0],))
     records = serve(eager_runner(model), CFG, ps, sampling, ServeOptions(max_sequences=1, block_size=4))

@@ -1,0 +1,37 @@
+"""Shared by the serving tests: random prompts and the solo eager reference (K3ForCausalLM with its growing
+state, one prompt alone: a prefill, then one token per call) that continuous batching must reproduce."""
+
+from __future__ import annotations
+
+import torch
+from tolerances import assert_close
+
+from k3x.model import empty_state
+
+
+def prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+@torch.no_grad()
+def solo(model, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy tokens and the logits each was chosen from, the eager model alone."""
+    state = empty_state(model.cfg, 1)
+    ids, tokens, logits = torch.tensor([prompt]), [], []
+    for _ in range(n):
+        out, state = model(ids, state)
+        logits.append(out[0, -1])
+        tokens.append(int(out[0, -1].argmax()))
+        ids = torch.tensor([[tokens[-1]]])
+    return tokens, logits
+
+
+def assert_records_match_solo(model, records, prompt_list: list[list[int]], news: list[int], where: str) -> None:
+    """Every record (input order): greedy tokens equal to its solo run, logits within the fp32 tolerance."""
+    assert [r.index for r in records] == list(range(len(prompt_list)))
+    for r, p, n in zip(records, prompt_list, news):
+        tokens, logits = solo(model, p, n)
+        assert r.tokens == tokens, f"{where}: prompt {r.index} (length {len(p)})"
+        for j, (a, e) in enumerate(zip(r.logits, logits)):
+            assert_close(a, e, torch.float32, what=f"{where}: prompt {r.index} token {j}")
