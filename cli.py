@@ -10,11 +10,12 @@ import typer
 
 from .cli_decode import Chat, MaxNewTokens, PromptIds, PromptText, Seed, Temperature, TopK, TopP
 from .cli_parallel import EP, TP, FitBatch, FitContext, inspect_parallel
-from .cli_serve import CacheBlocks, JsonOut, MaxSequences, MaxStepTokens, PromptsFile
+from .cli_serve import BlockSize, CacheBlocks, JsonOut, MaxSequences, MaxStepTokens, PromptsFile, Sequences, Serving, \
+    print_pools, run_prompts
 from .cli_runner import CudaGraph, MaxContext, SkipHashCheck, close_session, eager_generate, open_session, \
     reference_options, runner_options
 from .cli_support import App, Progress, echo, export_folder as _export_folder, fail, load_ids_npy, one_line, \
-    parse_ids
+    parse_ids, save_npy_atomic
 from .export.pipeline import DType, ExpertFormat, KernelChoice, Target
 
 app = App(
@@ -84,8 +85,7 @@ def inspect(
     checkpoint: Annotated[Optional[Path], typer.Option(help="Checkpoint folder (reads its config.json).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     tp: TP = 1, ep: EP = 1, batch: FitBatch = 1, context: FitContext = 131072,
-    sequences: Annotated[Optional[int], typer.Option(min=1, help="Serving pools: memory of this many sequences of "
-                                                                 "--context positions (bf16 latents, block 16).")] = None,
+    sequences: Sequences = None,
 ) -> None:
     """Layer plan, total/active parameters, cache sizes, bytes by storage format (meta device: no weights);
     with --tp/--ep: per-rank bytes, collective bytes and the fit on H200 / B200 / GB300."""
@@ -94,9 +94,7 @@ def inspect(
     from .model.summary import format_summary, summarize
 
     if sequences is not None:
-        from .cli_serve import print_pools
-
-        return print_pools(config_or_fail(preset, checkpoint), context, sequences, 16, 2)
+        return print_pools(config_or_fail(preset, checkpoint), context, sequences)
     if tp * ep > 1:
         return inspect_parallel(config_or_fail(preset, checkpoint), tp, ep, batch, context, json_out)
     s = summarize(config_or_fail(preset, checkpoint))
@@ -203,18 +201,6 @@ def _export_logits(backend: str, export_dir: Path | None, ids, options):
         fail(f"backend {backend}: {one_line(e)}")
 
 
-def save_npy_atomic(path: Path, array) -> None:
-    import io
-
-    import numpy as np
-
-    from .folder.artifacts import atomic_write_bytes
-
-    buf = io.BytesIO()
-    np.save(buf, array)
-    atomic_write_bytes(path, buf.getvalue())
-
-
 @app.command()
 def export(
     out: Annotated[Path, typer.Option(help="Export folder (created; each artifact renamed into place).")],
@@ -233,9 +219,8 @@ def export(
     ep: EP = 1,
     expert_format: Annotated[Optional[ExpertFormat], typer.Option(help="mxfp4 (packed) or dense experts.")] = None,
     max_context: MaxContext = None,
-    serving: Annotated[bool, typer.Option("--serving", help="Trace the serving step (packed sequences, state "
-                                          "pools, continuous batching) instead of the batch interface.")] = False,
-    block_size: Annotated[int, typer.Option(help="--serving: positions per MLA latent block.")] = 16,
+    serving: Serving = False,
+    block_size: BlockSize = 16,
 ) -> None:
     """Trace the model once (torch.export) and write the target's artifacts plus manifest.json."""
     import errno
@@ -322,13 +307,9 @@ def run(
     folder = _export_folder(export_dir)
     p = prepare(export_dir, folder.config().vocab_size, prompt, prompt_ids, chat,
                 Sampling(max_new_tokens, temperature, top_k, top_p, seed), folder)
-    if prompts is not None or "serving" in folder.manifest:
-        from .cli_serve import run_prompts
-        from .runtime.serve import ServeOptions
-
-        return run_prompts(export_dir, prompts or [p.ids], p, backend,
-                           ServeOptions(max_sequences, cache_blocks, max_step_tokens=max_step_tokens), json_out,
-                           runner_options(provider, skip_hash_check))
+    if prompts is not None or "serving" in folder.manifest:  # continuous batching (cli_serve.py)
+        return run_prompts(export_dir, prompts or [p.ids], p, backend, (max_sequences, cache_blocks, max_step_tokens),
+                           json_out, runner_options(provider, skip_hash_check))
     s = open_session(export_dir, [backend], runner_options(provider, skip_hash_check, cuda_graph=cuda_graph),
                       default_ort=True)
     (backend,) = s.runners

@@ -10,7 +10,6 @@ and the pool memory `k3x inspect --context N --sequences S` prints.
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -19,13 +18,18 @@ import typer
 PromptsFile = Annotated[Optional[Path], typer.Option(
     "--prompts", help="Serving export: a file of prompts, one a line (text, or ids as 1,2,3), served together "
                       "by continuous batching.")]
-MaxSequences = Annotated[int, typer.Option(min=1, help="Serving: sequences in flight (KDA state slots).")]
+MaxSequences = Annotated[int, typer.Option(min=1, help="Serving: sequences in flight (state slots).")]
 CacheBlocks = Annotated[Optional[int], typer.Option(
     min=1, help="Serving: MLA latent cache blocks (default: enough for --max-sequences of the longest requests).")]
 MaxStepTokens = Annotated[int, typer.Option(min=1, help="Serving: tokens per step; longer prompts are prefilled "
                                                         "in chunks.")]
 JsonOut = Annotated[Optional[Path], typer.Option("--json", help="Serving: write one record per prompt (input "
                                                                 "order: tokens and text) to this file.")]
+Sequences = Annotated[Optional[int], typer.Option(
+    min=1, help="Serving pools: the memory of this many sequences of --context positions (bf16 latents, block 16).")]
+Serving = Annotated[bool, typer.Option("--serving", help="Trace the serving step (packed sequences, state pools, "
+                                                         "continuous batching) instead of the batch interface.")]
+BlockSize = Annotated[int, typer.Option(min=1, help="--serving: positions per MLA latent block.")]
 _IDS = re.compile(r"\s*\d+(\s*,\s*\d+)*\s*")
 
 
@@ -54,21 +58,23 @@ def read_prompts(path: Path, tokenizer, vocab_size: int) -> list[list[int]]:
     return prompts
 
 
-def run_prompts(export_dir: Path, prompts: list[list[int]] | Path, prepared, backend: str, serve_options,
-                json_out: Path | None, runner_options) -> None:
-    """Serve the prompts (a file, or ids) with the export's serving step; print and optionally write records."""
+def run_prompts(export_dir: Path, prompts: list[list[int]] | Path, prepared, backend: str,
+                limits: tuple[int, int | None, int], json_out: Path | None, runner_options) -> None:
+    """Serve the prompts (a file, or ids) with the export's serving step; print and optionally write records.
+    `limits`: --max-sequences, --cache-blocks, --max-step-tokens."""
     import json
 
     from .cli_support import export_folder, fail, one_line
     from .runtime.runners import RunnerError, serving_entry
-    from .runtime.serve import serve, serving_runner
+    from .runtime.serve import ServeOptions, serve, serving_runner
 
     folder = export_folder(export_dir)
     cfg, tok = folder.config(), prepared.tokenizer
     if isinstance(prompts, Path):
         prompts = read_prompts(prompts, tok, cfg.vocab_size)
     try:
-        options = replace(serve_options, block_size=int(serving_entry(export_dir)["block_size"]))
+        block = int(serving_entry(export_dir)["block_size"])
+        options = ServeOptions(limits[0], limits[1], block, limits[2])
         runner = serving_runner(backend, export_dir, runner_options)
         records = serve(runner, cfg, prompts, prepared.options, options, dtype=folder.dtype())
     except (RunnerError, ValueError) as e:
@@ -86,17 +92,9 @@ def run_prompts(export_dir: Path, prompts: list[list[int]] | Path, prepared, bac
         atomic_write_bytes(json_out, (json.dumps(out, indent=1) + "\n").encode())
 
 
-def print_pools(cfg, context: int, sequences: int, block_size: int, dtype_bytes: int) -> None:
-    """`k3x inspect --context N --sequences S`: pool memory of a serving deployment."""
-    import torch
+def print_pools(cfg, context: int, sequences: int, block_size: int = 16) -> None:
+    """`k3x inspect --context N --sequences S`: pool memory of a serving deployment (bf16 latents)."""
+    from .model.state import pool_bytes
+    from .model.summary import format_pools
 
-    from .runtime.pools import pool_bytes
-
-    dtype = {2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
-    b = pool_bytes(cfg, context, sequences, block_size, dtype)
-    typer.echo(f"serving pools for {sequences} sequence(s) x {context:,} positions (block size {block_size}, "
-               f"latent {dtype_bytes} B/elem):\n"
-               f"  KDA state: {b['kda_bytes_per_sequence']:,} B per sequence -> {b['kda_bytes'] / 2**20:,.1f} MiB\n"
-               f"  MLA latent: {b['mla_bytes_per_token']:,} B per token, {b['blocks']:,} blocks -> "
-               f"{b['mla_bytes'] / 2**20:,.1f} MiB\n"
-               f"  total: {b['total_bytes'] / 2**30:,.3f} GiB")
+    typer.echo(format_pools(pool_bytes(cfg, context, sequences, block_size)))

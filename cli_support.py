@@ -175,3 +175,16 @@ def parse_ids(text: str, what: str) -> list[int]:
     if not ids:
         fail(f"{what}: no token ids given")
     return ids
+
+
+def save_npy_atomic(path: Path, array) -> None:
+    """`array` as a .npy file, renamed into place (nothing half-written)."""
+    import io
+
+    import numpy as np
+
+    from .folder.artifacts import atomic_write_bytes
+
+    buf = io.BytesIO()
+    np.save(buf, array)
+    atomic_write_bytes(path, buf.getvalue())

@@ -75,3 +75,24 @@ def state_bytes(cfg: K3Config, dtype_bytes: int = 2) -> dict[str, int]:
     kda = sum(4 * math.prod(s.shape(1, 0)) for s in specs if s.fp32)  # batch 1, any length
     mla = sum(dtype_bytes * s.dims[-1] for s in specs if s.kind == "latent")  # one token
     return {"kda_state_bytes_per_sequence": kda, "mla_kv_bytes_per_token": mla}
+
+
+def blocks_for(positions: int, block_size: int) -> int:
+    """Latent blocks of `block_size` positions that hold `positions` positions (a serving deployment's pool)."""
+    return -(-positions // block_size)
+
+
+def pool_bytes(cfg: K3Config, context: int, sequences: int, block_size: int = 16,
+               dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
+    """Pool memory of a serving deployment (runtime/pools.py): `sequences` sequences of up to `context`
+    positions each -> KDA state bytes per sequence, MLA latent bytes per token (all layers), latent blocks
+    (rounded up per sequence) and the totals."""
+    if context < 1 or sequences < 1 or block_size < 1:
+        raise ValueError(f"context={context}, sequences={sequences}, block_size={block_size}: each must be >= 1")
+    per = state_bytes(cfg, dtype_bytes=torch.empty((), dtype=dtype).element_size())
+    kda, mla = per["kda_state_bytes_per_sequence"], per["mla_kv_bytes_per_token"]
+    blocks = sequences * blocks_for(context, block_size)
+    return {"sequences": sequences, "context": context, "block_size": block_size,
+            "kda_bytes_per_sequence": kda, "mla_bytes_per_token": mla, "blocks": blocks,
+            "kda_bytes": kda * sequences, "mla_bytes": mla * blocks * block_size,
+            "total_bytes": kda * sequences + mla * blocks * block_size}

@@ -88,3 +88,13 @@ def format_summary(s: dict[str, Any]) -> str:
         f"artifact weights  {s['artifact_weight_bytes']['mxfp4'] / 1e9:,.2f} GB each (pt2, model.onnx, model.trt.onnx, "
         f"engine; bf16, MXFP4 experts packed); {s['artifact_weight_bytes']['dense'] / 1e9:,.2f} GB with dense experts",
     ])
+
+
+def format_pools(b: dict) -> str:
+    """`k3x inspect --context N --sequences S`: model/state.py `pool_bytes` as lines."""
+    return (f"serving pools for {b['sequences']} sequence(s) x {b['context']:,} positions (block size "
+            f"{b['block_size']}):\n"
+            f"  KDA state:  {b['kda_bytes_per_sequence']:,} B per sequence -> {b['kda_bytes'] / 2**20:,.1f} MiB\n"
+            f"  MLA latent: {b['mla_bytes_per_token']:,} B per token, {b['blocks']:,} blocks -> "
+            f"{b['mla_bytes'] / 2**20:,.1f} MiB\n"
+            f"  total: {b['total_bytes'] / 2**30:,.3f} GiB")

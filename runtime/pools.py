@@ -6,8 +6,8 @@
 
 `CacheAllocator` is pure bookkeeping (free lists of slots and blocks, one block table per sequence): the
 scheduler admits with it and never touches a tensor. `StatePools` holds the tensors and writes a step's new
-rows back in place (`write_back`: O(B + N) rows, never a copy of a pool). `pool_bytes` sizes a deployment
-(what `k3x inspect --context --sequences` prints).
+rows back in place (`write_back`: O(B + N) rows, never a copy of a pool). model/state.py `pool_bytes` sizes
+a deployment (what `k3x inspect --context --sequences` prints).
 """
 
 from __future__ import annotations
@@ -17,11 +17,7 @@ from torch import Tensor
 
 from ..model.config import K3Config
 from ..model.serving import pool_names
-from ..model.state import state_bytes, state_specs
-
-
-def blocks_for(positions: int, block_size: int) -> int:
-    return -(-positions // block_size)
+from ..model.state import blocks_for, state_specs
 
 
 class FreeList:
@@ -134,18 +130,4 @@ class StatePools:
                 pool[blocks.to(pool.device), rows.to(pool.device)] = new.to(pool.device, pool.dtype)
             else:
                 pool[slots.to(pool.device)] = new.to(pool.device, pool.dtype)
-
-
-def pool_bytes(cfg: K3Config, context: int, sequences: int, block_size: int = 16,
-               dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
-    """Pool memory of `sequences` sequences of up to `context` positions each: KDA bytes per sequence, MLA
-    bytes per token (all layers), blocks and total bytes (latent blocks rounded up per sequence)."""
-    if context < 1 or sequences < 1 or block_size < 1:
-        raise ValueError(f"context={context}, sequences={sequences}, block_size={block_size}: each must be >= 1")
-    per = state_bytes(cfg, dtype_bytes=torch.empty((), dtype=dtype).element_size())
-    kda, mla = per["kda_state_bytes_per_sequence"], per["mla_kv_bytes_per_token"]
-    blocks = sequences * blocks_for(context, block_size)
-    return {"kda_bytes_per_sequence": kda, "mla_bytes_per_token": mla, "blocks": blocks,
-            "kda_bytes": kda * sequences, "mla_bytes": mla * blocks * block_size,
-            "total_bytes": kda * sequences + mla * blocks * block_size}
 

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .pools import CacheAllocator, blocks_for
+from ..model.state import blocks_for
+from .pools import CacheAllocator
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 # __main__ form the CLI layers (cli_*.py helpers below cli.py). "" is the root package (__version__ only).
 PACKAGE_ORDER: tuple[tuple[str, ...], ...] = (
     ("", "fileio"), ("plan",), ("trt",), ("custom_ops",), ("model",), ("text",), ("checkpoint",), ("folder",),
-    ("export",), ("runtime",), ("bench",), ("cli_support", "cli_runner", "cli_decode", "cli_parallel"),
+    ("export",), ("runtime",), ("bench",), ("cli_support", "cli_runner", "cli_decode", "cli_parallel", "cli_serve"),
     ("cli", "__main__"),
 )
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from k3x.model.config import preset
-from k3x.model.state import state_bytes
+from k3x.model.state import pool_bytes, state_bytes
 from k3x.model.serving import pool_names
-from k3x.runtime.pools import CacheAllocator, FreeList, StatePools, pool_bytes
+from k3x.runtime.pools import CacheAllocator, FreeList, StatePools
 
 CFG = preset("k3-mini")
 
