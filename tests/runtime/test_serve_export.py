@@ -66,6 +66,18 @@ def test_cli_serves_a_prompt_file_in_input_order(folder, model, tmp_path):
     assert [x["tokens"] for x in records] == [solo(model, p, 4)[0] for p in ps]
 
 
+def test_one_prompt_on_a_serving_export_runs_as_today(folder, model):
+    r = cli.invoke(app, ["run", str(folder), "--backend", "pt2", "--prompt-ids", "4,5,6", "--max-new-tokens", "3"])
+    assert r.exit_code == 0, r.output
+    assert "[0] tokens: " + ",".join(map(str, solo(model, [4, 5, 6], 3)[0])) in r.output
+
+
+def test_inspect_prints_the_pool_memory():
+    r = cli.invoke(app, ["inspect", "--preset", "k3", "--context", "1048576", "--sequences", "2"])
+    assert r.exit_code == 0, r.output
+    assert "27,648 B per token" in r.output and "131,072 blocks" in r.output  # 2 x 1M / 16
+
+
 @pytest.mark.parametrize("text, flags, message", [
     ("1,2\n\n3\n", [], "p.txt:2: empty line"),
     ("1,2\nhello\n", [], "p.txt:2: text prompt, but the export has no tokenizer"),
