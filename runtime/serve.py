@@ -80,9 +80,11 @@ def default_blocks(requests: list[Request], options: ServeOptions) -> int:
 
 def serve(runner, cfg, prompts: Sequence[Sequence[int]], sampling: SamplingOptions,
           options: ServeOptions = ServeOptions(), *, max_new_tokens: Sequence[int] | None = None,
-          dtype: torch.dtype = torch.float32, device: str = "cpu") -> list[Record]:
+          dtype: torch.dtype = torch.float32, device: str | None = None) -> list[Record]:
     """Generate for every prompt (ids) -> records in input order. `max_new_tokens`: per prompt (default:
-    sampling.max_new_tokens for all)."""
+    sampling.max_new_tokens for all). The pools live on `device`, by default the runner's (an ORT CUDA session
+    then binds them where they are: a pool on another device would be copied every step)."""
+    device = str(device or getattr(runner, "device", None) or "cpu")
     news = list(max_new_tokens) if max_new_tokens is not None else [sampling.max_new_tokens] * len(prompts)
     if len(news) != len(prompts):
         raise ValueError(f"max_new_tokens: {len(news)} values for {len(prompts)} prompts")

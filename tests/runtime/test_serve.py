@@ -51,3 +51,12 @@ def test_eos_frees_the_slot_early(model):
 def test_bad_prompt_is_refused_before_anything_runs(model):
     with pytest.raises(ValueError, match=r"prompt 1: token ids must be in \[0, 512\)"):
         serve(eager_runner(model), CFG, [[1], [512]], SamplingOptions())
+
+
+def test_seeded_sampling_does_not_depend_on_the_batching(model):
+    ps = prompts([5, 2, 9, 4], CFG.vocab_size, seed=3)
+    sampling = SamplingOptions(max_new_tokens=4, temperature=1.0, seed=11)
+    one = serve(eager_runner(model), CFG, ps, sampling, ServeOptions(max_sequences=1, block_size=4))
+    many = serve(eager_runner(model), CFG, ps, sampling, ServeOptions(max_sequences=4, block_size=4, max_step_tokens=6))
+    assert [r.tokens for r in one] == [r.tokens for r in many]
+    assert len({tuple(r.tokens) for r in one}) > 1  # really sampled, per prompt
