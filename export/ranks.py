@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from ..model.parallel import ParallelPlan
-from .pipeline import ExportJob, Timed, copy_tokenizer
+from .options import ExportJob, Timed
+from .tokenizer import copy_tokenizer
 
 COLLECTIVE_PREFIX = "_c10d_functional::"
 

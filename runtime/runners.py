@@ -14,38 +14,21 @@ happen only when such a runner is built, with a clear error when missing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 from torch import Tensor
 
+from ..folder.artifacts import ExportFolder, ManifestError
 from ..model.options import CacheOptions
 from ..model.state import state_specs
 from ..text.sampling import Generation, SamplingOptions, decode_loop
-
-Feeds = dict[str, Tensor]
-
-
-class RunnerError(RuntimeError):
-    """A runner cannot be built or run; the message names the file, tensor or provider."""
-
-
-class Runner(Protocol):
-    name: str
-
-    def infer(self, feeds: Feeds) -> Feeds: ...
-
-
-@dataclass(frozen=True)
-class RunnerOptions:
-    provider: str = "auto"  # ONNX Runtime: auto | cuda | cpu
-    checkpoint: Path | None = None  # eager: overrides the checkpoint recorded in the export
-    intra_op_threads: int = 0  # ONNX Runtime: 0 = its default
-    check_hashes: bool = True  # False: skip the sha256 of artifact files (sizes and paths still checked)
-    device: str = "cpu"  # eager, pt2: the device the module runs on (cpu | cuda)
-    cuda_graph: bool = False  # decode steps replayed as CUDA graphs (cuda_graph.py); refused where impossible
+from .base import Feeds, Runner, RunnerError, RunnerOptions
+from .cuda_graph import require_cuda_graph
+from .engine_runner import TrtRunner  # TensorRT 11 + GPU; imports tensorrt only when a runner is built
+from .ort_runner import OrtRunner  # imports onnxruntime only when a runner is built
 
 
 class ModuleRunner:
@@ -87,8 +70,6 @@ def next_feeds(cfg, outputs: Feeds, input_ids: Tensor, cache: CacheOptions | Non
 # --- factories over an export folder -------------------------------------------------------------
 
 def _folder(export_dir: Path):
-    from ..folder.artifacts import ExportFolder, ManifestError
-
     try:
         return ExportFolder.open(export_dir)
     except ManifestError as e:
@@ -98,8 +79,6 @@ def _folder(export_dir: Path):
 def artifact_files(export_dir: Path, name: str, options: RunnerOptions) -> list[Path]:
     """The artifact's files (primary first) after the checks of folder/trust.py: inside the folder,
     present, and (unless options.check_hashes is off) with the manifest's sha256. Nothing is loaded before."""
-    from ..folder.artifacts import ManifestError
-
     try:
         return _folder(export_dir).checked_files(name, check_hash=options.check_hashes)
     except ManifestError as e:
@@ -158,8 +137,6 @@ def _pt2(export_dir: Path, options: RunnerOptions) -> Runner:
 
 
 def _ort(export_dir: Path, options: RunnerOptions) -> Runner:
-    from .ort_runner import OrtRunner
-
     files = artifact_files(export_dir, "onnx", options)  # the model and its external data, all checked
     path = files[0]
     entry = _folder(export_dir).manifest["artifacts"]["onnx"]
@@ -177,8 +154,6 @@ def _ort(export_dir: Path, options: RunnerOptions) -> Runner:
 
 
 def _trt(export_dir: Path, options: RunnerOptions) -> Runner:
-    from .engine_runner import TrtRunner  # TensorRT 11 + GPU; imports tensorrt only when built
-
     artifact_files(export_dir, "trt", options)  # the engine is native code: only with the manifest's sha256
     return TrtRunner(export_dir)
 
@@ -213,8 +188,6 @@ def make_runner(backend: str, export_dir: Path, options: RunnerOptions = RunnerO
         factory = RUNNERS[backend]
     except KeyError:
         raise RunnerError(f"backend={backend!r}: choose from {sorted(RUNNERS)}") from None
-    from ..folder.artifacts import ManifestError
-
     if options.cuda_graph and not torch.cuda.is_available():  # before loading anything onto a missing device
         raise RunnerError(f"--cuda-graph: backend {backend}: no CUDA device (torch.cuda.is_available() is False)")
     try:
@@ -222,8 +195,6 @@ def make_runner(backend: str, export_dir: Path, options: RunnerOptions = RunnerO
     except ManifestError as e:  # e.g. the manifest's config does not build
         raise RunnerError(str(e)) from None
     if options.cuda_graph:  # refused in one line where no graph can be captured (runtime/cuda_graph.py)
-        from .cuda_graph import require_cuda_graph
-
         runner = require_cuda_graph(runner, f"backend {backend}")
     return runner
 
