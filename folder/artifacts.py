@@ -53,8 +53,8 @@ from ..model.config import K3Config
 from ..model.options import ModelOptions
 from ..model.state import state_specs
 from ..plan.dtypes import dtype_name
-from .dims import DYNAMIC_DIMS
 from . import trust
+from .dims import DYNAMIC_DIMS
 from .schema import DTYPES, MANIFEST, SCHEMA, ManifestError
 from .trust import validate_manifest
 

@@ -22,10 +22,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..folder.artifacts import ExportFolder
 from ..model.parallel import ParallelPlan, merge_states, split_states
 from ..model.state import state_specs
-from ..folder.artifacts import ExportFolder
-from .runners import ARTIFACT_OF, RANK_RUNNERS, Feeds, ModuleRunner, RunnerError, RunnerOptions, load_pt2_artifact, make_runner
+from .runners import (ARTIFACT_OF, RANK_RUNNERS, Feeds, ModuleRunner, RunnerError, RunnerOptions, load_pt2_artifact,
+                      make_runner)
 
 TIMEOUT_S = int(os.environ.get("K3X_DIST_TIMEOUT_S", "120"))
 

@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
+from ..export.ranks import rank_folder, read_parallel
+from ..folder.artifacts import ExportFolder, ManifestError
 from ..model.config import K3Config
 from ..model.options import CacheOptions
 from ..model.parallel import ParallelPlan
-from ..export.ranks import rank_folder, read_parallel
-from ..folder.artifacts import ExportFolder, ManifestError
 from .runners import Runner, RunnerError, RunnerOptions, generate, make_runner, open_folder, runnable
 from .verify import VerifyReport, run_parity
 
