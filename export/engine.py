@@ -255,11 +255,19 @@ def build_engine(export_dir: Path, options: EngineOptions = EngineOptions()) -> 
         return _build_engine(export_dir, options)
 
 
-def _checked_input(export_dir: Path) -> tuple[Path, str, bytes]:
+def _open(export_dir: Path) -> ExportFolder:
+    """The folder (it must come from `k3x export`), its manifest read once for the whole build."""
+    try:
+        return ExportFolder.open(export_dir)
+    except ManifestError as e:
+        raise EngineBuildError(str(e)) from None
+
+
+def _checked_input(folder: ExportFolder) -> tuple[Path, str, bytes]:
     """(model.trt.onnx, its recorded sha256, the reusable timing cache or b"") once every file of the `onnx`
     artifact matches the manifest and no file the build writes would overwrite a user's (module docstring)."""
+    export_dir = folder.path
     try:
-        folder = ExportFolder.open(export_dir)  # the folder must come from `k3x export`
         files = {p.name: p for p in folder.checked_files("onnx")}
         if ONNX_FILE not in files:
             raise EngineBuildError(f"{export_dir / ONNX_FILE}: not a file of the onnx artifact; run `k3x export` "
@@ -276,8 +284,9 @@ def _checked_input(export_dir: Path) -> tuple[Path, str, bytes]:
 
 
 def _build_engine(export_dir: Path, options: EngineOptions) -> EngineArtifact:
-    onnx_path, onnx_sha256, cache_bytes = _checked_input(export_dir)
-    ranges = profile_ranges(options.dims, ExportFolder.open(export_dir).manifest["dynamic_dims"])
+    folder = _open(export_dir)
+    onnx_path, onnx_sha256, cache_bytes = _checked_input(folder)
+    ranges = profile_ranges(options.dims, folder.manifest["dynamic_dims"])
     trt = import_trt(options.runtime)
     from ..custom_ops import trt_plugins as plugins
 

@@ -22,7 +22,10 @@ Notable choices:
 - Every target consumes the one traced `ExportedProgram`. A stage is a plain function
   `stage(ep, ctx) -> str` (a line for the user) that writes its files through
   `artifacts.write_artifact`, so each artifact is renamed into place and listed in the manifest.
-- Adding a target (e.g. ONNX) = one `Target` member, one `STAGES` entry, one `TARGET_STAGES` entry:
+- The request and its resolved job (`ExportOptions`, `ExportJob`, `TARGET_STAGES`) live in export/options.py,
+  imported here (and re-exported for callers) and by export/ranks.py, so the two writers never import
+  each other. Adding a target (e.g. ONNX) = one `Target` member and one `TARGET_STAGES` entry there, one
+  `STAGES` entry here:
       class Target: ONNX = "onnx"; ALL = "all"
       STAGES["onnx"] = stage_onnx
       TARGET_STAGES[Target.ONNX] = ("onnx",);  TARGET_STAGES[Target.ALL] = ("pt2", "onnx", "aoti")
@@ -31,11 +34,13 @@ Notable choices:
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable
+
+from .options import (TARGET_STAGES, DType, ExpertFormat, ExportJob, ExportOptions, KernelChoice, Progress, Target,
+                      Timed, config_error, timed_step)
+from .tokenizer import copy_tokenizer
 
 if TYPE_CHECKING:  # this module is imported by the CLI: torch only inside functions
     import torch
@@ -44,79 +49,6 @@ if TYPE_CHECKING:  # this module is imported by the CLI: torch only inside funct
     from ..model.config import K3Config
     from ..model.options import ModelOptions
     from ..model.parallel import ParallelPlan
-
-
-class Target(str, Enum):
-    PT2 = "pt2"
-    ONNX = "onnx"
-    AOTI = "aoti"
-    ALL = "all"
-
-
-class DType(str, Enum):
-    FP32 = "fp32"
-    BF16 = "bf16"
-
-
-class KernelChoice(str, Enum):  # the values of plan.kernels.Kernels, importable without torch
-    REFERENCE = "reference"
-    TRITON = "triton"
-
-
-class ExpertFormat(str, Enum):  # model.options.BuildOptions.expert_format
-    DENSE = "dense"
-    MXFP4 = "mxfp4"
-
-
-def _config_error(message: str) -> Exception:
-    from ..model.config import ConfigError
-
-    return ConfigError(message)
-
-
-@dataclass(frozen=True)
-class ExportOptions:
-    targets: tuple[Target, ...]  # several targets share the one trace and the one manifest
-    out_dir: Path
-    preset: str | None = None  # exactly one of preset / checkpoint
-    checkpoint: Path | None = None
-    weights: bool = True  # False: trace on the meta device, nothing allocated
-    dtype: DType = DType.FP32
-    seed: int = 0  # random init of a preset with weights
-    kernels: KernelChoice = KernelChoice.REFERENCE  # k3 custom-op implementation in the traced program
-    expert_format: ExpertFormat | None = None  # routed experts: None = as the checkpoint stores them (presets: dense)
-    max_context: int | None = None  # static MLA latent cache of this many positions (model/state.py); None = growing
-    tp: int = 1  # the parallel plan (model/parallel.ParallelPlan): tp x ep rank programs; 1 x 1 = one program
-    ep: int = 1
-    serving: bool = False  # trace the serving step (packed sequences, state pools: export/serving.py)
-    block_size: int = 16  # serving: positions per MLA latent block (fixed in the program)
-
-    def __post_init__(self) -> None:
-        if (self.preset is None) == (self.checkpoint is None):
-            raise _config_error("export: give exactly one of --preset or --checkpoint")
-        if not self.targets:
-            raise _config_error("export: give at least one --target")
-        if self.serving and (self.max_context is not None or "aoti" in self.stages() or self.block_size < 1):
-            raise _config_error("--serving: targets pt2 and onnx, no --max-context (the pools replace it), "
-                                f"--block-size >= 1 (got {self.block_size})")
-        if "aoti" in self.stages() and not self.weights:
-            raise _config_error("--no-weights: target 'aoti' embeds the weights in the package; drop --no-weights "
-                                "or export --target pt2 --target onnx")
-        if self.tp * self.ep > 1 and not set(self.stages()) <= {"pt2", "onnx"}:
-            raise _config_error(f"--tp/--ep: rank programs are written for --target pt2 and onnx only "
-                                f"(got {list(self.stages())})")
-        if self.tp * self.ep > 1 and (self.max_context is not None or self.serving):
-            raise _config_error(f"--{'serving' if self.serving else 'max-context'}: not available for rank programs "
-                                "(--tp/--ep > 1)")
-
-    def plan(self) -> ParallelPlan:
-        from ..model.parallel import ParallelPlan
-
-        return ParallelPlan(self.tp, self.ep)
-
-    def stages(self) -> tuple[str, ...]:
-        """The stage names of every target, in order, each once."""
-        return tuple(dict.fromkeys(s for t in self.targets for s in TARGET_STAGES[Target(t)]))
 
 
 @dataclass(frozen=True)
@@ -141,7 +73,6 @@ class ExportResult:
 
 
 Stage = Callable[["ExportedProgram", StageContext], str]
-Progress = Callable[[str, "float | None"], None]  # (stage, None) when it starts, (stage, seconds) when done
 
 
 # --- target stages -------------------------------------------------------------------------------
@@ -193,64 +124,10 @@ def stage_onnx(ep: ExportedProgram, ctx: StageContext) -> str:
     return f"onnx: {where}{data}\n" + genai_stage(ctx.work_dir, ctx.cfg, art.files["ort"].name, ctx.out_dir, cache)
 
 
-def copy_tokenizer(checkpoint: Path, out_dir: Path) -> str:
-    """Copy the checkpoint's tokenizer / generation files (text/tokenizer.TOKENIZER_FILES) into the export
-    as artifact `tokenizer`, so `k3x run --prompt` and ONNX Runtime GenAI find them beside the models.
-    Each must resolve inside the checkpoint folder (a symlink to a file elsewhere is refused, CheckpointError);
-    copies never get wider permissions than their source (fileio.copy_file)."""
-    import os
-
-    from ..checkpoint.files import checkpoint_file
-    from ..fileio import copy_file
-    from ..folder import artifacts
-    from ..text.tokenizer import TOKENIZER_FILES
-
-    checkpoint = Path(checkpoint)
-    found = [checkpoint_file(checkpoint, n) for n in TOKENIZER_FILES if os.path.lexists(checkpoint / n)]
-    found = [f for f in found if f.is_file()]
-    if not found:
-        return f"tokenizer: none in {checkpoint} (text prompts need tokenizer.json or tiktoken.model)"
-    with artifacts.write_artifact(out_dir, "tokenizer") as tmp:
-        for f in found:
-            copy_file(f, tmp / f.name)
-    return "tokenizer: " + ", ".join(f.name for f in found)
-
-
 STAGES: dict[str, Stage] = {"pt2": stage_pt2, "onnx": stage_onnx, "aoti": stage_aoti}
-# what each --target runs, in order, after the one trace
-TARGET_STAGES: dict[Target, tuple[str, ...]] = {
-    Target.PT2: ("pt2",),
-    Target.ONNX: ("onnx",),
-    Target.AOTI: ("aoti",),
-    Target.ALL: ("pt2", "onnx", "aoti"),
-}
 
 
 # --- orchestration -------------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def timed_step(name: str, progress: Progress, timings: dict[str, float]) -> Iterator[None]:
-    progress(name, None)
-    t = time.perf_counter()
-    yield
-    timings[name] = time.perf_counter() - t
-    progress(name, timings[name])
-
-
-Timed = Callable[[str], "contextlib.AbstractContextManager[None]"]
-
-
-@dataclass(frozen=True)
-class ExportJob:
-    """What an export writes, resolved once from `ExportOptions` before anything is built."""
-    options: ExportOptions
-    cfg: K3Config  # the architecture
-    model: ModelOptions  # kernels, expert format, cache: recorded in the manifest's `options` entry
-    plan: ParallelPlan
-    dtype: torch.dtype
-    checkpoint_hash: str | None
-    stream: bool  # pt2 / ONNX from a checkpoint: traced on meta, weights streamed into each artifact
-
 
 def resolve(options: ExportOptions) -> tuple[K3Config, ModelOptions]:
     """(architecture, build and cache options) of an export: a preset (dense experts unless asked) or a
@@ -278,7 +155,7 @@ def _check_fits_in_memory(cfg: K3Config, build, dtype: torch.dtype) -> None:
     need = weight_bytes(cfg, dtype, build)  # MXFP4 experts counted packed
     free = psutil.virtual_memory().available
     if need > free:
-        raise _config_error(f"preset={cfg.name!r}: its weights need {need / 2**30:,.0f} GiB, "
+        raise config_error(f"preset={cfg.name!r}: its weights need {need / 2**30:,.0f} GiB, "
                             f"{free / 2**30:,.0f} GiB is free; trace it with --no-weights")
 
 

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from ..model.parallel import ParallelPlan
-from .pipeline import ExportJob, Timed, copy_tokenizer
+from .options import ExportJob, Timed
+from .tokenizer import copy_tokenizer
 
 COLLECTIVE_PREFIX = "_c10d_functional::"
 
@@ -157,13 +158,15 @@ def _write_rank(work: Path, rank: int, job: ExportJob, local, counts: dict[str, 
             "files": files}
 
 
-def read_parallel(export_dir: str | Path) -> tuple[dict[str, Any], ParallelPlan] | None:
-    """(top-level manifest, plan) of a sharded export, None for a single-program export. Every rank folder
-    is checked to be that rank (`_check_rank`) before anything of it is read."""
+def read_parallel(export_dir: str | Path, manifest: dict[str, Any] | None = None
+                  ) -> tuple[dict[str, Any], ParallelPlan] | None:
+    """(top-level manifest, plan) of a sharded export, None for a single-program export. `manifest`: the top
+    manifest already read (`ExportFolder.manifest`; read here when None). Every rank folder is checked to
+    be that rank (`_check_rank`) before anything of it is read."""
     from ..folder.artifacts import ManifestError, read_manifest
     from ..folder.trust import confined
 
-    data = read_manifest(export_dir)
+    data = read_manifest(export_dir) if manifest is None else manifest
     par = data.get("parallel")
     if par is None:
         return None

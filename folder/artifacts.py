@@ -52,18 +52,15 @@ from ..fileio import confined, normal_permissions, sha256
 from ..model.config import K3Config
 from ..model.options import ModelOptions
 from ..model.state import state_specs
-from ..plan.dtypes import FLOAT, dtype_name, torch_dtype
+from ..plan.dtypes import dtype_name
+from . import trust
+from .dims import DYNAMIC_DIMS
+from .schema import DTYPES, MANIFEST, SCHEMA, ManifestError
+from .trust import validate_manifest
 
-MANIFEST = "manifest.json"
-SCHEMA = 1
-DTYPES: dict[str, torch.dtype] = {n: torch_dtype(n) for n in FLOAT}  # the export dtypes (plan/dtypes.py)
 # distribution names per package (onnxruntime may be installed as its GPU build)
 _DISTRIBUTIONS = {"torch": ("torch",), "triton": ("triton",), "onnx": ("onnx",),
                   "onnxruntime": ("onnxruntime", "onnxruntime-gpu"), "k3x": ("k3x",)}
-
-
-class ManifestError(RuntimeError):
-    """A manifest is missing, unreadable or lacks what was asked of it; the message names the file."""
 
 
 def package_versions() -> dict[str, str | None]:
@@ -100,8 +97,6 @@ def _write_json_atomic(path: Path, data: dict) -> None:
 
 def read_manifest(out_dir: str | Path) -> dict[str, Any]:
     """The manifest of `out_dir`, its schema checked (folder/trust.py); errors name the field."""
-    from .trust import validate_manifest
-
     path = Path(out_dir) / MANIFEST
     try:
         data = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_no_constant)
@@ -125,8 +120,6 @@ def init_manifest(out_dir: str | Path, cfg: K3Config, *, dtype: torch.dtype, wei
     """Start a fresh manifest (no artifacts) in `out_dir`, created if needed; replaces an older one.
     `options`: what the program was built with (default: reference kernels, dense experts, growing cache).
     `serving`: the serving-step interface (export/serving.py `serving_manifest`); `io` then names its I/O."""
-    from .dims import DYNAMIC_DIMS
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     options = options or ModelOptions()
@@ -274,9 +267,7 @@ class ExportFolder:
         except KeyError:
             have = sorted(self.manifest["artifacts"])
             raise ManifestError(f"{self.path / MANIFEST}: no artifact {name!r} (have {have})") from None
-        from .trust import confined
-
-        return [confined(self.path, f["path"]) for f in entry["files"]]
+        return [trust.confined(self.path, f["path"]) for f in entry["files"]]
 
     def checked_files(self, name: str, *, check_hash: bool = True) -> list[Path]:
         """The artifact's files, each confined to the folder, present, of the recorded size and (unless
@@ -306,12 +297,10 @@ class ExportFolder:
 
     def verify(self) -> list[str]:
         """Files whose bytes no longer match the recorded sha256 (or are missing)."""
-        from .trust import confined
-
         bad = []
         for entry in self.manifest["artifacts"].values():
             for f in entry["files"]:
-                p = confined(self.path, f["path"])
+                p = trust.confined(self.path, f["path"])
                 if not p.is_file() or sha256(p) != f["sha256"]:
                     bad.append(str(p))
         return bad

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..fileio import confined as _confined, safe_file_name
-from .artifacts import DTYPES, SCHEMA, ManifestError
+from .schema import DTYPES, SCHEMA, ManifestError
 from .zip_check import FrozenArchive, Record, ZipLayoutError, freeze
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")

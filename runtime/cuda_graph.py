@@ -33,6 +33,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from .base import RunnerError
+
 Feeds = dict[str, Tensor]
 
 
@@ -126,8 +128,6 @@ def cuda_graph_unavailable(runner) -> str | None:
 
 def require_cuda_graph(runner, what: str) -> GraphedRunner:
     """`GraphedRunner(runner)`, or RunnerError `--cuda-graph: <what>: <reason>` (one line)."""
-    from .runners import RunnerError
-
     reason = cuda_graph_unavailable(runner)
     if reason is not None:
         raise RunnerError(f"--cuda-graph: {what}: {reason}")

@@ -22,9 +22,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..folder.artifacts import ExportFolder
 from ..model.parallel import ParallelPlan, merge_states, split_states
 from ..model.state import state_specs
-from .runners import Feeds, ModuleRunner, RunnerError, RunnerOptions
+from .runners import (ARTIFACT_OF, RANK_RUNNERS, Feeds, ModuleRunner, RunnerError, RunnerOptions, load_pt2_artifact,
+                      make_runner)
 
 TIMEOUT_S = int(os.environ.get("K3X_DIST_TIMEOUT_S", "120"))
 
@@ -70,24 +72,16 @@ def init(plan: ParallelPlan) -> tuple[int, object]:
 def rank_backends(export_dir: Path, data: dict) -> list[str]:
     """The runners a sharded export's rank folders hold artifacts for (rank 0's manifest; all ranks alike)."""
     from ..export.ranks import rank_folder
-    from ..folder.artifacts import ExportFolder
-    from .runners import ARTIFACT_OF, RANK_RUNNERS
 
     have = ExportFolder.open(rank_folder(export_dir, data, 0)).manifest["artifacts"]
     return [r for r in RANK_RUNNERS if ARTIFACT_OF[r] in have]
 
 
-def rank_runner(export_dir: Path, data: dict, rank: int, options: RunnerOptions, backend: str = "pt2"):
+def rank_runner(folder: ExportFolder, rank: int, options: RunnerOptions, backend: str = "pt2"):
     """This rank's program (hash-checked, no pickles) on this rank's device: on CUDA the whole pt2 program,
     devices baked into its graph included, is moved to cuda:LOCAL_RANK (`move_to_device_pass`); `ort`
     runs the rank's ort-flavor ONNX (its collectives call torch.distributed from ONNX Runtime)."""
     from torch.export.passes import move_to_device_pass
-
-    from ..export.ranks import rank_folder
-    from .runners import load_pt2_artifact, make_runner
-
-    folder = rank_folder(export_dir, data, rank)
-    from .runners import RANK_RUNNERS
 
     if backend not in RANK_RUNNERS:
         raise RunnerError(f"backend={backend!r}: rank programs run on {sorted(RANK_RUNNERS)}")
@@ -96,7 +90,7 @@ def rank_runner(export_dir: Path, data: dict, rank: int, options: RunnerOptions,
     ep = load_pt2_artifact(folder, options, "the rank program")
     dev = device()
     module = ep.module() if dev.type == "cpu" else _OnDevice(move_to_device_pass(ep, str(dev)).module(), dev)
-    return ModuleRunner(f"pt2 rank {rank}", module, _folder_cfg(export_dir, data, rank))
+    return ModuleRunner(f"pt2 rank {rank}", module, folder.config())
 
 
 class _OnDevice:
@@ -106,13 +100,6 @@ class _OnDevice:
     def __call__(self, ids, past):
         logits, present = self.module(ids.to(self.dev), [t.to(self.dev) for t in past])
         return logits.cpu(), [t.cpu() for t in present]
-
-
-def _folder_cfg(export_dir: Path, data: dict, rank: int):
-    from ..export.ranks import rank_folder
-    from ..folder.artifacts import ExportFolder
-
-    return ExportFolder.open(rank_folder(export_dir, data, rank)).config()
 
 
 class WholeStateRunner:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..export.engine import ENGINE_FILE, EngineBuildError, check_engine_meta, import_trt
-from .runners import RunnerError
+from .base import RunnerError
 
 
 class TrtRunner:

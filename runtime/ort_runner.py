@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .runners import Feeds, RunnerError
+from .base import Feeds, RunnerError
 
 # ORT type string -> (ONNX TensorProto element type, torch dtype). Binding by the ONNX element type (an int)
 # rather than a numpy dtype is what lets bf16 tensors be bound: numpy has no bfloat16.

@@ -5,7 +5,7 @@ Feeds and outputs are `dict[str, Tensor]` named as the ONNX graph is (docs/archi
 takes and returns torch tensors, so the comparator and the decode loop never care which one runs.
 
 Adding a runner (e.g. TensorRT) = one class with `name` and `infer`, plus one `RUNNERS` entry whose
-factory takes `(export_dir, RunnerOptions)`.
+factory takes `(ExportFolder, RunnerOptions)`: the folder is opened once per command (`open_folder`).
 
 Runners: `ModuleRunner` (eager model, ExportedProgram, AOTInductor package), `OrtRunner`
 (runtime/ort_runner.py), `TrtRunner` (runtime/engine_runner.py). Heavy imports (onnxruntime, tensorrt)
@@ -14,38 +14,21 @@ happen only when such a runner is built, with a clear error when missing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 from torch import Tensor
 
+from ..folder.artifacts import ExportFolder, ManifestError
 from ..model.options import CacheOptions
 from ..model.state import state_specs
 from ..text.sampling import Generation, SamplingOptions, decode_loop
-
-Feeds = dict[str, Tensor]
-
-
-class RunnerError(RuntimeError):
-    """A runner cannot be built or run; the message names the file, tensor or provider."""
-
-
-class Runner(Protocol):
-    name: str
-
-    def infer(self, feeds: Feeds) -> Feeds: ...
-
-
-@dataclass(frozen=True)
-class RunnerOptions:
-    provider: str = "auto"  # ONNX Runtime: auto | cuda | cpu
-    checkpoint: Path | None = None  # eager: overrides the checkpoint recorded in the export
-    intra_op_threads: int = 0  # ONNX Runtime: 0 = its default
-    check_hashes: bool = True  # False: skip the sha256 of artifact files (sizes and paths still checked)
-    device: str = "cpu"  # eager, pt2: the device the module runs on (cpu | cuda)
-    cuda_graph: bool = False  # decode steps replayed as CUDA graphs (cuda_graph.py); refused where impossible
+from .base import Feeds, Runner, RunnerError, RunnerOptions
+from .cuda_graph import require_cuda_graph
+from .engine_runner import TrtRunner  # TensorRT 11 + GPU; imports tensorrt only when a runner is built
+from .ort_runner import OrtRunner  # imports onnxruntime only when a runner is built
 
 
 class ModuleRunner:
@@ -86,39 +69,38 @@ def next_feeds(cfg, outputs: Feeds, input_ids: Tensor, cache: CacheOptions | Non
 
 # --- factories over an export folder -------------------------------------------------------------
 
-def _folder(export_dir: Path):
-    from ..folder.artifacts import ExportFolder, ManifestError
-
+def open_folder(export_dir: Path | ExportFolder) -> ExportFolder:
+    """The export folder, its manifest read and checked once per command and then passed down: an
+    `ExportFolder` is returned as it is, a path is opened (RunnerError naming the folder)."""
+    if isinstance(export_dir, ExportFolder):
+        return export_dir
     try:
         return ExportFolder.open(export_dir)
     except ManifestError as e:
         raise RunnerError(f"{export_dir}: not a k3x export folder ({e})") from None
 
 
-def artifact_files(export_dir: Path, name: str, options: RunnerOptions) -> list[Path]:
+def artifact_files(folder: ExportFolder, name: str, options: RunnerOptions) -> list[Path]:
     """The artifact's files (primary first) after the checks of folder/trust.py: inside the folder,
     present, and (unless options.check_hashes is off) with the manifest's sha256. Nothing is loaded before."""
-    from ..folder.artifacts import ManifestError
-
     try:
-        return _folder(export_dir).checked_files(name, check_hash=options.check_hashes)
+        return folder.checked_files(name, check_hash=options.check_hashes)
     except ManifestError as e:
         raise RunnerError(str(e)) from None
 
 
-def _eager(export_dir: Path, options: RunnerOptions) -> Runner:
+def _eager(d: ExportFolder, options: RunnerOptions) -> Runner:
     from ..checkpoint.files import CheckpointError, checkpoint_hash, load_checkpoint
 
-    d = _folder(export_dir)
     ckpt = options.checkpoint or d.checkpoint()
     if ckpt is None:
-        raise RunnerError(f"{export_dir}: the export records no checkpoint; pass --checkpoint for the eager reference")
+        raise RunnerError(f"{d.path}: the export records no checkpoint; pass --checkpoint for the eager reference")
     recorded = (d.manifest.get("checkpoint") or {}).get("hash")
     try:
         now = checkpoint_hash(ckpt) if options.checkpoint is None and recorded and Path(ckpt).is_dir() else None
         if now is not None and now != recorded:
             raise RunnerError(f"{ckpt}: changed since the export (sha256 {now} != {recorded} in "
-                              f"{export_dir}/manifest.json); re-export, or pass --checkpoint to compare anyway")
+                              f"{d.path}/manifest.json); re-export, or pass --checkpoint to compare anyway")
         model = load_checkpoint(ckpt, dtype=d.dtype(), device="cpu", expert_format=d.options().build.expert_format)
     except (CheckpointError, FileNotFoundError) as e:
         raise RunnerError(f"eager reference: {e}") from None
@@ -128,25 +110,25 @@ def _eager(export_dir: Path, options: RunnerOptions) -> Runner:
     return ModuleRunner("eager", model.to(options.device), cfg, options.device, d.options().cache)
 
 
-def serving_entry(export_dir: Path) -> dict:
+def serving_entry(export_dir: Path | ExportFolder) -> dict:
     """The manifest's `serving` entry (block_size, inputs, outputs) of a `k3x export --serving` folder."""
-    entry = _folder(export_dir).manifest.get("serving")
+    entry = open_folder(export_dir).manifest.get("serving")
     if not isinstance(entry, dict) or not isinstance(entry.get("block_size"), int):
         raise RunnerError(f"{export_dir}: not a serving export (no `serving` entry in manifest.json); "
                           "export with --serving")
     return entry
 
 
-def load_pt2_artifact(folder: Path, options: RunnerOptions, what: str):
+def load_pt2_artifact(folder: ExportFolder, options: RunnerOptions, what: str):
     """The folder's pt2 program: hashed (unless options.check_hashes is off), checked and loaded from one
     open file (folder/trust.py `checked_pt2`), so the path cannot be swapped between check and load."""
     from ..export.trace import load_pt2
     from ..folder.trust import UnsafeArtifactError, checked_pt2
 
     path = artifact_files(folder, "pt2", replace(options, check_hashes=False))[0]  # hashed below, from the open file
-    if not _folder(folder).manifest.get("weights", True):
+    if not folder.manifest.get("weights", True):
         raise RunnerError(f"{path}: weightless program (exported with --no-weights); it cannot run")
-    sha = _folder(folder).manifest["artifacts"]["pt2"]["files"][0]["sha256"] if options.check_hashes else None
+    sha = folder.manifest["artifacts"]["pt2"]["files"][0]["sha256"] if options.check_hashes else None
     try:
         with checked_pt2(path, sha256=sha) as f:
             return load_pt2(f)
@@ -156,53 +138,47 @@ def load_pt2_artifact(folder: Path, options: RunnerOptions, what: str):
         raise RunnerError(f"{path}: cannot load {what}: {e}") from None
 
 
-def _pt2(export_dir: Path, options: RunnerOptions) -> Runner:
-    ep = load_pt2_artifact(export_dir, options, "the ExportedProgram")
+def _pt2(folder: ExportFolder, options: RunnerOptions) -> Runner:
+    ep = load_pt2_artifact(folder, options, "the ExportedProgram")
     if options.device != "cpu":  # weights, constants and the devices named in the graph
         from torch.export.passes import move_to_device_pass
 
         ep = move_to_device_pass(ep, {"cpu": options.device})
-    folder = _folder(export_dir)
     return ModuleRunner("pt2", ep.module(), folder.config(), options.device, folder.options().cache)
 
 
-def _ort(export_dir: Path, options: RunnerOptions) -> Runner:
-    from .ort_runner import OrtRunner
-
-    files = artifact_files(export_dir, "onnx", options)  # the model and its external data, all checked
+def _ort(folder: ExportFolder, options: RunnerOptions) -> Runner:
+    files = artifact_files(folder, "onnx", options)  # the model and its external data, all checked
     path = files[0]
-    entry = _folder(export_dir).manifest["artifacts"]["onnx"]
+    entry = folder.manifest["artifacts"]["onnx"]
     if entry.get("weights") is False:
         raise RunnerError(f"{path}: weightless ONNX (exported with --no-weights: weights are graph inputs); "
                           "it cannot run — export with weights")
     name = entry.get("flavors", {}).get("ort")
     if name is None:
-        raise RunnerError(f"{export_dir}: the onnx artifact has no ort flavor (flavors: {entry.get('flavors')}); "
+        raise RunnerError(f"{folder.path}: the onnx artifact has no ort flavor (flavors: {entry.get('flavors')}); "
                           "re-export with the ort flavor")
     if name not in {p.name for p in files}:
-        raise RunnerError(f"{export_dir}: the ort flavor {str(name)[:80]!r} is not one of the onnx artifact's files")
-    return OrtRunner(Path(export_dir) / name, provider=options.provider,
+        raise RunnerError(f"{folder.path}: the ort flavor {str(name)[:80]!r} is not one of the onnx artifact's files")
+    return OrtRunner(folder.path / name, provider=options.provider,
                      intra_op_threads=options.intra_op_threads, collectives=bool(entry.get("collectives")))
 
 
-def _trt(export_dir: Path, options: RunnerOptions) -> Runner:
-    from .engine_runner import TrtRunner  # TensorRT 11 + GPU; imports tensorrt only when built
-
-    artifact_files(export_dir, "trt", options)  # the engine is native code: only with the manifest's sha256
-    return TrtRunner(export_dir)
+def _trt(folder: ExportFolder, options: RunnerOptions) -> Runner:
+    artifact_files(folder, "trt", options)  # the engine is native code: only with the manifest's sha256
+    return TrtRunner(folder.path)
 
 
-def _aoti(export_dir: Path, options: RunnerOptions) -> Runner:
+def _aoti(folder: ExportFolder, options: RunnerOptions) -> Runner:
     from ..export.aoti import load_aoti
 
     # an AOTI package is trusted native code (export/aoti.py): loaded only once its sha256 matches
-    path = artifact_files(export_dir, "aoti", replace(options, check_hashes=True))[0]
-    device = _folder(export_dir).manifest["artifacts"]["aoti"].get("device", "cpu")  # what it was compiled for
-    folder = _folder(export_dir)
+    path = artifact_files(folder, "aoti", replace(options, check_hashes=True))[0]
+    device = folder.manifest["artifacts"]["aoti"].get("device", "cpu")  # what it was compiled for
     return ModuleRunner("aoti", load_aoti(path), folder.config(), str(device), folder.options().cache)
 
 
-RUNNERS: dict[str, Callable[[Path, RunnerOptions], Runner]] = {
+RUNNERS: dict[str, Callable[[ExportFolder, RunnerOptions], Runner]] = {
     "eager": _eager, "pt2": _pt2, "ort": _ort, "trt": _trt, "aoti": _aoti,
 }
 # the one table of which artifact each runner needs (a rank folder holds pt2 / onnx: `RANK_RUNNERS`)
@@ -217,22 +193,19 @@ def runnable(manifest: dict, runners: tuple[str, ...] = tuple(ARTIFACT_OF)) -> l
             and arts[ARTIFACT_OF[r]].get("weights", manifest.get("weights", True)) is not False]
 
 
-def make_runner(backend: str, export_dir: Path, options: RunnerOptions = RunnerOptions()) -> Runner:
+def make_runner(backend: str, export_dir: Path | ExportFolder, options: RunnerOptions = RunnerOptions()) -> Runner:
+    """The `backend` runner over the export folder (an open `ExportFolder` is used as it is: no re-read)."""
     try:
         factory = RUNNERS[backend]
     except KeyError:
         raise RunnerError(f"backend={backend!r}: choose from {sorted(RUNNERS)}") from None
-    from ..folder.artifacts import ManifestError
-
     if options.cuda_graph and not torch.cuda.is_available():  # before loading anything onto a missing device
         raise RunnerError(f"--cuda-graph: backend {backend}: no CUDA device (torch.cuda.is_available() is False)")
     try:
-        runner = factory(Path(export_dir), options)
+        runner = factory(open_folder(export_dir), options)
     except ManifestError as e:  # e.g. the manifest's config does not build
         raise RunnerError(str(e)) from None
     if options.cuda_graph:  # refused in one line where no graph can be captured (runtime/cuda_graph.py)
-        from .cuda_graph import require_cuda_graph
-
         runner = require_cuda_graph(runner, f"backend {backend}")
     return runner
 

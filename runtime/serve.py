@@ -60,15 +60,16 @@ class StepModuleRunner:
 def serving_runner(backend: str, export_dir, options=None):
     """The runner of a serving export (`k3x export --serving`): pt2 (the step program's module) or ort (the
     ort flavor through IO binding: pools bound by pointer, no copy per step on the session's device)."""
-    from .runners import RunnerError, RunnerOptions, load_pt2_artifact, make_runner, serving_entry
+    from .runners import RunnerError, RunnerOptions, load_pt2_artifact, make_runner, open_folder, serving_entry
 
     options = options or RunnerOptions()
-    entry = serving_entry(export_dir)
+    folder = open_folder(export_dir)
+    entry = serving_entry(folder)
     if backend == "ort":
-        return make_runner("ort", export_dir, options)
+        return make_runner("ort", folder, options)
     if backend != "pt2":
         raise RunnerError(f"backend={backend!r}: a serving export runs on pt2 or ort")
-    ep = load_pt2_artifact(export_dir, options, "the serving step")
+    ep = load_pt2_artifact(folder, options, "the serving step")
     return StepModuleRunner("pt2", ep.module(), entry["inputs"], entry["outputs"], options.device)
 
 

@@ -18,10 +18,12 @@ from typing import Any
 
 import torch
 
+from ..export.ranks import rank_folder, read_parallel
+from ..folder.artifacts import ExportFolder, ManifestError
 from ..model.config import K3Config
 from ..model.options import CacheOptions
 from ..model.parallel import ParallelPlan
-from .runners import Runner, RunnerError, RunnerOptions, generate, make_runner, runnable
+from .runners import Runner, RunnerError, RunnerOptions, generate, make_runner, open_folder, runnable
 from .verify import VerifyReport, run_parity
 
 
@@ -57,33 +59,24 @@ class Session:
             shutdown()
 
 
-def _folder(export_dir: Path):
-    from ..folder.artifacts import ExportFolder, ManifestError
-
-    try:
-        return ExportFolder.open(export_dir)
-    except ManifestError as e:
-        raise RunnerError(f"{export_dir}: not a k3x export folder ({e})") from None
+Folder = Path | ExportFolder  # every call takes the folder opened once by the command (a path is opened)
 
 
-def _parallel(export_dir: Path) -> tuple[dict, ParallelPlan] | None:
+def _parallel(folder: ExportFolder) -> tuple[dict, ParallelPlan] | None:
     """(manifest, plan) of rank programs, None for one program; RunnerError naming a bad `parallel` entry."""
-    from ..export.ranks import read_parallel
-    from ..folder.artifacts import ManifestError
-
     try:
-        return read_parallel(export_dir)
+        return read_parallel(folder.path, folder.manifest)
     except ManifestError as e:
         raise RunnerError(str(e)) from None
 
 
-def parallel_plan(export_dir: Path) -> ParallelPlan:
+def parallel_plan(export_dir: Folder) -> ParallelPlan:
     """The plan of the export's `parallel` entry (1 x 1 without one)."""
-    found = _parallel(export_dir)
+    found = _parallel(open_folder(export_dir))
     return ParallelPlan(1, 1) if found is None else found[1]
 
 
-def world_to_spawn(export_dir: Path) -> int | None:
+def world_to_spawn(export_dir: Folder) -> int | None:
     """The processes to start for this export when not inside a launcher (None: run here, as it is)."""
     from .dist_run import launched
 
@@ -97,37 +90,38 @@ def spawn_world(world: int, argv: list[str]) -> None:
     spawn(world, argv)
 
 
-def backends_of(export_dir: Path, requested: list[str], *, default_ort: bool = False) -> tuple[list[str], list[str]]:
+def backends_of(export_dir: Folder, requested: list[str], *, default_ort: bool = False) -> tuple[list[str], list[str]]:
     """(runners to use, notes): `requested` (each must be in the export) or every one it can run.
     `default_ort`: `k3x run`'s default `--backend ort` on rank programs without ONNX runs pt2 (and says so)."""
     from .dist_run import rank_backends
 
-    found = _parallel(export_dir)
+    folder = open_folder(export_dir)
+    found = _parallel(folder)
     if found is None:
         if requested:
             return requested, []
-        names = runnable(_folder(export_dir).manifest)
+        names = runnable(folder.manifest)
         if "trt" in names and not torch.cuda.is_available():
             return [n for n in names if n != "trt"], ["note: backend trt skipped (no CUDA GPU here)"]
         return names, []
-    have = rank_backends(export_dir, found[0])
+    have = rank_backends(folder.path, found[0])
     if default_ort and requested == ["ort"] and "ort" not in have and "pt2" in have:
         return ["pt2"], ["backend ort: this sharded export has no ONNX; running the pt2 rank programs"]
     missing = [b for b in requested if b not in have]
     if missing:
-        raise RunnerError(f"{export_dir}: sharded export has rank programs for {have}, not {missing}")
+        raise RunnerError(f"{folder.path}: sharded export has rank programs for {have}, not {missing}")
     return requested or have, []
 
 
-def open_session(export_dir: Path, backends: list[str], options: RunnerOptions = RunnerOptions()) -> Session:
+def open_session(export_dir: Folder, backends: list[str], options: RunnerOptions = RunnerOptions()) -> Session:
     """Runners for `backends` over the export folder, whatever its rank count (rank programs: inside a
     launcher, see `world_to_spawn`). RunnerError (one line) when a runner cannot be built."""
-    folder = _folder(export_dir)
-    found = _parallel(export_dir)
-    s = Session(Path(export_dir), folder.config(), folder.options().cache, folder.dtype(),
+    folder = open_folder(export_dir)
+    found = _parallel(folder)
+    s = Session(folder.path, folder.config(), folder.options().cache, folder.dtype(),
                 folder.manifest["dynamic_dims"], ParallelPlan(1, 1) if found is None else found[1])
     if found is None:
-        s.runners = {b: make_runner(b, export_dir, options) for b in backends}
+        s.runners = {b: make_runner(b, folder, options) for b in backends}
         return s
     _open_ranks(s, found[0], backends, options)
     return s
@@ -139,9 +133,10 @@ def _open_ranks(s: Session, data: dict, backends: list[str], options: RunnerOpti
     if len(data["parallel"]["ranks"]) != s.plan.world:
         raise RunnerError(f"{s.export_dir}: weightless rank export (exported with --no-weights); it cannot run")
     s.rank, tp_pg = dist_run.init(s.plan)
-    local = dist_run._folder_cfg(s.export_dir, data, s.rank)
+    own = open_folder(rank_folder(s.export_dir, data, s.rank))  # this rank's folder, opened once
+    local = own.config()
     for b in backends:
-        mine = dist_run.rank_runner(s.export_dir, data, s.rank, options, b)
+        mine = dist_run.rank_runner(own, s.rank, options, b)
         s.runners[b] = dist_run.WholeStateRunner(mine, s.cfg, local, s.plan, s.rank, tp_pg, b)
 
 

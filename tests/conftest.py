@@ -1,4 +1,5 @@
-"""Test-wide fixtures: a fixed seed per test, and NaN-poisoned uninitialised memory.
+"""Test-wide fixtures: a fixed seed per test, NaN-poisoned uninitialised memory, and the k3-mini
+checkpoint and CLI export that several test folders read (built once per session: `mini_cli_export`).
 
 `torch.empty`, `torch.empty_like` and `Tensor.new_empty` return NaN-filled floating tensors during
 tests, so code that reads memory it never wrote fails loudly instead of passing by luck (FLA conftest).
@@ -11,6 +12,7 @@ import functools
 import os
 import random
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -60,3 +62,28 @@ def _seed():
     np.random.seed(0)
     torch.manual_seed(0)
     yield
+
+
+@dataclass(frozen=True)
+class CliExport:
+    checkpoint: Path  # `k3x init-checkpoint --preset k3-mini` (seed 0, with a tokenizer)
+    export: Path  # `k3x export --checkpoint <it> --target pt2 --target onnx` (+ genai, tokenizer)
+    output: str  # what that export printed
+
+
+@pytest.fixture(scope="session")
+def mini_cli_export(tmp_path_factory) -> CliExport:
+    """One k3-mini checkpoint and its pt2 + ONNX export, made through the CLI as a user would, shared by
+    every test that only reads them (tests that change files copy them first: tests/hostile/conftest.py)."""
+    from typer.testing import CliRunner
+
+    from k3x.cli import app
+
+    root = tmp_path_factory.mktemp("mini-cli")
+    cli = CliRunner()
+    r = cli.invoke(app, ["init-checkpoint", "--preset", "k3-mini", "--out", str(root / "ckpt")])
+    assert r.exit_code == 0, r.output
+    r = cli.invoke(app, ["export", "--checkpoint", str(root / "ckpt"), "--target", "pt2", "--target", "onnx",
+                         "--out", str(root / "export")])
+    assert r.exit_code == 0, r.output
+    return CliExport(root / "ckpt", root / "export", r.output)

@@ -75,9 +75,18 @@ def private_imports(path: Path, root: Path) -> list[tuple[int, str, str]]:
 
 def package_cycles(edges: list[tuple[str, int, str]]) -> list[list[str]]:
     """Groups of two or more packages that import each other (strongly connected components)."""
+    return _cycles([(package(mod), package(target)) for mod, _, target in edges])
+
+
+def module_cycles(edges: list[tuple[str, int, str]]) -> list[list[str]]:
+    """Groups of two or more modules that import each other, function-level imports included (an import
+    inside a function that closes a circle only hides it until the function runs)."""
+    return _cycles([(mod, target) for mod, _, target in edges])
+
+
+def _cycles(pairs: list[tuple[str, str]]) -> list[list[str]]:
     graph: dict[str, set[str]] = {}
-    for mod, _, target in edges:
-        a, b = package(mod), package(target)
+    for a, b in pairs:
         if a != b:
             graph.setdefault(a, set()).add(b)
             graph.setdefault(b, set())

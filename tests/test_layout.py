@@ -10,7 +10,7 @@ import ast
 import re
 from pathlib import Path
 
-from import_graph import PACKAGE_ORDER, layer, package_cycles, private_imports, project_imports
+from import_graph import PACKAGE_ORDER, layer, module_cycles, package_cycles, private_imports, project_imports
 
 import pytest
 
@@ -122,6 +122,15 @@ def test_no_import_cycle_across_packages():
     assert not cycles, "packages importing each other: " + "; ".join(" <-> ".join(c) for c in cycles)
 
 
+def test_no_import_circle_between_modules():
+    """No two project modules import each other, directly or around a loop, at module top or inside a
+    function: what two modules share lives in a third below both (runtime/base.py, folder/schema.py,
+    export/options.py, custom_ops/<family>/limits.py). A heavy library imported lazily (triton, onnxruntime,
+    tensorrt) is not a project module and so never forms a circle."""
+    cycles = module_cycles([edge for p in sources() for edge in project_imports(p, ROOT)])
+    assert not cycles, "modules importing each other: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
 def test_no_private_name_imported_from_another_module():
     """`from x import _name` couples a file to another file's internals: make the name public in its owner
     (or move the code there). Tests are excluded."""
@@ -143,3 +152,7 @@ def test_the_import_guards_see_a_violation(tmp_path):
     assert private_imports(probe, tmp_path) == [(2, "k3x.runtime.runners", "_artifact")]
     assert package_cycles([("k3x.model.a", 1, "k3x.runtime.b"), ("k3x.runtime.b", 1, "k3x.model.c")]) == [
         ["model", "runtime"]]
+    loop = [("k3x.runtime.a", 1, "k3x.runtime.b"), ("k3x.runtime.b", 3, "k3x.runtime.c"),
+            ("k3x.runtime.c", 9, "k3x.runtime.a"), ("k3x.runtime.c", 2, "k3x.folder.d")]
+    assert module_cycles(loop) == [["k3x.runtime.a", "k3x.runtime.b", "k3x.runtime.c"]]
+    assert package_cycles(loop) == []

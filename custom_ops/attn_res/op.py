@@ -12,9 +12,7 @@ from torch import Tensor
 from ...plan.kernels import Kernels, require_kernels
 from ...plan.signature import KERNELS, Attr, Signature, TensorPort
 from . import reference
-
-
-KERNEL_MAX_BANK = 15  # bank entries N the Triton kernel (and so the TensorRT plugin) holds on chip
+from .limits import KERNEL_MAX_BANK
 
 
 def check_config(cfg, *, kernels: bool) -> str | None:

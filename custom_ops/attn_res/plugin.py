@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from ...trt.core import PluginSpec, dims_match
 from . import triton as kt
-from .op import KERNEL_MAX_BANK, SIGNATURE
+from .limits import KERNEL_MAX_BANK
+from .op import SIGNATURE
 
 
 def check(shapes, attrs: dict) -> str | None:

@@ -24,7 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ...plan.launch import Launch, Plan, Variant, run
-from .op import KERNEL_MAX_BANK
+from .limits import KERNEL_MAX_BANK
 
 
 @triton.jit

@@ -19,10 +19,7 @@ from torch import Tensor
 from ...plan.kernels import Kernels, require_kernels
 from ...plan.signature import KERNELS, Attr, Signature, TensorPort
 from . import reference
-
-
-# head dims the Triton kernels (and so the TensorRT plugin) support; the reference takes any up to the max
-KERNEL_HEAD_DIM = (16, 256)
+from .limits import KERNEL_HEAD_DIM
 
 
 def check_config(cfg, *, kernels: bool) -> str | None:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from ...trt.core import PluginSpec, dims_match
 from . import triton as kt
-from .op import KERNEL_HEAD_DIM, SIGNATURE
+from .limits import KERNEL_HEAD_DIM
+from .op import SIGNATURE
 
 
 def check(shapes, attrs: dict) -> str | None:

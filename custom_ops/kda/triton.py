@@ -54,7 +54,7 @@ from torch import Tensor
 
 from ...plan.dtypes import dtype_name
 from ...plan.launch import SM90_SMS, Buffer, Launch, Plan, Variant, cdiv, ctas_per_sm, run
-from .op import KERNEL_HEAD_DIM
+from .limits import KERNEL_HEAD_DIM
 
 BT = 64  # chunk size
 BC = 16  # sub-chunk size

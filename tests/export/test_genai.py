@@ -29,15 +29,12 @@ PROMPT = [int(x) for x in torch.randint(4, 500, (70,), generator=torch.Generator
 
 
 @pytest.fixture(scope="module")
-def export_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("genai")
-    r = cli.invoke(app, ["init-checkpoint", "--out", str(root / "ckpt"), "--seed", "2"])
-    assert r.exit_code == 0, r.output
-    r = cli.invoke(app, ["export", "--checkpoint", str(root / "ckpt"), "--target", "onnx", "--out", str(root / "out")])
-    assert r.exit_code == 0, r.output
+def export_dir(mini_cli_export):
+    """The session's CLI export of k3-mini (tests/conftest.py): read only here."""
+    out, printed = mini_cli_export.export, mini_cli_export.output
     # every path printed is the final one, never the staging folder the export was built in
-    assert f"genai: {root / 'out' / 'genai_config.json'}" in r.output and "k3x-tmp" not in r.output, r.output
-    return root / "out"
+    assert f"genai: {out / 'genai_config.json'}" in printed and "k3x-tmp" not in printed, printed
+    return out
 
 
 def og_greedy(folder, prompt: list[int], new: int) -> list[int]:

@@ -1,5 +1,6 @@
-"""Fixtures of the hostile-input suite: one k3-mini checkpoint and one pt2 + ONNX export per session
-(about 20 s on two cores), copied per test so each test may tamper with its own folder."""
+"""Fixtures of the hostile-input suite: the session's k3-mini checkpoint and pt2 + ONNX export
+(tests/conftest.py `mini_cli_export`, about 20 s on two cores, shared with other test folders), copied per
+test so each test may tamper with its own folder."""
 
 from __future__ import annotations
 
@@ -7,17 +8,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-from hostile_util import k3x
 
 
 @pytest.fixture(scope="session")
-def built(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("hostile")
-    code, out = k3x("init-checkpoint", "--preset", "k3-mini", "--out", root / "ckpt")
-    assert code == 0, out
-    code, out = k3x("export", "--checkpoint", root / "ckpt", "--target", "pt2", "--target", "onnx",
-                    "--out", root / "export")
-    assert code == 0, out
+def built(mini_cli_export) -> Path:
+    """The folder holding `ckpt/` and `export/` (read only: tests copy them, or export from `ckpt`)."""
+    root = mini_cli_export.export.parent
+    assert mini_cli_export.checkpoint == root / "ckpt"
     return root
 
 

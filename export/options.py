@@ -1,0 +1,134 @@
+"""What `k3x export` is asked for and what it resolves to, apart from the stages that do it
+(export/pipeline.py) so that both writers — one program (pipeline.write_program) and one program per rank
+(export/ranks.write_ranks) — take the same job without importing each other. Torch-free at import: the CLI
+imports it for its option types.
+
+- `ExportOptions`: the request (targets, source, dtype, kernels, expert format, cache, parallel plan), checked
+  on construction (ConfigError naming the flag); `TARGET_STAGES`: what each `--target` runs.
+- `ExportJob`: the options resolved once (architecture, `ModelOptions`, plan, dtype, checkpoint hash).
+- `timed_step` / `Timed`: one step of the export, timed and reported to the caller's progress callback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..model.config import K3Config
+    from ..model.options import ModelOptions
+    from ..model.parallel import ParallelPlan
+
+Progress = Callable[[str, "float | None"], None]  # (stage, None) when it starts, (stage, seconds) when done
+
+
+class Target(str, Enum):
+    PT2 = "pt2"
+    ONNX = "onnx"
+    AOTI = "aoti"
+    ALL = "all"
+
+
+class DType(str, Enum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+
+class KernelChoice(str, Enum):  # the values of plan.kernels.Kernels, importable without torch
+    REFERENCE = "reference"
+    TRITON = "triton"
+
+
+class ExpertFormat(str, Enum):  # model.options.BuildOptions.expert_format
+    DENSE = "dense"
+    MXFP4 = "mxfp4"
+
+
+def config_error(message: str) -> Exception:
+    from ..model.config import ConfigError
+
+    return ConfigError(message)
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    targets: tuple[Target, ...]  # several targets share the one trace and the one manifest
+    out_dir: Path
+    preset: str | None = None  # exactly one of preset / checkpoint
+    checkpoint: Path | None = None
+    weights: bool = True  # False: trace on the meta device, nothing allocated
+    dtype: DType = DType.FP32
+    seed: int = 0  # random init of a preset with weights
+    kernels: KernelChoice = KernelChoice.REFERENCE  # k3 custom-op implementation in the traced program
+    expert_format: ExpertFormat | None = None  # routed experts: None = as the checkpoint stores them (presets: dense)
+    max_context: int | None = None  # static MLA latent cache of this many positions (model/state.py); None = growing
+    tp: int = 1  # the parallel plan (model/parallel.ParallelPlan): tp x ep rank programs; 1 x 1 = one program
+    ep: int = 1
+    serving: bool = False  # trace the serving step (packed sequences, state pools: export/serving.py)
+    block_size: int = 16  # serving: positions per MLA latent block (fixed in the program)
+
+    def __post_init__(self) -> None:
+        if (self.preset is None) == (self.checkpoint is None):
+            raise config_error("export: give exactly one of --preset or --checkpoint")
+        if not self.targets:
+            raise config_error("export: give at least one --target")
+        if self.serving and (self.max_context is not None or "aoti" in self.stages() or self.block_size < 1):
+            raise config_error("--serving: targets pt2 and onnx, no --max-context (the pools replace it), "
+                               f"--block-size >= 1 (got {self.block_size})")
+        if "aoti" in self.stages() and not self.weights:
+            raise config_error("--no-weights: target 'aoti' embeds the weights in the package; drop --no-weights "
+                                "or export --target pt2 --target onnx")
+        if self.tp * self.ep > 1 and not set(self.stages()) <= {"pt2", "onnx"}:
+            raise config_error(f"--tp/--ep: rank programs are written for --target pt2 and onnx only "
+                                f"(got {list(self.stages())})")
+        if self.tp * self.ep > 1 and (self.max_context is not None or self.serving):
+            raise config_error(f"--{'serving' if self.serving else 'max-context'}: not available for rank programs "
+                               "(--tp/--ep > 1)")
+
+    def plan(self) -> ParallelPlan:
+        from ..model.parallel import ParallelPlan
+
+        return ParallelPlan(self.tp, self.ep)
+
+    def stages(self) -> tuple[str, ...]:
+        """The stage names of every target, in order, each once."""
+        return tuple(dict.fromkeys(s for t in self.targets for s in TARGET_STAGES[Target(t)]))
+
+
+# what each --target runs, in order, after the one trace, in order, after the one trace
+TARGET_STAGES: dict[Target, tuple[str, ...]] = {
+    Target.PT2: ("pt2",),
+    Target.ONNX: ("onnx",),
+    Target.AOTI: ("aoti",),
+    Target.ALL: ("pt2", "onnx", "aoti"),
+}
+
+
+@contextlib.contextmanager
+def timed_step(name: str, progress: Progress, timings: dict[str, float]) -> Iterator[None]:
+    progress(name, None)
+    t = time.perf_counter()
+    yield
+    timings[name] = time.perf_counter() - t
+    progress(name, timings[name])
+
+
+Timed = Callable[[str], "contextlib.AbstractContextManager[None]"]
+
+
+@dataclass(frozen=True)
+class ExportJob:
+    """What an export writes, resolved once from `ExportOptions` before anything is built."""
+    options: ExportOptions
+    cfg: K3Config  # the architecture
+    model: ModelOptions  # kernels, expert format, cache: recorded in the manifest's `options` entry
+    plan: ParallelPlan
+    dtype: torch.dtype
+    checkpoint_hash: str | None
+    stream: bool  # pt2 / ONNX from a checkpoint: traced on meta, weights streamed into each artifact
