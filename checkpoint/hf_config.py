@@ -257,3 +257,14 @@ def config_to_hf(cfg: K3Config) -> dict[str, Any]:
         raise ConfigError(f"mlp_types={cfg.mlp_types}: not expressible as first_k_dense_replace + moe_layer_freq=1")
     return {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
             "_name_or_path": cfg.name, "tie_word_embeddings": cfg.tie_word_embeddings, "text_config": text}
+
+
+def config_of(preset_name: str | None, checkpoint: Path | None) -> K3Config:
+    """The config of exactly one of a preset name or a checkpoint folder (its config.json). ConfigError /
+    CheckpointError (one line) otherwise."""
+    from ..model.config import preset
+    from .files import checkpoint_file
+
+    if (preset_name is None) == (checkpoint is None):
+        raise ConfigError("give exactly one of --preset NAME or --checkpoint DIR")
+    return preset(preset_name) if preset_name else config_from_hf(checkpoint_file(checkpoint, "config.json"))

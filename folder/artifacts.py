@@ -62,6 +62,11 @@ _DISTRIBUTIONS = {"torch": ("torch",), "triton": ("triton",), "onnx": ("onnx",),
                   "onnxruntime": ("onnxruntime", "onnxruntime-gpu"), "k3x": ("k3x",)}
 
 
+# the command that writes each artifact into a folder (named in "no such artifact" errors)
+MAKES = {"pt2": "k3x export --target pt2", "onnx": "k3x export --target onnx", "aoti": "k3x export --target aoti",
+         "trt": "k3x build-engine DIR (after k3x export --target onnx)"}
+
+
 class ManifestError(RuntimeError):
     """A manifest is missing, unreadable or lacks what was asked of it; the message names the file."""
 
@@ -267,8 +272,9 @@ class ExportFolder:
         try:
             entry = self.manifest["artifacts"][name]
         except KeyError:
-            have = sorted(self.manifest["artifacts"])
-            raise ManifestError(f"{self.path / MANIFEST}: no artifact {name!r} (have {have})") from None
+            have = ", ".join(sorted(self.manifest["artifacts"])) or "none"
+            raise ManifestError(f"{self.path}: no {name} artifact (it has: {have}); make it with "
+                                f"`{MAKES.get(name, 'k3x export')}`") from None
         from .trust import confined
 
         return [confined(self.path, f["path"]) for f in entry["files"]]
