@@ -394,4 +394,3 @@ def checkpoint_hash(path: str | Path) -> str:
         h.update(str(f.relative_to(path)).encode())
         sha256(f, h=h)
     return h.hexdigest()[:16]
-
