@@ -162,3 +162,6 @@ PromptSeed = Annotated[int, typer.Option("--seed", help="Seed of the random prom
 ReferenceCheckpoint = Annotated[Optional[Path], typer.Option("--checkpoint", callback=must_exist, help="Eager "
                                                              "reference checkpoint (default: the export's).")]
 JsonReport = Annotated[Optional[Path], typer.Option("--json", help="Also write the report as JSON.")]
+
+# serving (many prompts through one runtime, e.g. `run --prompts FILE`): its flag types go here, its commands in
+# a group module of their own (cli/serve.py, imported in cli/__init__.py)
