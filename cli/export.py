@@ -4,7 +4,6 @@ manifest.json, for any rank count) and `build-engine` (model.engine from the trt
 from __future__ import annotations
 
 import errno
-from pathlib import Path
 
 import typer
 
