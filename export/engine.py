@@ -43,8 +43,7 @@ ENGINE_FILE, ENGINE_META, TIMING_CACHE, ONNX_FILE = "model.engine", "model.engin
 RUNTIMES = {  # runtime -> (import names, pip packages)
     "trt": (("tensorrt",), "tensorrt-cu13 (TensorRT 11; the libs come from NVIDIA's package index)"),
     "trt-rtx": (("tensorrt_rtx", "tensorrt_rtx_bindings"),
-                "tensorrt-rtx-cu13-bindings==1.7.1.116 tensorrt-rtx-cu13-libs==1.7.1.116 "
-                "(then scripts/setup_trt_rtx.sh for LD_LIBRARY_PATH)"),
+                "the trt-rtx extra: pip install -e '.[trt-rtx]' (k3x build-engine finds its libraries itself)"),
 }
 DEFAULT_SM = {"trt": 90, "trt-rtx": 89}
 

@@ -63,6 +63,11 @@ _DISTRIBUTIONS = {"torch": ("torch",), "triton": ("triton",), "onnx": ("onnx",),
                   "onnxruntime": ("onnxruntime", "onnxruntime-gpu"), "k3x": ("k3x",)}
 
 
+# the command that writes each artifact into a folder (named in "no such artifact" errors)
+MAKES = {"pt2": "k3x export --target pt2", "onnx": "k3x export --target onnx", "aoti": "k3x export --target aoti",
+         "trt": "k3x build-engine DIR (after k3x export --target onnx)"}
+
+
 def package_versions() -> dict[str, str | None]:
     """Installed versions by distribution metadata (nothing is imported)."""
     out: dict[str, str | None] = {}
@@ -265,8 +270,9 @@ class ExportFolder:
         try:
             entry = self.manifest["artifacts"][name]
         except KeyError:
-            have = sorted(self.manifest["artifacts"])
-            raise ManifestError(f"{self.path / MANIFEST}: no artifact {name!r} (have {have})") from None
+            have = ", ".join(sorted(self.manifest["artifacts"])) or "none"
+            raise ManifestError(f"{self.path}: no {name} artifact (it has: {have}); make it with "
+                                f"`{MAKES.get(name, 'k3x export')}`") from None
         return [trust.confined(self.path, f["path"]) for f in entry["files"]]
 
     def checked_files(self, name: str, *, check_hash: bool = True) -> list[Path]:

@@ -125,6 +125,11 @@ class WholeStateRunner:
         return {"logits": out["logits"], **{s.output_name: t for s, t in zip(self.specs, merged)}}
 
 
+def omp_threads(world: int) -> int:
+    """OpenMP threads per rank when k3x starts `world` ranks on this machine: the cores shared out."""
+    return max(1, (os.cpu_count() or 1) // world)
+
+
 def spawn(world: int, argv: list[str]) -> None:
     """Run `python -m k3x <argv>` in `world` processes through torch.distributed.run (standalone rendezvous).
     Raises RunnerError naming the failed rank."""
@@ -133,6 +138,9 @@ def spawn(world: int, argv: list[str]) -> None:
 
     args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={world}", "--max-restarts=0",
                                          "--module", "k3x", *argv])
+    # the ranks share this machine's cores; set here, torch.distributed.run does not print its OMP_NUM_THREADS
+    # banner (written for torchrun users) to someone who never ran torchrun
+    os.environ.setdefault("OMP_NUM_THREADS", str(omp_threads(world)))
     try:
         run(args)
     except ChildFailedError as e:

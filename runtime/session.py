@@ -162,6 +162,12 @@ class Verdict:
     def ok(self) -> bool:
         return self.report.ok and (self.greedy is None or self.greedy["identical"])
 
+    def greedy_line(self, tokens: int) -> str:
+        """Rank programs: whether the greedy tokens match the reference's."""
+        g = self.greedy or {}
+        return f"greedy tokens ({tokens}): " + ("identical" if g.get("identical") else
+                                                 f"DIFFER {g.get('got')} != {g.get('tokens')}")
+
     def to_json(self, s: Session, backends: list[str]) -> dict[str, Any]:
         out = self.report.to_json()
         if self.greedy is not None:

@@ -60,13 +60,15 @@ class VerifyReport:
 
     def table(self) -> str:
         atol, rtol = tol(self.dtype).values()
+        b = max([len("backend"), *(len(s.backend) for s in self.steps)])  # columns sized to their content
+        o = max([len("worst output"), *(len(s.worst.name) for s in self.steps)])
         lines = [f"parity vs eager reference ({str(self.dtype).removeprefix('torch.')}: atol {atol:g}, rtol {rtol:g})",
-                 f"{'backend':<8} {'step':<9} {'max_abs':>10} {'rel':>10}  {'worst output':<28} status"]
+                 f"{'backend':<{b}} {'step':<9} {'max_abs':>10} {'rel':>10}  {'worst output':<{o}} status"]
         for s in self.steps:
             w = s.worst
             step = "prefill" if s.step == 0 else f"decode {s.step}"
             status = "ok" if s.ok else "FAIL" + (f" ({w.problem})" if w.problem else "")
-            lines.append(f"{s.backend:<8} {step:<9} {w.max_abs:>10.3g} {w.rel:>10.3g}  {w.name:<28} {status}")
+            lines.append(f"{s.backend:<{b}} {step:<9} {w.max_abs:>10.3g} {w.rel:>10.3g}  {w.name:<{o}} {status}")
         lines.append("PASS" if self.ok else "FAIL")
         return "\n".join(lines)
 

@@ -7,12 +7,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-# bottom first: a module may import its own package or one listed before it. The top-level cli*.py files and
-# __main__ form the CLI layers (cli_*.py helpers below cli.py). "" is the root package (__version__ only).
+# bottom first: a module may import its own package or one listed before it. The cli/ package and __main__
+# are the top. "" is the root package (__version__ only).
 PACKAGE_ORDER: tuple[tuple[str, ...], ...] = (
     ("", "fileio"), ("plan",), ("trt",), ("custom_ops",), ("model",), ("text",), ("checkpoint",), ("folder",),
-    ("export",), ("runtime",), ("bench",), ("cli_support", "cli_runner", "cli_decode", "cli_parallel", "cli_serve"),
-    ("cli", "__main__"),
+    ("export",), ("runtime",), ("bench",), ("cli", "__main__"),
 )
 
 

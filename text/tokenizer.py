@@ -57,7 +57,7 @@ class TokenizerError(ValueError):
 
 class _Backend(Protocol):
     def encode(self, text: str) -> list[int]: ...
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int], skip_special: bool = False) -> str: ...
     def token_id(self, token: str) -> int | None: ...
 
 
@@ -119,8 +119,8 @@ class _HfTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=False)
+    def decode(self, ids: list[int], skip_special: bool = False) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special)
 
     def token_id(self, token: str) -> int | None:
         return self.tok.token_to_id(token)
@@ -135,14 +135,15 @@ class _TiktokenTokenizer:
                                  "(pip install tiktoken)") from None
         ranks = _tiktoken_ranks(path)
         special = _added_tokens(config, path.with_name("tokenizer_config.json"), set(ranks.values()))
+        self.special = set(special.values())
         self.enc = tiktoken.Encoding(name=path.parent.name, pat_str=KIMI_PATTERN, mergeable_ranks=ranks,
                                      special_tokens=special)
 
     def encode(self, text: str) -> list[int]:
         return self.enc.encode(text, allowed_special="all")
 
-    def decode(self, ids: list[int]) -> str:
-        return self.enc.decode(ids)
+    def decode(self, ids: list[int], skip_special: bool = False) -> str:
+        return self.enc.decode([i for i in ids if not (skip_special and i in self.special)])
 
     def token_id(self, token: str) -> int | None:
         try:
@@ -194,7 +195,10 @@ def _added_tokens(config: dict[str, Any], where: Path, ranks: set[int]) -> dict[
 
 @dataclass
 class TextStream:
-    """Incremental decoding: `push(id)` returns the text the new id completes (maybe "")."""
+    """Incremental decoding for people: `push(id)` returns the text the new id completes (maybe ""). Special
+    tokens (`<|eos|>`, `<|assistant|>`, ...) are not text and are left out; a UTF-8 sequence split across
+    tokens is held back until it completes, and one still incomplete when decoding stops is dropped by
+    `flush` (never printed as U+FFFD)."""
 
     tokenizer: Tokenizer
     ids: list[int] = field(default_factory=list)
@@ -202,16 +206,17 @@ class TextStream:
 
     def push(self, token: int) -> str:
         self.ids.append(int(token))
-        text = self.tokenizer.decode(self.ids)
+        text = self.tokenizer.decode(self.ids, skip_special=True)
         if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
             return ""
         new, self.emitted = text[self.emitted:], len(text)
         return new
 
     def flush(self) -> str:
-        """Whatever is still held back (an incomplete UTF-8 sequence at the very end, as replacement text)."""
-        text = self.tokenizer.decode(self.ids)
-        new, self.emitted = text[self.emitted:], len(text)
+        """Whatever is still held back, less an incomplete UTF-8 sequence at the very end (the decode stopped
+        inside a character: there is no character to show)."""
+        text = self.tokenizer.decode(self.ids, skip_special=True).rstrip("\ufffd")
+        new, self.emitted = text[self.emitted:], max(len(text), self.emitted)
         return new
 
 
@@ -226,9 +231,10 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text)
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special: bool = False) -> str:
+        """The text of `ids`; `skip_special`: without special tokens (what a person reads)."""
         try:
-            return self.backend.decode([int(i) for i in ids])
+            return self.backend.decode([int(i) for i in ids], skip_special)
         except KeyError as e:  # tiktoken: an id it has no token for
             raise TokenizerError(f"{self.folder}: the tokenizer has no token {e.args[0].split()[-1]} (does it "
                                  "belong to this model?)") from None

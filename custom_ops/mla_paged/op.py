@@ -20,9 +20,9 @@ from torch import Tensor
 from ...plan.kernels import Kernels, require_kernels
 from ...plan.signature import KERNELS, Attr, Signature, TensorPort
 from . import reference
+from .limits import KERNEL_MAX_LATENT
 
 
-KERNEL_MAX_LATENT = 1024  # C + R the Triton kernels (and so the TensorRT plugin) hold on chip per row
 
 
 def check_config(cfg, *, kernels: bool) -> str | None:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from ...trt.core import PluginSpec, dims_match
 from . import triton as kt
-from .op import KERNEL_MAX_LATENT, SIGNATURE
+from .limits import KERNEL_MAX_LATENT
+from .op import SIGNATURE
 
 
 def check(shapes, attrs: dict) -> str | None:

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from ...plan.dtypes import dtype_name
 from ...plan.launch import Buffer, Launch, Plan, Variant, cdiv, run
-from .op import KERNEL_MAX_LATENT
+from .limits import KERNEL_MAX_LATENT
 
 LOG2E = 1.4426950408889634
 

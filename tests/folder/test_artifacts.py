@@ -101,7 +101,7 @@ def test_export_folder_reads_back_config_dtype_checkpoint(folder, tmp_path):
     d = ExportFolder.open(folder)
     assert d.config() == preset("k3-mini")
     assert d.dtype() is torch.bfloat16 and d.checkpoint() == (tmp_path / "ckpt").resolve()
-    with pytest.raises(ManifestError, match="no artifact 'onnx'"):
+    with pytest.raises(ManifestError, match=r"no onnx artifact \(it has: .*\); make it with `k3x export --target onnx`"):
         d.artifact("onnx")
     with pytest.raises(ManifestError, match="no manifest"):
         ExportFolder.open(tmp_path / "nowhere")

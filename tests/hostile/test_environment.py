@@ -35,3 +35,17 @@ def test_build_engine_trt_rtx_in_a_fresh_shell(export_dir):
                         "--runtime", "trt-rtx", "--sm", "89"], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, (r.returncode, r.stderr[-800:])
     assert (export_dir / "model.engine").stat().st_size > 0
+
+
+def test_missing_trt_rtx_names_the_pip_extra(monkeypatch):
+    import importlib.util
+
+    from k3x.export import engine
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "tensorrt_rtx_libs" else real(n, *a))
+    for name in ("tensorrt_rtx", "tensorrt_rtx_bindings"):
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    with pytest.raises(engine.EngineBuildError) as e:
+        engine.import_trt("trt-rtx")
+    assert "pip install -e '.[trt-rtx]'" in str(e.value) and "setup_trt_rtx" not in str(e.value)

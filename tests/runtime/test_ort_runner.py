@@ -111,7 +111,7 @@ def test_seeded_sampling_is_the_same_on_ort_and_eager():
 def test_run_rejects_a_folder_that_is_not_an_export(tmp_path):
     res = cli.invoke(app, ["run", str(tmp_path), "--backend", "ort"])
     assert res.exit_code == 1
-    assert "not a k3x export folder" in res.output and str(tmp_path) in res.output
+    assert "no manifest (run `k3x export` into this folder first)" in res.output and str(tmp_path) in res.output
 
 
 def test_a_model_whose_inputs_do_not_match_the_export_is_named(tmp_path):

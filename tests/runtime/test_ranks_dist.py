@@ -202,3 +202,15 @@ def test_rank_trt_onnx_builds_with_collective_plugins(tp2ep2, tmp_path):
     blob = (rank / "model.engine").read_bytes()
     for needle in (b"AllReduce", b"AllGather", b"k3x_tp", b"k3x_ep", b"group_size"):
         assert needle in blob, needle  # the plugin layers and their serialised fields
+
+
+def test_spawned_ranks_get_omp_threads_so_no_torchrun_banner(monkeypatch):
+    import torch.distributed.run as launcher
+
+    from k3x.runtime import dist_run
+
+    seen = {}
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(launcher, "run", lambda args: seen.setdefault("omp", os.environ.get("OMP_NUM_THREADS")))
+    dist_run.spawn(2, ["run", "x"])
+    assert seen["omp"] == str(dist_run.omp_threads(2)) and int(seen["omp"]) >= 1

@@ -84,7 +84,7 @@ def test_compare_flags_shape_and_nonfinite():
 
 def test_verify_rejects_a_folder_that_is_not_an_export(tmp_path):
     res = cli.invoke(app, ["verify", str(tmp_path)])
-    assert res.exit_code == 1 and "not a k3x export folder" in res.output
+    assert res.exit_code == 1 and "no manifest (run `k3x export` into this folder first)" in res.output
 
 
 def test_verify_rejects_an_unknown_backend():

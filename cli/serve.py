@@ -1,5 +1,5 @@
-"""The serving side of the k3x CLI: `k3x run EXPORT --prompts FILE` (continuous batching over a serving export)
-and the pool memory `k3x inspect --context N --sequences S` prints.
+"""The serving side of the k3x CLI (helpers of `run` and `inspect`): `k3x run EXPORT --prompts FILE`
+(continuous batching over a serving export) and the pool memory `k3x inspect --context N --sequences S` prints.
 
 - FILE holds one prompt per line: token ids (`1,2,3`) or text (through the folder's tokenizer); line i is
   record i of `--json OUT` (input order), whatever order the sequences finished in.
@@ -11,31 +11,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Optional
 
-import typer
+from .console import echo, fail, one_line
 
-PromptsFile = Annotated[Optional[Path], typer.Option(
-    "--prompts", help="Serving export: a file of prompts, one a line (text, or ids as 1,2,3), served together "
-                      "by continuous batching.")]
-MaxSequences = Annotated[int, typer.Option(min=1, help="Serving: sequences in flight (state slots).")]
-CacheBlocks = Annotated[Optional[int], typer.Option(
-    min=1, help="Serving: MLA latent cache blocks (default: enough for --max-sequences of the longest requests).")]
-MaxStepTokens = Annotated[int, typer.Option(min=1, help="Serving: tokens per step; longer prompts are prefilled "
-                                                        "in chunks.")]
-JsonOut = Annotated[Optional[Path], typer.Option("--json", help="Serving: write one record per prompt (input "
-                                                                "order: tokens and text) to this file.")]
-Sequences = Annotated[Optional[int], typer.Option(
-    min=1, help="Serving pools: the memory of this many sequences of --context positions (bf16 latents, block 16).")]
-Serving = Annotated[bool, typer.Option("--serving", help="Trace the serving step (packed sequences, state pools, "
-                                                         "continuous batching) instead of the batch interface.")]
-BlockSize = Annotated[int, typer.Option(min=1, help="--serving: positions per MLA latent block.")]
 _IDS = re.compile(r"\s*\d+(\s*,\s*\d+)*\s*")
 
 
 def read_prompts(path: Path, tokenizer, vocab_size: int) -> list[list[int]]:
-    from .cli_support import fail
-
     try:
         lines = Path(path).read_text().splitlines()
     except (OSError, UnicodeDecodeError) as e:
@@ -64,18 +46,18 @@ def run_prompts(export_dir: Path, prompts: list[list[int]] | Path, prepared, bac
     `limits`: --max-sequences, --cache-blocks, --max-step-tokens."""
     import json
 
-    from .cli_support import export_folder, fail, one_line
-    from .runtime.runners import RunnerError, serving_entry
-    from .runtime.serve import ServeOptions, serve, serving_runner
+    from ..folder.artifacts import ExportFolder
+    from ..runtime.runners import RunnerError, serving_entry
+    from ..runtime.serve import ServeOptions, serve, serving_runner
 
-    folder = export_folder(export_dir)
+    folder = ExportFolder.open(export_dir)
     cfg, tok = folder.config(), prepared.tokenizer
     if isinstance(prompts, Path):
         prompts = read_prompts(prompts, tok, cfg.vocab_size)
     try:
-        block = int(serving_entry(export_dir)["block_size"])
+        block = int(serving_entry(folder)["block_size"])
         options = ServeOptions(limits[0], limits[1], block, limits[2])
-        runner = serving_runner(backend, export_dir, runner_options)
+        runner = serving_runner(backend, folder, runner_options)
         records = serve(runner, cfg, prompts, prepared.options, options, dtype=folder.dtype())
     except (RunnerError, ValueError) as e:
         fail(str(e))
@@ -84,17 +66,17 @@ def run_prompts(export_dir: Path, prompts: list[list[int]] | Path, prepared, bac
     out = [{"index": r.index, "prompt_tokens": len(r.prompt), "tokens": r.tokens,
             **({"text": tok.decode(r.tokens)} if tok is not None else {})} for r in records]
     for rec in out:
-        typer.echo(f"[{rec['index']}] tokens: " + ",".join(map(str, rec["tokens"]))
+        echo(f"[{rec['index']}] tokens: " + ",".join(map(str, rec["tokens"]))
                    + (f"  {rec['text']!r}" if "text" in rec else ""))
     if json_out is not None:
-        from .folder.artifacts import atomic_write_bytes
+        from ..folder.artifacts import atomic_write_bytes
 
         atomic_write_bytes(json_out, (json.dumps(out, indent=1) + "\n").encode())
 
 
 def print_pools(cfg, context: int, sequences: int, block_size: int = 16) -> None:
     """`k3x inspect --context N --sequences S`: pool memory of a serving deployment (bf16 latents)."""
-    from .model.state import pool_bytes
-    from .model.summary import format_pools
+    from ..model.state import pool_bytes
+    from ..model.summary import format_pools
 
-    typer.echo(format_pools(pool_bytes(cfg, context, sequences, block_size)))
+    echo(format_pools(pool_bytes(cfg, context, sequences, block_size)))

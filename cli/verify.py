@@ -1,0 +1,50 @@
+"""`k3x verify`: parity of every backend of an export against the eager reference over a prefill and decode
+steps (any rank count); prints the table, optionally writes it as JSON, exits 1 on any failure."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import typer
+
+from .app import app
+from .console import echo, fail, one_line
+from .options import Backends, Batch, CudaGraph, ExportDir, JsonReport, OrtProvider, PromptLen, PromptSeed, \
+    Provider, ReferenceCheckpoint, SkipHashCheck, Steps
+from .run import close_session, open_session, runner_options
+
+
+@app.command()
+def verify(export_dir: ExportDir, backends: Backends = "", steps: Steps = 8, prompt_len: PromptLen = 7,
+           batch: Batch = 1, seed: PromptSeed = 0, checkpoint: ReferenceCheckpoint = None,
+           provider: OrtProvider = Provider.AUTO, json_out: JsonReport = None, skip_hash_check: SkipHashCheck = False,
+           cuda_graph: CudaGraph = False) -> None:
+    """Parity of every backend vs the eager reference over prefill + decode steps; exit 1 on any failure."""
+    from ..folder.artifacts import ExportFolder, atomic_write_bytes
+    from ..runtime import session as sessions
+    from ..runtime.runners import RunnerError, make_runner
+
+    ExportFolder.open(export_dir).config()  # a k3x export whose config builds
+    options = runner_options(provider, skip_hash_check, checkpoint, cuda_graph)
+    s = open_session(export_dir, [b.strip() for b in backends.split(",") if b.strip()], options)
+    names = list(s.runners)
+    if not names:
+        fail(f"{export_dir}: no runnable artifact (exported with --no-weights?); name runners with --backends")
+    try:
+        sessions.check(s, batch=batch, prompt_len=prompt_len, new_tokens=steps + 1, backends=["eager"] + names)
+        reference = make_runner("eager", export_dir, dataclasses.replace(options, device="cpu", cuda_graph=False))
+        verdict = sessions.verify_session(s, reference, names, steps=steps, batch=batch, prompt_len=prompt_len,
+                                          seed=seed)
+    except RunnerError as e:
+        fail(f"{s.who}{e}")
+    except Exception as e:  # noqa: BLE001 - e.g. the eager reference failing: one line, no traceback
+        fail(f"{s.who or 'verify: '}{one_line(e)}")
+    if s.speaks:
+        echo("\n".join([f"{r.name}: provider {r.provider}" for r in s.runners.values() if hasattr(r, "provider")]
+                       + [verdict.report.table()] + ([verdict.greedy_line(steps + 1)] if verdict.greedy else [])))
+        if json_out:
+            atomic_write_bytes(json_out, (json.dumps(verdict.to_json(s, names), indent=2) + "\n").encode())
+    close_session(s)
+    if not verdict.ok:
+        raise typer.Exit(code=1)
