@@ -79,7 +79,7 @@ def test_k3_mini_engine_builds_with_plugins(k3_mini_export):
     assert json.loads((k3_mini_export / "model.engine.json").read_text())["plugin_paths"]["MoE"] == "aot"
     assert entry["profile"]["batch"] == {"name": "batch", "min": 1, "opt": 1, "max": 4}
     assert entry["input_shapes"]["input_ids"] == [[1, 1], [1, 16], [4, 64]]
-    assert {f["path"] for f in entry["files"]} == {"model.engine", "model.engine.json"}
+    assert {f["path"] for f in entry["files"]} == {"model.engine", "model.engine.json", "timing.cache"}
 
 
 def _kda_model(path: Path, *, g_type: int, v_heads: int) -> None:

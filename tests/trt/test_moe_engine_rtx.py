@@ -47,11 +47,12 @@ def _moe_model(path: Path) -> None:
 def test_moe_node_builds_aot(tmp_path):
     import torch
 
-    from k3x.folder.artifacts import init_manifest
+    from k3x.folder.artifacts import init_manifest, update_manifest
     from k3x.model.config import preset
 
     init_manifest(tmp_path, preset("k3-mini"), dtype=torch.float32, weights=False, op_counts={})
     _moe_model(tmp_path / "model.trt.onnx")
+    update_manifest(tmp_path, "onnx", ["model.trt.onnx"])  # build-engine reads only hash-checked input
     link = subprocess.run([str(ROOT / "scripts/setup_trt_rtx.sh"), "--print-only", sys.prefix], check=True,
                           capture_output=True, text=True).stdout.strip()
     env = os.environ | {"LD_LIBRARY_PATH": f"{link}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
