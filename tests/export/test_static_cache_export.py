@@ -91,8 +91,8 @@ def test_bad_max_context_is_refused_before_tracing(tmp_path, args, line):
 
 def test_pt2_program_with_static_cache_replays_one_graph(static_export):
     """The exported program itself (not the eager model) has one key per decode step: with the graph emulated
-    on CPU (tests/runtime/test_cuda_graph.Emulated) it is captured once and replayed, tokens unchanged."""
-    from test_cuda_graph import Emulated
+    on CPU (tests/emulated_graph.Emulated) it is captured once and replayed, tokens unchanged."""
+    from emulated_graph import Emulated
 
     from k3x.runtime.runners import make_runner, next_feeds, start_feeds
 

@@ -19,6 +19,7 @@ import torch
 from k3x.checkpoint.byte_ranges import StoredTensor, stream_weights
 from k3x.checkpoint.files import CheckpointError, load_checkpoint, save_checkpoint
 from k3x.export.pipeline import ExportOptions, Target, export
+from k3x.export.trace import load_pt2
 from k3x.folder.trust import checked_pt2
 from k3x.model import build_model, preset
 from k3x.model.options import BuildOptions

@@ -8,12 +8,12 @@ a module or TensorRT's execute_async_v3) and the latency with and without are me
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from emulated_graph import Emulated
 
 from k3x.runtime import cuda_graph
-from k3x.runtime.cuda_graph import GraphedRunner, require_cuda_graph
+from k3x.runtime.cuda_graph import require_cuda_graph
 from k3x.runtime.runners import ModuleRunner, RunnerError, RunnerOptions, make_runner, next_feeds, start_feeds
 
 
@@ -29,24 +29,6 @@ class Toy:
         self.calls += 1
         ids, past = feeds["input_ids"].float(), feeds["past.0.recurrent"]
         return {"logits": 2 * ids.sum(-1, keepdim=True) + past, "present.0.recurrent": past + ids.sum(-1, keepdim=True)}
-
-
-class Emulated(GraphedRunner):
-    """CPU tensors as device tensors; a "graph" re-runs the captured step into the captured output buffers."""
-
-    def __init__(self, runner) -> None:
-        super().__init__(runner, device="cpu")
-
-    @staticmethod
-    def _record(step):
-        outputs = {n: t.clone() for n, t in step().items()}
-
-        class Replay:
-            def replay(_):
-                for n, t in step().items():
-                    outputs[n].copy_(t)
-
-        return Replay(), outputs
 
 
 def _decode(runner, steps=5):
