@@ -199,9 +199,19 @@ def _build(job: ExportJob):
 
 
 def _weight_stream(job: ExportJob) -> Callable:
+    """The checkpoint's tensors in state_dict order, named as the traced program names them (a serving step
+    holds the model as a child: export/serving.py WEIGHT_PREFIX)."""
     from ..checkpoint.byte_ranges import stream_weights
+    from .serving import WEIGHT_PREFIX
 
-    return lambda: stream_weights(job.options.checkpoint, dtype=job.dtype, expert_format=job.model.build.expert_format)
+    prefix = WEIGHT_PREFIX if job.options.serving else ""
+
+    def stream():
+        for name, tensor in stream_weights(job.options.checkpoint, dtype=job.dtype,
+                                           expert_format=job.model.build.expert_format):
+            yield prefix + name, tensor
+
+    return stream
 
 
 def write_program(work: Path, job: ExportJob, timed: Timed) -> list[str]:

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 SERVING_DIMS: dict[str, tuple[int, int]] = {
     "tokens": (1, 65536), "seqs": (1, 1024), "table_blocks": (1, 65536), "logits_rows": (1, 65536),
     "slots": (1, 4096), "blocks": (1, 1 << 22)}
+# K3ServingStep holds the whole model as its `lm` child: a checkpoint's tensor names gain this prefix in the step
+WEIGHT_PREFIX = "lm."
 _EXAMPLE = {"tokens": 11, "seqs": 3, "table_blocks": 5, "logits_rows": 2, "slots": 4, "blocks": 7}
 
 

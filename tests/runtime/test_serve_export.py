@@ -98,3 +98,25 @@ def test_prompts_on_a_batch_export_are_refused(tmp_path):
     export(ExportOptions((Target.PT2,), out, preset="k3-mini"))
     with pytest.raises(RunnerError, match="not a serving export"):
         serving_runner("pt2", out)
+
+
+def test_serving_export_from_a_checkpoint_streams_its_weights(mini_cli_export, tmp_path):
+    """From a checkpoint the weights are streamed into the step program, named as the step names them (the
+    model is its `lm` child); text prompts go through the checkpoint's tokenizer. Tokens equal the solo
+    eager run of the checkpoint (the README's serving lines)."""
+    from k3x.checkpoint.files import load_checkpoint
+
+    out = tmp_path / "serve"
+    r = cli.invoke(app, ["export", "--checkpoint", str(mini_cli_export.checkpoint), "--out", str(out), "--serving",
+                         "--target", "pt2", "--target", "onnx"])
+    assert r.exit_code == 0, r.output
+    (tmp_path / "p.txt").write_text("1,2,3\nHello there\n")
+    model = load_checkpoint(mini_cli_export.checkpoint, dtype=torch.float32).eval()
+    want = [solo(model, [1, 2, 3], 4)[0]]
+    for backend in ("pt2", "ort"):
+        r = cli.invoke(app, ["run", str(out), "--backend", backend, "--prompts", str(tmp_path / "p.txt"),
+                             "--max-new-tokens", "4", "--json", str(tmp_path / f"{backend}.json")])
+        assert r.exit_code == 0, r.output
+        records = json.loads((tmp_path / f"{backend}.json").read_text())
+        assert [rec["index"] for rec in records] == [0, 1] and "text" in records[1]
+        assert records[0]["tokens"] == want[0], backend
