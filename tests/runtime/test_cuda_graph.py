@@ -13,7 +13,7 @@ import torch
 from emulated_graph import Emulated
 
 from k3x.runtime import cuda_graph
-from k3x.runtime.cuda_graph import require_cuda_graph
+from k3x.runtime.cuda_graph import GraphedRunner, require_cuda_graph
 from k3x.runtime.runners import ModuleRunner, RunnerError, RunnerOptions, make_runner, next_feeds, start_feeds
 
 
