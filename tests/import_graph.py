@@ -72,6 +72,18 @@ def private_imports(path: Path, root: Path) -> list[tuple[int, str, str]]:
             if n and n.startswith("_") and not n.startswith("__") and t != m]
 
 
+def module_aliases(path: Path, root: Path) -> set[str]:
+    """Local names `path` binds to project modules (`from . import triton as kt` -> "kt")."""
+    mod = module_name(path, root)
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            for a, (_, name) in zip(node.names, _targets(node, mod, path.name == "__init__.py", root)):
+                if name is None:
+                    names.add(a.asname or a.name)
+    return names
+
+
 def package_cycles(edges: list[tuple[str, int, str]]) -> list[list[str]]:
     """Groups of two or more packages that import each other (strongly connected components)."""
     return _cycles([(package(mod), package(target)) for mod, _, target in edges])
