@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: its default)")
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
-    from k3x.export.pipeline import ExportOptions, Target, export
+    from k3x.export.options import ExportOptions, Target
+    from k3x.export.pipeline import export
     from k3x.model import preset
     from k3x.runtime.runners import RunnerOptions
     from k3x.runtime.serve import serving_runner

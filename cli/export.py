@@ -20,7 +20,8 @@ def export(out: ExportOut, preset: Preset = None, checkpoint: Checkpoint = None,
            kernels: Kernels = KernelChoice.REFERENCE, tp: TP = 1, ep: EP = 1, expert_format: Experts = None,
            max_context: MaxContext = None, serving: Serving = False, block_size: BlockSize = 16) -> None:
     """Trace the model once (torch.export) and write the target's artifacts plus manifest.json."""
-    from ..export.pipeline import ExportOptions, export as run_export
+    from ..export.options import ExportOptions
+    from ..export.pipeline import export as run_export
 
     try:
         options = ExportOptions(tuple(target), out, preset, checkpoint, not no_weights, dtype, seed, kernels,

@@ -19,7 +19,7 @@ from typing import Annotated, Optional
 import typer
 
 from .. import __version__
-from ..export.pipeline import DType, ExpertFormat, KernelChoice, Target
+from ..export.options import DType, ExpertFormat, KernelChoice, Target
 from .console import fail
 
 __all__ = ["DType", "ExpertFormat", "KernelChoice", "Target"]  # the export choices, torch-free

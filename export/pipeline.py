@@ -23,7 +23,7 @@ Notable choices:
   `stage(ep, ctx) -> str` (a line for the user) that writes its files through
   `artifacts.write_artifact`, so each artifact is renamed into place and listed in the manifest.
 - The request and its resolved job (`ExportOptions`, `ExportJob`, `TARGET_STAGES`) live in export/options.py,
-  imported here (and re-exported for callers) and by export/ranks.py, so the two writers never import
+  imported from there by callers, by this module and by export/ranks.py, so the two writers never import
   each other. Adding a target (e.g. ONNX) = one `Target` member and one `TARGET_STAGES` entry there, one
   `STAGES` entry here:
       class Target: ONNX = "onnx"; ALL = "all"

@@ -11,7 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from k3x.cli import app
-from k3x.export.pipeline import TARGET_STAGES, Target
+from k3x.export.options import TARGET_STAGES, Target
 from k3x.export.trace import load_pt2
 from k3x.folder.artifacts import ExportFolder
 from k3x.model import PRESETS, build_model, preset

@@ -49,7 +49,8 @@ def test_body_decode_is_the_codec_bit_for_bit():
 def packed_exports() -> tuple[Path, Path, Path]:
     """(pt2 export, ONNX export, checkpoint): ONNX alone from a checkpoint is the streamed path."""
     from k3x.checkpoint.files import save_checkpoint
-    from k3x.export.pipeline import ExportOptions, Target, export
+    from k3x.export.options import ExportOptions, Target
+    from k3x.export.pipeline import export
     from k3x.model import build_model, preset
 
     root = Path(tempfile.mkdtemp(prefix="k3x-test-mxfp4-"))

@@ -9,7 +9,9 @@ import json
 import pytest
 import torch
 
-from k3x.export.pipeline import ExportOptions, Target, export
+from k3x.export.options import ExportOptions, Target
+
+from k3x.export.pipeline import export
 from k3x.model import preset
 from k3x.model.config import ConfigError
 from k3x.runtime import session as sessions

@@ -18,7 +18,8 @@ import torch
 
 from k3x.checkpoint.byte_ranges import StoredTensor, stream_weights
 from k3x.checkpoint.files import CheckpointError, load_checkpoint, save_checkpoint
-from k3x.export.pipeline import ExportOptions, Target, export
+from k3x.export.options import ExportOptions, Target
+from k3x.export.pipeline import export
 from k3x.export.trace import load_pt2
 from k3x.folder.trust import checked_pt2
 from k3x.model import build_model, preset
@@ -133,7 +134,8 @@ def test_a_stream_that_lacks_a_weight_is_named(ckpt, tmp_path):
 PROBE = """
 import re, sys, torch
 from pathlib import Path
-from k3x.export.pipeline import ExportOptions, Target, export
+from k3x.export.options import ExportOptions, Target
+from k3x.export.pipeline import export
 
 def peak():
     return int(re.search(r"VmHWM:\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
