@@ -3,8 +3,10 @@
 - Runtimes: "trt" (TensorRT 11, package `tensorrt`, needs the GPU it builds for) and "trt-rtx"
   (TensorRT-RTX 1.7 from PyPI, builds on a CPU-only machine; targets SM75/80/86/89/120/121, not SM90).
 - Optimisation profile: one, derived from the export's recorded dynamic dims (every input dim named batch /
-  seq / past_seq gets that dim's min/opt/max; `EngineOptions.dims` overrides single values, which must stay
-  within the exported range: a profile past it corrupted TensorRT's heap). Static dims stay.
+  seq / past_seq gets that dim's min/opt/max; a serving export's are its `serving.dims`: tokens, seqs
+  (`seqs + 1` for cu_seqlens), table_blocks, logits_rows, slots, blocks; the block size is static).
+  `EngineOptions.dims` (`--min/--opt/--max`) overrides single values, which must stay within the exported
+  range: a profile past it corrupted TensorRT's heap. The maxima size TensorRT's activation memory. Static dims stay.
 - Precision: TensorRT 11 networks are strongly typed, so the precision plan is the ONNX graph's own dtypes;
   no builder precision flags are set.
 - Plugins: IPluginV3 creators (custom_ops/trt_plugins.py), one path per plugin (AOT cubins for `sm`, or JIT), printed
@@ -162,12 +164,13 @@ def parse_profile(flags: dict[str, list[str]]) -> dict[str, dict[str, int]]:
 
 def profile_ranges(overrides: dict[str, dict[str, int]],
                    exported: dict[str, dict[str, int]] | None = None) -> dict[str, DimRange]:
-    """The export's dynamic dims (`exported`, the manifest's `dynamic_dims`; default DYNAMIC_DIMS) with
+    """The export's dynamic dims (`exported`: `exported_dims(manifest)`; default DYNAMIC_DIMS) with
     per-dim overrides, checked min <= opt <= max and within what the export was traced for."""
     unknown = sorted(set(overrides) - set(exported or DYNAMIC_DIMS))
     if unknown:
         raise ValueError(f"dims {unknown}: not dynamic dims; known: {sorted(exported or DYNAMIC_DIMS)}")
-    base = ({n: DimRange(n, r["min"], r.get("opt", r["min"]), r["max"]) for n, r in exported.items()}  # no opt: early serving exports
+    # a serving export written before its dims carried opt: tune at min
+    base = ({n: DimRange(n, r["min"], r.get("opt", r["min"]), r["max"]) for n, r in exported.items()}
             if exported else DYNAMIC_DIMS)
     out = {}
     for name, traced in base.items():

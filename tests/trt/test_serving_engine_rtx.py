@@ -49,7 +49,9 @@ def expected_profile(dims: dict[str, dict[str, int]]) -> dict[str, list[list[int
     for s in state_specs(CFG):
         if s.layer < 0:
             continue
-        out[f"pool.{s.layer}.{s.kind}"] = shapes("blocks", BS, s.dims[-1]) if s.kind == "latent" else shapes("slots", *s.shape(1, 0)[1:])
+        static = s.shape(1, 0)[1:]  # conv [3P, W-1], recurrent [H, K, V]
+        pool = shapes("blocks", BS, s.dims[-1]) if s.kind == "latent" else shapes("slots", *static)
+        out[f"pool.{s.layer}.{s.kind}"] = pool
     return out
 
 
