@@ -48,7 +48,8 @@ def export(out: ExportOut, preset: Preset = None, checkpoint: Checkpoint = None,
 def build_engine(export_dir: EngineExportDir, min_: ProfileMin = None, opt: ProfileOpt = None,
                  max_: ProfileMax = None, sm: SM = None, runtime: EngineRuntime = Runtime.AUTO,
                  plugin_path: Plugins = PluginPath.AOT) -> None:
-    """Build model.engine from the trt-flavour ONNX with the k3 plugins (profiles from DYNAMIC_DIMS).
+    """Build model.engine from the trt-flavour ONNX with the k3 plugins (profile over the export's dynamic dims;
+    a serving export's: tokens, seqs, table_blocks, logits_rows, slots, blocks).
     TensorRT-RTX (builds on a CPU): pip install -e '.[trt-rtx]'."""
     from ..export.engine import EngineOptions, build_engine as build, parse_profile
 

@@ -39,14 +39,16 @@ def compile_aoti(ep: ExportedProgram, package_path: str | Path,
 
 
 def load_aoti(package_path: str | Path) -> Callable:
-    """Load a package in this process (registering torch.ops.k3.* first); call it like the model:
-    `runner(input_ids, past) -> (logits, present)`, outputs owned by the caller."""
+    """Load a package in this process (registering torch.ops.k3.* first); call it like the traced module:
+    `runner(input_ids, past) -> (logits, present)`, or for a serving step (`--serving`)
+    `runner(input_ids, cu_seqlens, past_lens, slots, block_table, logits_index, pools) -> (logits, new)`;
+    outputs owned by the caller."""
     from .. import custom_ops  # noqa: F401  (the package calls torch.ops.k3.* through Python)
 
     package = torch._inductor.aoti_load_package(str(package_path))
 
-    def run(input_ids: torch.Tensor, past: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        logits, present = package(input_ids, past)
+    def run(*args) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        logits, present = package(*args)
         # the package reuses its output buffers on the next call: without these copies the state fed back
         # as `past.*` is overwritten while it is read (measured: decode steps wrong)
         return logits.clone(), [t.clone() for t in present]

@@ -3,8 +3,10 @@
 - Runtimes: "trt" (TensorRT 11, package `tensorrt`, needs the GPU it builds for) and "trt-rtx"
   (TensorRT-RTX 1.7 from PyPI, builds on a CPU-only machine; targets SM75/80/86/89/120/121, not SM90).
 - Optimisation profile: one, derived from the export's recorded dynamic dims (every input dim named batch /
-  seq / past_seq gets that dim's min/opt/max; `EngineOptions.dims` overrides single values, which must stay
-  within the exported range: a profile past it corrupted TensorRT's heap). Static dims stay.
+  seq / past_seq gets that dim's min/opt/max; a serving export's are its `serving.dims`: tokens, seqs
+  (`seqs + 1` for cu_seqlens), table_blocks, logits_rows, slots, blocks; the block size is static).
+  `EngineOptions.dims` (`--min/--opt/--max`) overrides single values, which must stay within the exported
+  range: a profile past it corrupted TensorRT's heap. The maxima size TensorRT's activation memory. Static dims stay.
 - Precision: TensorRT 11 networks are strongly typed, so the precision plan is the ONNX graph's own dtypes;
   no builder precision flags are set.
 - Plugins: IPluginV3 creators (custom_ops/trt_plugins.py), one path per plugin (AOT cubins for `sm`, or JIT), printed
@@ -162,12 +164,14 @@ def parse_profile(flags: dict[str, list[str]]) -> dict[str, dict[str, int]]:
 
 def profile_ranges(overrides: dict[str, dict[str, int]],
                    exported: dict[str, dict[str, int]] | None = None) -> dict[str, DimRange]:
-    """The export's dynamic dims (`exported`, the manifest's `dynamic_dims`; default DYNAMIC_DIMS) with
+    """The export's dynamic dims (`exported`: `exported_dims(manifest)`; default DYNAMIC_DIMS) with
     per-dim overrides, checked min <= opt <= max and within what the export was traced for."""
     unknown = sorted(set(overrides) - set(exported or DYNAMIC_DIMS))
     if unknown:
         raise ValueError(f"dims {unknown}: not dynamic dims; known: {sorted(exported or DYNAMIC_DIMS)}")
-    base = {n: DimRange(n, r["min"], r["opt"], r["max"]) for n, r in exported.items()} if exported else DYNAMIC_DIMS
+    # a serving export written before its dims carried opt: tune at min
+    base = ({n: DimRange(n, r["min"], r.get("opt", r["min"]), r["max"]) for n, r in exported.items()}
+            if exported else DYNAMIC_DIMS)
     out = {}
     for name, traced in base.items():
         r = replace(traced, **overrides.get(name, {}))
@@ -200,6 +204,24 @@ def _logger(trt):
     return Logger()
 
 
+def exported_dims(manifest: dict) -> dict[str, dict[str, int]]:
+    """The dynamic dims the export was traced with: the serving step's (`serving.dims`: tokens, seqs,
+    table_blocks, logits_rows, slots, blocks; the block size is fixed) or the model's (`dynamic_dims`)."""
+    serving = manifest.get("serving")
+    return serving["dims"] if isinstance(serving, dict) else manifest["dynamic_dims"]
+
+
+_OFFSET_DIM = re.compile(r"([a-z_]+) \+ ([0-9]{1,6})", re.ASCII)
+
+
+def _dim_range(name: str, ranges: dict[str, DimRange]) -> tuple[int, int, int] | None:
+    """(min, opt, max) of a named ONNX dim: a dynamic dim, or one plus a constant (`seqs + 1`: cu_seqlens)."""
+    m = _OFFSET_DIM.fullmatch(name or "")
+    base, k = (m[1], int(m[2])) if m else (name, 0)
+    r = ranges.get(base)
+    return None if r is None else (r.min + k, r.opt + k, r.max + k)
+
+
 def _profile(trt, builder, network, ranges: dict[str, DimRange]) -> tuple:
     prof, table = builder.create_optimization_profile(), {}
     for i in range(network.num_inputs):
@@ -210,11 +232,11 @@ def _profile(trt, builder, network, ranges: dict[str, DimRange]) -> tuple:
             if d >= 0:
                 continue
             name = t.get_dimension_name(j)
-            if name not in ranges:
+            r = _dim_range(name, ranges)
+            if r is None:
                 raise EngineBuildError(f"input {t.name!r} dim {j} is dynamic with name {name!r}, which has no "
                                        f"range; known: {sorted(ranges)}")
-            r = ranges[name]
-            lo[j], opt[j], hi[j] = r.min, r.opt, r.max
+            lo[j], opt[j], hi[j] = r
         prof.set_shape(t.name, lo, opt, hi)
         table[t.name] = [lo, opt, hi]
     return prof, table
@@ -285,7 +307,7 @@ def _checked_input(folder: ExportFolder) -> tuple[Path, str, bytes]:
 def _build_engine(export_dir: Path, options: EngineOptions) -> EngineArtifact:
     folder = _open(export_dir)
     onnx_path, onnx_sha256, cache_bytes = _checked_input(folder)
-    ranges = profile_ranges(options.dims, folder.manifest["dynamic_dims"])
+    ranges = profile_ranges(options.dims, exported_dims(folder.manifest))
     trt = import_trt(options.runtime)
     from ..custom_ops import trt_plugins as plugins
 
@@ -326,6 +348,7 @@ def _build_engine(export_dir: Path, options: EngineOptions) -> EngineArtifact:
     data = bytes(blob)
     meta = {"runtime": options.runtime, "tensorrt_version": trt.__version__, "sm": sm, "plugin_paths": paths,
             "profile": {k: asdict(v) for k, v in ranges.items()}, "input_shapes": table, "bytes": len(data),
+            "outputs": [network.get_output(i).name for i in range(network.num_outputs)],
             "build_seconds": round(seconds, 2), "onnx_sha256": onnx_sha256}
     # engine, metadata and timing cache renamed into place together
     with write_artifact(export_dir, "trt", extra=meta, primary=ENGINE_FILE) as tmp:

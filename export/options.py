@@ -78,8 +78,8 @@ class ExportOptions:
             raise config_error("export: give exactly one of --preset or --checkpoint")
         if not self.targets:
             raise config_error("export: give at least one --target")
-        if self.serving and (self.max_context is not None or "aoti" in self.stages() or self.block_size < 1):
-            raise config_error("--serving: targets pt2 and onnx, no --max-context (the pools replace it), "
+        if self.serving and (self.max_context is not None or self.block_size < 1):
+            raise config_error("--serving: no --max-context (the pools replace it), "
                                f"--block-size >= 1 (got {self.block_size})")
         if "aoti" in self.stages() and not self.weights:
             raise config_error("--no-weights: target 'aoti' embeds the weights in the package; drop --no-weights "

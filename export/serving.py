@@ -22,10 +22,12 @@ if TYPE_CHECKING:
 
     from ..model import K3Config, K3ForCausalLM
 
-# (min, max) of each dynamic dim; examples are distinct and >= 2 so that none specialises or unifies
-SERVING_DIMS: dict[str, tuple[int, int]] = {
-    "tokens": (1, 65536), "seqs": (1, 1024), "table_blocks": (1, 65536), "logits_rows": (1, 65536),
-    "slots": (1, 4096), "blocks": (1, 1 << 22)}
+# (min, opt, max) of each dynamic dim; opt is what an engine's optimisation profile tunes for: a step of the
+# runtime's defaults (ServeOptions: 8 sequences, a 512-token budget; 1,024 positions each at block size 16).
+# Examples are distinct and >= 2 so that none specialises or unifies
+SERVING_DIMS: dict[str, tuple[int, int, int]] = {
+    "tokens": (1, 512, 65536), "seqs": (1, 8, 1024), "table_blocks": (1, 64, 65536), "logits_rows": (1, 8, 65536),
+    "slots": (1, 8, 4096), "blocks": (1, 512, 1 << 22)}
 # K3ServingStep holds the whole model as its `lm` child: a checkpoint's tensor names gain this prefix in the step
 WEIGHT_PREFIX = "lm."
 _EXAMPLE = {"tokens": 11, "seqs": 3, "table_blocks": 5, "logits_rows": 2, "slots": 4, "blocks": 7}
@@ -35,11 +37,11 @@ def serving_manifest(cfg: K3Config, block_size: int) -> dict:
     names = pool_names(cfg)
     return {"block_size": block_size, "inputs": [*STEP_INPUTS, *(p for p, _ in names)],
             "outputs": ["logits", *(n for _, n in names)],
-            "dims": {n: {"min": lo, "max": hi} for n, (lo, hi) in SERVING_DIMS.items()}}
+            "dims": {n: {"min": lo, "opt": opt, "max": hi} for n, (lo, opt, hi) in SERVING_DIMS.items()}}
 
 
 def _dynamic_shapes(cfg: K3Config) -> dict:
-    d = {n: Dim(n, min=lo, max=hi) for n, (lo, hi) in SERVING_DIMS.items()}
+    d = {n: Dim(n, min=lo, max=hi) for n, (lo, _, hi) in SERVING_DIMS.items()}
     pools = [{0: d["blocks"]} if s.kind == "latent" else {0: d["slots"]} for s in state_specs(cfg) if s.layer >= 0]
     return {"input_ids": {0: d["tokens"]}, "cu_seqlens": {0: d["seqs"] + 1}, "past_lens": {0: d["seqs"]},
             "slots": {0: d["seqs"]}, "block_table": {0: d["seqs"], 1: d["table_blocks"]},

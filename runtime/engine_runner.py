@@ -5,6 +5,11 @@ another SM or TensorRT version (`trt.check_engine_meta`). The k3 plugin creators
 paths recorded at build time (AOT plugins load their embedded cubins through the CUDA driver; JIT plugins
 call the Triton launchers through torch). State I/O: `past.*` feeds in, `present.*` outputs out, all on
 the GPU; output shapes come from the execution context once the input shapes are set.
+A serving engine (`k3x export --serving`, then build-engine) runs behind the same `infer`: serve() keeps the
+state pools on `device` ("cuda"), so `_bind` hands TensorRT their addresses as they are (no copy of a pool per
+step); the engine only reads them. Pools are not aliased to outputs: the step returns its new rows (O(B + N):
+`new.*`, into fresh buffers) and serve() writes them into the pools in place (runtime/pools.py), as for ORT.
+Not run in CI (no GPU and no TensorRT 11 there); the serving engine's build is (tests/trt/test_serving_engine_rtx.py).
 `enqueue` is the capturable step (no sync, the caller's stream) that `--cuda-graph` records into a CUDA graph
 with the static bindings of runtime/cuda_graph.py; `infer` is the same step on the runner's own stream,
 synchronised, with plugin failures reported.
@@ -23,6 +28,7 @@ from .base import RunnerError
 
 class TrtRunner:
     name = "trt"
+    device = "cuda"  # where its feeds live: serve() puts the pools here, so they are bound without a copy
 
     def __init__(self, export_dir: Path, *, runtime: str = "trt") -> None:
         if not torch.cuda.is_available():

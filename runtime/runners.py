@@ -169,13 +169,18 @@ def _trt(folder: ExportFolder, options: RunnerOptions) -> Runner:
     return TrtRunner(folder.path)
 
 
-def _aoti(folder: ExportFolder, options: RunnerOptions) -> Runner:
+def load_aoti_artifact(folder: ExportFolder, options: RunnerOptions) -> tuple[Callable, str]:
+    """(the folder's AOTI package, loaded; the device it was compiled for). The package is trusted native
+    code (export/aoti.py): loaded only once its sha256 matches, whatever options.check_hashes says."""
     from ..export.aoti import load_aoti
 
-    # an AOTI package is trusted native code (export/aoti.py): loaded only once its sha256 matches
     path = artifact_files(folder, "aoti", replace(options, check_hashes=True))[0]
-    device = folder.manifest["artifacts"]["aoti"].get("device", "cpu")  # what it was compiled for
-    return ModuleRunner("aoti", load_aoti(path), folder.config(), str(device), folder.options().cache)
+    return load_aoti(path), str(folder.manifest["artifacts"]["aoti"].get("device", "cpu"))
+
+
+def _aoti(folder: ExportFolder, options: RunnerOptions) -> Runner:
+    package, device = load_aoti_artifact(folder, options)
+    return ModuleRunner("aoti", package, folder.config(), device, folder.options().cache)
 
 
 RUNNERS: dict[str, Callable[[ExportFolder, RunnerOptions], Runner]] = {

@@ -58,17 +58,22 @@ class StepModuleRunner:
 
 
 def serving_runner(backend: str, export_dir, options=None):
-    """The runner of a serving export (`k3x export --serving`): pt2 (the step program's module) or ort (the
-    ort flavor through IO binding: pools bound by pointer, no copy per step on the session's device)."""
-    from .runners import RunnerError, RunnerOptions, load_pt2_artifact, make_runner, open_folder, serving_entry
+    """The runner of a serving export (`k3x export --serving`): pt2 (the step program's module), aoti (its
+    AOTInductor package), ort (the ort flavor through IO binding) or trt (the engine of `k3x build-engine`:
+    TensorRT 11 and a GPU); ort and trt bind the pools by pointer, no copy per step on the runner's device."""
+    from .runners import (RunnerError, RunnerOptions, load_aoti_artifact, load_pt2_artifact, make_runner, open_folder,
+                          serving_entry)
 
     options = options or RunnerOptions()
     folder = open_folder(export_dir)
     entry = serving_entry(folder)
-    if backend == "ort":
-        return make_runner("ort", folder, options)
+    if backend in ("ort", "trt"):
+        return make_runner(backend, folder, options)
+    if backend == "aoti":
+        package, device = load_aoti_artifact(folder, options)
+        return StepModuleRunner("aoti", package, entry["inputs"], entry["outputs"], device)
     if backend != "pt2":
-        raise RunnerError(f"backend={backend!r}: a serving export runs on pt2 or ort")
+        raise RunnerError(f"backend={backend!r}: a serving export runs on pt2, aoti, ort or trt")
     ep = load_pt2_artifact(folder, options, "the serving step")
     return StepModuleRunner("pt2", ep.module(), entry["inputs"], entry["outputs"], options.device)
 

@@ -6,6 +6,7 @@ its logits within the fp32 tolerance. Also the CLI (`k3x run --prompts --json`) 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -99,6 +100,15 @@ def test_prompts_on_a_batch_export_are_refused(tmp_path):
     export(ExportOptions((Target.PT2,), out, preset="k3-mini"))
     with pytest.raises(RunnerError, match="not a serving export"):
         serving_runner("pt2", out)
+
+
+@pytest.mark.parametrize("backend, message", [
+    ("trt", "no trt artifact (it has: onnx, pt2); make it with `k3x build-engine"),  # the serving engine's runner
+    ("aoti", "no aoti artifact (it has: onnx, pt2)"),
+])
+def test_serving_backends_without_their_artifact_say_so(folder, backend, message):
+    with pytest.raises(RunnerError, match=re.escape(message)):
+        serving_runner(backend, folder)
 
 
 def test_serving_export_from_a_checkpoint_streams_its_weights(mini_cli_export, tmp_path):
