@@ -75,9 +75,12 @@ def run_prompts(folder, prompts: list[list[int]], prepared, backend: tuple[str, 
     s.close()
 
 
-def print_pools(cfg, context: int, sequences: int, block_size: int = 16) -> None:
-    """`k3x inspect --context N --sequences S`: pool memory of a serving deployment (bf16 latents)."""
+def print_pools(cfg, context: int, sequences: int, block_size: int = 16, tp: int = 1, ep: int = 1) -> None:
+    """`k3x inspect --context N --sequences S [--tp T --ep E]`: pool memory of a serving deployment (bf16
+    latents), per rank under a plan (its local config: its KDA heads; the latent whole)."""
+    from ..model.parallel import ParallelPlan
     from ..model.state import pool_bytes
     from ..model.summary import format_pools
 
-    echo(format_pools(pool_bytes(cfg, context, sequences, block_size)))
+    plan = ParallelPlan(tp, ep)
+    echo(format_pools(pool_bytes(plan.local_config(cfg), context, sequences, block_size), plan))
