@@ -3,7 +3,7 @@ serving export through the runtime's own path (session.open_serving / serve_prom
 keeping the logits every token was chosen from; rank 0 saves the records.
 
     torchrun --nproc-per-node 4 tests/rank_serving_worker.py EXPORT SPEC.json OUT.pt
-SPEC: {"prompts": [[ids], ...], "max_new_tokens": n, "backend": "pt2", "serve": {ServeOptions fields}}.
+SPEC: {"prompts": [[ids], ...], "max_new_tokens": [n per prompt], "backend": "pt2", "serve": {ServeOptions fields}}.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ def main(export: str, spec_file: str, out: str) -> None:
     spec = json.loads(Path(spec_file).read_text())
     s = sessions.open_serving(Path(export), spec["backend"])
     options = ServeOptions(**spec["serve"], keep_logits=True)
-    records = sessions.serve_prompts(s, spec["backend"], spec["prompts"], SamplingOptions(spec["max_new_tokens"]),
-                                     options)
+    records = sessions.serve_prompts(s, spec["backend"], spec["prompts"], SamplingOptions(), options,
+                                     max_new_tokens=spec["max_new_tokens"])
     if s.speaks:
         torch.save([{"index": r.index, "tokens": r.tokens, "logits": r.logits} for r in records], out)
     s.close()

@@ -1,7 +1,7 @@
 """The serving step on rank programs (`k3x export --serving --tp 2 --ep 2`, k3-mini, fp32, gloo on CPU): each
 rank's program takes the packed step inputs and its own pools (KDA rows of its heads; the MLA latent pool
 whole on every rank), experts split as rank programs do. Proof: prompts of different lengths (more than the
-slots, the longest prefilled in chunks) through continuous batching under torchrun give the greedy tokens of
+slots, the longest prefilled in chunks, different token counts) through continuous batching under torchrun give the greedy tokens of
 their solo eager runs, logits within the fp32 tolerance; `k3x run --prompts` spawns the ranks itself and
 prints the same tokens; `k3x inspect --sequences --tp --ep` prints the pools per rank.
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ from k3x.folder.artifacts import read_manifest
 from k3x.model import build_model, preset
 
 CFG = preset("k3-mini")
-LENGTHS, NEW = [1, 37, 4, 12, 2], 3
+LENGTHS, NEWS, NEW = [1, 37, 4, 12, 2], [3, 1, 4, 2, 3], 3
 SERVE = {"max_sequences": 2, "block_size": 8, "max_step_tokens": 16}  # 37 tokens: 3 chunks
 WORKER = Path(__file__).parent.parent / "rank_serving_worker.py"
 cli = CliRunner()
@@ -61,16 +62,11 @@ def test_each_rank_manifest_records_its_serving_step_and_pools(ranks):
 def test_continuous_batching_on_ranks_equals_solo_eager(ranks, model, tmp_path):
     ps = prompts(LENGTHS, CFG.vocab_size, seed=3)
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"prompts": ps, "max_new_tokens": NEW, "backend": "pt2", "serve": SERVE}))
+    spec.write_text(json.dumps({"prompts": ps, "max_new_tokens": NEWS, "backend": "pt2", "serve": SERVE}))
     r = launch([str(ranks), str(spec), str(tmp_path / "out.pt")], torchrun=4, script=WORKER)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-
-    class Rec:
-        def __init__(self, d):
-            self.index, self.tokens, self.logits = d["index"], d["tokens"], d["logits"]
-
-    records = [Rec(d) for d in torch.load(tmp_path / "out.pt")]
-    assert_records_match_solo(model, records, ps, [NEW] * len(ps), "pt2 ranks tp=2 x ep=2")
+    records = [SimpleNamespace(**d) for d in torch.load(tmp_path / "out.pt")]  # index, tokens, logits
+    assert_records_match_solo(model, records, ps, NEWS, "pt2 ranks tp=2 x ep=2")
 
 
 @pytest.mark.slow
@@ -99,6 +95,6 @@ def test_inspect_prints_pools_per_rank():
     assert "on each of 4 ranks (tp=2, ep=2" in r.output
 
 
-def test_inspect_refuses_a_plan_that_does_not_split(tmp_path):
+def test_inspect_refuses_a_plan_that_does_not_split():
     r = cli.invoke(app, ["inspect", "--preset", "k3", "--context", "64", "--sequences", "1", "--tp", "5"])
     assert r.exit_code == 1 and "kda.num_heads=96: not divisible by tp=5" in r.output and "Traceback" not in r.output
