@@ -4,6 +4,8 @@
 - FILE holds one prompt per line: token ids (`1,2,3`) or text (through the folder's tokenizer); line i is
   record i of `--json OUT` (input order), whatever order the sequences finished in.
 - A serving export run without --prompts (`--prompt` / `--prompt-ids`) is served as a file of one prompt.
+- A rank serving export (`--serving --tp/--ep`) is served by its ranks (under torchrun, or started by k3x as
+  for every rank export); rank 0 prints and writes `--json`.
 - Errors name the file and line, or the flag; nothing is written on failure (`--json` is renamed into place).
 """
 

@@ -11,6 +11,9 @@
   runtime/ort_collectives.py), fed and answering in the rank's own state layout. `WholeStateRunner`: takes
   and returns the single-GPU state (split for this rank, gathered from the TP group and merged), so the
   parity harness (runtime/verify.run_parity) compares every state with the eager model unchanged.
+- Serving (`--serving` rank exports): `rank_serving_runner` is this rank's step over its own pools (its KDA
+  heads' rows, a replica of the latent); `agree_tokens` gives every rank rank 0's tokens each step, so the
+  identical schedulers of all ranks make identical steps (runtime/session.serve_prompts).
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ entry and gives whole-state runners either way, so `run`, `logits` and `verify` 
   processes) every rank opens its own program behind `dist_run.WholeStateRunner` (the single-GPU state in and
   out: split for the rank, gathered over TP and merged), so the decode loop and the parity harness are the
   ones of a single program. Rank 0 speaks (`Session.speaks`).
+- `open_serving` / `serve_prompts`: the serving step of a `--serving` export of any rank count and
+  continuous batching over it (`k3x run --prompts`); on rank programs every rank schedules alike.
 - `verify_session`: parity of every backend against the eager model (runtime/verify.run_parity); for rank
   programs also the greedy tokens, which catch a wrong rank layout the first steps might hide.
 """
