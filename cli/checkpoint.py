@@ -39,7 +39,7 @@ def inspect(preset: Preset = None, checkpoint: Checkpoint = None, json_out: Json
     if sequences is not None:  # serving pools (cli/serve.py)
         from .serve import print_pools
 
-        return print_pools(cfg, context, sequences)
+        return print_pools(cfg, context, sequences, tp=tp, ep=ep)
     with timed("inspect"):
         if tp * ep > 1:
             from ..model.parallel import ParallelPlan

@@ -176,7 +176,8 @@ MaxStepTokens = Annotated[int, typer.Option(min=1, help="Serving: tokens per ste
 JsonOut = Annotated[Optional[Path], typer.Option("--json", help="Serving: write one record per prompt (input "
                                                                 "order: tokens and text) to this file.")]
 Sequences = Annotated[Optional[int], typer.Option(
-    min=1, help="Serving pools: the memory of this many sequences of --context positions (bf16 latents, block 16).")]
+    min=1, help="Serving pools: the memory of this many sequences of --context positions (bf16 latents, block 16; "
+                "per rank with --tp/--ep).")]
 Serving = Annotated[bool, typer.Option("--serving", help="Trace the serving step (packed sequences, state pools, "
                                                          "continuous batching) instead of the batch interface.")]
 BlockSize = Annotated[int, typer.Option(min=1, help="--serving: positions per MLA latent block.")]

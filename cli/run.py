@@ -32,17 +32,25 @@ def runner_options(provider: Provider, skip_hash_check: bool, checkpoint: Path |
                          device="cuda" if cuda_graph else "cpu", cuda_graph=cuda_graph)
 
 
-def open_session(export_dir: Path, backends: list[str], options, *, default_ort: bool = False):
-    """The runners of `backends` (default: every one the export has) over an export of any rank count; rank
-    programs outside a launcher: this command is run in tp x ep processes, then this one exits."""
+def ranks_here(export_dir: Path, backends: list[str], *, default_ort: bool = False) -> tuple[list[str], list[str]]:
+    """(backends, notes) of an export of any rank count (refused before spawning); rank programs outside a
+    launcher: this command is run in tp x ep processes, then this one exits."""
     from ..runtime import session as sessions
 
-    names, notes = sessions.backends_of(export_dir, backends, default_ort=default_ort)  # refused before spawning
+    names, notes = sessions.backends_of(export_dir, backends, default_ort=default_ort)
     world = sessions.world_to_spawn(export_dir)
     if world:
         debug("spawning %d rank processes", world)
         sessions.spawn_world(world, sys.argv[1:])
         raise typer.Exit(code=0)
+    return names, notes
+
+
+def open_session(export_dir: Path, backends: list[str], options, *, default_ort: bool = False):
+    """The runners of `backends` (default: every one the export has) over an export of any rank count."""
+    from ..runtime import session as sessions
+
+    names, notes = ranks_here(export_dir, backends, default_ort=default_ort)
     with timed(f"open {export_dir} ({', '.join(names)})"):
         s = sessions.open_session(export_dir, names, options)
     for line in notes if s.speaks else ():
@@ -104,12 +112,16 @@ def run(export_dir: ExportDir, backend: RunBackend = Backend.ORT, prompt: Prompt
     debug("export %s: %s, artifacts %s", export_dir, folder.config().name, ", ".join(folder.manifest["artifacts"]))
     p = prepare(export_dir, folder.config().vocab_size, prompt, prompt_ids, chat,
                 Sampling(max_new_tokens, temperature, top_k, top_p, seed), folder.tokenizer_files())
-    if prompts is not None or "serving" in folder.manifest:  # continuous batching (cli/serve.py)
-        from .serve import run_prompts
+    if prompts is not None or "serving" in folder.manifest:  # continuous batching (cli/serve.py), any rank count
+        from ..runtime.runners import serving_entry
+        from ..runtime.serve import ServeOptions
+        from .serve import read_prompts, run_prompts
 
-        return run_prompts(export_dir, prompts or [p.ids], p, backend.value,
-                           (max_sequences, cache_blocks, max_step_tokens), json_out,
-                           runner_options(provider, skip_hash_check))
+        block = int(serving_entry(folder)["block_size"])  # refused here, and the prompts read, before ranks spawn
+        ids = [p.ids] if prompts is None else read_prompts(prompts, p.tokenizer, folder.config().vocab_size)
+        names, notes = ranks_here(export_dir, [backend.value], default_ort=True)
+        return run_prompts(folder, ids, p, (names[0], notes), ServeOptions(max_sequences, cache_blocks, block,
+                           max_step_tokens), json_out, runner_options(provider, skip_hash_check))
     s = open_session(export_dir, [backend.value], runner_options(provider, skip_hash_check, cuda_graph=cuda_graph),
                      default_ort=True)
     (name,) = s.runners

@@ -4,6 +4,8 @@
 - FILE holds one prompt per line: token ids (`1,2,3`) or text (through the folder's tokenizer); line i is
   record i of `--json OUT` (input order), whatever order the sequences finished in.
 - A serving export run without --prompts (`--prompt` / `--prompt-ids`) is served as a file of one prompt.
+- A rank serving export (`--serving --tp/--ep`) is served by its ranks (under torchrun, or started by k3x as
+  for every rank export); rank 0 prints and writes `--json`.
 - Errors name the file and line, or the flag; nothing is written on failure (`--json` is renamed into place).
 """
 
@@ -40,43 +42,47 @@ def read_prompts(path: Path, tokenizer, vocab_size: int) -> list[list[int]]:
     return prompts
 
 
-def run_prompts(export_dir: Path, prompts: list[list[int]] | Path, prepared, backend: str,
-                limits: tuple[int, int | None, int], json_out: Path | None, runner_options) -> None:
-    """Serve the prompts (a file, or ids) with the export's serving step; print and optionally write records.
-    `limits`: --max-sequences, --cache-blocks, --max-step-tokens."""
+def run_prompts(folder, prompts: list[list[int]], prepared, backend: tuple[str, list[str]], options,
+                json_out: Path | None, runner_options) -> None:
+    """Serve the prompts (ids) with the export's serving step (`options`: runtime/serve.ServeOptions), one
+    program or (inside a launcher) this rank's; the speaking rank prints and optionally writes the records.
+    `backend`: (name, notes for the user)."""
     import json
 
-    from ..folder.artifacts import ExportFolder
-    from ..runtime.runners import RunnerError, serving_entry
-    from ..runtime.serve import ServeOptions, serve, serving_runner
+    from ..runtime import session as sessions
+    from ..runtime.runners import RunnerError
 
-    folder = ExportFolder.open(export_dir)
-    cfg, tok = folder.config(), prepared.tokenizer
-    if isinstance(prompts, Path):
-        prompts = read_prompts(prompts, tok, cfg.vocab_size)
+    name, notes, tok, s = backend[0], backend[1], prepared.tokenizer, None
     try:
-        block = int(serving_entry(folder)["block_size"])
-        options = ServeOptions(limits[0], limits[1], block, limits[2])
-        runner = serving_runner(backend, folder, runner_options)
-        records = serve(runner, cfg, prompts, prepared.options, options, dtype=folder.dtype())
+        s = sessions.open_serving(folder, name, runner_options)
+        for line in notes if s.speaks else ():
+            echo(line, err=line.startswith("note:"))
+        records = sessions.serve_prompts(s, name, prompts, prepared.options, options)
     except (RunnerError, ValueError) as e:
-        fail(str(e))
-    except Exception as e:  # noqa: BLE001 - one line, no traceback
-        fail(f"backend {backend}: {one_line(e)}")
-    out = [{"index": r.index, "prompt_tokens": len(r.prompt), "tokens": r.tokens,
-            **({"text": tok.decode(r.tokens)} if tok is not None else {})} for r in records]
-    for rec in out:
-        echo(f"[{rec['index']}] tokens: " + ",".join(map(str, rec["tokens"]))
-                   + (f"  {rec['text']!r}" if "text" in rec else ""))
-    if json_out is not None:
-        from ..folder.artifacts import atomic_write_bytes
+        fail(f"{s.who if s else ''}{e}")
+    except Exception as e:  # noqa: BLE001 - one line (per rank), no traceback
+        fail(f"{s.who if s else ''}backend {name}: {one_line(e)}")
+    if s.speaks:
+        out = [{"index": r.index, "prompt_tokens": len(r.prompt), "tokens": r.tokens,
+                **({"text": tok.decode(r.tokens)} if tok is not None else {})} for r in records]
+        for rec in out:
+            echo(f"[{rec['index']}] tokens: " + ",".join(map(str, rec["tokens"]))
+                 + (f"  {rec['text']!r}" if "text" in rec else ""))
+        if s.plan.world > 1:
+            echo(f"served on {s.describe(name)}")
+        if json_out is not None:
+            from ..folder.artifacts import atomic_write_bytes
 
-        atomic_write_bytes(json_out, (json.dumps(out, indent=1) + "\n").encode())
+            atomic_write_bytes(json_out, (json.dumps(out, indent=1) + "\n").encode())
+    s.close()
 
 
-def print_pools(cfg, context: int, sequences: int, block_size: int = 16) -> None:
-    """`k3x inspect --context N --sequences S`: pool memory of a serving deployment (bf16 latents)."""
+def print_pools(cfg, context: int, sequences: int, block_size: int = 16, tp: int = 1, ep: int = 1) -> None:
+    """`k3x inspect --context N --sequences S [--tp T --ep E]`: pool memory of a serving deployment (bf16
+    latents), per rank under a plan (its local config: its KDA heads; the latent whole)."""
+    from ..model.parallel import ParallelPlan
     from ..model.state import pool_bytes
     from ..model.summary import format_pools
 
-    echo(format_pools(pool_bytes(cfg, context, sequences, block_size)))
+    plan = ParallelPlan(tp, ep)
+    echo(format_pools(pool_bytes(plan.local_config(cfg), context, sequences, block_size), plan))

@@ -87,10 +87,9 @@ class ExportOptions:
         if self.tp * self.ep > 1 and not set(self.stages()) <= {"pt2", "onnx"}:
             raise config_error(f"--tp/--ep: rank programs are written for --target pt2 and onnx only "
                                 f"(got {list(self.stages())})")
-        if self.tp * self.ep > 1 and (self.max_context is not None or self.serving):
-            what = "the serving step" if self.serving else "the static latent cache"
-            raise config_error(f"--{'serving' if self.serving else 'max-context'}: {what} is not available for rank "
-                               "programs (--tp/--ep > 1)")
+        if self.tp * self.ep > 1 and self.max_context is not None:
+            raise config_error("--max-context: the static latent cache is not available for rank programs "
+                               "(--tp/--ep > 1)")
 
     def plan(self) -> ParallelPlan:
         from ..model.parallel import ParallelPlan

@@ -32,6 +32,7 @@ import torch
 
 from ..model.parallel import ParallelPlan
 from .options import ExportJob, Timed
+from .serving import WEIGHT_PREFIX
 from .tokenizer import copy_tokenizer
 
 COLLECTIVE_PREFIX = "_c10d_functional::"
@@ -54,7 +55,7 @@ def write_ranks(work: Path, job: ExportJob, timed: Timed) -> list[str]:
     `parallel` entry. Called by export/pipeline.export when the plan has more than one rank."""
     from ..folder import artifacts
     from ..model.rank import build_rank_model
-    from .trace import op_counts, save_pt2, trace
+    from .trace import op_counts, save_pt2
 
     options, cfg, plan, dtype = job.options, job.cfg, job.plan, job.dtype
     local = plan.local_config(cfg)
@@ -66,24 +67,26 @@ def write_ranks(work: Path, job: ExportJob, timed: Timed) -> list[str]:
     with timed("trace"):  # rank 0's module (meta without weights); the others swap in
         model = _rank_model(job, 0, full) if options.weights else build_rank_model(cfg, plan, job.model.build,
                                                                                    dtype=dtype)
-        program = trace(model)
+        program = _trace(model, job)
     counts = op_counts(program) | collective_counts(program)
     onnx_model = None
     if "onnx" in options.stages():
         from .onnx import to_onnx_ir
 
         with timed("onnx"):
-            onnx_model = to_onnx_ir(program, local, weights=options.weights)
+            onnx_model = to_onnx_ir(program, local, weights=options.weights, serving=_serving(job, local))
     ranks: list[dict[str, Any]] = []
     for r in range(plan.world if options.weights else 1):
         with timed(f"rank {r}"):
             if r > 0:
-                swap_weights(program, _rank_model(job, r, full).state_dict())
+                prefix = WEIGHT_PREFIX if options.serving else ""  # a serving step holds the model as `lm`
+                swap_weights(program, {prefix + n: t for n, t in _rank_model(job, r, full).state_dict().items()})
                 if onnx_model is not None:
                     swap_initializers(onnx_model, program.state_dict)
             ranks.append(_write_rank(work, r, job, local, counts, program, save_pt2, onnx_model))
     artifacts.init_manifest(work, cfg, dtype=dtype, weights=options.weights, op_counts=counts,
-                            checkpoint=options.checkpoint, checkpoint_hash=job.checkpoint_hash, options=job.model)
+                            checkpoint=options.checkpoint, checkpoint_hash=job.checkpoint_hash, options=job.model,
+                            serving=_serving(job, cfg, top=True))
     notes = [copy_tokenizer(options.checkpoint, work)] if options.checkpoint else []
     data = artifacts.read_manifest(work)
     for r in ranks:
@@ -93,6 +96,33 @@ def write_ranks(work: Path, job: ExportJob, timed: Timed) -> list[str]:
     artifacts._write_json_atomic(work / artifacts.MANIFEST, data)
     return notes + [f"ranks: {len(ranks)} rank folder(s) of {plan.world} ranks (tp={plan.tp}, ep={plan.ep}) "
                     f"in {options.out_dir}"]
+
+
+def _trace(model: torch.nn.Module, job: ExportJob):
+    """The rank program: the batch interface, or the serving step (`--serving`: packed sequences, the rank's
+    own pools) over the same rank module."""
+    if job.options.serving:
+        from .serving import trace_serving
+
+        return trace_serving(model, block_size=job.options.block_size, kernels=job.model.build.kernels.value)
+    from .trace import trace
+
+    return trace(model)
+
+
+def _serving(job: ExportJob, cfg, top: bool = False) -> dict[str, Any] | None:
+    """The manifest's `serving` entry for `cfg`, None without --serving. A rank folder's is its program's (its
+    local config: its own pool shapes); the top manifest's is the whole model's plus `pool_split`: KDA pools
+    hold each rank's heads (split over TP like the heads), the MLA latent pool is replicated on every rank
+    (the latent is shared by all heads: every rank computes the same latents and keeps a full copy)."""
+    if not job.options.serving:
+        return None
+    from .serving import serving_manifest
+
+    entry = serving_manifest(cfg, job.options.block_size)
+    if top:
+        entry["pool_split"] = {"conv": "heads over tp", "recurrent": "heads over tp", "latent": "replicated"}
+    return entry
 
 
 def _rank_model(job: ExportJob, rank: int, full: dict | None) -> torch.nn.Module:
@@ -142,7 +172,8 @@ def _write_rank(work: Path, rank: int, job: ExportJob, local, counts: dict[str, 
     options, plan = job.options, job.plan
     d = work / rank_dir_name(rank)
     artifacts.init_manifest(d, local, dtype=job.dtype, weights=options.weights, op_counts=counts,
-                            checkpoint=options.checkpoint, checkpoint_hash=job.checkpoint_hash, options=job.model)
+                            checkpoint=options.checkpoint, checkpoint_hash=job.checkpoint_hash, options=job.model,
+                            serving=_serving(job, local))
     stages = options.stages()
     if "pt2" in stages:
         with artifacts.write_artifact(d, "pt2", {"weights": options.weights, "rank": rank,
@@ -151,7 +182,7 @@ def _write_rank(work: Path, rank: int, job: ExportJob, local, counts: dict[str, 
     if "onnx" in stages:
         from .onnx import OnnxOptions, onnx_stage
 
-        onnx_stage(d, program, local, OnnxOptions(weights=options.weights), onnx_model)
+        onnx_stage(d, program, local, OnnxOptions(weights=options.weights, serving=_serving(job, local)), onnx_model)
     files = [{"path": f"{d.name}/{f['path']}", "bytes": f["bytes"], "sha256": f["sha256"], "artifact": name}
              for name, a in artifacts.read_manifest(d)["artifacts"].items() for f in a["files"]]
     return {"rank": rank, "tp_rank": plan.tp_rank(rank), "ep_rank": plan.ep_rank(rank), "dir": d.name,

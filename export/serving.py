@@ -15,7 +15,7 @@ import torch
 from torch.export import Dim, ExportedProgram
 
 from ..model.serving import STEP_INPUTS, K3ServingStep, pool_names
-from ..model.state import state_specs
+from ..model.state import pool_dims
 
 if TYPE_CHECKING:
     import onnx_ir as ir
@@ -36,13 +36,13 @@ _EXAMPLE = {"tokens": 11, "seqs": 3, "table_blocks": 5, "logits_rows": 2, "slots
 def serving_manifest(cfg: K3Config, block_size: int) -> dict:
     names = pool_names(cfg)
     return {"block_size": block_size, "inputs": [*STEP_INPUTS, *(p for p, _ in names)],
-            "outputs": ["logits", *(n for _, n in names)],
+            "outputs": ["logits", *(n for _, n in names)], "pools": pool_dims(cfg, block_size),
             "dims": {n: {"min": lo, "opt": opt, "max": hi} for n, (lo, opt, hi) in SERVING_DIMS.items()}}
 
 
 def _dynamic_shapes(cfg: K3Config) -> dict:
     d = {n: Dim(n, min=lo, max=hi) for n, (lo, _, hi) in SERVING_DIMS.items()}
-    pools = [{0: d["blocks"]} if s.kind == "latent" else {0: d["slots"]} for s in state_specs(cfg) if s.layer >= 0]
+    pools = [{0: d[dims[0]]} for dims in pool_dims(cfg, 1).values()]  # slots / blocks
     return {"input_ids": {0: d["tokens"]}, "cu_seqlens": {0: d["seqs"] + 1}, "past_lens": {0: d["seqs"]},
             "slots": {0: d["seqs"]}, "block_table": {0: d["seqs"], 1: d["table_blocks"]},
             "logits_index": {0: d["logits_rows"]}, "pools": pools}
@@ -57,12 +57,8 @@ def example_inputs(cfg: K3Config, block_size: int, *, dtype: torch.dtype, device
     slots = torch.tensor([3, 0, 1], dtype=i32, device=device)
     table = torch.arange(e["seqs"] * e["table_blocks"], dtype=i32, device=device).view(e["seqs"], -1) % e["blocks"]
     rows = torch.tensor([3, 10], dtype=torch.long, device=device)
-    pools = []
-    for s in state_specs(cfg):
-        if s.kind == "latent":
-            pools.append(torch.zeros(e["blocks"], block_size, s.dims[-1], dtype=s.dtype(dtype), device=device))
-        elif s.layer >= 0:
-            pools.append(torch.zeros(s.shape(e["slots"], 0), dtype=torch.float32, device=device))
+    pools = [torch.zeros([e.get(d, d) for d in dims], dtype=dtype if name.endswith(".latent") else torch.float32,
+                         device=device) for name, dims in pool_dims(cfg, block_size).items()]
     return ids, cu, past, slots, table, rows, pools
 
 

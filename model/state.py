@@ -77,6 +77,19 @@ def state_bytes(cfg: K3Config, dtype_bytes: int = 2) -> dict[str, int]:
     return {"kda_state_bytes_per_sequence": kda, "mla_kv_bytes_per_token": mla}
 
 
+def pool_dims(cfg: K3Config, block_size: int) -> dict[str, list[str | int]]:
+    """The serving pools of `cfg` by input name, their first dim named: `pool.{i}.conv|recurrent` ["slots", ...]
+    (fp32), `pool.{i}.latent` ["blocks", block_size, kv_lora + rope] (model dtype). A rank program's are those
+    of its local config: its KDA heads' rows, the whole latent (model/parallel.py)."""
+    out: dict[str, list[str | int]] = {}
+    for s in state_specs(cfg):
+        if s.kind == "latent":
+            out[f"pool.{s.layer}.latent"] = ["blocks", block_size, s.dims[-1]]
+        elif s.layer >= 0:
+            out[f"pool.{s.layer}.{s.kind}"] = ["slots", *s.dims[1:]]
+    return out
+
+
 def blocks_for(positions: int, block_size: int) -> int:
     """Latent blocks of `block_size` positions that hold `positions` positions (a serving deployment's pool)."""
     return -(-positions // block_size)

@@ -90,11 +90,17 @@ def format_summary(s: dict[str, Any]) -> str:
     ])
 
 
-def format_pools(b: dict) -> str:
-    """`k3x inspect --context N --sequences S`: model/state.py `pool_bytes` as lines."""
+def format_pools(b: dict, plan=None) -> str:
+    """`k3x inspect --context N --sequences S`: model/state.py `pool_bytes` as lines. With a plan of more than
+    one rank (`--tp/--ep`), `b` is one rank's (its local config): the figures are per rank."""
+    per, head = "", ""
+    if plan is not None and plan.world > 1:
+        per = " per rank"
+        head = (f" on each of {plan.world} ranks (tp={plan.tp}, ep={plan.ep}: KDA heads split over tp, the MLA "
+                "latent replicated on every rank, experts hold no state)")
     return (f"serving pools for {b['sequences']} sequence(s) x {b['context']:,} positions (block size "
-            f"{b['block_size']}):\n"
-            f"  KDA state:  {b['kda_bytes_per_sequence']:,} B per sequence -> {b['kda_bytes'] / 2**20:,.1f} MiB\n"
-            f"  MLA latent: {b['mla_bytes_per_token']:,} B per token, {b['blocks']:,} blocks -> "
+            f"{b['block_size']}){head}:\n"
+            f"  KDA state:  {b['kda_bytes_per_sequence']:,} B per sequence{per} -> {b['kda_bytes'] / 2**20:,.1f} MiB\n"
+            f"  MLA latent: {b['mla_bytes_per_token']:,} B per token{per}, {b['blocks']:,} blocks -> "
             f"{b['mla_bytes'] / 2**20:,.1f} MiB\n"
-            f"  total: {b['total_bytes'] / 2**30:,.3f} GiB")
+            f"  total{per}: {b['total_bytes'] / 2**30:,.3f} GiB")

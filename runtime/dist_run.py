@@ -11,6 +11,9 @@
   runtime/ort_collectives.py), fed and answering in the rank's own state layout. `WholeStateRunner`: takes
   and returns the single-GPU state (split for this rank, gathered from the TP group and merged), so the
   parity harness (runtime/verify.run_parity) compares every state with the eager model unchanged.
+- Serving (`--serving` rank exports): `rank_serving_runner` is this rank's step over its own pools (its KDA
+  heads' rows, a replica of the latent); `agree_tokens` gives every rank rank 0's tokens each step, so the
+  identical schedulers of all ranks make identical steps (runtime/session.serve_prompts).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from ..folder.artifacts import ExportFolder
 from ..model.parallel import ParallelPlan, merge_states, split_states
 from ..model.state import state_specs
 from .runners import (ARTIFACT_OF, RANK_RUNNERS, Feeds, ModuleRunner, RunnerError, RunnerOptions, load_pt2_artifact,
-                      make_runner)
+                      make_runner, serving_entry)
 
 TIMEOUT_S = int(os.environ.get("K3X_DIST_TIMEOUT_S", "120"))
 
@@ -81,16 +84,47 @@ def rank_runner(folder: ExportFolder, rank: int, options: RunnerOptions, backend
     """This rank's program (hash-checked, no pickles) on this rank's device: on CUDA the whole pt2 program,
     devices baked into its graph included, is moved to cuda:LOCAL_RANK (`move_to_device_pass`); `ort`
     runs the rank's ort-flavor ONNX (its collectives call torch.distributed from ONNX Runtime)."""
-    from torch.export.passes import move_to_device_pass
-
-    if backend not in RANK_RUNNERS:
-        raise RunnerError(f"backend={backend!r}: rank programs run on {sorted(RANK_RUNNERS)}")
+    _check_backend(backend)
     if backend == "ort":
         return make_runner("ort", folder, options)
-    ep = load_pt2_artifact(folder, options, "the rank program")
+    module, dev = _rank_module(folder, options, "the rank program")
+    return ModuleRunner(f"pt2 rank {rank}", module if dev.type == "cpu" else _OnDevice(module, dev), folder.config())
+
+
+def rank_serving_runner(folder: ExportFolder, rank: int, options: RunnerOptions, backend: str = "pt2"):
+    """This rank's serving step (`k3x export --serving --tp/--ep`): the packed step inputs and the rank's own
+    pools (its folder's `serving` entry), on this rank's device (the pools then live there too)."""
+    from .serve import StepModuleRunner, serving_runner
+
+    _check_backend(backend)
+    if backend == "ort":
+        return serving_runner("ort", folder, options)
+    entry = serving_entry(folder)
+    module, dev = _rank_module(folder, options, "the rank's serving step")
+    return StepModuleRunner(f"pt2 rank {rank}", module, entry["inputs"], entry["outputs"],
+                            None if dev.type == "cpu" else str(dev))
+
+
+def agree_tokens(tokens: list[int]) -> list[int]:
+    """Rank 0's tokens on every rank (one broadcast of a step's B ids): every rank runs the same scheduler,
+    whose state depends only on the prompts, the options and these tokens, so the ranks' steps stay identical."""
+    t = torch.tensor(tokens, dtype=torch.int64, device=device())
+    dist.broadcast(t, src=0)
+    return t.tolist()
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in RANK_RUNNERS:
+        raise RunnerError(f"backend={backend!r}: rank programs run on {sorted(RANK_RUNNERS)}")
+
+
+def _rank_module(folder: ExportFolder, options: RunnerOptions, what: str):
+    """(the rank folder's pt2 program as a module, this rank's device); on CUDA moved there."""
+    from torch.export.passes import move_to_device_pass
+
+    ep = load_pt2_artifact(folder, options, what)
     dev = device()
-    module = ep.module() if dev.type == "cpu" else _OnDevice(move_to_device_pass(ep, str(dev)).module(), dev)
-    return ModuleRunner(f"pt2 rank {rank}", module, folder.config())
+    return (ep if dev.type == "cpu" else move_to_device_pass(ep, str(dev))).module(), dev
 
 
 class _OnDevice:

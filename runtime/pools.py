@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ..model.config import K3Config
 from ..model.serving import pool_names
-from ..model.state import blocks_for, state_specs
+from ..model.state import blocks_for, pool_dims
 
 
 class FreeList:
@@ -83,13 +83,10 @@ class CacheAllocator:
 
 def pool_shapes(cfg: K3Config, slots: int, blocks: int, block_size: int, dtype: torch.dtype
                 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    out = {}
-    for s in state_specs(cfg):
-        if s.kind == "latent":
-            out[f"pool.{s.layer}.latent"] = ((blocks, block_size, s.dims[-1]), s.dtype(dtype))
-        elif s.layer >= 0:
-            out[f"pool.{s.layer}.{s.kind}"] = (s.shape(slots, 0), torch.float32)
-    return out
+    """Shape and dtype of every pool (model/state.py `pool_dims` at `slots` slots and `blocks` blocks)."""
+    sizes = {"slots": slots, "blocks": blocks}
+    return {name: (tuple(sizes.get(d, d) for d in dims), dtype if name.endswith(".latent") else torch.float32)
+            for name, dims in pool_dims(cfg, block_size).items()}
 
 
 class StatePools:

@@ -86,10 +86,14 @@ def default_blocks(requests: list[Request], options: ServeOptions) -> int:
 
 def serve(runner, cfg, prompts: Sequence[Sequence[int]], sampling: SamplingOptions,
           options: ServeOptions = ServeOptions(), *, max_new_tokens: Sequence[int] | None = None,
-          dtype: torch.dtype = torch.float32, device: str | None = None) -> list[Record]:
+          dtype: torch.dtype = torch.float32, device: str | None = None, pool_cfg=None,
+          agree: Callable[[list[int]], list[int]] | None = None) -> list[Record]:
     """Generate for every prompt (ids) -> records in input order. `max_new_tokens`: per prompt (default:
     sampling.max_new_tokens for all). The pools live on `device`, by default the runner's (an ORT CUDA session
-    then binds them where they are: a pool on another device would be copied every step)."""
+    then binds them where they are: a pool on another device would be copied every step).
+    Rank programs: `cfg` is the whole model's (token ids), `pool_cfg` the rank program's (its pools: its KDA
+    heads, the whole latent), and `agree` makes each step's chosen tokens the same on every rank
+    (runtime/dist_run.agree_tokens), so every rank's scheduler makes the same steps."""
     device = str(device or getattr(runner, "device", None) or "cpu")
     news = list(max_new_tokens) if max_new_tokens is not None else [sampling.max_new_tokens] * len(prompts)
     if len(news) != len(prompts):
@@ -103,7 +107,7 @@ def serve(runner, cfg, prompts: Sequence[Sequence[int]], sampling: SamplingOptio
         if any(t < 0 or t >= cfg.vocab_size for t in r.prompt):
             raise ValueError(f"prompt {r.id}: token ids must be in [0, {cfg.vocab_size})")
         sched.add(r)
-    pools = StatePools(cfg, slots=options.max_sequences, blocks=blocks, block_size=options.block_size,
+    pools = StatePools(pool_cfg or cfg, slots=options.max_sequences, blocks=blocks, block_size=options.block_size,
                        dtype=dtype, device=device)
     records = [Record(r.id, list(r.prompt)) for r in requests]
     seed = sampling.seed
@@ -114,13 +118,13 @@ def serve(runner, cfg, prompts: Sequence[Sequence[int]], sampling: SamplingOptio
         feeds = {**step.feeds, **pools.tensors}
         out = runner.infer(feeds)
         pools.write_back(feeds, out)
-        logits = out["logits"]
-        chosen = {}
-        for j, rid in enumerate(step.due):
-            row = logits[j: j + 1].float()
-            chosen[rid] = int(samplers[rid](row)[0])
-            records[rid].tokens.append(chosen[rid])
+        rows = out["logits"].float()
+        picks = [int(samplers[rid](rows[j: j + 1])[0]) for j, rid in enumerate(step.due)]
+        if agree is not None and picks:  # every rank has the same due sequences
+            picks = agree(picks)
+        for j, (rid, token) in enumerate(zip(step.due, picks)):
+            records[rid].tokens.append(token)
             if options.keep_logits:
-                records[rid].logits.append(row[0].cpu())
-        sched.commit(step, chosen)
+                records[rid].logits.append(rows[j].cpu())
+        sched.commit(step, dict(zip(step.due, picks)))
     return records

@@ -6,6 +6,8 @@ entry and gives whole-state runners either way, so `run`, `logits` and `verify` 
   processes) every rank opens its own program behind `dist_run.WholeStateRunner` (the single-GPU state in and
   out: split for the rank, gathered over TP and merged), so the decode loop and the parity harness are the
   ones of a single program. Rank 0 speaks (`Session.speaks`).
+- `open_serving` / `serve_prompts`: the serving step of a `--serving` export of any rank count and
+  continuous batching over it (`k3x run --prompts`); on rank programs every rank schedules alike.
 - `verify_session`: parity of every backend against the eager model (runtime/verify.run_parity); for rank
   programs also the greedy tokens, which catch a wrong rank layout the first steps might hide.
 """
@@ -37,6 +39,7 @@ class Session:
     plan: ParallelPlan  # 1 x 1 for one program
     rank: int = 0
     runners: dict[str, Runner] = field(default_factory=dict)  # whole-state runners by backend
+    pool_cfg: K3Config | None = None  # a serving session on rank programs: this rank's config (its pools)
     notes: list[str] = field(default_factory=list)  # lines for the user (printed by the speaking rank)
 
     @property
@@ -116,10 +119,7 @@ def backends_of(export_dir: Folder, requested: list[str], *, default_ort: bool =
 def open_session(export_dir: Folder, backends: list[str], options: RunnerOptions = RunnerOptions()) -> Session:
     """Runners for `backends` over the export folder, whatever its rank count (rank programs: inside a
     launcher, see `world_to_spawn`). RunnerError (one line) when a runner cannot be built."""
-    folder = open_folder(export_dir)
-    found = _parallel(folder)
-    s = Session(folder.path, folder.config(), folder.options().cache, folder.dtype(),
-                folder.manifest["dynamic_dims"], ParallelPlan(1, 1) if found is None else found[1])
+    folder, s, found = _start(export_dir)
     if found is None:
         s.runners = {b: make_runner(b, folder, options) for b in backends}
         return s
@@ -127,17 +127,65 @@ def open_session(export_dir: Folder, backends: list[str], options: RunnerOptions
     return s
 
 
+def _start(export_dir: Folder) -> tuple[ExportFolder, Session, tuple[dict, ParallelPlan] | None]:
+    """(the folder, a session without runners, its `parallel` entry and plan or None for one program)."""
+    folder = open_folder(export_dir)
+    found = _parallel(folder)
+    s = Session(folder.path, folder.config(), folder.options().cache, folder.dtype(),
+                folder.manifest["dynamic_dims"], ParallelPlan(1, 1) if found is None else found[1])
+    return folder, s, found
+
+
 def _open_ranks(s: Session, data: dict, backends: list[str], options: RunnerOptions) -> None:
+    from . import dist_run
+
+    own, tp_pg = _own_folder(s, data)
+    local = own.config()
+    for b in backends:
+        mine = dist_run.rank_runner(own, s.rank, options, b)
+        s.runners[b] = dist_run.WholeStateRunner(mine, s.cfg, local, s.plan, s.rank, tp_pg, b)
+
+
+def _own_folder(s: Session, data: dict) -> tuple[ExportFolder, object]:
+    """(this rank's folder, opened once; its TP process group) after joining the ranks (inside a launcher)."""
     from . import dist_run
 
     if len(data["parallel"]["ranks"]) != s.plan.world:
         raise RunnerError(f"{s.export_dir}: weightless rank export (exported with --no-weights); it cannot run")
     s.rank, tp_pg = dist_run.init(s.plan)
-    own = open_folder(rank_folder(s.export_dir, data, s.rank))  # this rank's folder, opened once
-    local = own.config()
-    for b in backends:
-        mine = dist_run.rank_runner(own, s.rank, options, b)
-        s.runners[b] = dist_run.WholeStateRunner(mine, s.cfg, local, s.plan, s.rank, tp_pg, b)
+    return open_folder(rank_folder(s.export_dir, data, s.rank)), tp_pg
+
+
+def open_serving(export_dir: Folder, backend: str, options: RunnerOptions = RunnerOptions()) -> Session:
+    """The serving-step runner of a `k3x export --serving` folder of any rank count (`runners[backend]`): one
+    program's (runtime/serve.serving_runner) or, inside a launcher, this rank's step with `pool_cfg` its own
+    config (its pools: its KDA heads, the whole replicated latent)."""
+    from .serve import serving_runner
+
+    folder, s, found = _start(export_dir)
+    if found is None:
+        s.runners = {backend: serving_runner(backend, folder, options)}
+        return s
+    from . import dist_run
+
+    own, _ = _own_folder(s, found[0])
+    s.pool_cfg = own.config()
+    s.runners = {backend: dist_run.rank_serving_runner(own, s.rank, options, backend)}
+    return s
+
+
+def serve_prompts(s: Session, backend: str, prompts: list[list[int]], sampling, options, *,
+                  max_new_tokens: list[int] | None = None):
+    """Continuous batching (runtime/serve.serve) on the session's serving step. Rank programs: every rank runs
+    the same scheduler over the same prompts and takes rank 0's tokens each step (dist_run.agree_tokens), so
+    the packed inputs agree on every rank without being sent; only B token ids cross per step."""
+    from .serve import serve
+
+    agree = None
+    if s.plan.world > 1:
+        from .dist_run import agree_tokens as agree
+    return serve(s.runners[backend], s.cfg, prompts, sampling, options, max_new_tokens=max_new_tokens, dtype=s.dtype,
+                 pool_cfg=s.pool_cfg, agree=agree)
 
 
 def check(s: Session, *, batch: int, prompt_len: int, new_tokens: int, backends: list[str]) -> None:

@@ -5,7 +5,7 @@ carries each rank's ONNX (collectives as nodes), verified through ONNX Runtime i
 its trt flavor builds with TensorRT-RTX.
 
 One export per layout (module scope; the TP=2 one serves the parity and the `k3x run` tests). Every launch is
-a subprocess with a timeout and a bounded gloo timeout (K3X_DIST_TIMEOUT_S), so a broken launcher fails the
+a subprocess (tests/dist_launch.py) with a timeout and a bounded gloo timeout, so a broken launcher fails the
 test instead of hanging it. Cost on the 2-core machine: dominated by torch.export.load of each rank's
 program (~6 CPU-s each), one trace (+ one ONNX conversion) per layout, and the 4-process verify.
 """
@@ -23,6 +23,7 @@ from pathlib import Path
 import onnx
 import pytest
 import torch
+from dist_launch import LAUNCH_TIMEOUT_S, env, launch
 from typer.testing import CliRunner
 
 import k3x
@@ -30,24 +31,6 @@ from k3x.checkpoint.files import save_checkpoint
 from k3x.cli import app
 from k3x.folder.artifacts import ExportFolder, read_manifest
 from k3x.model import build_model, preset
-
-LAUNCH_TIMEOUT_S = 300
-
-
-def _env() -> dict[str, str]:
-    root = str(Path(k3x.__file__).parent.parent)  # so `-m k3x` resolves in the ranks as it does here
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
-            "K3X_DIST_TIMEOUT_S": "90", "OMP_NUM_THREADS": "1"}
-
-
-def launch(args: list[str], *, torchrun: int | None) -> subprocess.CompletedProcess:
-    pre = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}",
-           "-m", "k3x"] if torchrun else [sys.executable, "-m", "k3x"]
-    try:
-        return subprocess.run(pre + args, env=_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"launch timed out after {LAUNCH_TIMEOUT_S} s: {' '.join(args)}\n{(e.stdout or '')[-2000:]}")
-
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
@@ -195,9 +178,9 @@ def test_rank_trt_onnx_builds_with_collective_plugins(tp2ep2, tmp_path):
     root = Path(k3x.__file__).parent
     link = subprocess.run([str(root / "scripts/setup_trt_rtx.sh"), "--print-only", sys.prefix], check=True,
                           capture_output=True, text=True).stdout.strip()
-    env = _env() | {"LD_LIBRARY_PATH": f"{link}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+    rtx_env = env() | {"LD_LIBRARY_PATH": f"{link}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
     r = subprocess.run([sys.executable, "-m", "k3x", "build-engine", str(rank), "--runtime", "trt-rtx", "--sm", "89"],
-                       env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+                       env=rtx_env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     blob = (rank / "model.engine").read_bytes()
     for needle in (b"AllReduce", b"AllGather", b"k3x_tp", b"k3x_ep", b"group_size"):
