@@ -1,0 +1,135 @@
+"""ORT prefill on the serving step against the fp32 GEMM bound measured in the same run (issue 20).
+
+One sequence's prompt of --prompt tokens as one serving step (ORT serving runner, serving export of `--preset`,
+default k3-bench; or `--export DIR`) against the GEMM bound: torch matmuls of the model's own weight shapes on
+the same rows with the same thread count -- every linear layer on the prompt's rows (the head on the one
+logits row the step computes), the router, and each routed expert's gate/up/down on its share of the
+prompt x top_k routed rows (balanced). bound tokens/s = prompt / (time of those matmuls); efficiency =
+ORT tokens/s / bound (goal >= 80%). The two are interleaved in rounds (median and spread). ONNX Runtime's node
+profile of the prefill steps gives the top ops (function bodies by function/step, other nodes by op type).
+
+    python -m k3x.bench.serving_prefill [--preset k3-bench] [--export DIR] [--prompt 512] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from k3x.bench.serving_steps import (StepCase, common_args, fmt, open_serving, serving_folder, summary,
+                                     timed_rounds, write_json)
+
+
+def gemm_shapes(cfg, prompt: int) -> list[tuple[int, int, int, int]]:
+    """(count, rows, in, out) of the matmuls of one prefill of `prompt` tokens (weights of a meta model)."""
+    from torch import nn
+
+    from k3x.model import build_model
+    from k3x.model.moe import Router, StackedExperts
+
+    model = build_model(cfg, device="meta", seed=None)
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            out.append((1, 1 if name.endswith("lm_head") else prompt, m.in_features, m.out_features))
+        elif isinstance(m, StackedExperts):  # routed experts, [E, I, L] / [E, L, I]
+            E, inter, latent = m.w1.shape
+            rows = math.ceil(prompt * cfg.moe.top_k / E)
+            out += [(2 * E, rows, latent, inter), (E, rows, inter, latent)]
+        elif isinstance(m, Router):
+            out.append((1, prompt, m.weight.shape[1], m.weight.shape[0]))
+    return out
+
+
+def gemm_timer(shapes: list[tuple[int, int, int, int]]):
+    """(a function timing one pass over every matmul, its FLOPs). Distinct weights per count (no cache reuse
+    a real model does not get)."""
+    import torch
+
+    mats = [(torch.randn(r, i), [torch.randn(i, o) for _ in range(c)]) for c, r, i, o in shapes]
+    flops = sum(2 * c * r * i * o for c, r, i, o in shapes)
+
+    def one() -> float:
+        t = time.perf_counter()
+        for x, ws in mats:
+            for w in ws:
+                torch.mm(x, w)
+        return time.perf_counter() - t
+    one(), one()  # torch's thread pool and kernels warmed up
+    return one, flops
+
+
+def top_ops(profile: Path, skip_runs: set[int], n: int = 12) -> list[dict]:
+    """Node kernel time by group over the profiled runs not in `skip_runs`: an inlined function body's nodes
+    as `<function>/<step>: <op>`, other nodes as `graph: <op>` -> the `n` largest (ms per run, share)."""
+    from k3x.bench.serving_steps import _INLINED, kernel_nodes, run_of
+
+    events = json.loads(profile.read_text())
+    starts = [e["ts"] for e in events if e.get("name") == "model_run"]
+    keep = [i for i in range(len(starts)) if i not in skip_runs]
+    by = defaultdict(float)
+    for e in kernel_nodes(events):
+        if run_of(e, starts) in skip_runs:
+            continue
+        m = _INLINED.search(e["name"])
+        step = e["name"][m.end():].split("/")[0] if m else ""
+        by[f"{m.group(1)}/{step}" if m else "graph"] += e["dur"]
+        by[(f"{m.group(1)}/{step}" if m else "graph") + ": " + e["args"]["op_name"]] += e["dur"]
+    total = sum(v for k, v in by.items() if ": " not in k)
+    ranked = sorted(((k, v) for k, v in by.items() if ": " in k), key=lambda kv: -kv[1])[:n]
+    return [{"op": k, "ms_per_run": v / 1e3 / len(keep), "share": v / total} for k, v in ranked]
+
+
+def measure(path: Path, a: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory(prefix="k3x-prof-") as tmp:
+        runner, cfg, bs = open_serving(path, a.threads, profile=str(Path(tmp) / "ort"))
+        shapes = gemm_shapes(cfg, a.prompt)
+        gemm, flops = gemm_timer(shapes)
+        case = StepCase(cfg, batch=1, positions=a.prompt, capacity=a.prompt, block_size=bs)
+        ms = timed_rounds({"ort": case.timer(runner, a.prompt, 0), "gemm": gemm}, a.rounds, a.repeats)
+        ops = top_ops(Path(runner.session.end_profiling()), skip_runs={0})
+    rounds = range(a.rounds)
+    return {"preset": cfg.name, "threads": a.threads, "prompt": a.prompt, "rounds": a.rounds, "repeats": a.repeats,
+            "gemm_gflop_per_token": flops / a.prompt / 1e9,
+            "ort_prefill_ms": summary(ms["ort"]), "gemm_ms": summary(ms["gemm"]),
+            "ort_tokens_per_s": summary([a.prompt * 1e3 / x for x in ms["ort"]]),
+            "gemm_bound_tokens_per_s": summary([a.prompt * 1e3 / x for x in ms["gemm"]]),
+            "gemm_gflop_per_s": summary([flops / x / 1e6 for x in ms["gemm"]]),
+            "efficiency": summary([ms["gemm"][i] / ms["ort"][i] for i in rounds]), "top_ops": ops}
+
+
+def table(r: dict) -> str:
+    rows = [("ORT prefill (ms)", fmt(r["ort_prefill_ms"], 1)), ("GEMM bound: the model's matmuls (ms)",
+                                                                  fmt(r["gemm_ms"], 1)),
+            ("fp32 GEMM speed (GFLOP/s)", fmt(r["gemm_gflop_per_s"], 1)),
+            ("ORT prefill tokens/s", fmt(r["ort_tokens_per_s"], 1)),
+            ("GEMM-bound tokens/s", fmt(r["gemm_bound_tokens_per_s"], 1)),
+            ("efficiency ORT / bound (goal >= 0.80)", fmt(r["efficiency"], 3))]
+    lines = [f"{r['preset']}, CPU, {r['threads']} threads, one {r['prompt']}-token prompt as one serving step "
+             f"({r['gemm_gflop_per_token']:.3f} GFLOP/token of GEMMs; median [lowest-highest] of {r['rounds']} "
+             f"rounds x {r['repeats']}):"] + [f"  {k:<40} {v:>26}" for k, v in rows]
+    lines.append("  top ops of the ORT prefill (node kernel time per step, share of all nodes):")
+    lines += [f"    {o['op']:<40} {o['ms_per_run']:>9.1f} ms {100 * o['share']:>5.1f}%" for o in r["top_ops"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common_args(p)
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=2, help="timed prefills (and GEMM passes) per round")
+    a = p.parse_args(argv)
+    with serving_folder(a) as path:
+        r = measure(path, a)
+    print(table(r))
+    write_json(a.json, r)
+    return r
+
+
+if __name__ == "__main__":
+    main()
