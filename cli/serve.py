@@ -74,9 +74,13 @@ def run_prompts(export_dir: Path, prompts: list[list[int]] | Path, prepared, bac
         atomic_write_bytes(json_out, (json.dumps(out, indent=1) + "\n").encode())
 
 
-def print_pools(cfg, context: int, sequences: int, block_size: int = 16) -> None:
-    """`k3x inspect --context N --sequences S`: pool memory of a serving deployment (bf16 latents)."""
+def print_pools(cfg, context: int, sequences: int, block_size: int = 16, dtype: str = "bf16") -> None:
+    """`k3x inspect --context N --sequences S [--dtype]`: pool memory of a serving deployment (latents in the
+    model dtype, `dtype`: bf16 | fp32; KDA states are fp32 either way)."""
+    import torch
+
     from ..model.state import pool_bytes
     from ..model.summary import format_pools
 
-    echo(format_pools(pool_bytes(cfg, context, sequences, block_size)))
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    echo(format_pools(pool_bytes(cfg, context, sequences, block_size, dtype=torch_dtype)))
