@@ -15,7 +15,10 @@ Memory, from the process's resident set (/proc/self/status; ORT's arena is off, 
 The prediction is model/state.py `pool_bytes` for one sequence of the served positions in the export's dtype:
 what `k3x inspect --checkpoint CKPT --context N --sequences 1 --dtype fp32` prints. Goal: steady within 10%.
 
-    python -m k3x.bench.serving_long [--preset k3-mini] [--prompt 131072] [--chunk 512] [--new-tokens 4] [--json out]
+--tail runs only the prompt's last chunk and the decode, on pools holding (random) state for every earlier
+position: the memory at the full context in minutes, where the whole prefill takes hours on a small CPU.
+
+    python -m k3x.bench.serving_long [--preset k3-mini] [--prompt 131072] [--chunk 512] [--new-tokens 4] [--tail]
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -132,11 +136,50 @@ def measure(path: Path, a: argparse.Namespace) -> dict:
             "inspect": f"k3x inspect --checkpoint CKPT --context {positions} --sequences 1 --dtype fp32"}
 
 
+def measure_tail(path: Path, a: argparse.Namespace) -> dict:
+    """--tail: the end of the long prompt only. The pools hold random state for every position before the
+    last chunk (as a full prefill would leave them: every page written), then the last --chunk tokens of the
+    prompt as one step and the decode steps, each written back in place (runtime/pools.py): the steady and
+    peak memory at the full context without the hours of the whole prefill on a small CPU."""
+    import torch
+
+    from k3x.bench.serving_steps import StepCase
+    from k3x.model.state import pool_bytes
+
+    libc = libc_malloc()
+    runner, cfg, bs = open_serving(path, a.threads)
+    positions = a.prompt + a.new_tokens - 1
+    warm = StepCase(cfg, batch=1, positions=a.chunk, capacity=a.chunk, block_size=bs)
+    runner.infer(warm.feeds(a.chunk, 0))
+    del warm
+    if libc is not None:
+        libc.malloc_trim(0)
+    base = status_kib("VmRSS")
+    reset_peak()
+    case = StepCase(cfg, batch=1, positions=positions, capacity=positions, block_size=bs)
+    watched = Watched(runner, libc)
+    steps = [(a.chunk, a.prompt - a.chunk)] + [(1, a.prompt + i) for i in range(a.new_tokens - 1)]
+    for tokens, past in steps:
+        feeds = case.feeds(tokens, past)
+        case.pools.write_back(feeds, watched.infer(feeds))
+    peak = status_kib("VmHWM")
+    predicted = pool_bytes(cfg, positions, 1, bs, dtype=torch.float32)
+    steady = (max(watched.rss) - base) * 1024
+    return {"preset": cfg.name, "threads": a.threads, "prompt": a.prompt, "chunk": a.chunk, "tail": True,
+            "new_tokens": a.new_tokens, "positions": positions, "steps": len(steps),
+            "seconds": sum(watched.seconds), "prefill_tokens_per_s": a.chunk / watched.seconds[0],
+            "decode_ms": 1e3 * statistics.median(watched.seconds[1:] or [float("nan")]),
+            "baseline_bytes": base * 1024, "predicted_pool_bytes": predicted["total_bytes"],
+            "steady_bytes": steady, "steady_over_predicted": steady / predicted["total_bytes"],
+            "peak_bytes": (peak - base) * 1024, "peak_step_temporaries_bytes": (peak - base) * 1024 - steady,
+            "inspect": f"k3x inspect --checkpoint CKPT --context {positions} --sequences 1 --dtype fp32"}
+
+
 def table(r: dict) -> str:
     mib = 2 ** 20
     rows = [("served: prompt + decoded tokens", f"{r['prompt']:,} + {r['new_tokens']} in {r['steps']} steps"),
             ("wall time (s)", f"{r['seconds']:.1f}"),
-            ("prefill tokens/s (chunks of {:,})".format(r["chunk"]), f"{r['prefill_tokens_per_s']:.1f}"),
+            ("prefill tokens/s (chunks of {:,}{})".format(r["chunk"], ", last only" if r.get("tail") else ""), f"{r['prefill_tokens_per_s']:.1f}"),
             ("decode ms/token at the end", f"{r['decode_ms']:.1f}"),
             ("process baseline RSS (MiB)", f"{r['baseline_bytes'] / mib:.1f}"),
             ("pools predicted (MiB, pool_bytes = inspect)", f"{r['predicted_pool_bytes'] / mib:.1f}"),
@@ -144,7 +187,9 @@ def table(r: dict) -> str:
             ("steady / predicted (goal within 10%)", f"{r['steady_over_predicted']:.3f}"),
             ("peak RSS over baseline (MiB)", f"{r['peak_bytes'] / mib:.1f}"),
             ("  of which the largest step's temporaries", f"{r['peak_step_temporaries_bytes'] / mib:.1f}")]
-    head = f"{r['preset']} (context raised), ORT CPU, {r['threads']} threads, one long prompt through serve():"
+    how = ("its last chunk and the decode on pools as the prefill leaves them (--tail)" if r.get("tail")
+           else "through serve()")
+    head = f"{r['preset']} (context raised), ORT CPU, {r['threads']} threads, one long prompt, {how}:"
     return "\n".join([head] + [f"  {k:<46} {v:>22}" for k, v in rows])
 
 
@@ -157,10 +202,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--chunk", type=int, default=512, help="tokens per step (the prefill's chunks)")
     p.add_argument("--new-tokens", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tail", action="store_true", help="only the last chunk and the decode (see measure_tail)")
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
     with long_export(a) as path:
-        r = measure(path, a)
+        r = (measure_tail if a.tail else measure)(path, a)
     print(table(r))
     write_json(a.json, r)
     return r

@@ -64,10 +64,11 @@ def gemm_timer(shapes: list[tuple[int, int, int, int]]):
     return one, flops
 
 
-def top_ops(profile: Path, skip_runs: set[int], n: int = 12) -> list[dict]:
-    """Node kernel time by group over the profiled runs not in `skip_runs`: an inlined function body's nodes
-    as `<function>/<step>: <op>`, other nodes as `graph: <op>` -> the `n` largest (ms per run, share)."""
-    from k3x.bench.serving_steps import _INLINED, kernel_nodes, run_of
+def top_ops(profile: Path, skip_runs: set[int], n: int = 12) -> tuple[list[dict], list[dict]]:
+    """Node kernel time over the profiled runs not in `skip_runs`, an inlined function body's nodes as
+    `<function>/<step>: <op>`, other nodes as `graph: <op>` -> (the `n` largest ops, every group without the
+    op), each with ms per run and share."""
+    from k3x.bench.serving_steps import INLINED, kernel_nodes, run_of
 
     events = json.loads(profile.read_text())
     starts = [e["ts"] for e in events if e.get("name") == "model_run"]
@@ -76,13 +77,14 @@ def top_ops(profile: Path, skip_runs: set[int], n: int = 12) -> list[dict]:
     for e in kernel_nodes(events):
         if run_of(e, starts) in skip_runs:
             continue
-        m = _INLINED.search(e["name"])
+        m = INLINED.search(e["name"])
         step = e["name"][m.end():].split("/")[0] if m else ""
         by[f"{m.group(1)}/{step}" if m else "graph"] += e["dur"]
         by[(f"{m.group(1)}/{step}" if m else "graph") + ": " + e["args"]["op_name"]] += e["dur"]
     total = sum(v for k, v in by.items() if ": " not in k)
-    ranked = sorted(((k, v) for k, v in by.items() if ": " in k), key=lambda kv: -kv[1])[:n]
-    return [{"op": k, "ms_per_run": v / 1e3 / len(keep), "share": v / total} for k, v in ranked]
+    ranked = sorted(by.items(), key=lambda kv: -kv[1])
+    row = [{"op": k, "ms_per_run": v / 1e3 / len(keep), "share": v / total} for k, v in ranked]
+    return [o for o in row if ": " in o["op"]][:n], [o for o in row if ": " not in o["op"]]
 
 
 def measure(path: Path, a: argparse.Namespace) -> dict:
@@ -92,7 +94,7 @@ def measure(path: Path, a: argparse.Namespace) -> dict:
         gemm, flops = gemm_timer(shapes)
         case = StepCase(cfg, batch=1, positions=a.prompt, capacity=a.prompt, block_size=bs)
         ms = timed_rounds({"ort": case.timer(runner, a.prompt, 0), "gemm": gemm}, a.rounds, a.repeats)
-        ops = top_ops(Path(runner.session.end_profiling()), skip_runs={0})
+        ops, groups = top_ops(Path(runner.session.end_profiling()), skip_runs={0})
     rounds = range(a.rounds)
     return {"preset": cfg.name, "threads": a.threads, "prompt": a.prompt, "rounds": a.rounds, "repeats": a.repeats,
             "gemm_gflop_per_token": flops / a.prompt / 1e9,
@@ -100,7 +102,8 @@ def measure(path: Path, a: argparse.Namespace) -> dict:
             "ort_tokens_per_s": summary([a.prompt * 1e3 / x for x in ms["ort"]]),
             "gemm_bound_tokens_per_s": summary([a.prompt * 1e3 / x for x in ms["gemm"]]),
             "gemm_gflop_per_s": summary([flops / x / 1e6 for x in ms["gemm"]]),
-            "efficiency": summary([ms["gemm"][i] / ms["ort"][i] for i in rounds]), "top_ops": ops}
+            "efficiency": summary([ms["gemm"][i] / ms["ort"][i] for i in rounds]), "top_ops": ops,
+            "groups": groups}
 
 
 def table(r: dict) -> str:
@@ -115,6 +118,8 @@ def table(r: dict) -> str:
              f"rounds x {r['repeats']}):"] + [f"  {k:<40} {v:>26}" for k, v in rows]
     lines.append("  top ops of the ORT prefill (node kernel time per step, share of all nodes):")
     lines += [f"    {o['op']:<40} {o['ms_per_run']:>9.1f} ms {100 * o['share']:>5.1f}%" for o in r["top_ops"]]
+    lines.append("  by function body step (graph: nodes outside the k3 function bodies):")
+    lines += [f"    {o['op']:<40} {o['ms_per_run']:>9.1f} ms {100 * o['share']:>5.1f}%" for o in r["groups"]]
     return "\n".join(lines)
 
 

@@ -128,8 +128,8 @@ def fmt(s: dict[str, float], digits: int = 2) -> str:
     return f"{s['median']:.{digits}f} [{s['low']:.{digits}f}-{s['high']:.{digits}f}]"
 
 
-_INLINED = re.compile(r"_inlfunc_([A-Za-z0-9]+?)_(?:token_\d+_)?\1/")  # ORT's names of an inlined call's nodes
-_LAYER = re.compile(r"layers\.(\d+)/")
+INLINED = re.compile(r"_inlfunc_([A-Za-z0-9]+?)_(?:token_\d+_)?\1/")  # ORT's names of an inlined call's nodes
+LAYER = re.compile(r"layers\.(\d+)/")
 MIXER_FUNCTIONS = ("KDAPacked", "MLAPaged")
 CONTROL_FLOW = ("Loop", "If", "Scan")  # their subgraphs' nodes are profiled too: counted there, not twice
 
@@ -164,12 +164,12 @@ def inlined_callers(nodes: list[dict], callers: dict[str, list[str]]) -> dict[st
     nodes in one run, the j-th call is the function's j-th caller -> {call prefix: caller node name}."""
     where: dict[str, list[int]] = defaultdict(list)
     for i, e in enumerate(sorted(nodes, key=lambda e: e["ts"])):
-        m = _INLINED.search(e["name"])
+        m = INLINED.search(e["name"])
         if m:
             where[m.group(0)].append(i)
     by_fn: dict[str, list[str]] = defaultdict(list)
     for call in sorted(where, key=lambda c: statistics.median(where[c])):
-        by_fn[_INLINED.search(call).group(1)].append(call)
+        by_fn[INLINED.search(call).group(1)].append(call)
     out = {}
     for fn, calls in by_fn.items():
         if len(calls) != len(callers.get(fn, ())):
@@ -181,10 +181,10 @@ def inlined_callers(nodes: list[dict], callers: dict[str, list[str]]) -> dict[st
 def node_part(name: str, inlined: dict[str, str], layer_types: tuple[str, ...]) -> tuple[str, bool]:
     """(layer kind: kda | mla | other, whether it is the mixer's own work) of a profiled node."""
     mixer = "/self_attn/" in name
-    m = _INLINED.search(name)
+    m = INLINED.search(name)
     if m:
         name, mixer = inlined[m.group(0)], m.group(1) in MIXER_FUNCTIONS
-    layer = _LAYER.search(name)
+    layer = LAYER.search(name)
     return (layer_types[int(layer.group(1))] if layer else "other"), mixer
 
 

@@ -83,3 +83,10 @@ def test_long_prompt_memory(mini_serving, tmp_path):
 
     assert r["predicted_pool_bytes"] == pool_bytes(preset("k3-mini"), 302, 1, 8, dtype=torch.float32)["total_bytes"]
     assert r["peak_bytes"] >= r["steady_bytes"] > 0
+
+
+def test_long_prompt_tail(mini_serving, tmp_path):
+    r = _run(serving_long.main, mini_serving, tmp_path, "--prompt", "1000", "--chunk", "100", "--new-tokens", "2",
+             "--tail")
+    assert (r["tail"], r["steps"], r["positions"]) == (True, 2, 1001)  # the last chunk, one decode step
+    assert r["peak_bytes"] >= r["steady_bytes"] >= r["predicted_pool_bytes"] > 0  # the pools' pages are written
