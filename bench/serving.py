@@ -17,8 +17,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from k3x.bench.serving_steps import (StepCase, common_args, fmt, open_serving, serving_folder, summary,
-                                     timed_rounds, write_json)
+from k3x.bench.serving_steps import StepCase, fmt, open_serving, run_bench, summary, timed_rounds
 
 
 def measure(path: Path, a: argparse.Namespace) -> dict:
@@ -55,20 +54,16 @@ def table(r: dict) -> str:
     return "\n".join([head] + [f"  {k:<46} {v:>28}" for k, v in rows])
 
 
-def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common_args(p)
+def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--large", type=int, default=1 << 20)
     p.add_argument("--small", type=int, default=4096)
     p.add_argument("--positions", type=int, default=64)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--repeats", type=int, default=6, help="timed steps of each case per round")
-    a = p.parse_args(argv)
-    with serving_folder(a) as path:
-        r = measure(path, a)
-    print(table(r))
-    write_json(a.json, r)
-    return r
+
+
+def main(argv: list[str] | None = None) -> dict:
+    return run_bench(argv, __doc__, arguments, measure, table)
 
 
 if __name__ == "__main__":

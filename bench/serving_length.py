@@ -19,13 +19,14 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from k3x.bench.serving_steps import (StepCase, common_args, fmt, function_callers, open_serving, profile_runs,
-                                     serving_folder, summary, timed_rounds, write_json)
+from k3x.bench.serving_steps import (StepCase, fmt, function_callers, open_serving, profile_runs, run_bench,
+                                     summary, timed_rounds)
 
 PARTS = ("kda", "mla", "other", "kda_mixer", "mla_mixer")
 
 
-def measure(path: Path, a: argparse.Namespace, lengths: list[int]) -> dict:
+def measure(path: Path, a: argparse.Namespace) -> dict:
+    lengths = [int(x) for x in a.lengths.split(",")]
     with tempfile.TemporaryDirectory(prefix="k3x-prof-") as tmp:
         runner, cfg, bs = open_serving(path, a.threads, profile=str(Path(tmp) / "ort"))
         order: list[int] = []
@@ -64,18 +65,13 @@ def table(r: dict) -> str:
     return "\n".join(lines + ["  (ms of node kernel time; layers = mixer + AttnRes + MLP of KDA / MLA layers)"])
 
 
-def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common_args(p)
+def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", default="1024,16384,65536")
     p.add_argument("--repeats", type=int, default=4, help="timed steps of each length per round")
-    a = p.parse_args(argv)
-    lengths = [int(x) for x in a.lengths.split(",")]
-    with serving_folder(a) as path:
-        r = measure(path, a, lengths)
-    print(table(r))
-    write_json(a.json, r)
-    return r
+
+
+def main(argv: list[str] | None = None) -> dict:
+    return run_bench(argv, __doc__, arguments, measure, table)
 
 
 if __name__ == "__main__":

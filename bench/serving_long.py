@@ -179,7 +179,8 @@ def table(r: dict) -> str:
     mib = 2 ** 20
     rows = [("served: prompt + decoded tokens", f"{r['prompt']:,} + {r['new_tokens']} in {r['steps']} steps"),
             ("wall time (s)", f"{r['seconds']:.1f}"),
-            ("prefill tokens/s (chunks of {:,}{})".format(r["chunk"], ", last only" if r.get("tail") else ""), f"{r['prefill_tokens_per_s']:.1f}"),
+            ("prefill tokens/s (chunks of {:,}{})".format(r["chunk"], ", last only" if r.get("tail") else ""),
+             f"{r['prefill_tokens_per_s']:.1f}"),
             ("decode ms/token at the end", f"{r['decode_ms']:.1f}"),
             ("process baseline RSS (MiB)", f"{r['baseline_bytes'] / mib:.1f}"),
             ("pools predicted (MiB, pool_bytes = inspect)", f"{r['predicted_pool_bytes'] / mib:.1f}"),

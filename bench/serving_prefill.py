@@ -21,8 +21,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from k3x.bench.serving_steps import (StepCase, common_args, fmt, open_serving, serving_folder, summary,
-                                     timed_rounds, write_json)
+from k3x.bench.serving_steps import StepCase, fmt, open_serving, run_bench, summary, timed_rounds
 
 
 def gemm_shapes(cfg, prompt: int) -> list[tuple[int, int, int, int]]:
@@ -123,17 +122,13 @@ def table(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common_args(p)
+def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--repeats", type=int, default=2, help="timed prefills (and GEMM passes) per round")
-    a = p.parse_args(argv)
-    with serving_folder(a) as path:
-        r = measure(path, a)
-    print(table(r))
-    write_json(a.json, r)
-    return r
+
+
+def main(argv: list[str] | None = None) -> dict:
+    return run_bench(argv, __doc__, arguments, measure, table)
 
 
 if __name__ == "__main__":

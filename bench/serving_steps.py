@@ -204,6 +204,21 @@ def profile_runs(profile: Path, callers: dict[str, list[str]], layer_types: tupl
     return [dict(d) for d in out]
 
 
+def run_bench(argv: list[str] | None, doc: str, add_args: Callable[[argparse.ArgumentParser], None],
+              measure: Callable[[Path, argparse.Namespace], dict], table: Callable[[dict], str]) -> dict:
+    """A serving bench's main: its arguments (the common ones, then `add_args`), `measure` on the export,
+    the table printed, the JSON written."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    common_args(p)
+    add_args(p)
+    a = p.parse_args(argv)
+    with serving_folder(a) as path:
+        r = measure(path, a)
+    print(table(r))
+    write_json(a.json, r)
+    return r
+
+
 def write_json(path: Path | None, record: dict) -> None:
     if path is not None:
         path.write_text(json.dumps(record, indent=1) + "\n")
