@@ -97,6 +97,7 @@ Targets = Annotated[list[Target], typer.Option("--target", help="Artifact(s) to 
                                                "(repeatable).")]
 NoWeights = Annotated[bool, typer.Option("--no-weights", help="Trace on the meta device: any size, no weights.")]
 ModelDType = Annotated[DType, typer.Option("--dtype", help="Model dtype (states stay fp32).")]
+PoolDType = Annotated[DType, typer.Option("--dtype", help="inspect --sequences: the model dtype of the MLA latents.")]
 PresetSeed = Annotated[int, typer.Option("--seed", help="Seed of a preset's random weights.")]
 Kernels = Annotated[KernelChoice, typer.Option(
     "--kernels", help="k3 custom-op implementation traced into the program: reference (PyTorch, any device) or "
@@ -176,8 +177,8 @@ MaxStepTokens = Annotated[int, typer.Option(min=1, help="Serving: tokens per ste
 JsonOut = Annotated[Optional[Path], typer.Option("--json", help="Serving: write one record per prompt (input "
                                                                 "order: tokens and text) to this file.")]
 Sequences = Annotated[Optional[int], typer.Option(
-    min=1, help="Serving pools: the memory of this many sequences of --context positions (bf16 latents, block 16; "
-                "per rank with --tp/--ep).")]
+    min=1, help="Serving pools: the memory of this many sequences of --context positions (latents in --dtype, "
+                "block 16; per rank with --tp/--ep).")]
 Serving = Annotated[bool, typer.Option("--serving", help="Trace the serving step (packed sequences, state pools, "
                                                          "continuous batching) instead of the batch interface.")]
 BlockSize = Annotated[int, typer.Option(min=1, help="--serving: positions per MLA latent block.")]

@@ -77,12 +77,17 @@ def run_prompts(folder, prompts: list[list[int]], prepared, backend: tuple[str, 
     s.close()
 
 
-def print_pools(cfg, context: int, sequences: int, block_size: int = 16, tp: int = 1, ep: int = 1) -> None:
-    """`k3x inspect --context N --sequences S [--tp T --ep E]`: pool memory of a serving deployment (bf16
-    latents), per rank under a plan (its local config: its KDA heads; the latent whole)."""
+def print_pools(cfg, context: int, sequences: int, block_size: int = 16, tp: int = 1, ep: int = 1,
+                dtype: str = "bf16") -> None:
+    """`k3x inspect --context N --sequences S [--tp T --ep E] [--dtype]`: pool memory of a serving deployment
+    (latents in the model dtype, `dtype`: bf16 | fp32; KDA states are fp32 either way), per rank under a plan
+    (its local config: its KDA heads; the latent whole)."""
+    import torch
+
     from ..model.parallel import ParallelPlan
     from ..model.state import pool_bytes
     from ..model.summary import format_pools
 
     plan = ParallelPlan(tp, ep)
-    echo(format_pools(pool_bytes(plan.local_config(cfg), context, sequences, block_size), plan))
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    echo(format_pools(pool_bytes(plan.local_config(cfg), context, sequences, block_size, dtype=torch_dtype), plan))

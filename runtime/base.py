@@ -28,6 +28,7 @@ class RunnerOptions:
     provider: str = "auto"  # ONNX Runtime: auto | cuda | cpu
     checkpoint: Path | None = None  # eager: overrides the checkpoint recorded in the export
     intra_op_threads: int = 0  # ONNX Runtime: 0 = its default
+    profile: str | None = None  # ONNX Runtime: file prefix of its per-node profile (session.end_profiling())
     check_hashes: bool = True  # False: skip the sha256 of artifact files (sizes and paths still checked)
     device: str = "cpu"  # eager, pt2: the device the module runs on (cpu | cuda)
     cuda_graph: bool = False  # decode steps replayed as CUDA graphs (cuda_graph.py); refused where impossible

@@ -43,9 +43,11 @@ def import_onnxruntime():
     return onnxruntime
 
 
-def ort_session(path: Path, provider: str = "auto", intra_op_threads: int = 0, collectives: bool = False):
+def ort_session(path: Path, provider: str = "auto", intra_op_threads: int = 0, collectives: bool = False,
+                profile: str | None = None):
     """An InferenceSession on the requested provider; returns (session, provider actually used).
-    `collectives`: the model has a rank program's collective nodes (runtime/ort_collectives.py)."""
+    `collectives`: the model has a rank program's collective nodes (runtime/ort_collectives.py); `profile`: a
+    file prefix for ONNX Runtime's per-node profile (written by `session.end_profiling()`)."""
     ort = import_onnxruntime()
     if provider not in ("auto", "cuda", "cpu"):
         raise RunnerError(f"provider={provider!r}: choose auto, cuda or cpu")
@@ -56,6 +58,8 @@ def ort_session(path: Path, provider: str = "auto", intra_op_threads: int = 0, c
     so.enable_mem_pattern = False
     if intra_op_threads:
         so.intra_op_num_threads = intra_op_threads
+    if profile:
+        so.enable_profiling, so.profile_file_prefix = True, profile
     if collectives:
         try:
             from .ort_collectives import register
@@ -116,9 +120,9 @@ class OrtRunner:
     name = "ort"
 
     def __init__(self, path: Path, *, provider: str = "auto", intra_op_threads: int = 0,
-                 collectives: bool = False) -> None:
+                 collectives: bool = False, profile: str | None = None) -> None:
         self.path = Path(path)
-        self.session, self.provider = ort_session(self.path, provider, intra_op_threads, collectives)
+        self.session, self.provider = ort_session(self.path, provider, intra_op_threads, collectives, profile)
         self.device = torch.device("cuda" if self.provider == "cuda" and torch.cuda.is_available() else "cpu")
         self.inputs = {i.name: i for i in self.session.get_inputs()}
         self.outputs = {o.name: o for o in self.session.get_outputs()}

@@ -161,7 +161,8 @@ def _ort(folder: ExportFolder, options: RunnerOptions) -> Runner:
     if name not in {p.name for p in files}:
         raise RunnerError(f"{folder.path}: the ort flavor {str(name)[:80]!r} is not one of the onnx artifact's files")
     return OrtRunner(folder.path / name, provider=options.provider,
-                     intra_op_threads=options.intra_op_threads, collectives=bool(entry.get("collectives")))
+                     intra_op_threads=options.intra_op_threads, collectives=bool(entry.get("collectives")),
+                     profile=options.profile)
 
 
 def _trt(folder: ExportFolder, options: RunnerOptions) -> Runner:

@@ -80,6 +80,12 @@ def test_inspect_prints_the_pool_memory():
     assert "27,648 B per token" in r.output and "131,072 blocks" in r.output  # 2 x 1M / 16
 
 
+def test_inspect_pools_in_the_export_dtype():
+    r = cli.invoke(app, ["inspect", "--preset", "k3", "--context", "4096", "--sequences", "1", "--dtype", "fp32"])
+    assert r.exit_code == 0, r.output
+    assert "55,296 B per token" in r.output  # fp32 latents: twice the bf16 27,648 B
+
+
 @pytest.mark.parametrize("text, flags, message", [
     ("1,2\n\n3\n", [], "p.txt:2: empty line"),
     ("1,2\nhello\n", [], "p.txt:2: text prompt, but the export has no tokenizer"),

@@ -1,0 +1,143 @@
+"""ORT prefill on the serving step against the fp32 GEMM bound measured in the same run (issue 20).
+
+One sequence's prompt of --prompt tokens as one serving step (ORT serving runner, serving export of `--preset`,
+default k3-bench; or `--export DIR`) against the GEMM bound: torch matmuls of the model's own weight shapes on
+the same rows with the same thread count -- every linear layer on the prompt's rows (the head on the one
+logits row the step computes), the router, and each routed expert's gate/up/down on its share of the
+prompt x top_k routed rows (balanced). bound tokens/s = prompt / (time of those matmuls); efficiency =
+ORT tokens/s / bound (goal >= 80%). The matmuls also run on one torch thread: on an oversubscribed
+machine OpenMP's barriers can make N threads slower than one, and the faster pass is the honest bound
+(`efficiency_best_bound`). All three are interleaved in rounds (median and spread). ONNX Runtime's node
+profile of the prefill steps gives the top ops (function bodies by function/step, other nodes by op type).
+
+    python -m k3x.bench.serving_prefill [--preset k3-bench] [--export DIR] [--prompt 512] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from k3x.bench.serving_steps import StepCase, fmt, open_serving, run_bench, summary, timed_rounds
+
+
+def gemm_shapes(cfg, prompt: int) -> list[tuple[int, int, int, int]]:
+    """(count, rows, in, out) of the matmuls of one prefill of `prompt` tokens (weights of a meta model)."""
+    from torch import nn
+
+    from k3x.model import build_model
+    from k3x.model.moe import Router, StackedExperts
+
+    model = build_model(cfg, device="meta", seed=None)
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            out.append((1, 1 if name.endswith("lm_head") else prompt, m.in_features, m.out_features))
+        elif isinstance(m, StackedExperts):  # routed experts, [E, I, L] / [E, L, I]
+            E, inter, latent = m.w1.shape
+            rows = math.ceil(prompt * cfg.moe.top_k / E)
+            out += [(2 * E, rows, latent, inter), (E, rows, inter, latent)]
+        elif isinstance(m, Router):
+            out.append((1, prompt, m.weight.shape[1], m.weight.shape[0]))
+    return out
+
+
+def gemm_timer(shapes: list[tuple[int, int, int, int]], threads: int):
+    """(a function timing one pass over every matmul on `threads` torch threads, its FLOPs). Distinct weights
+    per count (no cache reuse a real model does not get)."""
+    import torch
+
+    mats = [(torch.randn(r, i), [torch.randn(i, o) for _ in range(c)]) for c, r, i, o in shapes]
+    flops = sum(2 * c * r * i * o for c, r, i, o in shapes)
+
+    def one() -> float:
+        torch.set_num_threads(threads)
+        t = time.perf_counter()
+        for x, ws in mats:
+            for w in ws:
+                torch.mm(x, w)
+        return time.perf_counter() - t
+    one(), one()  # torch's thread pool and kernels warmed up
+    return one, flops
+
+
+def top_ops(profile: Path, skip_runs: set[int], n: int = 12) -> tuple[list[dict], list[dict]]:
+    """Node kernel time over the profiled runs not in `skip_runs`, an inlined function body's nodes as
+    `<function>/<step>: <op>`, other nodes as `graph: <op>` -> (the `n` largest ops, every group without the
+    op), each with ms per run and share."""
+    from k3x.bench.serving_steps import INLINED, kernel_nodes, run_of
+
+    events = json.loads(profile.read_text())
+    starts = [e["ts"] for e in events if e.get("name") == "model_run"]
+    keep = [i for i in range(len(starts)) if i not in skip_runs]
+    by = defaultdict(float)
+    for e in kernel_nodes(events):
+        if run_of(e, starts) in skip_runs:
+            continue
+        m = INLINED.search(e["name"])
+        step = e["name"][m.end():].split("/")[0] if m else ""
+        by[f"{m.group(1)}/{step}" if m else "graph"] += e["dur"]
+        by[(f"{m.group(1)}/{step}" if m else "graph") + ": " + e["args"]["op_name"]] += e["dur"]
+    total = sum(v for k, v in by.items() if ": " not in k)
+    ranked = sorted(by.items(), key=lambda kv: -kv[1])
+    row = [{"op": k, "ms_per_run": v / 1e3 / len(keep), "share": v / total} for k, v in ranked]
+    return [o for o in row if ": " in o["op"]][:n], [o for o in row if ": " not in o["op"]]
+
+
+def measure(path: Path, a: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory(prefix="k3x-prof-") as tmp:
+        runner, cfg, bs = open_serving(path, a.threads, profile=str(Path(tmp) / "ort"))
+        shapes = gemm_shapes(cfg, a.prompt)
+        gemm, flops = gemm_timer(shapes, a.threads)
+        case = StepCase(cfg, batch=1, positions=a.prompt, capacity=a.prompt, block_size=bs)
+        steps = {"ort": case.timer(runner, a.prompt, 0), "gemm": gemm, "gemm_1": gemm_timer(shapes, 1)[0]}
+        ms = timed_rounds(steps, a.rounds, a.repeats)
+        ops, groups = top_ops(Path(runner.session.end_profiling()), skip_runs={0})
+    rounds = range(a.rounds)
+    return {"preset": cfg.name, "threads": a.threads, "prompt": a.prompt, "rounds": a.rounds, "repeats": a.repeats,
+            "gemm_gflop_per_token": flops / a.prompt / 1e9,
+            "ort_prefill_ms": summary(ms["ort"]), "gemm_ms": summary(ms["gemm"]),
+            "ort_tokens_per_s": summary([a.prompt * 1e3 / x for x in ms["ort"]]),
+            "gemm_bound_tokens_per_s": summary([a.prompt * 1e3 / x for x in ms["gemm"]]),
+            "gemm_gflop_per_s": summary([flops / x / 1e6 for x in ms["gemm"]]),
+            "gemm_gflop_per_s_1_thread": summary([flops / x / 1e6 for x in ms["gemm_1"]]),
+            "efficiency": summary([ms["gemm"][i] / ms["ort"][i] for i in rounds]),
+            "efficiency_best_bound": summary([min(ms["gemm"][i], ms["gemm_1"][i]) / ms["ort"][i] for i in rounds]), "top_ops": ops,
+            "groups": groups}
+
+
+def table(r: dict) -> str:
+    rows = [("ORT prefill (ms)", fmt(r["ort_prefill_ms"], 1)), ("GEMM bound: the model's matmuls (ms)",
+                                                                  fmt(r["gemm_ms"], 1)),
+            (f"fp32 GEMM speed, {r['threads']} torch threads (GFLOP/s)", fmt(r["gemm_gflop_per_s"], 1)),
+            ("fp32 GEMM speed, 1 torch thread (GFLOP/s)", fmt(r["gemm_gflop_per_s_1_thread"], 1)),
+            ("ORT prefill tokens/s", fmt(r["ort_tokens_per_s"], 1)),
+            ("GEMM-bound tokens/s", fmt(r["gemm_bound_tokens_per_s"], 1)),
+            ("efficiency ORT / bound (goal >= 0.80)", fmt(r["efficiency"], 3)),
+            ("efficiency vs the faster of the two bounds", fmt(r["efficiency_best_bound"], 3))]
+    lines = [f"{r['preset']}, CPU, {r['threads']} threads, one {r['prompt']}-token prompt as one serving step "
+             f"({r['gemm_gflop_per_token']:.3f} GFLOP/token of GEMMs; median [lowest-highest] of {r['rounds']} "
+             f"rounds x {r['repeats']}):"] + [f"  {k:<40} {v:>26}" for k, v in rows]
+    lines.append("  top ops of the ORT prefill (node kernel time per step, share of all nodes):")
+    lines += [f"    {o['op']:<40} {o['ms_per_run']:>9.1f} ms {100 * o['share']:>5.1f}%" for o in r["top_ops"]]
+    lines.append("  by function body step (graph: nodes outside the k3 function bodies):")
+    lines += [f"    {o['op']:<40} {o['ms_per_run']:>9.1f} ms {100 * o['share']:>5.1f}%" for o in r["groups"]]
+    return "\n".join(lines)
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=2, help="timed prefills (and GEMM passes) per round")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    return run_bench(argv, __doc__, arguments, measure, table)
+
+
+if __name__ == "__main__":
+    main()
