@@ -506,9 +506,10 @@ def build_plan(d: dict, dtypes: list[str], attrs: dict, gemms: dict, *, packed: 
         kernel, args = gemms[name]
         ctas = int(attrs.get("gemm_programs") or persistent_ctas(kernel.fn.__name__, BM, g))
         tiles = lambda x: num_m(x) * cdiv(cols, g["BN"])  # noqa: E731
-        scaled = packed and sm >= 100 and z_t in ("bf16", "fp16")
-        if packed:  # native MXFP4 MMA (tl.dot_scaled) on sm_100+ with 16-bit activations; decode in registers else
-            constexprs = constexprs | {"SCALED": scaled, "AFMT": z_t}
+        a8 = packed and attrs.get("activations", "bf16") == "mxfp8"  # MXFP8 activations (moe_mxfp4.triton)
+        scaled = packed and sm >= 100 and (a8 or z_t in ("bf16", "fp16"))
+        if packed:  # native MXFP4 MMA (tl.dot_scaled) on sm_100+ with 16-bit or MXFP8 activations; decode else
+            constexprs = constexprs | {"SCALED": scaled, "AFMT": "e4m3" if a8 else z_t, "A8": a8}
         if "TMA" in kernel.arg_names:  # GEMM2's weights: rows of I elements (I/2 bytes packed), 16-byte strides;
             # not with dot_scaled (8 B of spills at K3's prefill on sm_100a)
             row_bytes = I // 2 if packed else I * ITEMSIZE[w_t]
