@@ -97,3 +97,35 @@ def test_tma_for_the_down_projection_weights(family, sm, dtypes, I, tma):
     plan = mod.plan(d, dtypes, ATTRS | {"sm": sm})
     gemm1, gemm2 = [x for x in plan.select(d).launches if "gemm" in x.kernel_name]
     assert gemm2.constexprs["TMA"] is tma and "TMA" not in gemm1.constexprs
+
+
+@pytest.mark.parametrize("sm, dtypes, scaled", [
+    (90, PACKED, False),  # Hopper: MXFP8 values from the prologue, decoded weights, bf16 MMA
+    (100, PACKED, True),  # Blackwell: E4M3 codes + E8M0 scales on both tl.dot_scaled operands
+    (100, ["fp32", "fp32", "fp32", "fp32"] + ["uint8"] * 6 + ["fp32"], True),  # fp32 z: quantized to E4M3 too
+])
+def test_mxfp8_activations_in_both_gemms(sm, dtypes, scaled):
+    """activations="mxfp8" (the plugin field / op argument) turns on the prologue quantizer (A8) in both packed
+    GEMMs; from sm_100 both operands go block-scaled into tl.dot_scaled (AFMT e4m3), whatever z's dtype."""
+    for N in (1, 4096):
+        d = dict(K3, N=N)
+        plan = packed.plan(d, dtypes, ATTRS | {"sm": sm, "activations": "mxfp8"})
+        gemms = [x for x in plan.select(d).launches if "gemm" in x.kernel_name]
+        assert [(x.constexprs["A8"], x.constexprs["SCALED"]) for x in gemms] == [(True, scaled)] * 2
+        assert {x.constexprs["AFMT"] for x in gemms} == {"e4m3"}
+        if scaled:
+            assert not gemms[1].constexprs["TMA"]
+    _, gemms, _ = _gemms("moe_mxfp4", 1, sm, dtypes)  # bf16 activations: no quantizer
+    assert [x.constexprs["A8"] for x in gemms] == [False, False]
+
+
+def test_plugin_declares_and_checks_the_activation_format():
+    from k3x.custom_ops.moe_mxfp4.plugin import SPEC
+
+    assert [f.name for f in SPEC.fields][-1] == "activations"
+    shapes = [(5, 32), (5, 64), (4, 32), (4,), (4, 32, 32), (4, 32, 32), (4, 64, 16), (4, 32, 2), (4, 32, 2),
+              (4, 64, 1), (1,)]
+    attrs = ATTRS | {"top_k": 2, "num_experts": 4, "hidden_size": 32, "expert_dim": 64, "intermediate_size": 32}
+    assert SPEC.check(shapes, attrs | {"activations": "mxfp8"}) is None
+    assert SPEC.check(shapes, attrs | {"activations": "fp8"}) == \
+        "field activations='fp8': expected one of ['bf16', 'mxfp8']"

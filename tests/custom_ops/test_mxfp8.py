@@ -66,7 +66,7 @@ def test_scale_choice_at_and_below_powers_of_two_and_clamps():
             row[rng.integers(32)] = -amax if k % 2 else amax
             rows.append(row)
     big = np.float32(np.finfo(np.float32).max)
-    rows += [np.full(32, big), np.linspace(-big, big, 32, dtype=np.float32), np.zeros(32, np.float32),
+    rows += [np.full(32, big), (np.linspace(-1, 1, 32) * float(big)).astype(np.float32), np.zeros(32, np.float32),
              np.full(32, -0.0, np.float32)]
     check(torch.from_numpy(np.stack(rows)))
 
