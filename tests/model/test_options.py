@@ -75,7 +75,8 @@ def test_a_manifest_from_before_the_options_entry_opens_with_its_options_and_has
     r = CliRunner().invoke(app, ["export", "--preset", "k3-mini", "--no-weights", "--out", str(out)])
     assert r.exit_code == 0, r.output
     m = json.loads((out / MANIFEST).read_text())
-    assert m["options"] == {"kernels": "reference", "expert_format": "dense", "activations": "bf16", "max_context": None}
+    assert m["options"] == {"kernels": "reference", "expert_format": "dense", "activations": "bf16",
+                            "max_context": None}
     assert m["config_hash"] == HASHES["k3-mini"]
     old = {k: v for k, v in m.items() if k != "options"}
     old["config"] = {**m["config"], "kernels": "reference", "expert_format": "dense"}  # as 0.x wrote it
