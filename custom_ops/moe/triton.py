@@ -480,8 +480,15 @@ def build_plan(d: dict, dtypes: list[str], attrs: dict, gemms: dict, *, packed: 
     EG = d.get("EG", E)  # experts routed over (all of them); E: the local ones (expert parallelism)
     sm = int(attrs.get("sm") or 90)
     BM = int(attrs.get("block_m") or block_m(max(int(d["N"]), 1), k, E))
+    a8 = packed and attrs.get("activations", "bf16") == "mxfp8"  # MXFP8 activations (moe_mxfp4.triton)
+    # W4A8 on sm_100+: tcgen05's block-scaled MMA (kind::mxf8f6f4) takes 128 rows on its M side (Triton 3.8
+    # upcasts to kind::f16 at 64): 128 activation rows per block at prefill (the packed tiles' width: no
+    # spills), the dense tiles' 128 weight rows in swap-AB at decode (the codes reach the MMA undecoded)
+    mx = a8 and sm >= 100
+    if mx and SWAP_BELOW <= BM < 128 and not attrs.get("block_m"):
+        BM = 128
     c = moe_launch_config(max(int(d["N"]), 1), k, E, L, I, ITEMSIZE[dtypes[1]], packed) | gemm_config(
-        BM, L, I, ITEMSIZE[dtypes[1]], packed)
+        BM, L, I, ITEMSIZE[dtypes[1]], packed and not (mx and BM < SWAP_BELOW))
     r, a, g1, g2, su = c["router"], c["align"], c["gemm1"], c["gemm2"], c["sum"]
     t = moe_launch_config(1, k, EG, L, I)["topk"]  # top-k over all EG experts
     static = {"d": D, "L": L, "E": E, "I": I, "EG": EG}
@@ -507,7 +514,6 @@ def build_plan(d: dict, dtypes: list[str], attrs: dict, gemms: dict, *, packed: 
         kernel, args = gemms[name]
         ctas = int(attrs.get("gemm_programs") or persistent_ctas(kernel.fn.__name__, BM, g))
         tiles = lambda x: num_m(x) * cdiv(cols, g["BN"])  # noqa: E731
-        a8 = packed and attrs.get("activations", "bf16") == "mxfp8"  # MXFP8 activations (moe_mxfp4.triton)
         scaled = packed and sm >= 100 and (a8 or z_t in ("bf16", "fp16"))
         if packed:  # native MXFP4 MMA (tl.dot_scaled) on sm_100+ with 16-bit or MXFP8 activations; decode else
             constexprs = constexprs | {"SCALED": scaled, "AFMT": "e4m3" if a8 else z_t, "A8": a8}

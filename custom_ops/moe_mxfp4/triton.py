@@ -27,8 +27,10 @@ the prologue of every k step (`_mxfp8`: mxfp8.py's rule with bit ops — the blo
 bits, the E4M3 spacing of each element's binade from its bits, ties to even by adding and subtracting 1.5·2^23,
 saturation by a clamp), blocks of 32 along K lying inside a BK tile (BK is 32 or 64, K a multiple of 32). On
 sm_100+ the E4M3 codes and their E8M0 bytes go to `tl.dot_scaled` with the E2M1 weights (both operands
-block-scaled: tcgen05 kind::mxf8f6f4); elsewhere the quantized values (E4M3 × 2^s, exact in fp32 and bf16) take
-the decode path above.
+block-scaled: tcgen05 kind::mxf8f6f4, which needs 128 rows on the MMA's M side — the plan gives W4A8 tiles 128
+activation rows at prefill and 128 weight rows in swap-AB at decode; compiled for sm_100a: block-scaled MMA and
+no spills at N = 1 .. 4096, tests/bench/test_kernel_resources.py); elsewhere the quantized values (E4M3 × 2^s,
+exact in fp32 and bf16) take the decode path above.
 """
 
 from __future__ import annotations

@@ -119,13 +119,18 @@ def test_mxfp8_activations_in_both_gemms(sm, dtypes, scaled):
     assert [x.constexprs["A8"] for x in gemms] == [False, False]
 
 
-def test_plugin_declares_and_checks_the_activation_format():
-    from k3x.custom_ops.moe_mxfp4.plugin import SPEC
-
-    assert [f.name for f in SPEC.fields][-1] == "activations"
-    shapes = [(5, 32), (5, 64), (4, 32), (4,), (4, 32, 32), (4, 32, 32), (4, 64, 16), (4, 32, 2), (4, 32, 2),
-              (4, 64, 1), (1,)]
-    attrs = ATTRS | {"top_k": 2, "num_experts": 4, "hidden_size": 32, "expert_dim": 64, "intermediate_size": 32}
-    assert SPEC.check(shapes, attrs | {"activations": "mxfp8"}) is None
-    assert SPEC.check(shapes, attrs | {"activations": "fp8"}) == \
-        "field activations='fp8': expected one of ['bf16', 'mxfp8']"
+@pytest.mark.parametrize("sm, bm, rows", [(90, 64, 64), (100, 128, 128)])
+def test_mxfp8_tiles_fit_the_block_scaled_mma_on_sm100(sm, bm, rows):
+    """sm_100 W4A8 tiles give tcgen05's block-scaled MMA (kind::mxf8f6f4) the 128 rows its M side needs (Triton
+    3.8 upcasts to kind::f16 at 64; compiled: tests/bench, bench/README): at K3's prefill (N = 4096, 64-row
+    blocks otherwise) 128 activation rows, at decode (swap-AB) 128 weight rows — GEMM1's 2·BN gate/up rows,
+    GEMM2's BN. Hopper keeps the packed tiles."""
+    d = dict(K3, N=4096)
+    plan = packed.plan(d, PACKED, ATTRS | {"sm": sm, "activations": "mxfp8"})
+    gemms = [x for x in plan.select(d).launches if "gemm" in x.kernel_name]
+    assert [(x.constexprs["BM"], x.constexprs["SWAP"]) for x in gemms] == [(bm, False)] * 2
+    d1 = dict(K3, N=1)
+    plan = packed.plan(d1, PACKED, ATTRS | {"sm": sm, "activations": "mxfp8"})
+    g1, g2 = [x for x in plan.select(d1).launches if "gemm" in x.kernel_name]
+    assert g1.constexprs["SWAP"] and g1.constexprs["BM"] == 16 and (2 * g1.constexprs["BN"], g2.constexprs["BN"]) \
+        == (rows, rows)
