@@ -210,15 +210,16 @@ def stored_expert_format(files: dict[str, Path]) -> str:
 
 
 def checkpoint_config(path: str | Path, expert_format: str | None = None, files: dict[str, Path] | None = None,
-                      kernels: Kernels = Kernels.REFERENCE) -> tuple[K3Config, BuildOptions]:
-    """(config.json's architecture, the build: `kernels`, experts as stored or as `expert_format` asks)."""
+                      kernels: Kernels = Kernels.REFERENCE, activations: str = "bf16") -> tuple[K3Config, BuildOptions]:
+    """(config.json's architecture, the build: `kernels`, experts as stored or as `expert_format` asks, the
+    expert-GEMM `activations`)."""
     path = Path(path)
     if expert_format not in (None, "dense", "mxfp4"):
         raise CheckpointError(f"expert_format={expert_format!r}: expected 'dense', 'mxfp4' or None (as stored)")
     try:
         cfg = config_from_hf(checkpoint_file(path, "config.json"))
         fmt = expert_format or stored_expert_format(tensor_files(path) if files is None else files)
-        return cfg, BuildOptions(Kernels(kernels), fmt)
+        return cfg, BuildOptions(Kernels(kernels), fmt, activations)
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
 
@@ -259,23 +260,25 @@ def read_into(target: torch.Tensor, pieces: list, plan: dict, handles: Shards, u
         (target if s.expert is None else target[s.expert]).copy_(t)
 
 
-def open_checkpoint(path: Path, dtype: torch.dtype, kernels: Kernels, expert_format: str | None):
+def open_checkpoint(path: Path, dtype: torch.dtype, kernels: Kernels, expert_format: str | None,
+                    activations: str = "bf16"):
     """(config, validated plan, shard handles, meta model) — nothing allocated yet."""
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json (not a checkpoint folder)")
     handles = Shards()
     files = tensor_files(path, handles)
-    cfg, build = checkpoint_config(path, expert_format, files, kernels)
+    cfg, build = checkpoint_config(path, expert_format, files, kernels, activations)
     plan = validate(cfg, build, files, handles)
     return cfg, plan, handles, build_model(cfg, build, device="meta", dtype=dtype, seed=None)
 
 
 @torch.no_grad()
 def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                    kernels: Kernels = Kernels.REFERENCE, expert_format: str | None = None) -> K3ForCausalLM:
+                    kernels: Kernels = Kernels.REFERENCE, expert_format: str | None = None,
+                    activations: str = "bf16") -> K3ForCausalLM:
     """`expert_format`: None keeps the experts as stored (MXFP4 stays packed), "dense" decodes them to `dtype`,
-    "mxfp4" requires them packed."""
-    cfg, plan, handles, model = open_checkpoint(Path(path), dtype, kernels, expert_format)
+    "mxfp4" requires them packed. `activations`: the expert-GEMM input format (model/options.BuildOptions)."""
+    cfg, plan, handles, model = open_checkpoint(Path(path), dtype, kernels, expert_format, activations)
     model = model.to_empty(device=device)
     targets = dict(model.named_parameters()) | dict(model.named_buffers())
     for name, pieces in stored_pieces(plan, targets).items():

@@ -27,7 +27,8 @@ from .files import CheckpointError, Shards, checkpoint_config, slot, tensor_file
 
 @torch.no_grad()
 def load_rank(path: str | Path, plan: ParallelPlan, rank: int, *, dtype: torch.dtype = torch.float32,
-              kernels: Kernels = Kernels.REFERENCE, expert_format: str | None = None) -> tuple[K3Config, K3ForCausalLM]:
+              kernels: Kernels = Kernels.REFERENCE, expert_format: str | None = None,
+              activations: str = "bf16") -> tuple[K3Config, K3ForCausalLM]:
     """(the full config, rank `rank`'s module with its weights) from checkpoint folder `path`; experts as
     stored unless `expert_format` says otherwise (checkpoint/files.checkpoint_config)."""
     path = Path(path)
@@ -38,7 +39,7 @@ def load_rank(path: str | Path, plan: ParallelPlan, rank: int, *, dtype: torch.d
     handles = Shards()
     files = tensor_files(path, handles)
     try:
-        cfg, build = checkpoint_config(path, expert_format, files, kernels)
+        cfg, build = checkpoint_config(path, expert_format, files, kernels, activations)
         plan.check(cfg)
     except ConfigError as e:
         raise CheckpointError(str(e)) from None

@@ -19,10 +19,10 @@ from typing import Annotated, Optional
 import typer
 
 from .. import __version__
-from ..export.options import DType, ExpertFormat, KernelChoice, Target
+from ..export.options import Activations, DType, ExpertFormat, KernelChoice, Target
 from .console import fail
 
-__all__ = ["DType", "ExpertFormat", "KernelChoice", "Target"]  # the export choices, torch-free
+__all__ = ["Activations", "DType", "ExpertFormat", "KernelChoice", "Target"]  # the export choices, torch-free
 
 
 def must_exist(path: Path | None) -> Path | None:
@@ -103,6 +103,10 @@ Kernels = Annotated[KernelChoice, typer.Option(
     "--kernels", help="k3 custom-op implementation traced into the program: reference (PyTorch, any device) or "
                       "triton (Triton kernels, CUDA only). Not the runner: that is `k3x run --backend`.")]
 Experts = Annotated[Optional[ExpertFormat], typer.Option("--expert-format", help="mxfp4 (packed) or dense experts.")]
+ExpertActivations = Annotated[Activations, typer.Option(
+    "--activations", help="What the expert GEMMs are fed: bf16 (the activations as computed) or mxfp8 (rounded "
+    "through OCP MXFP8, E4M3 with one E8M0 scale per 32: W4A8 as K3 was trained; needs MXFP4 experts). Recorded "
+    "in the manifest.")]
 MaxContext = Annotated[Optional[int], typer.Option(
     "--max-context", min=1, help="Static MLA latent cache: preallocate this many positions (one shape per decode "
     "step, so decode can be a CUDA graph); longer requests are refused. Default: a cache that grows each step.")]

@@ -3,8 +3,8 @@
 (export/ranks.write_ranks) — take the same job without importing each other. Torch-free at import: the CLI
 imports it for its option types.
 
-- `ExportOptions`: the request (targets, source, dtype, kernels, expert format, cache, parallel plan), checked
-  on construction (ConfigError naming the flag); `TARGET_STAGES`: what each `--target` runs.
+- `ExportOptions`: the request (targets, source, dtype, kernels, expert format and activations, cache, parallel
+  plan), checked on construction (ConfigError naming the flag); `TARGET_STAGES`: what each `--target` runs.
 - `ExportJob`: the options resolved once (architecture, `ModelOptions`, plan, dtype, checkpoint hash).
 - `timed_step` / `Timed`: one step of the export, timed and reported to the caller's progress callback.
 """
@@ -50,6 +50,11 @@ class ExpertFormat(str, Enum):  # model.options.BuildOptions.expert_format
     MXFP4 = "mxfp4"
 
 
+class Activations(str, Enum):  # model.options.BuildOptions.activations (expert-GEMM inputs)
+    BF16 = "bf16"
+    MXFP8 = "mxfp8"
+
+
 def config_error(message: str) -> Exception:
     from ..model.config import ConfigError
 
@@ -72,6 +77,7 @@ class ExportOptions:
     ep: int = 1
     serving: bool = False  # trace the serving step (packed sequences, state pools: export/serving.py)
     block_size: int = 16  # serving: positions per MLA latent block (fixed in the program)
+    activations: Activations = Activations.BF16  # expert-GEMM inputs: as computed, or MXFP8 (MXFP4 experts)
 
     def __post_init__(self) -> None:
         if (self.preset is None) == (self.checkpoint is None):

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from .options import (TARGET_STAGES, DType, ExpertFormat, ExportJob, ExportOptions, KernelChoice, Progress, Target,
-                      Timed, config_error, timed_step)
+from .options import (TARGET_STAGES, Activations, DType, ExpertFormat, ExportJob, ExportOptions, KernelChoice,
+                      Progress, Target, Timed, config_error, timed_step)
 from .tokenizer import copy_tokenizer
 
 if TYPE_CHECKING:  # this module is imported by the CLI: torch only inside functions
@@ -138,12 +138,13 @@ def resolve(options: ExportOptions) -> tuple[K3Config, ModelOptions]:
 
     kernels = Kernels(KernelChoice(options.kernels).value)
     fmt = None if options.expert_format is None else ExpertFormat(options.expert_format).value
+    acts = Activations(options.activations).value
     if options.checkpoint is None:
-        cfg, build = preset(options.preset), BuildOptions(kernels, fmt or "dense")
+        cfg, build = preset(options.preset), BuildOptions(kernels, fmt or "dense", acts)
     else:
         from ..checkpoint.files import checkpoint_config
 
-        cfg, build = checkpoint_config(options.checkpoint, fmt, kernels=kernels)
+        cfg, build = checkpoint_config(options.checkpoint, fmt, kernels=kernels, activations=acts)
     return cfg, ModelOptions(build, CacheOptions(options.max_context))
 
 
@@ -195,7 +196,7 @@ def _build(job: ExportJob):
     from ..checkpoint.files import load_checkpoint
 
     return load_checkpoint(o.checkpoint, dtype=job.dtype, device="cpu", kernels=build.kernels,
-                           expert_format=build.expert_format)
+                           expert_format=build.expert_format, activations=build.activations)
 
 
 def _weight_stream(job: ExportJob) -> Callable:

@@ -134,7 +134,7 @@ def _rank_model(job: ExportJob, rank: int, full: dict | None) -> torch.nn.Module
     build = job.model.build
     if full is None:
         return load_rank(job.options.checkpoint, job.plan, rank, dtype=job.dtype, kernels=build.kernels,
-                         expert_format=build.expert_format)[1]
+                         expert_format=build.expert_format, activations=build.activations)[1]
     model = build_rank_model(job.cfg, job.plan, build, dtype=job.dtype).to_empty(device="cpu")
     model.load_state_dict(rank_state_dict(full, job.cfg, job.plan, rank, build), strict=True)
     return model

@@ -9,6 +9,7 @@ Axes: N tokens, d model width, L expert width (latent, or d), E experts, I exper
   w1/w3 `[E, I, L/2]` u8 nibbles + `w1_scale`/`w3_scale` `[E, I, L/32]` u8 E8M0, w2 `[E, L, I/2]` +
   `w2_scale` `[E, L, I/32]`, frozen uint8 parameters) and the node is `k3::moe_mxfp4`, which decodes only the
   experts a call routes to. A model (and every artifact) then holds 4.25 bits per expert weight.
+  `BuildOptions.activations == "mxfp8"`: that node rounds both expert-GEMM inputs through MXFP8 (W4A8).
 - LatentMoE: z = W_down x; u = RMSNorm(Σ p_j E_j(z)); y = W_up u. Shared experts on x are added.
 """
 
@@ -67,7 +68,7 @@ class LatentMoE(nn.Module):
             self.routed_expert_up_proj = linear(L, d)
         if self.latent_norm:
             self.routed_expert_norm = RMSNorm(L, cfg.rms_norm_eps)
-        self.packed, self.kernels = build.packed, build.kernels
+        self.packed, self.kernels, self.activations = build.packed, build.kernels, build.activations
         self.experts = (PackedExperts if self.packed else StackedExperts)(c.num_experts, L, c.intermediate_size)
         self.has_shared = c.num_shared_experts > 0
         if self.has_shared:
@@ -92,6 +93,7 @@ class LatentMoE(nn.Module):
         e, g = self.experts, self.gate
         if self.packed:
             return moe_mxfp4(xf, z, g.weight, g.e_score_correction_bias, e.w1, e.w3, e.w2, e.w1_scale, e.w3_scale,
-                             e.w2_scale, options=self.options, kernels=self.kernels, expert_offset=expert_offset)
+                             e.w2_scale, options=self.options, kernels=self.kernels, expert_offset=expert_offset,
+                             activations=self.activations)
         return moe(xf, z, g.weight, g.e_score_correction_bias, e.w1, e.w3, e.w2, options=self.options,
                    kernels=self.kernels, expert_offset=expert_offset)

@@ -1,7 +1,9 @@
 """Build and run choices, kept apart from the architecture (`K3Config` is exactly what config.json says).
 
 - `BuildOptions`: how the network is built: the k3 custom-op implementation (`kernels`, traced into a
-  program) and how routed experts are held (`expert_format`: dense floats or MXFP4-packed).
+  program), how routed experts are held (`expert_format`: dense floats or MXFP4-packed) and what the expert
+  GEMMs are fed (`activations`: "bf16", the activations as computed, or "mxfp8", rounded through OCP MXFP8 —
+  E4M3 with one E8M0 scale per 32 along K — as K3 was trained; MXFP4 experts only: W4A8).
 - `CacheOptions`: the MLA latent cache: growing (`max_context=None`) or static, preallocated to
   `max_context` positions (model/state.py).
 - `ModelOptions`: both, as an export records them in its manifest's `options` entry. The parallel plan is
@@ -20,12 +22,14 @@ from ..plan.kernels import Kernels
 from .config import LEGACY_OPTION_KEYS, ConfigError, K3Config
 
 ExpertFormat = Literal["dense", "mxfp4"]
+Activations = Literal["bf16", "mxfp8"]  # custom_ops/moe_mxfp4/mxfp8.ACTIVATIONS
 
 
 @dataclass(frozen=True)
 class BuildOptions:
     kernels: Kernels = Kernels.REFERENCE  # k3 custom-op implementation (not the runner)
     expert_format: ExpertFormat = "dense"  # routed experts dense or MXFP4-packed (k3::moe_mxfp4)
+    activations: Activations = "bf16"  # expert-GEMM inputs as computed, or MXFP8 (needs MXFP4 experts)
 
     def __post_init__(self) -> None:
         if not isinstance(self.kernels, Kernels):
@@ -36,6 +40,11 @@ class BuildOptions:
                                   f"{[k.value for k in Kernels]}") from None
         if self.expert_format not in ("dense", "mxfp4"):
             raise ConfigError(f"expert_format={str(self.expert_format)[:80]!r}: must be 'dense' or 'mxfp4'")
+        if self.activations not in ("bf16", "mxfp8"):
+            raise ConfigError(f"activations={str(self.activations)[:80]!r}: must be 'bf16' or 'mxfp8'")
+        if self.activations == "mxfp8" and not self.packed:
+            raise ConfigError("activations='mxfp8': MXFP8 activations feed the MXFP4 experts (W4A8); "
+                              "needs expert_format='mxfp4'")
 
     @property
     def packed(self) -> bool:
@@ -78,14 +87,15 @@ class ModelOptions:
 
     def to_dict(self) -> dict[str, Any]:
         return {"kernels": self.build.kernels.value, "expert_format": self.build.expert_format,
-                "max_context": self.cache.max_context}
+                "activations": self.build.activations, "max_context": self.cache.max_context}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelOptions:
         if not isinstance(d, dict):
             raise ConfigError(f"options={str(d)[:80]}: must be an object")
         kernels = d.get("kernels", d.get("backend", "reference"))  # "backend": manifests before 0.2
-        return cls(BuildOptions(kernels, d.get("expert_format", "dense")), CacheOptions(d.get("max_context")))
+        build = BuildOptions(kernels, d.get("expert_format", "dense"), d.get("activations", "bf16"))
+        return cls(build, CacheOptions(d.get("max_context")))
 
     @classmethod
     def from_manifest(cls, manifest: dict[str, Any]) -> ModelOptions:

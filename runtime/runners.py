@@ -101,7 +101,9 @@ def _eager(d: ExportFolder, options: RunnerOptions) -> Runner:
         if now is not None and now != recorded:
             raise RunnerError(f"{ckpt}: changed since the export (sha256 {now} != {recorded} in "
                               f"{d.path}/manifest.json); re-export, or pass --checkpoint to compare anyway")
-        model = load_checkpoint(ckpt, dtype=d.dtype(), device="cpu", expert_format=d.options().build.expert_format)
+        build = d.options().build
+        model = load_checkpoint(ckpt, dtype=d.dtype(), device="cpu", expert_format=build.expert_format,
+                                activations=build.activations)
     except (CheckpointError, FileNotFoundError) as e:
         raise RunnerError(f"eager reference: {e}") from None
     cfg = d.config()  # a static latent cache is an export choice: the model serves it from the same weights

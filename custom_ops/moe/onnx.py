@@ -70,17 +70,20 @@ def dense_weights(b: Body, e: str) -> dict[str, str]:
 
 
 def _expert_loop_body(name: str, z: str, experts: str, starts: str, ends: str, rows: str, weights: str,
-                      betas: list[str], expert_weights: Callable[[Body, str], dict[str, str]]) -> onnx.GraphProto:
-    """Iteration i: expert experts[i] on its segment [starts[i], ends[i]) of the expert-sorted pairs."""
+                      betas: list[str], expert_weights: Callable[[Body, str], dict[str, str]],
+                      quantize: Callable[[Body, str], str] | None) -> onnx.GraphProto:
+    """Iteration i: expert experts[i] on its segment [starts[i], ends[i]) of the expert-sorted pairs;
+    `quantize(b, t)` (if given) rounds both GEMM inputs (its rows of z, the GLU output) first."""
+    q = quantize or (lambda _, t: t)
     b = Body(name, "expert")
     i, cond, acc = "moe_expert_i", "moe_expert_cond", "moe_expert_acc"
     axis0 = b.ints(0)
     e = b.op("Gather", experts, i, axis=0)  # scalar expert id
     lo, hi = (b.op("Unsqueeze", b.op("Gather", t, i, axis=0), axis0) for t in (starts, ends))
     tok, we = b.op("Slice", rows, lo, hi, axis0), b.op("Slice", weights, lo, hi, axis0)  # [n_e]
-    ze = b.op("Gather", z, tok, axis=0)  # [n_e, L]
+    ze = q(b, b.op("Gather", z, tok, axis=0))  # [n_e, L]
     W = expert_weights(b, e)  # fp32 [I, L], [I, L], [L, I]
-    g = _glu(b, b.op("Gemm", ze, W["w1"], transB=1), b.op("Gemm", ze, W["w3"], transB=1), betas)  # [n_e, I]
+    g = q(b, _glu(b, b.op("Gemm", ze, W["w1"], transB=1), b.op("Gemm", ze, W["w3"], transB=1), betas))  # [n_e, I]
     y = b.op("Mul", b.op("Gemm", g, W["w2"], transB=1), b.op("Unsqueeze", we, b.ints(1)))  # [n_e, L]
     b.out("ScatterND", [acc, b.op("Unsqueeze", tok, b.ints(1)), y], ["moe_expert_acc_out"],
           reduction="add")  # a token occurs once per expert
@@ -97,8 +100,8 @@ def function(opset_version: int, nodes: list) -> tuple[onnx.FunctionProto, dict[
     return moe_function(NODE, opset_version, nodes, dense_weights)
 
 
-def moe_function(spec: NodeSpec, opset_version: int, nodes: list,
-                 expert_weights: Callable[[Body, str], dict[str, str]]) -> tuple[onnx.FunctionProto, dict[str, int]]:
+def moe_function(spec: NodeSpec, opset_version: int, nodes: list, expert_weights: Callable[[Body, str], dict[str, str]],
+                 quantize: Callable[[Body, str], str] | None = None) -> tuple[onnx.FunctionProto, dict[str, int]]:
     """k3::MoE, exact (custom_ops/moe/reference.py), O(M·I·L) FLOPs for the M = N·top_k routed pairs.
 
     1. Route in fp32: s = sigmoid(x gate_weightᵀ), ids = TopK(s + gate_bias) [N, k], w = s[ids] renormalised
@@ -115,7 +118,8 @@ def moe_function(spec: NodeSpec, opset_version: int, nodes: list,
     expert's fp32 weights plus its activations. The SiTU betas are attribute references evaluated in the
     function scope and read by the loop body as outer-scope values (no attribute references in subgraphs).
     `nodes`: the model's MoE nodes (onnx_ir), whose shared activation is baked in. `expert_weights(b, e)`
-    builds expert e's fp32 weights inside the loop body (`dense_weights`; the MXFP4 sibling decodes there).
+    builds expert e's fp32 weights inside the loop body (`dense_weights`; the MXFP4 sibling decodes there);
+    `quantize(b, t)` rounds both expert-GEMM inputs there (the MXFP4 sibling's MXFP8 activations).
     """
     activations = {n.attributes["activation"].as_string() for n in nodes}
     if len(activations) != 1:
@@ -150,7 +154,7 @@ def moe_function(spec: NodeSpec, opset_version: int, nodes: list,
     hit = b.op("ReduceSum", b.op("Cast", b.op("Less", experts, e_local), to=INT64), keepdims=0)  # local hits
     b.step = "experts"
     acc = b.op("ConstantOfShape", b.op("Shape", z))  # fp32 zeros [N, L]
-    body = _expert_loop_body(spec.op_type, z, experts, starts, ends, rows, weights, betas, expert_weights)
+    body = _expert_loop_body(spec.op_type, z, experts, starts, ends, rows, weights, betas, expert_weights, quantize)
     u = b.op("Loop", hit, "", acc, body=body)
     b.out("CastLike", [u, "z"], ["u"])
     return b.function(spec, {"": opset_version}), {}

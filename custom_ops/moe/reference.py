@@ -84,11 +84,14 @@ def moe(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tensor
 
 
 def routed_experts(z: Tensor, ids: Tensor, w: Tensor, E: int, weights: Callable[[int], tuple[Tensor, Tensor, Tensor]],
-                   activation: str, situ_beta: float, situ_linear_beta: float) -> Tensor:
+                   activation: str, situ_beta: float, situ_linear_beta: float,
+                   quantize: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """u [N, L] = Σ_j w[n, j] · E_{ids[n, j]}(z[n]); `weights(e)` gives expert e's (w1 [I, L], w3, w2 [L, I]) and
-    is called only for the experts some token is routed to, in ascending order (the accumulation order)."""
+    is called only for the experts some token is routed to, in ascending order (the accumulation order).
+    `quantize`: applied row-wise to both GEMM inputs, z and the GLU output h (MXFP8 activations)."""
     acc = torch.float64 if z.dtype == torch.float64 else torch.float32  # fp64 in: an fp64 oracle
-    zf, w = z.to(acc), w.to(acc)
+    q = quantize or (lambda t: t)
+    zf, w = q(z.to(acc)), w.to(acc)
     out = torch.zeros(z.shape[0], z.shape[-1], dtype=acc, device=z.device)
     for e in range(E):
         tok, slot = (ids == e).nonzero(as_tuple=True)  # tokens routed to expert e
@@ -96,5 +99,5 @@ def routed_experts(z: Tensor, ids: Tensor, w: Tensor, E: int, weights: Callable[
             continue
         w1, w3, w2 = (t.to(acc) for t in weights(e))
         h = glu(zf[tok] @ w1.t(), zf[tok] @ w3.t(), activation, situ_beta, situ_linear_beta)
-        out.index_add_(0, tok, (h.to(acc) @ w2.t()) * w[tok, slot, None])
+        out.index_add_(0, tok, (q(h.to(acc)) @ w2.t()) * w[tok, slot, None])
     return out.to(z.dtype)

@@ -464,8 +464,9 @@ def plan(d: dict, dtypes: list[str], attrs: dict) -> Plan:
     gate_weight, gate_bias, w1, w3, w2, expert_offset -> u. Expert parallelism: the router and top-k run over
     EG experts, the top-k writes local ids (-1 for another rank's expert), which align, the GEMMs and the sum
     skip; EG = E and offset 0 on one GPU. `attrs`: the op's hyper-parameters (top_k, routed_scaling_factor,
-    renormalize, activation, situ_beta, situ_linear_beta), specialised into the code; `sm`: the target (90 if
-    absent; the MXFP4 GEMMs use native FP4 MMAs from 100); `block_m` overrides BM, `gemm_programs` the
+    renormalize, activation, situ_beta, situ_linear_beta; the MXFP4 family's `activations`, "mxfp8" quantizing
+    both GEMMs' activation tiles), specialised into the code; `sm`: the target (90 if absent; the MXFP4 GEMMs
+    use native FP4 MMAs from 100); `block_m` overrides BM, `gemm_programs` the
     persistent GEMMs' grid size (tests). Workspace: s [N, EG] fp32, ids [N·k] int64, wts [N·k]
     fp32, counts/offsets [NB, E] int32, sorted_pair [P] int32, block_expert [P/BM] int32, h [P, I] and
     y [N·k, L] (z's dtype), P = padded_rows(N·k, E, BM)."""
@@ -479,8 +480,15 @@ def build_plan(d: dict, dtypes: list[str], attrs: dict, gemms: dict, *, packed: 
     EG = d.get("EG", E)  # experts routed over (all of them); E: the local ones (expert parallelism)
     sm = int(attrs.get("sm") or 90)
     BM = int(attrs.get("block_m") or block_m(max(int(d["N"]), 1), k, E))
+    a8 = packed and attrs.get("activations", "bf16") == "mxfp8"  # MXFP8 activations (moe_mxfp4.triton)
+    # W4A8 on sm_100+: tcgen05's block-scaled MMA (kind::mxf8f6f4) takes 128 rows on its M side (Triton 3.8
+    # upcasts to kind::f16 at 64): 128 activation rows per block at prefill (the packed tiles' width: no
+    # spills), the dense tiles' 128 weight rows in swap-AB at decode (the codes reach the MMA undecoded)
+    mx = a8 and sm >= 100
+    if mx and SWAP_BELOW <= BM < 128 and not attrs.get("block_m"):
+        BM = 128
     c = moe_launch_config(max(int(d["N"]), 1), k, E, L, I, ITEMSIZE[dtypes[1]], packed) | gemm_config(
-        BM, L, I, ITEMSIZE[dtypes[1]], packed)
+        BM, L, I, ITEMSIZE[dtypes[1]], packed and not (mx and BM < SWAP_BELOW))
     r, a, g1, g2, su = c["router"], c["align"], c["gemm1"], c["gemm2"], c["sum"]
     t = moe_launch_config(1, k, EG, L, I)["topk"]  # top-k over all EG experts
     static = {"d": D, "L": L, "E": E, "I": I, "EG": EG}
@@ -506,9 +514,9 @@ def build_plan(d: dict, dtypes: list[str], attrs: dict, gemms: dict, *, packed: 
         kernel, args = gemms[name]
         ctas = int(attrs.get("gemm_programs") or persistent_ctas(kernel.fn.__name__, BM, g))
         tiles = lambda x: num_m(x) * cdiv(cols, g["BN"])  # noqa: E731
-        scaled = packed and sm >= 100 and z_t in ("bf16", "fp16")
-        if packed:  # native MXFP4 MMA (tl.dot_scaled) on sm_100+ with 16-bit activations; decode in registers else
-            constexprs = constexprs | {"SCALED": scaled, "AFMT": z_t}
+        scaled = packed and sm >= 100 and (a8 or z_t in ("bf16", "fp16"))
+        if packed:  # native MXFP4 MMA (tl.dot_scaled) on sm_100+ with 16-bit or MXFP8 activations; decode else
+            constexprs = constexprs | {"SCALED": scaled, "AFMT": "e4m3" if a8 else z_t, "A8": a8}
         if "TMA" in kernel.arg_names:  # GEMM2's weights: rows of I elements (I/2 bytes packed), 16-byte strides;
             # not with dot_scaled (8 B of spills at K3's prefill on sm_100a)
             row_bytes = I // 2 if packed else I * ITEMSIZE[w_t]

@@ -21,6 +21,16 @@ in the plan (attrs["sm"]):
   `tile_dot` as the dense kernels: 16-bit operands on tensor cores, fp32 operands as IEEE dots.
 Swap-AB, the interleaved gate/up operand and the persistent grid are the dense kernels' (`moe.triton`); packed
 tiles are half as wide (the decoded [R, BK] fp32 values live in registers).
+
+MXFP8 activations (attrs["activations"] == "mxfp8", constexpr A8): each GEMM quantizes its activation tile in
+the prologue of every k step (`_mxfp8`: mxfp8.py's rule with bit ops — the block's amax exponent from its fp32
+bits, the E4M3 spacing of each element's binade from its bits, ties to even by adding and subtracting 1.5·2^23,
+saturation by a clamp), blocks of 32 along K lying inside a BK tile (BK is 32 or 64, K a multiple of 32). On
+sm_100+ the E4M3 codes and their E8M0 bytes go to `tl.dot_scaled` with the E2M1 weights (both operands
+block-scaled: tcgen05 kind::mxf8f6f4, which needs 128 rows on the MMA's M side — the plan gives W4A8 tiles 128
+activation rows at prefill and 128 weight rows in swap-AB at decode; compiled for sm_100a: block-scaled MMA and
+no spills at N = 1 .. 4096, tests/bench/test_kernel_resources.py); elsewhere the quantized values (E4M3 × 2^s,
+exact in fp32 and bf16) take the decode path above.
 """
 
 from __future__ import annotations
@@ -74,18 +84,52 @@ def _load_scales(ws, rows, k0, K, m_row, BK: tl.constexpr):
 
 
 @triton.jit
+def _mxfp8(a, BM: tl.constexpr, BK: tl.constexpr):
+    """Activation tile a [BM, BK] through MXFP8 (custom_ops/moe_mxfp4/mxfp8.py): (the E4M3 values P [BM, BK] as
+    fp32, the block exponents s [BM, BK/32] int32, 128 for a block holding a NaN or an infinity)."""
+    v = tl.reshape(a.to(tl.float32), [BM, BK // 32, 32])
+    bits = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |v|'s bits: ordered like |v|
+    bad = tl.max((bits >= 0x7F800000).to(tl.int32), axis=2)  # NaN or ±inf in the block
+    e_max = (tl.maximum(tl.max(bits, axis=2), 7 << 23) >> 23) - 127  # floor(log2(amax)), at least -120
+    s = tl.minimum(tl.maximum(e_max - 8, -127), 127)
+    y = v * ((127 - s) << 23).to(tl.float32, bitcast=True)[:, :, None]  # V / 2^s, exact
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)  # saturate
+    ey = tl.maximum((y.to(tl.int32, bitcast=True) >> 23) & 0xFF, 121)  # biased exponent of |y|, at least 2^-6
+    t = y * ((257 - ey) << 23).to(tl.float32, bitcast=True)  # y / spacing 2^(ey - 130), exact, |t| <= 16
+    t = (t + 12582912.0) - 12582912.0  # round to the nearest integer, ties to even (1.5·2^23)
+    p = t * ((ey - 3) << 23).to(tl.float32, bitcast=True)
+    return tl.reshape(p, [BM, BK]), tl.where(bad > 0, 128, s)
+
+
+@triton.jit
+def _mxfp8_values(a, BM: tl.constexpr, BK: tl.constexpr):
+    """a [BM, BK] rounded through MXFP8 and back, in a's dtype (exact: E4M3 × 2^s fits fp32 and bf16)."""
+    p, s = _mxfp8(a, BM, BK)
+    x = tl.where(s == 128, float("nan"), _e8m0(s + 127))
+    return tl.reshape(tl.reshape(p, [BM, BK // 32, 32]) * x[:, :, None], [BM, BK]).to(a.dtype)
+
+
+@triton.jit
 def _packed_dot(a, byte, s, acc, R: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr, IEEE: tl.constexpr,
-                SCALED: tl.constexpr, AFMT: tl.constexpr):
+                SCALED: tl.constexpr, AFMT: tl.constexpr, A8: tl.constexpr):
     """One k step against a packed [R, BK] weight tile (see `tile_dot` for a, acc and SWAP). SCALED (sm_100+,
-    16-bit a): `tl.dot_scaled`, E2M1 codes with their E8M0 scales against a in AFMT. Else (Hopper, fp32):
-    decode in registers — the low and high nibbles as two [R, BK/2] halves interleaved (k = 2i + high), no
-    per-element index math for the compiler to carry into the MMA operand's layout — and a plain dot."""
+    16-bit a, or A8): `tl.dot_scaled`, E2M1 codes with their E8M0 scales against a in AFMT (A8: a's MXFP8 codes
+    and scales, AFMT "e4m3"). Else (Hopper, fp32): decode in registers — the low and high nibbles as two
+    [R, BK/2] halves interleaved (k = 2i + high), no per-element index math for the compiler to carry into the
+    MMA operand's layout — and a plain dot (A8: on a's MXFP8 values)."""
+    BM: tl.constexpr = a.shape[0]
     if SCALED:
+        a_s = None
+        if A8:
+            p, e = _mxfp8(a, BM, BK)
+            a, a_s = p.to(tl.float8e4nv), (e + 127).to(tl.uint8)  # p is on the E4M3 grid: exact
         if SWAP:
-            acc = tl.dot_scaled(byte, s, "e2m1", tl.trans(a), None, AFMT, acc)
+            acc = tl.dot_scaled(byte, s, "e2m1", tl.trans(a), a_s, AFMT, acc)
         else:
-            acc = tl.dot_scaled(a, None, AFMT, tl.trans(byte), s, "e2m1", acc)
+            acc = tl.dot_scaled(a, a_s, AFMT, tl.trans(byte), s, "e2m1", acc)
     else:
+        if A8:
+            a = _mxfp8_values(a, BM, BK)
         code = byte.to(tl.int32)
         scale = tl.reshape(tl.broadcast_to(_e8m0(s.to(tl.int32))[:, :, None], [R, BK // 32, 16]), [R, BK // 2])
         b = tl.reshape(tl.join(_e2m1(code & 15) * scale, _e2m1(code >> 4) * scale), [R, BK])
@@ -101,6 +145,7 @@ def _moe_mxfp4_gemm1_kernel(
     beta1, beta2,
     TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     ACT: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr, SCALED: tl.constexpr, AFMT: tl.constexpr,
+    A8: tl.constexpr = False,
 ):
     num_n = tl.cdiv(I, BN)
     o_j = tl.arange(0, 2 * BN)  # wide operand row j: gate (w1, even j) or up (w3, odd j) of unit j // 2
@@ -118,7 +163,7 @@ def _moe_mxfp4_gemm1_kernel(
             for k0 in range(0, L, BK):
                 a = tl.load(a_ptr + k0, mask=valid[:, None] & (o_k[None, :] < L - k0), other=0.0)
                 byte, s = _load_packed(w1 + d3, w1s + ds3, rows, k0, L, o_n < I, BK)  # [2·BN, BK/2], [2·BN, BK/32]
-                acc = _packed_dot(a, byte, s, acc, 2 * BN, BK, SWAP, IEEE, SCALED, AFMT)
+                acc = _packed_dot(a, byte, s, acc, 2 * BN, BK, SWAP, IEEE, SCALED, AFMT, A8)
             store_h(h, tile_out(acc, SWAP), o_m, pid_n, I, beta1, beta2, BM, BN, ACT)
 
 
@@ -128,7 +173,7 @@ def _moe_mxfp4_gemm2_kernel(
     y,  # out [NK, L] (z's dtype), rows in pair order
     NK, I, L, E, num_m,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr,
-    SWAP: tl.constexpr, SCALED: tl.constexpr, AFMT: tl.constexpr, TMA: tl.constexpr,
+    SWAP: tl.constexpr, SCALED: tl.constexpr, AFMT: tl.constexpr, TMA: tl.constexpr, A8: tl.constexpr = False,
 ):
     num_n = tl.cdiv(L, BN)
     o_j = tl.arange(0, BN)
@@ -152,7 +197,7 @@ def _moe_mxfp4_gemm2_kernel(
                     s = _load_scales(w2s, rows, k0, I, o_n < L, BK)
                 else:
                     byte, s = _load_packed(w2, w2s, rows, k0, I, o_n < L, BK)
-                acc = _packed_dot(a, byte, s, acc, BN, BK, SWAP, IEEE, SCALED, AFMT)
+                acc = _packed_dot(a, byte, s, acc, BN, BK, SWAP, IEEE, SCALED, AFMT, A8)
             store_y(y, tile_out(acc, SWAP), topk_w, pair, valid, pid_n, L, BN)
 
 
@@ -185,8 +230,8 @@ def plan(d: dict, dtypes: list[str], attrs: dict) -> Plan:
 def moe(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
         w1_scale: Tensor, w3_scale: Tensor, w2_scale: Tensor, top_k: int, routed_scaling_factor: float,
         renormalize: bool, activation: str, situ_beta: float, situ_linear_beta: float,
-        expert_offset: Tensor | None = None) -> Tensor:
-    """The whole plan on packed experts -> u [N, L] in z's dtype."""
+        expert_offset: Tensor | None = None, activations: str = "bf16") -> Tensor:
+    """The whole plan on packed experts -> u [N, L] in z's dtype (`activations`: "bf16" or "mxfp8")."""
     E, I, half = w1.shape
     L = 2 * half
     want = {"w3": (E, I, half), "w2": (E, L, I // 2), "w1_scale": (E, I, L // BLOCK), "w3_scale": (E, I, L // BLOCK),
@@ -201,6 +246,7 @@ def moe(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tensor
                          f"w1 {tuple(w1.shape)} {w1.dtype} do not fit" + (f" ({', '.join(bad)})" if bad else ""))
     attrs = dense.plan_attrs(top_k, routed_scaling_factor, renormalize, activation, situ_beta, situ_linear_beta)
     attrs["sm"] = device_sm(z.device)  # sm_100+: tl.dot_scaled
+    attrs["activations"] = activations
     off = dense.no_offset(x.device) if expert_offset is None else expert_offset.reshape(1).to(torch.int32)
     tensors = dict(zip(PORTS, (dense.aligned(t) for t in (x, z, gate_weight, gate_bias, w1, w3, w2, w1_scale,
                                                           w3_scale, w2_scale, off))))

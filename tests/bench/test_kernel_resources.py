@@ -149,3 +149,18 @@ def test_moe_gemm_resource_table_matches_the_compiler(k3_moe_gemms):
             r = k3_moe_gemms[(N, x.kernel_name)]
             assert mt.GEMM_RESOURCES_SM90[(x.kernel_name, c["BM"], c["BN"], c["BK"], x.num_warps, x.num_stages)] == (
                 r.regs, r.shared), (x.kernel_name, N)
+
+
+def test_w4a8_gemms_use_block_scaled_mma_on_sm100a():
+    """activations="mxfp8": both packed GEMMs quantize their activation tiles and hand E4M3 codes + E8M0 scales
+    with the E2M1 weights to tcgen05's block-scaled MMA (kind::mxf8f6f4) at decode (swap-AB, 128 weight rows)
+    and prefill (128 activation rows), without spills."""
+    from dataclasses import replace
+
+    for N in (1, 4096):
+        case = kr.moe_case(N, packed=True)
+        case = replace(case, attrs=dict(case.attrs) | {"activations": "mxfp8"})
+        rows = kr.measure_case(case, kr.SMS[100], kernels=MOE_GEMMS[2:])
+        assert len(rows) == 2
+        for r in rows:
+            assert not r.error and r.mx_mma and not r.spills, (N, r.kernel, r.error, r.regs, r.stack)

@@ -97,3 +97,40 @@ def test_tma_for_the_down_projection_weights(family, sm, dtypes, I, tma):
     plan = mod.plan(d, dtypes, ATTRS | {"sm": sm})
     gemm1, gemm2 = [x for x in plan.select(d).launches if "gemm" in x.kernel_name]
     assert gemm2.constexprs["TMA"] is tma and "TMA" not in gemm1.constexprs
+
+
+@pytest.mark.parametrize("sm, dtypes, scaled", [
+    (90, PACKED, False),  # Hopper: MXFP8 values from the prologue, decoded weights, bf16 MMA
+    (100, PACKED, True),  # Blackwell: E4M3 codes + E8M0 scales on both tl.dot_scaled operands
+    (100, ["fp32", "fp32", "fp32", "fp32"] + ["uint8"] * 6 + ["fp32"], True),  # fp32 z: quantized to E4M3 too
+])
+def test_mxfp8_activations_in_both_gemms(sm, dtypes, scaled):
+    """activations="mxfp8" (the plugin field / op argument) turns on the prologue quantizer (A8) in both packed
+    GEMMs; from sm_100 both operands go block-scaled into tl.dot_scaled (AFMT e4m3), whatever z's dtype."""
+    for N in (1, 4096):
+        d = dict(K3, N=N)
+        plan = packed.plan(d, dtypes, ATTRS | {"sm": sm, "activations": "mxfp8"})
+        gemms = [x for x in plan.select(d).launches if "gemm" in x.kernel_name]
+        assert [(x.constexprs["A8"], x.constexprs["SCALED"]) for x in gemms] == [(True, scaled)] * 2
+        assert {x.constexprs["AFMT"] for x in gemms} == {"e4m3"}
+        if scaled:
+            assert not gemms[1].constexprs["TMA"]
+    _, gemms, _ = _gemms("moe_mxfp4", 1, sm, dtypes)  # bf16 activations: no quantizer
+    assert [x.constexprs["A8"] for x in gemms] == [False, False]
+
+
+@pytest.mark.parametrize("sm, bm, rows", [(90, 64, 64), (100, 128, 128)])
+def test_mxfp8_tiles_fit_the_block_scaled_mma_on_sm100(sm, bm, rows):
+    """sm_100 W4A8 tiles give tcgen05's block-scaled MMA (kind::mxf8f6f4) the 128 rows its M side needs (Triton
+    3.8 upcasts to kind::f16 at 64; compiled: tests/bench, bench/README): at K3's prefill (N = 4096, 64-row
+    blocks otherwise) 128 activation rows, at decode (swap-AB) 128 weight rows — GEMM1's 2·BN gate/up rows,
+    GEMM2's BN. Hopper keeps the packed tiles."""
+    d = dict(K3, N=4096)
+    plan = packed.plan(d, PACKED, ATTRS | {"sm": sm, "activations": "mxfp8"})
+    gemms = [x for x in plan.select(d).launches if "gemm" in x.kernel_name]
+    assert [(x.constexprs["BM"], x.constexprs["SWAP"]) for x in gemms] == [(bm, False)] * 2
+    d1 = dict(K3, N=1)
+    plan = packed.plan(d1, PACKED, ATTRS | {"sm": sm, "activations": "mxfp8"})
+    g1, g2 = [x for x in plan.select(d1).launches if "gemm" in x.kernel_name]
+    assert g1.constexprs["SWAP"] and g1.constexprs["BM"] == 16 and (2 * g1.constexprs["BN"], g2.constexprs["BN"]) \
+        == (rows, rows)

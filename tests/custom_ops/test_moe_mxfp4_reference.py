@@ -60,3 +60,30 @@ def test_bad_packed_shapes_are_named():
     args[8] = args[8][:, :, :1].contiguous().expand(6, 32, 1)[:, :16]  # w3_scale [E, 16, 2] -> wrong rows
     with pytest.raises(ValueError, match=r"moe_mxfp4: shapes.*\(w3_scale\)"):
         reference.moe(*args, 2, 1.0, True, "situ", 4.0, 25.0)
+
+
+def test_mxfp8_activations_are_the_emulation_on_both_gemm_inputs():
+    """activations='mxfp8': the dense math on MXFP8-rounded z and MXFP8-rounded GLU output h, bit for bit (an
+    independent spelling of the expert loop), through the op too; not the bf16 result; a bad format is named."""
+    from k3x.custom_ops.moe.reference import glu, route
+    from k3x.custom_ops.moe_mxfp4.mxfp8 import fake_quantize
+
+    x, z, gw, gb, w1, w3, w2, s1, s3, s2 = args = packed_inputs(hot=None)
+    z = z * 3
+    args[1] = z
+    hyper = [2, 1.5, True, "situ", 4.0, 25.0]
+    out = reference.moe(*args, *hyper, activations="mxfp8")
+    ids, w = route(x, gw, gb, 2, 1.5, True)
+    want = torch.zeros_like(z)
+    zq = fake_quantize(z)
+    for e in range(w1.shape[0]):  # ascending experts, as the reference accumulates
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        if len(tok):
+            h = glu(zq[tok] @ dequantize(w1[e], s1[e]).t(), zq[tok] @ dequantize(w3[e], s3[e]).t(), "situ", 4.0, 25.0)
+            want.index_add_(0, tok, (fake_quantize(h) @ dequantize(w2[e], s2[e]).t()) * w[tok, slot, None])
+    assert torch.equal(out, want)
+    assert not torch.allclose(out, reference.moe(*args, *hyper), atol=1e-3)
+    opts = MoEOptions(*hyper)
+    assert torch.equal(moe_mxfp4(*args, options=opts, activations="mxfp8"), out)
+    with pytest.raises(ValueError, match="activations='fp8'"):
+        moe_mxfp4(*args, options=opts, activations="fp8")

@@ -37,7 +37,8 @@ def test_manifest_and_onnx_interface(static_export):
     folder, output = static_export
     m = ExportFolder.open(folder).manifest
     assert m["static_cache"] == {"max_context": C, "length_input": "past_length"}
-    assert m["options"] == {"kernels": "reference", "expert_format": "dense", "max_context": C}
+    assert m["options"] == {"kernels": "reference", "expert_format": "dense", "activations": "bf16",
+                            "max_context": C}
     assert "max_context" not in m["config"] and m["io"]["inputs"][-1] == "past_length"
     assert m["state"][-1] == {"input": "past_length", "output": "present_length", "layer": -1, "kind": "length",
                               "dims": [], "dtype": "int64"}

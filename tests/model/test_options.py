@@ -33,8 +33,15 @@ def test_every_preset_keeps_its_hash_and_the_config_holds_no_option():
 
 def test_options_are_frozen_checked_and_round_trip():
     o = ModelOptions(BuildOptions(Kernels.TRITON, "mxfp4"), CacheOptions(64))
-    assert o.to_dict() == {"kernels": "triton", "expert_format": "mxfp4", "max_context": 64}
+    assert o.to_dict() == {"kernels": "triton", "expert_format": "mxfp4", "activations": "bf16", "max_context": 64}
     assert ModelOptions.from_dict(json.loads(json.dumps(o.to_dict()))) == o
+    w4a8 = ModelOptions(BuildOptions(Kernels.TRITON, "mxfp4", "mxfp8"))
+    assert w4a8.to_dict()["activations"] == "mxfp8" and ModelOptions.from_dict(w4a8.to_dict()) == w4a8
+    assert ModelOptions.from_dict({"expert_format": "mxfp4"}).build.activations == "bf16"  # manifests before it
+    with pytest.raises(ConfigError, match="^activations='fp8': must be 'bf16' or 'mxfp8'$"):
+        BuildOptions(expert_format="mxfp4", activations="fp8")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="^activations='mxfp8': .*needs expert_format='mxfp4'$"):
+        BuildOptions(activations="mxfp8")
     assert BuildOptions("triton").kernels is Kernels.TRITON  # the CLI's string value
     with pytest.raises(dataclasses.FrozenInstanceError):
         o.cache.max_context = 8  # type: ignore[misc]
@@ -51,6 +58,9 @@ def test_the_model_is_built_as_the_options_say():
     key = "model.layers.1.block_sparse_moe.experts.w1"
     assert packed.cfg == dense.cfg == cfg and packed.build.packed and not dense.build.packed
     assert packed.state_dict()[key].dtype != dense.state_dict()[key].dtype
+    w4a8 = build_model(cfg, BuildOptions(expert_format="mxfp4", activations="mxfp8"), device="meta", seed=None)
+    assert w4a8.model.layers[1].block_sparse_moe.activations == "mxfp8"
+    assert packed.model.layers[1].block_sparse_moe.activations == "bf16"
 
 
 def test_a_manifest_from_before_the_options_entry_opens_with_its_options_and_hash(tmp_path):
@@ -65,7 +75,8 @@ def test_a_manifest_from_before_the_options_entry_opens_with_its_options_and_has
     r = CliRunner().invoke(app, ["export", "--preset", "k3-mini", "--no-weights", "--out", str(out)])
     assert r.exit_code == 0, r.output
     m = json.loads((out / MANIFEST).read_text())
-    assert m["options"] == {"kernels": "reference", "expert_format": "dense", "max_context": None}
+    assert m["options"] == {"kernels": "reference", "expert_format": "dense", "activations": "bf16",
+                            "max_context": None}
     assert m["config_hash"] == HASHES["k3-mini"]
     old = {k: v for k, v in m.items() if k != "options"}
     old["config"] = {**m["config"], "kernels": "reference", "expert_format": "dense"}  # as 0.x wrote it

@@ -70,7 +70,9 @@ def test_changing_a_signature_changes_every_interface(name):
 
 def test_moe_mxfp4_is_moe_with_packed_expert_ports():
     moe, mx = Family("moe").op.SIGNATURE, Family("moe_mxfp4").op.SIGNATURE
-    assert mx.attrs == moe.attrs and mx.outputs == moe.outputs and mx.shapes is moe.shapes
+    assert mx.attrs == moe.attrs + (Attr("activations", str, "bf16"),)  # MXFP8 activations: a node field too
+    assert mx.outputs == moe.outputs and mx.shapes is moe.shapes
+    assert "str kernels, str activations='bf16', Tensor? expert_offset=None" in mx.torch_schema()
     assert mx.inputs[:4] == moe.inputs[:4] and mx.inputs[-1] == moe.inputs[-1]
     assert [(t.name, t.var) for t in mx.inputs[4:-1]] == [(n, "U") for n in
                                                           ("w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale")]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from k3x.custom_ops.moe_mxfp4 import reference
 from k3x.custom_ops.moe_mxfp4 import triton as kernels
@@ -97,3 +99,53 @@ def test_int8_bytes_as_tensorrt_passes_them(device):
     args = _inputs(13, 24, 64, 32, 6, device=device) + [2, 1.5, True, "situ", 4.0, 25.0]
     signed = [a.view(torch.int8) if torch.is_tensor(a) and a.dtype == torch.uint8 else a for a in args]
     assert torch.equal(kernels.moe(*signed), kernels.moe(*args))
+
+
+@triton.jit
+def _mxfp8_tile_kernel(x, out, BM: tl.constexpr, BK: tl.constexpr):
+    o = tl.arange(0, BM)[:, None] * BK + tl.arange(0, BK)[None, :]
+    tl.store(out + o, kernels._mxfp8_values(tl.load(x + o), BM, BK))
+
+
+def test_mxfp8_prologue_is_the_quantizer(device):
+    """The GEMM prologue's MXFP8 rounding (bit ops, ties by 1.5·2^23) equals mxfp8.fake_quantize bit for bit on
+    every E4M3 value, tie and neighbour at four scales, saturation, zero, clamped (2^-140) and NaN/Inf blocks."""
+    from mxfp8_cases import scale_blocks
+
+    from k3x.custom_ops.moe_mxfp4.mxfp8 import fake_quantize
+
+    rows = [torch.from_numpy(scale_blocks(s)) for s in (-127, -9, 0, 119)]
+    x = torch.cat(rows).reshape(-1)
+    x = torch.cat([x, torch.zeros(32), torch.full((32,), 2.0 ** -140), torch.randn(64) * 1e3])
+    x = torch.cat([x, torch.zeros(-len(x) % 2048)]).reshape(-1, 32, 64)
+    x[-1, 0, 3], x[-1, 1, 40] = float("nan"), float("inf")
+    for tile in x:
+        out = torch.empty(32, 64, device=device)
+        _mxfp8_tile_kernel[(1,)](tile.contiguous().to(device), out, BM=32, BK=64)
+        want = fake_quantize(tile)
+        assert torch.equal(out.cpu().isnan(), want.isnan())
+        assert torch.equal(out.cpu().nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize("block_m, sm", [(16, 90), (64, 90), (16, 100), (64, 100)])
+def test_packed_moe_mxfp8_matches_reference(block_m, sm, device):
+    """W4A8: both GEMMs quantize their activation tiles in the prologue; decode path (sm_90) and tl.dot_scaled
+    with E4M3 codes and E8M0 scales on both operands (sm_100), swap-AB and plain tiles, against the reference's
+    exact emulation — and MXFP8 changes the result (it is not a no-op)."""
+    from test_moe_triton import run_with
+
+    hyper = [2, 1.5, True, "situ", 4.0, 25.0]
+    args = _inputs(37, 16, 96, 64, 5, hot=2, device=device) + hyper
+    out = run_with(kernels, args, PORTS, {"block_m": block_m, "gemm_programs": 2, "sm": sm,
+                                          "activations": "mxfp8"})
+    want = reference.moe(*[a.cpu() if torch.is_tensor(a) else a for a in args], activations="mxfp8")
+    assert_close(out.cpu(), want, torch.float32, what=f"u BM={block_m} sm={sm}")
+    plain = reference.moe(*[a.cpu() if torch.is_tensor(a) else a for a in args])
+    assert (want - plain).abs().max() > 1e-3
+
+
+def test_moe_entry_takes_the_activation_format(device):
+    args = _inputs(13, 24, 64, 32, 6, device=device) + [2, 1.5, True, "situ", 4.0, 25.0]
+    out = kernels.moe(*args, activations="mxfp8")
+    assert_close(out.cpu(), reference.moe(*[a.cpu() if torch.is_tensor(a) else a for a in args],
+                                         activations="mxfp8"), torch.float32, what="u")
