@@ -21,6 +21,10 @@
   symlinks (in `<venv>/trt-rtx-lib`, as scripts/setup_trt_rtx.sh) and, when that folder is not on
   LD_LIBRARY_PATH, re-executes the `k3x build-engine` process once with it; anywhere else (a library
   call) it is one clear error instead of the parser's `terminate` (exit 134).
+- `--strip-weights`: a weight-stripped plan (`STRIP_PLAN` + `REFIT_IDENTICAL`), its metadata naming each
+  refittable weight's source in the export's ONNX data (export/engine_weights.py; the runner refits at load,
+  runtime/engine_refit.py). TensorRT-RTX 1.7 compiles refittable plans with CUDA (Myelin): on a machine
+  without a GPU such a build fails, and the error says so.
 - `--runtime auto` (default): TensorRT 11 when `tensorrt` is importable and a CUDA GPU is visible (it
   builds for the GPU it runs on), else TensorRT-RTX.
 - Output: `model.engine`, `model.engine.json` (TensorRT version, runtime, SM, plugin paths, profile, ONNX
@@ -62,6 +66,7 @@ class EngineOptions:
     dims: dict[str, dict[str, int]] = field(default_factory=dict)  # {"batch": {"max": 8}} overrides
     workspace_mib: int = 4096
     timing_cache: bool = True
+    strip_weights: bool = False  # STRIP_PLAN + REFIT_IDENTICAL; sources recorded (export/engine_weights.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "runtime", resolve_runtime(self.runtime))
@@ -333,6 +338,7 @@ def _build_engine(export_dir: Path, options: EngineOptions) -> EngineArtifact:
     config.add_optimization_profile(prof)
     if options.timing_cache:
         config.set_timing_cache(config.create_timing_cache(cache_bytes), ignore_mismatch=False)
+    sources = _strip(trt, config, onnx_path) if options.strip_weights else None
     from ..trt import adapter
 
     adapter.ERRORS.clear()
@@ -343,13 +349,15 @@ def _build_engine(export_dir: Path, options: EngineOptions) -> EngineArtifact:
         formats = "".join(f"  k3::{n} formats: {s.format_table()}\n" for n, s in specs.items()
                           if f"k3::{n}" in plugin_errors)
         raise EngineBuildError(f"{onnx_path}: engine build failed ({options.runtime}, sm_{sm}):\n{plugin_errors}"
-                               f"{formats}{_failing(logger)}")
+                               f"{formats}{_failing(logger)}{_strip_hint(options)}")
     seconds = time.perf_counter() - t0
     data = bytes(blob)
     meta = {"runtime": options.runtime, "tensorrt_version": trt.__version__, "sm": sm, "plugin_paths": paths,
             "profile": {k: asdict(v) for k, v in ranges.items()}, "input_shapes": table, "bytes": len(data),
             "outputs": [network.get_output(i).name for i in range(network.num_outputs)],
-            "build_seconds": round(seconds, 2), "onnx_sha256": onnx_sha256}
+            "build_seconds": round(seconds, 2), "onnx_sha256": onnx_sha256, "stripped": sources is not None}
+    if sources is not None:
+        meta["weights"] = sources
     # engine, metadata and timing cache renamed into place together
     with write_artifact(export_dir, "trt", extra=meta, primary=ENGINE_FILE) as tmp:
         (tmp / ENGINE_FILE).write_bytes(data)
@@ -359,6 +367,28 @@ def _build_engine(export_dir: Path, options: EngineOptions) -> EngineArtifact:
     log.info("engine %s: %.1f MiB in %.1f s (%s %s, sm_%d)", export_dir / ENGINE_FILE, len(data) / 2**20, seconds,
              options.runtime, trt.__version__, sm)
     return EngineArtifact(export_dir / ENGINE_FILE, meta)
+
+
+def _strip(trt, config, onnx_path: Path) -> dict[str, dict]:
+    """Set the weight-stripping flags; the source of every weight the plan leaves out (export/engine_weights.py)."""
+    from .engine_weights import WeightSourceError, weight_sources
+
+    try:
+        sources = weight_sources(onnx_path)
+    except WeightSourceError as e:
+        raise EngineBuildError(str(e)) from None
+    config.set_flag(trt.BuilderFlag.STRIP_PLAN)
+    config.set_flag(trt.BuilderFlag.REFIT_IDENTICAL)
+    return sources
+
+
+def _strip_hint(options: EngineOptions) -> str:
+    if not (options.strip_weights and options.runtime == "trt-rtx"):
+        return ""
+    import torch
+
+    return "" if torch.cuda.is_available() else ("\n  --strip-weights: TensorRT-RTX compiles refittable plans with "
+                                                  "CUDA (Myelin), so it needs a GPU; build without --strip-weights here")
 
 
 def _failing(logger) -> str:
