@@ -21,10 +21,8 @@
   symlinks (in `<venv>/trt-rtx-lib`, as scripts/setup_trt_rtx.sh) and, when that folder is not on
   LD_LIBRARY_PATH, re-executes the `k3x build-engine` process once with it; anywhere else (a library
   call) it is one clear error instead of the parser's `terminate` (exit 134).
-- `--strip-weights`: a weight-stripped plan (`STRIP_PLAN` + `REFIT_IDENTICAL`), its metadata naming each
-  refittable weight's source in the export's ONNX data (export/engine_weights.py; the runner refits at load,
-  runtime/engine_refit.py). TensorRT-RTX 1.7 compiles refittable plans with CUDA (Myelin): on a machine
-  without a GPU such a build fails, and the error says so.
+- `--strip-weights`: a weight-stripped plan whose metadata names each weight's source (export/engine_weights.py;
+  refitted at load: runtime/engine_refit.py). TensorRT-RTX needs a GPU for it (Myelin); the error says so.
 - `--runtime auto` (default): TensorRT 11 when `tensorrt` is importable and a CUDA GPU is visible (it
   builds for the GPU it runs on), else TensorRT-RTX.
 - Output: `model.engine`, `model.engine.json` (TensorRT version, runtime, SM, plugin paths, profile, ONNX
@@ -43,6 +41,7 @@ from pathlib import Path
 
 from ..folder.artifacts import ExportFolder, ManifestError, refuse_unlisted, write_artifact
 from ..folder.dims import DYNAMIC_DIMS, DimRange
+from .engine_weights import strip_plan
 
 log = logging.getLogger("k3x.trt")
 ENGINE_FILE, ENGINE_META, TIMING_CACHE, ONNX_FILE = "model.engine", "model.engine.json", "timing.cache", "model.trt.onnx"
@@ -338,7 +337,7 @@ def _build_engine(export_dir: Path, options: EngineOptions) -> EngineArtifact:
     config.add_optimization_profile(prof)
     if options.timing_cache:
         config.set_timing_cache(config.create_timing_cache(cache_bytes), ignore_mismatch=False)
-    sources = _strip(trt, config, onnx_path) if options.strip_weights else None
+    sources = strip_plan(trt, config, onnx_path) if options.strip_weights else None  # WeightSourceError: ValueError
     from ..trt import adapter
 
     adapter.ERRORS.clear()
@@ -369,26 +368,12 @@ def _build_engine(export_dir: Path, options: EngineOptions) -> EngineArtifact:
     return EngineArtifact(export_dir / ENGINE_FILE, meta)
 
 
-def _strip(trt, config, onnx_path: Path) -> dict[str, dict]:
-    """Set the weight-stripping flags; the source of every weight the plan leaves out (export/engine_weights.py)."""
-    from .engine_weights import WeightSourceError, weight_sources
-
-    try:
-        sources = weight_sources(onnx_path)
-    except WeightSourceError as e:
-        raise EngineBuildError(str(e)) from None
-    config.set_flag(trt.BuilderFlag.STRIP_PLAN)
-    config.set_flag(trt.BuilderFlag.REFIT_IDENTICAL)
-    return sources
-
-
 def _strip_hint(options: EngineOptions) -> str:
-    if not (options.strip_weights and options.runtime == "trt-rtx"):
-        return ""
     import torch
 
-    return "" if torch.cuda.is_available() else ("\n  --strip-weights: TensorRT-RTX compiles refittable plans with "
-                                                  "CUDA (Myelin), so it needs a GPU; build without --strip-weights here")
+    gpu = options.runtime != "trt-rtx" or torch.cuda.is_available()
+    return "" if not options.strip_weights or gpu else ("\n  --strip-weights: TensorRT-RTX compiles refittable plans "
+                                                         "with CUDA (Myelin), so it needs a GPU; build without it here")
 
 
 def _failing(logger) -> str:

@@ -86,6 +86,14 @@ def weight_sources(onnx_path: Path) -> dict[str, dict]:
     return out
 
 
+def strip_plan(trt, config, onnx_path: Path) -> dict[str, dict]:
+    """Set the weight-stripping flags on a builder config; the source of every weight the plan leaves out."""
+    sources = weight_sources(onnx_path)
+    config.set_flag(trt.BuilderFlag.STRIP_PLAN)
+    config.set_flag(trt.BuilderFlag.REFIT_IDENTICAL)
+    return sources
+
+
 def inline_bytes(init) -> bytes:
     """The little-endian bytes of an inline initializer (raw_data, or its typed field)."""
     from onnx import numpy_helper
