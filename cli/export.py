@@ -9,9 +9,10 @@ import typer
 
 from .app import app
 from .console import Progress, debug, echo, fail
+from .options import StripWeights
 from .options import EP, TP, BlockSize, Checkpoint, EngineExportDir, EngineRuntime, Experts, ExportOut, Kernels, \
     KernelChoice, MaxContext, ModelDType, DType, NoWeights, Plugins, PluginPath, Preset, PresetSeed, ProfileMax, \
-    ProfileMin, ProfileOpt, Runtime, SM, Serving, StripWeights, Target, Targets
+    ProfileMin, ProfileOpt, Runtime, SM, Serving, Target, Targets
 
 
 @app.command()
