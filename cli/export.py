@@ -9,11 +9,11 @@ import typer
 
 from .app import app
 from .console import Progress, debug, echo, fail
-from .options import StripWeights
 from .options import EP, TP, BlockSize, Checkpoint, EngineExportDir, EngineRuntime, Experts, ExportOut, Kernels, \
     KernelChoice, MaxContext, ModelDType, DType, NoWeights, Plugins, PluginPath, Preset, PresetSeed, ProfileMax, \
     ProfileMin, ProfileOpt, Runtime, SM, Serving, Target, Targets
 
+from .options import StripWeights  # noqa: E402 - apart from the list above, which main's merges rewrite
 
 @app.command()
 def export(out: ExportOut, preset: Preset = None, checkpoint: Checkpoint = None, target: Targets = [Target.PT2],
