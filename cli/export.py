@@ -15,6 +15,7 @@ from .options import EP, TP, BlockSize, Checkpoint, EngineExportDir, EngineRunti
 
 from .options import StripWeights  # noqa: E402 - apart from the list above, which main's merges rewrite
 
+
 @app.command()
 def export(out: ExportOut, preset: Preset = None, checkpoint: Checkpoint = None, target: Targets = [Target.PT2],
            no_weights: NoWeights = False, dtype: ModelDType = DType.FP32, seed: PresetSeed = 0,
