@@ -13,6 +13,8 @@ from .options import EP, TP, Activations, BlockSize, Checkpoint, EngineExportDir
     Experts, ExportOut, Kernels, KernelChoice, MaxContext, ModelDType, DType, NoWeights, Plugins, PluginPath, Preset, \
     PresetSeed, ProfileMax, ProfileMin, ProfileOpt, Runtime, SM, Serving, Target, Targets
 
+from .options import StripWeights  # noqa: E402 - apart from the list above, which main's merges rewrite
+
 
 @app.command()
 def export(out: ExportOut, preset: Preset = None, checkpoint: Checkpoint = None, target: Targets = [Target.PT2],
@@ -48,7 +50,7 @@ def export(out: ExportOut, preset: Preset = None, checkpoint: Checkpoint = None,
 @app.command("build-engine")
 def build_engine(export_dir: EngineExportDir, min_: ProfileMin = None, opt: ProfileOpt = None,
                  max_: ProfileMax = None, sm: SM = None, runtime: EngineRuntime = Runtime.AUTO,
-                 plugin_path: Plugins = PluginPath.AOT) -> None:
+                 plugin_path: Plugins = PluginPath.AOT, strip_weights: StripWeights = False) -> None:
     """Build model.engine from the trt-flavour ONNX with the k3 plugins (profile over the export's dynamic dims;
     a serving export's: tokens, seqs, table_blocks, logits_rows, slots, blocks).
     TensorRT-RTX (builds on a CPU): pip install -e '.[trt-rtx]'."""
@@ -56,7 +58,8 @@ def build_engine(export_dir: EngineExportDir, min_: ProfileMin = None, opt: Prof
 
     try:
         dims = parse_profile({"min": min_ or [], "opt": opt or [], "max": max_ or []})
-        options = EngineOptions(runtime=runtime.value, sm=sm, plugin_path=plugin_path.value, dims=dims)
+        options = EngineOptions(runtime=runtime.value, sm=sm, plugin_path=plugin_path.value, dims=dims,
+                                strip_weights=strip_weights)
         debug("build-engine %s: runtime %s, sm_%d, plugins %s, profile overrides %s", export_dir, options.runtime,
               options.target_sm, options.plugin_path, dims)
         art = build(export_dir, options)
@@ -65,5 +68,6 @@ def build_engine(export_dir: EngineExportDir, min_: ProfileMin = None, opt: Prof
     except OSError as e:  # the lock, the staging folder or the engine file: nothing was renamed into place
         where = f" ({e.filename})" if e.filename else ""
         fail(f"build-engine in {export_dir} failed: {e.strerror or e}{where}; nothing was written")
-    echo(f"{art.path}: {art.meta['bytes'] / 2**20:.1f} MiB, sm_{art.meta['sm']}, {art.meta['runtime']} "
+    stripped = f", weight-stripped ({len(art.meta['weights'])} weights refitted at load)" if art.meta["stripped"] else ""
+    echo(f"{art.path}: {art.meta['bytes'] / 2**20:.1f} MiB{stripped}, sm_{art.meta['sm']}, {art.meta['runtime']} "
          f"{art.meta['tensorrt_version']}, plugins " + ", ".join(f"{k}={v}" for k, v in art.meta["plugin_paths"].items()))

@@ -121,6 +121,8 @@ EngineRuntime = Annotated[Runtime, typer.Option("--runtime", help="auto (trt whe
                                                 "else trt-rtx) | trt (TensorRT 11) | trt-rtx (TensorRT-RTX, builds "
                                                 "on CPU).")]
 Plugins = Annotated[PluginPath, typer.Option("--plugin-path", help="aot (embedded cubins) | jit (Triton via torch).")]
+StripWeights = Annotated[bool, typer.Option("--strip-weights", help="Weight-stripped plan: the runner refits its "
+                                            "weights at load from the export's ONNX data (sources in the metadata).")]
 
 # decoding (generate, run)
 PromptIds = Annotated[Optional[str], typer.Option("--prompt-ids", help="Comma-separated prompt token ids "

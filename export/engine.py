@@ -21,6 +21,8 @@
   symlinks (in `<venv>/trt-rtx-lib`, as scripts/setup_trt_rtx.sh) and, when that folder is not on
   LD_LIBRARY_PATH, re-executes the `k3x build-engine` process once with it; anywhere else (a library
   call) it is one clear error instead of the parser's `terminate` (exit 134).
+- `--strip-weights`: a weight-stripped plan whose metadata names each weight's source (export/engine_weights.py;
+  refitted at load: runtime/engine_refit.py). TensorRT-RTX needs a GPU for it (Myelin); the error says so.
 - `--runtime auto` (default): TensorRT 11 when `tensorrt` is importable and a CUDA GPU is visible (it
   builds for the GPU it runs on), else TensorRT-RTX.
 - Output: `model.engine`, `model.engine.json` (TensorRT version, runtime, SM, plugin paths, profile, ONNX
@@ -39,6 +41,7 @@ from pathlib import Path
 
 from ..folder.artifacts import ExportFolder, ManifestError, refuse_unlisted, write_artifact
 from ..folder.dims import DYNAMIC_DIMS, DimRange
+from .engine_weights import strip_plan
 
 log = logging.getLogger("k3x.trt")
 ENGINE_FILE, ENGINE_META, TIMING_CACHE, ONNX_FILE = "model.engine", "model.engine.json", "timing.cache", "model.trt.onnx"
@@ -62,6 +65,7 @@ class EngineOptions:
     dims: dict[str, dict[str, int]] = field(default_factory=dict)  # {"batch": {"max": 8}} overrides
     workspace_mib: int = 4096
     timing_cache: bool = True
+    strip_weights: bool = False  # STRIP_PLAN + REFIT_IDENTICAL; sources recorded (export/engine_weights.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "runtime", resolve_runtime(self.runtime))
@@ -333,6 +337,7 @@ def _build_engine(export_dir: Path, options: EngineOptions) -> EngineArtifact:
     config.add_optimization_profile(prof)
     if options.timing_cache:
         config.set_timing_cache(config.create_timing_cache(cache_bytes), ignore_mismatch=False)
+    sources = strip_plan(trt, config, onnx_path) if options.strip_weights else None  # WeightSourceError: ValueError
     from ..trt import adapter
 
     adapter.ERRORS.clear()
@@ -343,13 +348,15 @@ def _build_engine(export_dir: Path, options: EngineOptions) -> EngineArtifact:
         formats = "".join(f"  k3::{n} formats: {s.format_table()}\n" for n, s in specs.items()
                           if f"k3::{n}" in plugin_errors)
         raise EngineBuildError(f"{onnx_path}: engine build failed ({options.runtime}, sm_{sm}):\n{plugin_errors}"
-                               f"{formats}{_failing(logger)}")
+                               f"{formats}{_failing(logger)}{_strip_hint(options)}")
     seconds = time.perf_counter() - t0
     data = bytes(blob)
     meta = {"runtime": options.runtime, "tensorrt_version": trt.__version__, "sm": sm, "plugin_paths": paths,
             "profile": {k: asdict(v) for k, v in ranges.items()}, "input_shapes": table, "bytes": len(data),
             "outputs": [network.get_output(i).name for i in range(network.num_outputs)],
-            "build_seconds": round(seconds, 2), "onnx_sha256": onnx_sha256}
+            "build_seconds": round(seconds, 2), "onnx_sha256": onnx_sha256, "stripped": sources is not None}
+    if sources is not None:
+        meta["weights"] = sources
     # engine, metadata and timing cache renamed into place together
     with write_artifact(export_dir, "trt", extra=meta, primary=ENGINE_FILE) as tmp:
         (tmp / ENGINE_FILE).write_bytes(data)
@@ -359,6 +366,14 @@ def _build_engine(export_dir: Path, options: EngineOptions) -> EngineArtifact:
     log.info("engine %s: %.1f MiB in %.1f s (%s %s, sm_%d)", export_dir / ENGINE_FILE, len(data) / 2**20, seconds,
              options.runtime, trt.__version__, sm)
     return EngineArtifact(export_dir / ENGINE_FILE, meta)
+
+
+def _strip_hint(options: EngineOptions) -> str:
+    import torch
+
+    gpu = options.runtime != "trt-rtx" or torch.cuda.is_available()
+    return "" if not options.strip_weights or gpu else ("\n  --strip-weights: TensorRT-RTX compiles refittable plans "
+                                                         "with CUDA (Myelin), so it needs a GPU; build without it here")
 
 
 def _failing(logger) -> str:

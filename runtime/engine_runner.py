@@ -9,6 +9,7 @@ A serving engine (`k3x export --serving`, then build-engine) runs behind the sam
 state pools on `device` ("cuda"), so `_bind` hands TensorRT their addresses as they are (no copy of a pool per
 step); the engine only reads them. Pools are not aliased to outputs: the step returns its new rows (O(B + N):
 `new.*`, into fresh buffers) and serve() writes them into the pools in place (runtime/pools.py), as for ORT.
+A weight-stripped engine (`--strip-weights`) is refitted before its context is made (runtime/engine_refit.py).
 Not run in CI (no GPU and no TensorRT 11 there); the serving engine's build is (tests/trt/test_serving_engine_rtx.py).
 `enqueue` is the capturable step (no sync, the caller's stream) that `--cuda-graph` records into a CUDA graph
 with the static bindings of runtime/cuda_graph.py; `infer` is the same step on the runner's own stream,
@@ -49,6 +50,10 @@ class TrtRunner:
         self.engine = trt.Runtime(self.logger).deserialize_cuda_engine(path.read_bytes())
         if self.engine is None:
             raise RunnerError(f"{path}: TensorRT could not deserialize the engine (see its log above)")
+        if self.meta.get("stripped"):  # weight-stripped: its weights streamed in from the export (engine_refit.py)
+            from .engine_refit import refit_stripped
+
+            self.refit_seconds = refit_stripped(trt, self.engine, self.logger, Path(export_dir), self.meta["weights"])
         self.context = self.engine.create_execution_context()
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         mode = trt.TensorIOMode.INPUT

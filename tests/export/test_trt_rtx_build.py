@@ -49,7 +49,7 @@ def k3_mini_export(tmp_path_factory) -> Path:
     model = K3ForCausalLM(cfg).eval()
     ep = trace(model)
     init_manifest(out, cfg, dtype=torch.float32, weights=True, op_counts=op_counts(ep))
-    export_onnx(ep, cfg, out, OnnxOptions(flavors=("trt",)))
+    export_onnx(ep, cfg, out, OnnxOptions(flavors=("trt",), external_data=True))  # --strip-weights refits from it
     _list_onnx(out)
     return out
 
@@ -144,3 +144,79 @@ def test_good_kda_node_builds_and_missing_runtime_is_named(bare_export):
                         "--runtime", "trt"], capture_output=True, text=True, timeout=120)
     if importlib.util.find_spec("tensorrt") is None:
         assert r.returncode == 1 and "install tensorrt-cu13" in r.stderr
+
+
+def test_stripped_engine_names_every_weight_source(k3_mini_export):
+    """Every initializer of the trt ONNX (each weight TensorRT can ask the refitter for) has a recorded source
+    whose bytes, read back, are the initializer's own (checked against onnx's own loading) and hash/size match."""
+    import onnx
+    from onnx import numpy_helper
+
+    from k3x.export.engine_weights import inline_weights, read_weight, weight_sources
+
+    onnx_path = k3_mini_export / "model.trt.onnx"
+    sources = weight_sources(onnx_path)
+    model = onnx.load(str(onnx_path))  # with its external data: the reference bytes
+    assert set(sources) == {i.name for i in model.graph.initializer} and len(sources) > 50
+    assert {s["file"] for s in sources.values()} == {"model.onnx.data", "model.trt.onnx"}
+    inline = inline_weights(onnx_path)
+    for init in model.graph.initializer:
+        src = sources[init.name]
+        want = numpy_helper.to_array(init).tobytes()
+        assert read_weight(k3_mini_export, init.name, src, inline) == want and src["length"] == len(want)
+        assert src["shape"] == list(init.dims)
+    big = max(sources, key=lambda n: sources[n]["length"])
+    assert sources[big]["file"] == "model.onnx.data" and sources[big]["length"] > 100_000
+
+
+def test_changed_weight_source_is_refused(k3_mini_export, tmp_path):
+    import shutil
+
+    from k3x.export.engine_weights import WeightSourceError, read_weight, weight_sources
+
+    sources = weight_sources(k3_mini_export / "model.trt.onnx")
+    name, src = next((n, s) for n, s in sources.items() if not s.get("inline"))
+    shutil.copy(k3_mini_export / src["file"], tmp_path / src["file"])
+    with open(tmp_path / src["file"], "r+b") as f:
+        f.seek(src["offset"] + 3)
+        b = f.read(1)
+        f.seek(src["offset"] + 3)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(WeightSourceError, match=f"weight {name!r} no longer matches"):
+        read_weight(tmp_path, name, src)
+
+
+def test_strip_weights_build(k3_mini_export):
+    """--strip-weights: with a GPU, a plan without its weights whose metadata names every weight's source;
+    TensorRT-RTX on a CPU cannot compile a refittable plan (Myelin needs CUDA): one clear error, nothing written."""
+    import torch
+
+    before = {p.name: p.stat().st_mtime_ns for p in k3_mini_export.iterdir()}
+    r = _build(k3_mini_export, "--strip-weights", "--max", "batch=2", "--max", "seq=32", "--opt", "seq=8",
+               "--max", "past_seq=32", "--opt", "past_seq=8")
+    if not torch.cuda.is_available():
+        assert r.returncode == 1 and "TensorRT-RTX compiles refittable plans with CUDA" in r.stderr, r.stderr[-2000:]
+        assert {p.name: p.stat().st_mtime_ns for p in k3_mini_export.iterdir()} == before
+        return
+    assert r.returncode == 0, r.stderr[-3000:]
+    meta = json.loads((k3_mini_export / "model.engine.json").read_text())
+    data = (k3_mini_export / "model.onnx.data").stat().st_size
+    assert meta["stripped"] and meta["bytes"] <= 0.05 * data and "weight-stripped" in r.stdout
+    manifest = json.loads((k3_mini_export / "manifest.json").read_text())
+    assert manifest["artifacts"]["trt"]["weights"] == meta["weights"]
+
+
+def test_inline_weights_are_refused_for_stripping(tmp_path):
+    import numpy as np
+    from onnx import TensorProto as T
+    from onnx import helper, numpy_helper, save
+
+    from k3x.export.engine_weights import WeightSourceError, weight_sources
+
+    w = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", T.FLOAT, [1, 4])],
+                          [helper.make_tensor_value_info("y", T.FLOAT, None)], [w])
+    save(helper.make_model(g), str(tmp_path / "model.trt.onnx"))
+    with pytest.raises(WeightSourceError, match="every weight is inside the graph"):
+        weight_sources(tmp_path / "model.trt.onnx")

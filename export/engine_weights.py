@@ -1,0 +1,126 @@
+"""Where each weight of a weight-stripped engine comes from (`k3x build-engine --strip-weights`).
+
+A stripped plan (TensorRT's `STRIP_PLAN` with `REFIT_IDENTICAL`: the engine is refitted with the very weights it
+was built from, so TensorRT keeps the optimisations of a constant-weight build) holds none of its refittable
+weights; the runner refits them at load (runtime/engine_refit.py). `weight_sources` makes the table it reads:
+one entry per initializer of `model.trt.onnx` (every weight TensorRT can ask for by name), naming
+
+- an external initializer: the data file (`model.onnx.data`, the export's, already hash-checked as part of the
+  `onnx` artifact), its byte `offset` and `length`;
+- an inline one (ONNX keeps tensors under 1 KiB in the graph): `"file": "model.trt.onnx"` with `"inline": true`
+  (read from the graph proto, which holds only such small tensors);
+
+with the ONNX `dtype` (its TensorProto name: FLOAT, BFLOAT16, UINT8, ...), `shape` and the bytes' `sha256`, which the runner checks as it streams each weight.
+An export whose weights are all inline (`external_data` unset: under 2 GB, written without it) is refused:
+its plan would be refitted from a copy of the whole graph in memory, which is what stripping avoids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Iterator
+
+CHUNK = 16 << 20
+
+
+class WeightSourceError(ValueError):
+    """The ONNX cannot name a source for a weight: one line naming the file or initializer."""
+
+
+def _external(init) -> dict[str, str]:
+    return {e.key: e.value for e in init.external_data}
+
+
+def _chunks(path: Path, offset: int, length: int) -> Iterator[bytes]:
+    """The bytes [offset, offset + length) of `path` in CHUNK-sized `pread`s (never the whole range at once)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        end = offset + length
+        while offset < end:
+            b = os.pread(fd, min(CHUNK, end - offset), offset)
+            if not b:
+                raise WeightSourceError(f"{path}: ends before byte {end}")
+            offset += len(b)
+            yield b
+    finally:
+        os.close(fd)
+
+
+def range_sha256(path: Path, offset: int, length: int) -> str:
+    h = hashlib.sha256()
+    for b in _chunks(path, offset, length):
+        h.update(b)
+    return h.hexdigest()
+
+
+def weight_sources(onnx_path: Path) -> dict[str, dict]:
+    """{initializer name: source} for every initializer of `onnx_path` (module docstring). The graph is read
+    without its external data; each external range is hashed in chunks."""
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    folder = Path(onnx_path).parent
+    out: dict[str, dict] = {}
+    for init in model.graph.initializer:
+        entry = {"dtype": onnx.TensorProto.DataType.Name(init.data_type), "shape": list(init.dims)}
+        if init.data_location == onnx.TensorProto.EXTERNAL:
+            ext = _external(init)
+            data = folder / ext["location"]
+            if Path(ext["location"]).name != ext["location"] or not data.is_file():
+                raise WeightSourceError(f"{onnx_path}: initializer {init.name!r} points at {ext['location']!r}, "
+                                        "not a file of the export folder")
+            offset, length = int(ext.get("offset", 0)), int(ext.get("length", data.stat().st_size))
+            if offset + length > data.stat().st_size:
+                raise WeightSourceError(f"{data}: initializer {init.name!r} range {offset}+{length} passes its end")
+            entry.update(file=data.name, offset=offset, length=length, sha256=range_sha256(data, offset, length))
+        else:
+            raw = inline_bytes(init)
+            entry.update(file=Path(onnx_path).name, inline=True, length=len(raw),
+                         sha256=hashlib.sha256(raw).hexdigest())
+        out[init.name] = entry
+    if out and all(e.get("inline") for e in out.values()):
+        raise WeightSourceError(f"{onnx_path}: every weight is inside the graph (no external data file); "
+                                "a stripped engine refits from the export's data file: export with external data")
+    return out
+
+
+def strip_plan(trt, config, onnx_path: Path) -> dict[str, dict]:
+    """Set the weight-stripping flags on a builder config; the source of every weight the plan leaves out."""
+    sources = weight_sources(onnx_path)
+    config.set_flag(trt.BuilderFlag.STRIP_PLAN)
+    config.set_flag(trt.BuilderFlag.REFIT_IDENTICAL)
+    return sources
+
+
+def inline_bytes(init) -> bytes:
+    """The little-endian bytes of an inline initializer (raw_data, or its typed field)."""
+    from onnx import numpy_helper
+
+    if init.HasField("raw_data"):
+        return init.raw_data
+    return numpy_helper.to_array(init).tobytes()
+
+
+def read_weight(folder: Path, name: str, src: dict, inline: dict[str, bytes] | None = None) -> bytes:
+    """One weight's bytes from its recorded source, checked against its recorded length and sha256; a
+    mismatch is one line naming the weight and the file (the data changed after the build)."""
+    if src.get("inline"):
+        raw = (inline or {}).get(name)
+        if raw is None:
+            raise WeightSourceError(f"{folder / src['file']}: initializer {name!r} is not in the graph")
+    else:
+        raw = b"".join(_chunks(Path(folder) / src["file"], src["offset"], src["length"]))
+    if len(raw) != src["length"] or hashlib.sha256(raw).hexdigest() != src["sha256"]:
+        raise WeightSourceError(f"{Path(folder) / src['file']}: weight {name!r} no longer matches the engine's "
+                                "recorded sha256; rebuild the engine")
+    return raw
+
+
+def inline_weights(onnx_path: Path) -> dict[str, bytes]:
+    """{name: bytes} of the graph's inline initializers (small tensors only; the external data is not read)."""
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    return {i.name: inline_bytes(i) for i in model.graph.initializer if i.data_location != onnx.TensorProto.EXTERNAL}
