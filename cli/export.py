@@ -11,9 +11,7 @@ from .app import app
 from .console import Progress, debug, echo, fail
 from .options import EP, TP, Activations, BlockSize, Checkpoint, EngineExportDir, EngineRuntime, ExpertActivations, \
     Experts, ExportOut, Kernels, KernelChoice, MaxContext, ModelDType, DType, NoWeights, Plugins, PluginPath, Preset, \
-    PresetSeed, ProfileMax, ProfileMin, ProfileOpt, Runtime, SM, Serving, Target, Targets
-
-from .options import StripWeights  # noqa: E402 - apart from the list above, which main's merges rewrite
+    PresetSeed, ProfileMax, ProfileMin, ProfileOpt, Runtime, SM, Serving, StripWeights, Target, Targets
 
 
 @app.command()
