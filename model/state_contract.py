@@ -38,6 +38,9 @@ KINDS = {"conv": "kda_conv", "recurrent": "kda_recurrent", "latent": "mla_latent
 AXES = {"conv": ["channel", "time"], "recurrent": ["head", "key", "value"], "latent": ["position", "latent"],
         "length": []}
 KDA_KINDS = ("kda_conv", "kda_recurrent")
+# the wrong states `k3x verify` recognises a runner decoding from (runtime/state_check.py), by name
+WRONG_STATES = {"zeroed": "a zeroed KDA state", "stale": "the KDA state of one step earlier (stale)",
+                "transposed": "a transposed KDA recurrent state (key and value axes swapped)"}
 
 
 def state_contract(cfg: K3Config, dtype: torch.dtype, *, cache: CacheOptions | None = None,
