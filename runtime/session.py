@@ -152,8 +152,10 @@ def check(s: Session, *, batch: int, prompt_len: int, new_tokens: int, backends:
                       dims=None if b == "eager" else s.dims)
 
 
-def decode(s: Session, backend: str, prompt: torch.Tensor, sampling, on_token=None):
-    return generate(s.runners[backend], s.cfg, prompt, sampling, dtype=s.dtype, on_token=on_token, cache=s.cache)
+def decode(s: Session, backend: str, prompt: torch.Tensor, sampling, on_token=None, **state):
+    """`state`: runners.generate's `start` / `on_prefill` (a state handed across processes)."""
+    return generate(s.runners[backend], s.cfg, prompt, sampling, dtype=s.dtype, on_token=on_token, cache=s.cache,
+                    **state)
 
 
 @dataclass
