@@ -69,9 +69,11 @@ def _contract_problem(t: dict[str, Any], got: Tensor | None, expected: Tensor) -
     """What of `got` breaks the contract entry `t` (expected: the reference's tensor, for the position count)."""
     if got is None:
         return f"missing output {t['output']}"
-    shape = [expected.shape[0], *(expected.shape[1 + i] if d == "position" else d for i, d in enumerate(t["shape"]))]
+    lead = [] if t["kind"] == "length" else [expected.shape[0]]  # a static cache's length: one for the batch
+    shape = [*lead, *(expected.shape[len(lead) + i] if d == "position" else d for i, d in enumerate(t["shape"]))]
     if list(got.shape) != shape:
-        return f"shape {list(got.shape)}, the contract says {shape} (axes: batch, {', '.join(t['axes'])})"
+        axes = ", ".join(["batch"] * len(lead) + t["axes"])
+        return f"shape {list(got.shape)}, the contract says {shape} (axes: {axes})"
     if got.dtype != torch_dtype(t["dtype"]):
         return f"dtype {dtype_name(got.dtype)}, the contract says {t['dtype']}"
     if got.is_floating_point() and not torch.isfinite(got).all():

@@ -147,6 +147,8 @@ def state_hooks(save: Path | None, load: Path | None, contract: dict[str, Any], 
         saved = load_state(load, contract, cfg.hash(), cfg.vocab_size)
         prompt, hooks["start"] = saved.tokens, saved.outputs
     if save is not None:
+        if not Path(save).parent.is_dir() or Path(save).is_dir():
+            raise StateFileError(f"--save-state {save}: not a file in an existing folder")
         tokens = list(prompt)
         hooks["on_prefill"] = lambda outputs: save_state(save, contract, cfg.hash(), outputs, tokens)
     return prompt, hooks
