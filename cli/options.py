@@ -169,6 +169,12 @@ PromptSeed = Annotated[int, typer.Option("--seed", help="Seed of the random prom
 ReferenceCheckpoint = Annotated[Optional[Path], typer.Option("--checkpoint", callback=must_exist, help="Eager "
                                                              "reference checkpoint (default: the export's).")]
 JsonReport = Annotated[Optional[Path], typer.Option("--json", help="Also write the report as JSON.")]
+SaveState = Annotated[Optional[Path], typer.Option(
+    "--save-state", help="Write the sequence's state after the prefill to this file (safetensors; --max-new-tokens "
+                         "1 stops there), for --load-state in another process.")]
+LoadState = Annotated[Optional[Path], typer.Option(
+    "--load-state", callback=must_exist, help="Decode from a state file of --save-state (its sequence; no prompt), "
+                                              "checked against this export's state contract.")]
 
 # serving (many prompts through one runtime, e.g. `run --prompts FILE`): its flag types go here, its commands in
 # a group module of their own (cli/serve.py, imported in cli/__init__.py)

@@ -17,8 +17,8 @@ from .app import app
 from .console import Printer, debug, echo, fail, one_line, timed
 from .options import Backend, BatchFile, CacheBlocks, Chat, Checkpoint, CheckpointRequired, CudaGraph, ExportDir, \
     InputIds, JsonOut, LogitsBackend, LogitsExportDir, LogitsOut, MaxNewTokens, MaxSequences, MaxStepTokens, \
-    OrtProvider, PromptIds, PromptsFile, PromptText, Provider, RunBackend, SamplerSeed, SkipHashCheck, Temperature, \
-    TopK, TopP
+    LoadState, OrtProvider, PromptIds, PromptsFile, PromptText, Provider, RunBackend, SamplerSeed, SaveState, \
+    SkipHashCheck, Temperature, TopK, TopP
 
 
 def runner_options(provider: Provider, skip_hash_check: bool, checkpoint: Path | None = None,
@@ -97,21 +97,26 @@ def run(export_dir: ExportDir, backend: RunBackend = Backend.ORT, prompt: Prompt
         temperature: Temperature = 0.0, top_k: TopK = 0, top_p: TopP = 1.0, seed: SamplerSeed = None,
         provider: OrtProvider = Provider.AUTO, skip_hash_check: SkipHashCheck = False,
         cuda_graph: CudaGraph = False, prompts: PromptsFile = None, max_sequences: MaxSequences = 8,
-        cache_blocks: CacheBlocks = None, max_step_tokens: MaxStepTokens = 512, json_out: JsonOut = None) -> None:
+        cache_blocks: CacheBlocks = None, max_step_tokens: MaxStepTokens = 512, json_out: JsonOut = None,
+        save_state: SaveState = None, load_state: LoadState = None) -> None:
     """Decode with an exported artifact: prefill, then decode steps carrying state; greedy by default.
     Prints text as it comes when the export folder has a tokenizer (random weights give gibberish).
-    A serving export (export --serving) serves --prompts FILE (or the one prompt) by continuous batching."""
+    A serving export (export --serving) serves --prompts FILE (or the one prompt) by continuous batching.
+    --save-state / --load-state hand a sequence's state from the prefill to a decode in another process."""
     import torch
 
     from ..folder.artifacts import ExportFolder
     from ..runtime import session as sessions
     from ..runtime.runners import RunnerError
+    from ..runtime.state_file import state_hooks
     from ..text.prompt import Sampling, prepare
 
     folder = ExportFolder.open(export_dir)
     debug("export %s: %s, artifacts %s", export_dir, folder.config().name, ", ".join(folder.manifest["artifacts"]))
     p = prepare(export_dir, folder.config().vocab_size, prompt, prompt_ids, chat,
                 Sampling(max_new_tokens, temperature, top_k, top_p, seed), folder.tokenizer_files())
+    if save_state is not None or load_state is not None:
+        _check_state_flags(export_dir, folder, prompts, load_state is not None and (prompt or prompt_ids))
     if prompts is not None or "serving" in folder.manifest:  # continuous batching (cli/serve.py), any rank count
         from ..runtime.runners import serving_entry
         from ..runtime.serve import ServeOptions
@@ -122,23 +127,40 @@ def run(export_dir: ExportDir, backend: RunBackend = Backend.ORT, prompt: Prompt
         names, notes = ranks_here(export_dir, [backend.value], default_ort=True)
         return run_prompts(folder, ids, p, (names[0], notes), ServeOptions(max_sequences, cache_blocks, block,
                            max_step_tokens), json_out, runner_options(provider, skip_hash_check))
+    try:  # a state file is checked before any runner loads
+        ids, state = state_hooks(save_state, load_state, folder.state_contract(), folder.config(), p.ids)
+    except RunnerError as e:
+        fail(str(e))
     s = open_session(export_dir, [backend.value], runner_options(provider, skip_hash_check, cuda_graph=cuda_graph),
                      default_ort=True)
     (name,) = s.runners
     try:
-        sessions.check(s, batch=1, prompt_len=len(p.ids), new_tokens=max_new_tokens, backends=[name])
+        sessions.check(s, batch=1, prompt_len=len(ids), new_tokens=max_new_tokens, backends=[name])
         runner = s.runners[name]
         if s.speaks:
             echo(f"backend {name}" + (f" on {runner.provider}" if hasattr(runner, "provider") else ""))
         printer = Printer(p.tokenizer if s.speaks else None, p.options.eos_token_ids)
-        g = sessions.decode(s, name, torch.tensor([p.ids]), p.options, on_token=printer)
+        g = sessions.decode(s, name, torch.tensor([ids]), p.options, on_token=printer, **state)
     except RunnerError as e:
         fail(f"{s.who}{e}")
     except Exception as e:  # noqa: BLE001 - one line (per rank), no traceback
         fail(f"{s.who}backend {name}: {one_line(e)}")
     if s.speaks:
-        printer.finish(g, len(p.ids), s.describe(name))
+        printer.finish(g, len(ids), s.describe(name) + (f", state from {load_state}" if load_state else ""))
     close_session(s)
+
+
+def _check_state_flags(export_dir: Path, folder, prompts: Path | None, prompt_given) -> None:
+    """--save-state / --load-state: one sequence through one program's batch interface."""
+    from ..runtime import session as sessions
+
+    if prompts is not None or "serving" in folder.manifest:
+        fail("--save-state / --load-state: one sequence of an export's batch interface; not with --prompts or a "
+             "serving export (--serving)")
+    if sessions.parallel_plan(folder).world > 1:
+        fail(f"--save-state / --load-state: {export_dir} holds rank programs; use a one-program export")
+    if prompt_given:
+        fail("give --load-state or a prompt, not both: the state file holds its sequence")
 
 
 @app.command()

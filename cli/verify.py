@@ -1,5 +1,7 @@
 """`k3x verify`: parity of every backend of an export against the eager reference over a prefill and decode
-steps (any rank count); prints the table, optionally writes it as JSON, exits 1 on any failure."""
+steps (any rank count), and (one program) each backend's state against the export's state contract
+(runtime/state_check.py); prints the table and the state verdict, optionally writes them as JSON, exits 1 on
+any failure."""
 
 from __future__ import annotations
 
@@ -42,7 +44,8 @@ def verify(export_dir: ExportDir, backends: Backends = "", steps: Steps = 8, pro
         fail(f"{s.who or 'verify: '}{one_line(e)}")
     if s.speaks:
         echo("\n".join([f"{r.name}: provider {r.provider}" for r in s.runners.values() if hasattr(r, "provider")]
-                       + [verdict.report.table()] + ([verdict.greedy_line(steps + 1)] if verdict.greedy else [])))
+                       + [verdict.report.table()] + ([verdict.greedy_line(steps + 1)] if verdict.greedy else [])
+                       + verdict.state_lines()))
         if json_out:
             atomic_write_bytes(json_out, (json.dumps(verdict.to_json(s, names), indent=2) + "\n").encode())
     close_session(s)

@@ -30,7 +30,9 @@ manifest.json (schema 1):
     dynamic_dims           {"batch": {"min", "opt", "max"}, "seq": ..., "past_seq": ...}
     op_counts              {"k3::kda": 69, ...} in the traced graph
     io                     {"inputs": [...], "outputs": [...]} flat I/O names, and
-    state                  [{"input", "output", "layer", "kind", "dims", "dtype"}] (model/state.py)
+    state                  the state contract (model/state_contract.py): every state tensor's layer, kind,
+                           shape per sequence, axes, dtype, update and snapshot granularity, and the latent
+                           pool's block size; a folder whose contract disagrees with its config is refused
     artifacts              {name: {"files": [{"path", "bytes", "sha256"}], **extra}}
 """
 
@@ -52,6 +54,7 @@ from ..fileio import confined, normal_permissions, sha256
 from ..model.config import K3Config
 from ..model.options import ModelOptions
 from ..model.state import state_specs
+from ..model.state_contract import contract_mismatch, state_contract
 from ..plan.dtypes import dtype_name
 from . import trust
 from .dims import DYNAMIC_DIMS
@@ -144,8 +147,8 @@ def init_manifest(out_dir: str | Path, cfg: K3Config, *, dtype: torch.dtype, wei
         "op_counts": dict(op_counts),
         "io": {"inputs": ["input_ids"] + [s.input_name for s in specs],
                "outputs": ["logits"] + [s.output_name for s in specs]},
-        "state": [{"input": s.input_name, "output": s.output_name, "layer": s.layer, "kind": s.kind,
-                   "dims": list(s.dims), "dtype": dtype_name(s.dtype(dtype))} for s in specs],
+        "state": state_contract(cfg, dtype, cache=options.cache,
+                                block_size=None if serving is None else serving["block_size"]),
         "static_cache": None if capacity is None else {"max_context": capacity, "length_input": "past_length"},
         "artifacts": {},
     }
@@ -244,7 +247,29 @@ class ExportFolder:
 
     @classmethod
     def open(cls, path: str | Path) -> ExportFolder:
-        return cls(Path(path), read_manifest(path))
+        """The folder, its manifest's schema checked and its state contract checked against its config."""
+        folder = cls(Path(path), read_manifest(path))
+        if folder.records_contract:
+            folder.state_contract()
+        return folder
+
+    @property
+    def records_contract(self) -> bool:
+        """Whether the manifest records a state contract (manifests before it listed the state tensors)."""
+        return not isinstance(self.manifest.get("state", []), list)
+
+    def state_contract(self) -> dict[str, Any]:
+        """The state contract of the folder's config, options and dtype (model/state_contract.py); a
+        ManifestError in one line when the manifest records a different one."""
+        serving = self.manifest.get("serving")
+        block = serving.get("block_size") if isinstance(serving, dict) else None
+        expected = state_contract(self.config(), self.dtype(), cache=self.options().cache, block_size=block)
+        if self.records_contract:
+            problem = contract_mismatch(self.manifest["state"], expected)
+            if problem:
+                raise ManifestError(f"{self.path / MANIFEST}: {problem}; the state contract must match the "
+                                    "config (re-export)")
+        return expected
 
     def config(self) -> K3Config:
         try:

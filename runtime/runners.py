@@ -255,13 +255,18 @@ def check_request(cfg, *, batch: int, prompt_len: int, new_tokens: int, dims: di
 
 
 def generate(runner: Runner, cfg, prompt: Tensor, options: SamplingOptions, *, dtype: torch.dtype = torch.float32,
-             on_token=None, cache: CacheOptions | None = None) -> Generation:
-    """Prefill `prompt` [B, T], then T=1 steps carrying state; tokens chosen by the shared sampler."""
+             on_token=None, cache: CacheOptions | None = None, start: Feeds | None = None,
+             on_prefill: Callable[[Feeds], None] | None = None) -> Generation:
+    """Prefill `prompt` [B, T], then T=1 steps carrying state; tokens chosen by the shared sampler.
+    `start`: the outputs of an earlier prefill of `prompt` (a state loaded from a file, runtime/state_file.py):
+    not run again, its logits choose the first token. `on_prefill(outputs)`: called once the prefill ran."""
     out: Feeds = {}
 
     def prefill(ids: Tensor) -> Tensor:
         nonlocal out
-        out = runner.infer(start_feeds(cfg, ids, dtype, cache))
+        out = start if start is not None else runner.infer(start_feeds(cfg, ids, dtype, cache))
+        if on_prefill is not None:
+            on_prefill(out)
         return out["logits"][:, -1]
 
     def step(ids: Tensor) -> Tensor:

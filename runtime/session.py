@@ -26,6 +26,7 @@ from ..model.config import K3Config
 from ..model.options import CacheOptions
 from ..model.parallel import ParallelPlan
 from .runners import Runner, RunnerError, RunnerOptions, generate, make_runner, open_folder, runnable
+from .state_check import STATE_STEPS, StateFinding, check_state, reference_steps
 from .verify import VerifyReport, run_parity
 
 
@@ -38,6 +39,7 @@ class Session:
     dims: dict[str, Any]  # the traced dynamic dims (manifest `dynamic_dims`)
     plan: ParallelPlan  # 1 x 1 for one program
     rank: int = 0
+    contract: dict[str, Any] = field(default_factory=dict)  # the folder's state contract (model/state_contract.py)
     runners: dict[str, Runner] = field(default_factory=dict)  # whole-state runners by backend
     pool_cfg: K3Config | None = None  # a serving session on rank programs: this rank's config (its pools)
     notes: list[str] = field(default_factory=list)  # lines for the user (printed by the speaking rank)
@@ -132,7 +134,8 @@ def _start(export_dir: Folder) -> tuple[ExportFolder, Session, tuple[dict, Paral
     folder = open_folder(export_dir)
     found = _parallel(folder)
     s = Session(folder.path, folder.config(), folder.options().cache, folder.dtype(),
-                folder.manifest["dynamic_dims"], ParallelPlan(1, 1) if found is None else found[1])
+                folder.manifest["dynamic_dims"], ParallelPlan(1, 1) if found is None else found[1],
+                contract=folder.state_contract())
     return folder, s, found
 
 
@@ -197,18 +200,29 @@ def check(s: Session, *, batch: int, prompt_len: int, new_tokens: int, backends:
                       dims=None if b == "eager" else s.dims)
 
 
-def decode(s: Session, backend: str, prompt: torch.Tensor, sampling, on_token=None):
-    return generate(s.runners[backend], s.cfg, prompt, sampling, dtype=s.dtype, on_token=on_token, cache=s.cache)
+def decode(s: Session, backend: str, prompt: torch.Tensor, sampling, on_token=None, **state):
+    """`state`: runners.generate's `start` / `on_prefill` (a state handed across processes)."""
+    return generate(s.runners[backend], s.cfg, prompt, sampling, dtype=s.dtype, on_token=on_token, cache=s.cache,
+                    **state)
 
 
 @dataclass
 class Verdict:
     report: VerifyReport
     greedy: dict[str, Any] | None = None  # rank programs: {"identical", "tokens", "got"}
+    state: list[StateFinding] | None = None  # one program: the state checks (runtime/state_check.py)
 
     @property
     def ok(self) -> bool:
-        return self.report.ok and (self.greedy is None or self.greedy["identical"])
+        return self.report.ok and (self.greedy is None or self.greedy["identical"]) and not self.state
+
+    def state_lines(self) -> list[str]:
+        """The state checks' verdict: one line when they pass, one per finding when not."""
+        if self.state is None:
+            return []
+        if not self.state:
+            return [f"state contract: ok (true state handed in at the prefill and {STATE_STEPS} decode steps)"]
+        return ["state contract: FAIL"] + [f"  {f.line()}" for f in self.state]
 
     def greedy_line(self, tokens: int) -> str:
         """Rank programs: whether the greedy tokens match the reference's."""
@@ -218,6 +232,8 @@ class Verdict:
 
     def to_json(self, s: Session, backends: list[str]) -> dict[str, Any]:
         out = self.report.to_json()
+        if self.state is not None:
+            out |= {"state_ok": not self.state, "state_findings": [f.to_json() for f in self.state]}
         if self.greedy is not None:
             out |= {"greedy_identical": self.greedy["identical"], "tokens": self.greedy["tokens"],
                     "plan": s.plan.to_dict(), "backends": backends}
@@ -234,13 +250,22 @@ def verify_session(s: Session, reference: Runner, backends: list[str], *, steps:
     report = run_parity(reference, runners, s.cfg, steps=steps, batch=batch, prompt_len=prompt_len, dtype=s.dtype,
                         seed=seed, cache=s.cache)
     if s.plan.world == 1:
-        return Verdict(report)
+        return Verdict(report, state=_state_findings(s, reference, runners, prompt_len, seed))
     prompt = torch.randint(0, s.cfg.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(seed))
     greedy = SamplingOptions(steps + 1)
     want = generate(reference, s.cfg, prompt, greedy, dtype=s.dtype, cache=s.cache).tokens
     gots = [generate(r, s.cfg, prompt, greedy, dtype=s.dtype, cache=s.cache).tokens for r in runners]
     got = next((g for g in gots if not torch.equal(want, g)), want)
     return Verdict(report, {"identical": torch.equal(got, want), "tokens": want.tolist(), "got": got.tolist()})
+
+
+def _state_findings(s: Session, reference: Runner, runners: list[Runner], prompt_len: int,
+                    seed: int) -> list[StateFinding]:
+    """Every runner handed the reference's true state, judged against the folder's state contract."""
+    prompt = torch.randint(0, s.cfg.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(seed))
+    run = reference_steps(reference, s.cfg, prompt, STATE_STEPS, s.dtype, s.cache)
+    return [f for r in runners for f in check_state(reference, r, s.cfg, s.contract, prompt=prompt, dtype=s.dtype,
+                                                    cache=s.cache, run=run)]
 
 
 def peak_rss_line(s: Session) -> str | None:

@@ -40,8 +40,10 @@ def test_manifest_and_onnx_interface(static_export):
     assert m["options"] == {"kernels": "reference", "expert_format": "dense", "activations": "bf16",
                             "max_context": C}
     assert "max_context" not in m["config"] and m["io"]["inputs"][-1] == "past_length"
-    assert m["state"][-1] == {"input": "past_length", "output": "present_length", "layer": -1, "kind": "length",
-                              "dims": [], "dtype": "int64"}
+    assert m["state"]["tensors"][-1] == {"layer": -1, "kind": "length", "input": "past_length",
+                                         "output": "present_length", "shape": [], "axes": [], "dtype": "int64",
+                                         "update": "replace", "snapshot": "token"}
+    assert m["state"]["tensors"][-2]["shape"] == [C, 32]  # a static latent cache: C positions per sequence
     assert "genai: skipped — a static latent cache (--max-context)" in output and "genai" not in m["artifacts"]
     g = onnx.load(folder / "model.onnx", load_external_data=False).graph
     dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in [*g.input, *g.output]}

@@ -41,10 +41,13 @@ def test_manifest_records_config_versions_dims_ops_and_state(folder, tmp_path):
     specs = state_specs(cfg)
     assert m["io"]["inputs"] == ["input_ids"] + [s.input_name for s in specs]
     assert m["io"]["outputs"] == ["logits"] + [s.output_name for s in specs]
-    assert m["state"][0] == {"input": "past.0.conv", "output": "present.0.conv", "layer": 0, "kind": "conv",
-                             "dims": ["batch", 3 * 64, 3], "dtype": "fp32"}
-    latent = next(s for s in m["state"] if s["kind"] == "latent")
-    assert latent["dims"][1] == "past_seq" and latent["dtype"] == "bf16"
+    assert {k: m["state"][k] for k in ("version", "interface", "latent_block_size")} == \
+        {"version": 1, "interface": "batch", "latent_block_size": None}
+    assert m["state"]["tensors"][0] == {"layer": 0, "kind": "kda_conv", "input": "past.0.conv",
+                                        "output": "present.0.conv", "shape": [3 * 64, 3], "axes": ["channel", "time"],
+                                        "dtype": "fp32", "update": "replace", "snapshot": "token"}
+    latent = next(s for s in m["state"]["tensors"] if s["kind"] == "mla_latent")
+    assert latent["shape"] == ["position", 32] and latent["dtype"] == "bf16"
     assert m["artifacts"] == {}
 
 

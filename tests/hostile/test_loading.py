@@ -120,6 +120,14 @@ def test_symlink_out_of_the_folder_is_refused(export_dir, tmp_path):
     (lambda m: m.update(schema=99), "schema=99"),
     (lambda m: m.pop("config"), "config is missing"),
     (lambda m: m["config"].update(hidden_size="big"), "hidden_size"),
+    # the state contract must be the config's (model/state_contract.py)
+    (lambda m: m["state"]["tensors"][1].update(shape=[4, 8, 16]),
+     "state.tensors[1] (layer 0 kda_recurrent): shape=[4, 8, 16], the config gives [4, 16, 16]"),
+    (lambda m: m["state"]["tensors"][1].update(axes=["head", "value", "key"]), "(layer 0 kda_recurrent): axes="),
+    (lambda m: m["state"]["tensors"][3].update(dtype="bf16"), "(layer 1 kda_recurrent): dtype=bf16"),
+    (lambda m: m["config"]["kda"].update(conv_kernel=3), "(layer 0 kda_conv): shape=[192, 3], the config gives [192, 2]"),
+    (lambda m: m["state"].update(latent_block_size=16), "state.latent_block_size=16, the config gives None"),
+    (lambda m: m["state"]["tensors"].pop(), "state.tensors lists 8 tensors, the config gives 9"),
 ])
 def test_malformed_manifest_is_one_line_naming_the_field(export_dir, change, field):
     edit_manifest(export_dir, change)
