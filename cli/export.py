@@ -11,21 +11,23 @@ from .app import app
 from .console import Progress, debug, echo, fail
 from .options import EP, TP, BlockSize, Checkpoint, EngineExportDir, EngineRuntime, Experts, ExportOut, Kernels, \
     KernelChoice, MaxContext, ModelDType, DType, NoWeights, Plugins, PluginPath, Preset, PresetSeed, ProfileMax, \
-    ProfileMin, ProfileOpt, Runtime, SM, Serving, Target, Targets
+    ProfileMin, ProfileOpt, Runtime, SM, Serving, Target, Targets, \
+    TraceMode, TraceModes
 
 
 @app.command()
 def export(out: ExportOut, preset: Preset = None, checkpoint: Checkpoint = None, target: Targets = [Target.PT2],
            no_weights: NoWeights = False, dtype: ModelDType = DType.FP32, seed: PresetSeed = 0,
            kernels: Kernels = KernelChoice.REFERENCE, tp: TP = 1, ep: EP = 1, expert_format: Experts = None,
-           max_context: MaxContext = None, serving: Serving = False, block_size: BlockSize = 16) -> None:
+           max_context: MaxContext = None, serving: Serving = False, block_size: BlockSize = 16,
+           trace_mode: TraceModes = TraceMode.STAMPED) -> None:
     """Trace the model once (torch.export) and write the target's artifacts plus manifest.json."""
     from ..export.options import ExportOptions
     from ..export.pipeline import export as run_export
 
     try:
         options = ExportOptions(tuple(target), out, preset, checkpoint, not no_weights, dtype, seed, kernels,
-                                expert_format, max_context, tp, ep, serving, block_size)
+                                expert_format, max_context, tp, ep, serving, block_size, trace_mode)
         debug("export options: %s", options)
         with Progress() as progress:
             result = run_export(options, progress)

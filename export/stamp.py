@@ -212,17 +212,23 @@ class _Splicer:
 
 
 def _rename(g: torch.fx.Graph) -> None:
-    """Node names given afresh in graph order as torch.export gives them (`linear`, `linear_1`, ...);
-    placeholders keep theirs."""
+    """Node names given afresh as torch.export gives them (`linear`, `linear_1`, ...): placeholders keep theirs,
+    traced nodes are named in graph order, then the size computations its last pass made (as export does)."""
     ns = torch.fx.graph._Namespace()
     nodes = list(g.nodes)
+    sizes = [n for n in nodes if n.op == "call_function" and _is_size_node(n)]
+    traced = [n for n in nodes if n.op != "placeholder" and not (n.op == "call_function" and _is_size_node(n))]
     for n in nodes:
         if n.op == "placeholder":
             ns.create_name(n.name, n)
-    for n in nodes:
-        if n.op != "placeholder":
-            n.name = ns.create_name(_base_name(n.name) if n.op != "output" else n.name, n)
+    for n in traced + sizes:
+        n.name = ns.create_name(_base_name(n.name) if n.op != "output" else n.name, n)
     g._graph_namespace = ns
+
+
+def _is_size_node(n: torch.fx.Node) -> bool:
+    return isinstance(n.meta.get("val"), (torch.SymInt, torch.SymBool, torch.SymFloat)) or \
+        n.target in (torch.ops.aten._assert_scalar.default, torch.ops.aten.sym_constrain_range_for_size.default)
 
 
 def _base_name(name: str) -> str:
@@ -247,8 +253,11 @@ def trace_stamped(model: K3ForCausalLM, *, dtype: torch.dtype | None = None,
                   cache: CacheOptions | None = None) -> ExportedProgram:
     """export/trace.trace's program, each distinct layer traced once (module docstring). StampError where a
     layer's shapes cannot be carried over."""
+    from ..model.block import DecoderLayer
     from .trace import dynamic_shapes, example_inputs
 
+    if type(model) is not K3ForCausalLM or not all(type(x) is DecoderLayer for x in model.model.layers):
+        raise StampError(f"stamped trace: {type(model).__name__} is not a K3ForCausalLM of decoder layers")
     p = next(model.parameters())
     dtype = dtype or p.dtype
     firsts: dict[tuple, int] = {}
