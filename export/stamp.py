@@ -18,6 +18,7 @@ range constraints and call specs, and the same nodes; tests/export/test_stamp.py
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import operator
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -25,6 +26,7 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor, nn
 from torch.export import ExportedProgram
+from torch.export.exported_program import ModuleCallEntry
 from torch.fx.passes.runtime_assert import insert_deferred_runtime_asserts
 from torch.export.graph_signature import ExportGraphSignature, InputKind, OutputSpec, TensorArgument
 
@@ -75,6 +77,10 @@ class Template:
     output_vals: list[Tensor]
     has_bank_out: bool
 
+    @property
+    def placeholders(self) -> dict[str, torch.fx.Node]:
+        return {n.name: n for n in self.ep.graph.nodes if n.op == "placeholder"}
+
 
 def _trace_template(model: K3ForCausalLM, i: int, dtype: torch.dtype, cache: CacheOptions | None) -> Template:
     from .trace import example_inputs, torch_dims
@@ -110,26 +116,30 @@ def _trace_template(model: K3ForCausalLM, i: int, dtype: torch.dtype, cache: Cac
     return Template(ep, input_vals, out, bank is not None or (cfg.attn_res is not None and i == 0))
 
 
+class _StandIn(nn.Module):
+    """Decoder layer i in the skeleton: one `k3x_stamp::layer` call, no parameters (the template's are
+    added as placeholders when it is spliced in: `_Splicer.add_weights`)."""
+
+    def __init__(self, index: int, has_bank_out: bool) -> None:
+        super().__init__()
+        self.index, self.has_bank_out = index, has_bank_out
+
+    def forward(self, prefix, bank, state, length=None, mix=None):
+        outs = torch.ops.k3x_stamp.layer(self.index, prefix, bank, list(state), length)
+        k = 2 if self.has_bank_out else 1
+        return outs[0], outs[1] if k == 2 else None, list(outs[k:])
+
+
 @contextlib.contextmanager
 def _stand_ins(model: K3ForCausalLM, templates: dict[int, Template]) -> Iterator[None]:
-    """Every decoder layer's forward replaced by one `k3x_stamp::layer` call (restored on exit)."""
+    """The decoder layers replaced by parameter-less `_StandIn`s (restored on exit)."""
     layers = model.model.layers
-
-    def stand_in(i: int):
-        def forward(prefix, bank, state, length=None, mix=None):
-            outs = torch.ops.k3x_stamp.layer(i, prefix, bank, list(state), length)
-            k = 2 if templates[i].has_bank_out else 1
-            return outs[0], outs[1] if k == 2 else None, list(outs[k:])
-        return forward
-
     _TEMPLATES.update(templates)
     try:
-        for i, layer in enumerate(layers):
-            layer.forward = stand_in(i)
+        model.model.layers = nn.ModuleList(_StandIn(i, t.has_bank_out) for i, t in templates.items())
         yield
     finally:
-        for layer in layers:
-            layer.__dict__.pop("forward", None)
+        model.model.layers = layers
         _TEMPLATES.clear()
 
 
@@ -137,7 +147,9 @@ def _module_stack(op_stack: dict, template_stack: dict | None, i: int) -> dict:
     """The template node's module stack under layer i's entry of the skeleton node's stack."""
     out = dict(op_stack)
     for key, (path, cls) in (template_stack or {}).items():
-        if path.startswith("layer."):
+        if path == "layer":  # the skeleton's entry names the stand-in's class
+            out = {k: (p, cls) if p == f"model.layers.{i}" else (p, c) for k, (p, c) in out.items()}
+        elif path.startswith("layer."):
             rel = path[len("layer"):]
             out[f"L__self__model.layers.{i}{rel}"] = (f"model.layers.{i}{rel}", cls)
     return out
@@ -152,9 +164,30 @@ class _Splicer:
         by_name = {n.name: n for n in skeleton.graph.nodes if n.op == "placeholder"}
         self.by_fqn = {fqn: by_name[name] for name, fqn in
                        {**sig.inputs_to_parameters, **sig.inputs_to_buffers}.items()}
+        self.specs = {s.target: s for s in sig.input_specs if s.target is not None}
         self.fake_mode = torch._guards.detect_fake_mode([n.meta.get("val") for n in by_name.values()])
+        self.first = next(iter(by_name.values()))
         self.values: dict[tuple, tuple[Any, Any]] = {}  # memoised (val, tensor_meta) of template nodes
         self.symbols: dict[tuple, frozenset] = {}
+
+    def add_weights(self, i: int, t: Template) -> None:
+        """Placeholders (and input specs) for layer i's parameters and buffers, named as torch.export names
+        them (`p_model_layers_{i}_...`), with fake values of the skeleton's fake mode."""
+        prefix = f"model.layers.{i}."
+        for spec in t.ep.graph_signature.input_specs:
+            if spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER):
+                continue
+            fqn = prefix + spec.target.removeprefix("layer.")
+            kind, _, rest = spec.arg.name.partition("_layer_")
+            node = t.placeholders[spec.arg.name]
+            with self.ep.graph.inserting_before(self.first):
+                new = self.ep.graph.placeholder(f"{kind}_model_layers_{i}_{rest}")
+            new.meta = dict(node.meta)
+            new.meta["val"] = SymbolMap(self.fake_mode, {}).value(node.meta["val"])
+            if "tensor_meta" in node.meta:
+                new.meta["tensor_meta"] = tensor_meta(new.meta["val"])
+            self.by_fqn[fqn] = new
+            self.specs[fqn] = dataclasses.replace(spec, arg=TensorArgument(new.name), target=fqn)
 
     def splice_all(self) -> None:
         ops = [n for n in self.ep.graph.nodes if n.target is torch.ops.k3x_stamp.layer.default]
@@ -174,6 +207,7 @@ class _Splicer:
         g = self.ep.graph
         i, prefix, bank, state, length = op.args
         t = self.templates[i]
+        self.add_weights(i, t)
         tsig = t.ep.graph_signature
         inputs = [prefix, bank, *state, length]
         env = SymbolMap.bind(self.fake_mode, t.input_vals, [None if a is None else a.meta["val"] for a in inputs])
@@ -236,16 +270,32 @@ def _base_name(name: str) -> str:
     return head if head and tail.isdigit() else name
 
 
-def _program(ep: ExportedProgram) -> ExportedProgram:
-    """`ep` (its graph edited in place) as a new ExportedProgram whose output specs name the output nodes."""
-    outs = ep.graph.output_node().args[0]
-    specs = [OutputSpec(s.kind, TensorArgument(a.name) if isinstance(s.arg, TensorArgument) else s.arg, s.target)
-             for s, a in zip(ep.graph_signature.output_specs, outs, strict=True)]
-    sig = ExportGraphSignature(ep.graph_signature.input_specs, specs)
+def _program(ep: ExportedProgram, model: K3ForCausalLM, splicer: _Splicer) -> ExportedProgram:
+    """The spliced skeleton as torch.export would give `model`'s program: placeholders and input specs of every
+    parameter then every buffer in module order, then the user inputs; output specs naming the output nodes;
+    `model`'s state_dict."""
+    g = ep.graph
+    weights = [fqn for fqn, _ in model.named_parameters()] + [fqn for fqn, _ in model.named_buffers()]
+    users = [s for s in ep.graph_signature.input_specs if s.target is None]
+    names = {n.name: n for n in g.nodes if n.op == "placeholder"}
+    order = [splicer.by_fqn[f] for f in weights] + [names[s.arg.name] for s in users if hasattr(s.arg, "name")]
+    if len(order) != len(names):
+        raise StampError(f"stamped trace: {len(names)} placeholders, {len(order)} inputs in the model")
+    first = next(iter(g.nodes))
+    for n in reversed(order):
+        first.prepend(n)
+        first = n
+    outs = g.output_node().args[0]
+    out_specs = [OutputSpec(s.kind, TensorArgument(a.name) if isinstance(s.arg, TensorArgument) else s.arg,
+                            s.target) for s, a in zip(ep.graph_signature.output_specs, outs, strict=True)]
+    sig = ExportGraphSignature([splicer.specs[f] for f in weights] + users, out_specs)
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    calls = {e.fqn: e for e in ep.module_call_graph}
+    calls = [calls.get(fqn) or ModuleCallEntry(fqn, None) for fqn, _ in model.named_modules()]
     gm = ep.graph_module
     gm.recompile()
-    return ExportedProgram(root=gm, graph=gm.graph, graph_signature=sig, state_dict=ep.state_dict,
-                           range_constraints=ep.range_constraints, module_call_graph=ep.module_call_graph,
+    return ExportedProgram(root=gm, graph=g, graph_signature=sig, state_dict=state,
+                           range_constraints=ep.range_constraints, module_call_graph=calls,
                            example_inputs=ep.example_inputs, constants=ep.constants, verifiers=ep.verifiers)
 
 
@@ -276,4 +326,4 @@ def trace_stamped(model: K3ForCausalLM, *, dtype: torch.dtype | None = None,
                                     export=True)
     _rename(skeleton.graph)
     skeleton.graph.lint()
-    return _program(skeleton)
+    return _program(skeleton, model, splicer)

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ def assert_same_program(a, b) -> None:
     assert a.graph_signature.output_specs == b.graph_signature.output_specs
     assert list(a.state_dict) == list(b.state_dict)
     assert a.range_constraints == b.range_constraints
-    assert [e.signature for e in a.module_call_graph] == [e.signature for e in b.module_call_graph]
+    assert [(e.fqn, e.signature) for e in a.module_call_graph] == [(e.fqn, e.signature) for e in b.module_call_graph]
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +103,27 @@ def test_unknown_module_falls_back_to_per_layer_and_says_why():
 def test_bad_trace_mode_is_refused():
     with pytest.raises(ValueError, match="trace mode='both'"):
         trace_recorded(build_model(preset("k3-mini"), device="meta", seed=None), mode="both")
+
+
+@pytest.mark.parametrize("flags, mode", [([], "stamped"), (["--trace-mode", "per-layer"], "per-layer")])
+def test_manifest_records_the_trace_used(tmp_path, flags, mode):
+    from typer.testing import CliRunner
+
+    from k3x.cli import app
+
+    r = CliRunner().invoke(app, ["export", "--preset", "k3-mini", "--no-weights", "--target", "pt2",
+                                 "--out", str(tmp_path / "out"), *flags])
+    assert r.exit_code == 0, r.output
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["trace"] == {"mode": mode, "fallback": None}
+
+
+def test_unknown_trace_mode_flag_is_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from k3x.cli import app
+
+    r = CliRunner().invoke(app, ["export", "--preset", "k3-mini", "--no-weights", "--target", "pt2",
+                                 "--out", str(tmp_path / "out"), "--trace-mode", "both"])
+    assert r.exit_code != 0 and "--trace-mode" in r.output and "Traceback" not in r.output
+    assert not (tmp_path / "out").exists()
