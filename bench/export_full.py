@@ -14,9 +14,9 @@ case's trace + save CPU seconds over the anchor's trace CPU seconds, measured in
 Cases:
 - `anchor`: a plain torch.export of a 93-layer meta `nn.Linear(173500, 173500)` stack (2.8e12
   parameters, dynamic batch/seq) — the reference point for the trace time of a model this size.
-- `<preset>`: `k3x.export.trace.trace` of `build_model(preset, device="meta")`: the stamped trace (each
-  distinct layer traced once, export/stamp.py).
-- `<preset>@per-layer` (with --per-layer): the same with `mode="per-layer"` (every layer traced).
+- `<preset>`: `k3x.export.stamp.trace_stamped` of `build_model(preset, device="meta")` (each distinct layer
+  traced once: the export pipeline's default).
+- `<preset>@per-layer` (with --per-layer): `k3x.export.trace.trace` of the same (every layer traced).
 - `<preset>@baseline` (with --baseline): plain `torch.export.export` of the same model with torch's
   defaults (fake-tensor cache on), i.e. what trace() did before its tuning.
 """
@@ -71,8 +71,9 @@ def _child(case: str, dtype_name: str, save: bool) -> dict:
                 with torch.no_grad():
                     return torch.export.export(model, (ids, past), dynamic_shapes=tr.dynamic_shapes(model.cfg))
         else:
-            mode = "per-layer" if variant == "per-layer" else "stamped"
-            export = lambda: tr.trace(model, mode=mode)  # noqa: E731
+            from k3x.export.stamp import trace_stamped
+
+            export = (lambda: tr.trace(model)) if variant == "per-layer" else (lambda: trace_stamped(model))
     out["params"] = sum(p.numel() for p in model.parameters())
     t2, c2 = time.perf_counter(), time.process_time()
     ep = export()

@@ -218,7 +218,8 @@ def write_program(work: Path, job: ExportJob, timed: Timed) -> list[str]:
     """One program (world size 1): trace, manifest, tokenizer, then every target stage from the one trace."""
     from ..folder import artifacts
     from .serving import serving_manifest, trace_serving
-    from .trace import op_counts, trace_recorded
+    from .stamp import trace_recorded
+    from .trace import op_counts
 
     with timed("model"):
         model = _build(job)

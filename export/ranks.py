@@ -66,7 +66,7 @@ def write_ranks(work: Path, job: ExportJob, timed: Timed) -> list[str]:
     with timed("trace"):  # rank 0's module (meta without weights); the others swap in
         model = _rank_model(job, 0, full) if options.weights else build_rank_model(cfg, plan, job.model.build,
                                                                                    dtype=dtype)
-        program = trace(model, mode="per-layer")  # rank modules: the stamped trace is untried there
+        program = trace(model)  # per-layer: the stamped trace (export/stamp.py) is untried on rank modules
     counts = op_counts(program) | collective_counts(program)
     onnx_model = None
     if "onnx" in options.stages():

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import operator
+import re
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -34,6 +36,10 @@ from ..model import K3ForCausalLM
 from ..model.options import CacheOptions
 from ..model.state import state_specs
 from .stamp_meta import StampError, SymbolMap, free_symbols, tensor_meta
+from .options import TraceMode
+from .trace import dynamic_shapes, example_inputs, torch_dims, trace
+
+TRACE_MODES = tuple(m.value for m in TraceMode)  # each distinct layer traced once (here) | every layer (trace.trace)
 
 _getitem = operator.getitem
 _TEMPLATES: dict[int, Template] = {}  # layer index -> its template, while a skeleton is traced
@@ -55,7 +61,7 @@ def _(index, prefix, bank, state, length):
 
 def layer_key(model: K3ForCausalLM, i: int) -> tuple:
     layer = model.model.layers[i]
-    return layer.kind, layer.is_moe, layer.block_start, model.cfg.attn_res is not None and i == 0
+    return layer.kind, layer.is_moe, layer.block_start, bool(model.cfg.block_starts()) and i == 0
 
 
 class _LayerCall(nn.Module):
@@ -83,8 +89,6 @@ class Template:
 
 
 def _trace_template(model: K3ForCausalLM, i: int, dtype: torch.dtype, cache: CacheOptions | None) -> Template:
-    from .trace import example_inputs, torch_dims
-
     cfg, d = model.cfg, torch_dims()
     device = next(model.parameters()).device
     ids, past = example_inputs(cfg, dtype=dtype, device=device, cache=cache)
@@ -94,9 +98,9 @@ def _trace_template(model: K3ForCausalLM, i: int, dtype: torch.dtype, cache: Cac
     prefix = torch.zeros(*ids.shape, cfg.hidden_size, dtype=dtype, device=device)
     bh = {0: d["batch"], 1: d["seq"]}
     bank = None
-    if cfg.attn_res is not None and i > 0:
+    if cfg.block_starts() and i > 0:
         bank = torch.zeros(*ids.shape, 2, cfg.hidden_size, dtype=dtype, device=device)
-        sources = torch.export.Dim("attn_res_sources", min=1, max=max(2, len(cfg.block_starts())))
+        sources = torch.export.Dim("bank_sources", min=1, max=max(2, len(cfg.block_starts())))
     state_dims = [{0: d["batch"], 1: d["past_seq"]} if s.dims[1:2] == ("past_seq",) else {0: d["batch"]}
                   for s in specs if s.layer == i]
     dyn = (bh, None if bank is None else {**bh, 2: sources}, state_dims, None)
@@ -113,7 +117,7 @@ def _trace_template(model: K3ForCausalLM, i: int, dtype: torch.dtype, cache: Cac
         raise StampError(f"stamped trace: layer {i}'s program has {len(users)} inputs, not {3 + len(state)}")
     input_vals = [n.meta.get("val") for n in users]
     out = [n.meta["val"] for n in ep.graph.output_node().args[0]]
-    return Template(ep, input_vals, out, bank is not None or (cfg.attn_res is not None and i == 0))
+    return Template(ep, input_vals, out, bank is not None or (bool(cfg.block_starts()) and i == 0))
 
 
 class _StandIn(nn.Module):
@@ -153,6 +157,13 @@ def _module_stack(op_stack: dict, template_stack: dict | None, i: int) -> dict:
             rel = path[len("layer"):]
             out[f"L__self__model.layers.{i}{rel}"] = (f"model.layers.{i}{rel}", cls)
     return out
+
+
+def _join_traces(outer: str, inner: str) -> str:
+    """The stack trace a per-layer trace records: the skeleton node's frames up to the layer call, then the
+    template's frames below its wrapper (`_LayerCall.forward`)."""
+    frames = re.compile(r"\n(?=  File \")")
+    return "\n".join(frames.split(outer)[:-1] + frames.split(inner)[1:])
 
 
 class _Splicer:
@@ -216,6 +227,7 @@ class _Splicer:
         mapping: dict[torch.fx.Node, torch.fx.Node] = {}
         op_stack = op.meta.get("nn_module_stack", {})
         stacks: dict[int, dict] = {}
+        traces: dict[tuple, str] = {}
         with g.inserting_before(op):
             for n in t.ep.graph.nodes:
                 if n.op == "placeholder":
@@ -231,6 +243,11 @@ class _Splicer:
                     new.meta["val"], tm = self._value(t, n, env)
                     if tm is not None:
                         new.meta["tensor_meta"] = tm
+                if "stack_trace" in n.meta and "stack_trace" in op.meta:
+                    key = (id(op), n.meta["stack_trace"])
+                    if key not in traces:
+                        traces[key] = _join_traces(op.meta["stack_trace"], n.meta["stack_trace"])
+                    new.meta["stack_trace"] = traces[key]
                 if "nn_module_stack" in n.meta:
                     s = n.meta["nn_module_stack"]
                     if id(s) not in stacks:
@@ -243,6 +260,18 @@ class _Splicer:
             user.replace_all_uses_with(outs[user.args[1]])
             g.erase_node(user)
         g.erase_node(op)
+
+
+def _size_pass(gm: torch.fx.GraphModule, shape_env: Any) -> None:
+    """The pass torch.export ends with (torch._export.utils.apply_runtime_assertion_pass), with the node
+    metadata it gives: one node per symbolic size (CSE), sizes read off the inputs, runtime asserts."""
+    from torch._export.passes._node_metadata_hook import _node_metadata_hook, _set_node_metadata_hook
+    from torch._export.utils import first_call_function_nn_module_stack
+
+    where = 'File "torch/fx/passes/runtime_assert.py", line 24, in insert_deferred_runtime_asserts'
+    with _set_node_metadata_hook(gm, functools.partial(_node_metadata_hook, metadata={"stack_trace": where})):
+        insert_deferred_runtime_asserts(gm, shape_env, f"exported program: "
+                                        f"{first_call_function_nn_module_stack(gm.graph)}", export=True)
 
 
 def _rename(g: torch.fx.Graph) -> None:
@@ -301,10 +330,9 @@ def _program(ep: ExportedProgram, model: K3ForCausalLM, splicer: _Splicer) -> Ex
 
 def trace_stamped(model: K3ForCausalLM, *, dtype: torch.dtype | None = None,
                   cache: CacheOptions | None = None) -> ExportedProgram:
-    """export/trace.trace's program, each distinct layer traced once (module docstring). StampError where a
+    """export/trace.trace's program (the per-layer trace), each distinct layer traced once (module docstring). StampError where a
     layer's shapes cannot be carried over."""
     from ..model.block import DecoderLayer
-    from .trace import dynamic_shapes, example_inputs
 
     if type(model) is not K3ForCausalLM or not all(type(x) is DecoderLayer for x in model.model.layers):
         raise StampError(f"stamped trace: {type(model).__name__} is not a K3ForCausalLM of decoder layers")
@@ -321,9 +349,22 @@ def trace_stamped(model: K3ForCausalLM, *, dtype: torch.dtype | None = None,
         skeleton = torch.export.export(model, (ids, past), dynamic_shapes=dynamic_shapes(model.cfg, cache))
     splicer = _Splicer(skeleton, templates)
     splicer.splice_all()
-    # the pass torch.export ends with: one node per symbolic size (CSE), sizes from the inputs, runtime asserts
-    insert_deferred_runtime_asserts(skeleton.graph_module, splicer.fake_mode.shape_env, "exported program",
-                                    export=True)
+    _size_pass(skeleton.graph_module, splicer.fake_mode.shape_env)
     _rename(skeleton.graph)
     skeleton.graph.lint()
     return _program(skeleton, model, splicer)
+
+
+def trace_recorded(model: K3ForCausalLM, *, dtype: torch.dtype | None = None, cache: CacheOptions | None = None,
+                   mode: str = "stamped") -> tuple[ExportedProgram, dict]:
+    """The program of `model` traced in `mode` (TRACE_MODES), and the manifest's `trace` entry: {"mode": the
+    trace used, "fallback": why a stamped trace fell back to the per-layer one, or null}. Both modes give the
+    same program (tests/export/test_stamp.py)."""
+    if mode not in TRACE_MODES:
+        raise ValueError(f"trace mode={mode!r}: must be one of {', '.join(TRACE_MODES)}")
+    if mode == "stamped":
+        try:
+            return trace_stamped(model, dtype=dtype, cache=cache), {"mode": "stamped", "fallback": None}
+        except StampError as e:
+            return trace(model, dtype=dtype, cache=cache), {"mode": "per-layer", "fallback": str(e)}
+    return trace(model, dtype=dtype, cache=cache), {"mode": "per-layer", "fallback": None}

@@ -6,8 +6,8 @@ TensorRT optimisation profiles). Inputs: `input_ids [batch, seq]` and the flat s
 and `past_length` is a scalar input). Each custom op is one graph node (`op_counts`).
 
 Notable choices:
-- The default trace is stamped (export/stamp.py): each distinct decoder layer is traced once and its graph
-  copied for every layer, giving the per-layer trace's program; `mode="per-layer"` traces every layer.
+- `trace` traces every layer; export/stamp.py traces each distinct decoder layer once and copies its graph
+  for every layer, giving the same program (the export pipeline's default, `--trace-mode`).
 - The fake-tensor dispatch cache is off while tracing. With three symbolic dims almost every op is a
   cache hit whose output is rebuilt from symbolic sizes/strides, which costs more than recomputing it.
   Same graph, CPU seconds of the trace (bench/export_full.py --baseline): k3 70.5 -> 50.5,
@@ -56,34 +56,11 @@ def example_inputs(cfg: K3Config, *, dtype: torch.dtype = torch.float32, device:
     return ids, past
 
 
-TRACE_MODES = ("stamped", "per-layer")  # export/stamp.py: each distinct layer traced once | every layer traced
-
-
-def trace(model: K3ForCausalLM, *, dtype: torch.dtype | None = None, cache: CacheOptions | None = None,
-          mode: str = "stamped") -> ExportedProgram:
-    """Export `model` (real weights or the meta device) with the dynamic dims of DYNAMIC_DIMS; `cache`: the
-    latent cache interface to trace (default growing; a static cache adds `past_length`); `mode`: TRACE_MODES."""
-    return trace_recorded(model, dtype=dtype, cache=cache, mode=mode)[0]
-
-
-def trace_recorded(model: K3ForCausalLM, *, dtype: torch.dtype | None = None, cache: CacheOptions | None = None,
-                   mode: str = "stamped") -> tuple[ExportedProgram, dict]:
-    """`trace`, and the manifest's `trace` entry: {"mode": the trace used, "fallback": why a stamped trace fell
-    back to per-layer, or null}. Both modes give the same program (tests/export/test_stamp.py)."""
-    if mode not in TRACE_MODES:
-        raise ValueError(f"trace mode={mode!r}: must be one of {', '.join(TRACE_MODES)}")
-    if mode == "stamped":
-        from .stamp import StampError, trace_stamped
-
-        try:
-            return trace_stamped(model, dtype=dtype, cache=cache), {"mode": "stamped", "fallback": None}
-        except StampError as e:
-            return _trace_per_layer(model, dtype, cache), {"mode": "per-layer", "fallback": str(e)}
-    return _trace_per_layer(model, dtype, cache), {"mode": "per-layer", "fallback": None}
-
-
-def _trace_per_layer(model: K3ForCausalLM, dtype: torch.dtype | None, cache: CacheOptions | None
-                     ) -> ExportedProgram:
+def trace(model: K3ForCausalLM, *, dtype: torch.dtype | None = None, cache: CacheOptions | None = None
+          ) -> ExportedProgram:
+    """Export `model` (real weights or the meta device) with the dynamic dims of DYNAMIC_DIMS, every layer traced
+    (the stamped trace, export/stamp.py, gives the same program faster); `cache`: the latent cache interface to
+    trace (default growing; a static cache adds `past_length`)."""
     p = next(model.parameters())
     dtype = dtype or p.dtype
     ids, past = example_inputs(model.cfg, dtype=dtype, device=p.device, cache=cache)

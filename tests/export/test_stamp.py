@@ -16,8 +16,8 @@ import json
 import pytest
 import torch
 
-from k3x.export.stamp import layer_key
-from k3x.export.trace import load_pt2, save_pt2, trace, trace_recorded
+from k3x.export.stamp import layer_key, trace_recorded, trace_stamped
+from k3x.export.trace import load_pt2, save_pt2, trace
 from k3x.model import K3ForCausalLM, build_model, empty_state, preset
 from k3x.model.options import CacheOptions
 
@@ -46,7 +46,7 @@ def mini():
     model = build_model(preset("k3-mini"), seed=0)
     stamped, how = trace_recorded(model)
     assert how == {"mode": "stamped", "fallback": None}
-    return model, stamped, trace(model, mode="per-layer")
+    return model, stamped, trace(model)
 
 
 def test_k3_mini_layers_share_four_templates(mini):
@@ -81,13 +81,13 @@ def test_stamped_outputs_equal_per_layer_and_pt2_round_trips(mini, tmp_path):
 def test_static_cache_stamped_equals_per_layer():
     model = build_model(preset("k3-mini"), device="meta", seed=None)
     cache = CacheOptions(max_context=32)
-    assert_same_program(trace(model, cache=cache), trace(model, cache=cache, mode="per-layer"))
+    assert_same_program(trace_stamped(model, cache=cache), trace(model, cache=cache))
 
 
 def test_without_attn_res_stamped_equals_per_layer():
     cfg = dataclasses.replace(preset("k3-mini"), attn_res=None)
     model = build_model(cfg, device="meta", seed=None)
-    assert_same_program(trace(model), trace(model, mode="per-layer"))
+    assert_same_program(trace_stamped(model), trace(model))
 
 
 def test_unknown_module_falls_back_to_per_layer_and_says_why():
