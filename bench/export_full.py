@@ -1,18 +1,22 @@
 """Full-size trace benchmark: `torch.export` of huge configs on the meta device, beside an anchor.
 
-Each case runs in its own subprocess (so peak RSS is that case's alone) and reports: parameter count,
-graph nodes, custom-op counts, model construction time, trace wall and CPU seconds, optionally the
-weightless `.pt2` save, and peak RSS (`ru_maxrss`). CPU seconds are the steadier figure on a shared
-machine; wall seconds are what a user waits.
+Each case runs in its own subprocess (so peak RSS is that case's alone; one case at a time) and reports:
+parameter count, graph nodes, custom-op counts, model construction time, trace wall and CPU seconds,
+optionally the weightless `.pt2` save (wall and CPU seconds, file bytes), and peak RSS (`ru_maxrss`). CPU
+seconds are the steadier figure on a shared machine; wall seconds are what a user waits. `x anchor` is a
+case's trace + save CPU seconds over the anchor's trace CPU seconds, measured in the same run.
 
     python bench/export_full.py                                  # anchor, kimi-linear-48b, k3 (bf16)
-    python bench/export_full.py --presets k3 --baseline --save   # also the pre-change trace, and .pt2 save
+    python bench/export_full.py --presets k3 --per-layer --save  # stamped vs per-layer trace, and .pt2 save
+    python bench/export_full.py --presets k3 --baseline --save   # also the pre-tuning trace
     python bench/export_full.py --json out.json
 
 Cases:
 - `anchor`: a plain torch.export of a 93-layer meta `nn.Linear(173500, 173500)` stack (2.8e12
   parameters, dynamic batch/seq) — the reference point for the trace time of a model this size.
-- `<preset>`: `k3x.export.trace.trace` of `build_model(preset, device="meta")`.
+- `<preset>`: `k3x.export.stamp.trace_stamped` of `build_model(preset, device="meta")` (each distinct layer
+  traced once: the export pipeline's default).
+- `<preset>@per-layer` (with --per-layer): `k3x.export.trace.trace` of the same (every layer traced).
 - `<preset>@baseline` (with --baseline): plain `torch.export.export` of the same model with torch's
   defaults (fake-tensor cache on), i.e. what trace() did before its tuning.
 """
@@ -67,7 +71,9 @@ def _child(case: str, dtype_name: str, save: bool) -> dict:
                 with torch.no_grad():
                     return torch.export.export(model, (ids, past), dynamic_shapes=tr.dynamic_shapes(model.cfg))
         else:
-            export = lambda: tr.trace(model)  # noqa: E731
+            from k3x.export.stamp import trace_stamped
+
+            export = (lambda: tr.trace(model)) if variant == "per-layer" else (lambda: trace_stamped(model))
     out["params"] = sum(p.numel() for p in model.parameters())
     t2, c2 = time.perf_counter(), time.process_time()
     ep = export()
@@ -81,8 +87,9 @@ def _child(case: str, dtype_name: str, save: bool) -> dict:
     if save:
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "model.pt2")
+            t4, c4 = time.perf_counter(), time.process_time()
             torch.export.save(ep, path)
-            out["save_s"] = round(time.perf_counter() - t3, 2)
+            out["save_s"], out["save_cpu_s"] = round(time.perf_counter() - t4, 2), round(time.process_time() - c4, 2)
             out["pt2_bytes"] = os.path.getsize(path)
     out["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     return out
@@ -112,9 +119,18 @@ def _cell(row: dict, key: str) -> str:
     return "-" if v is None else f"{v:.3g}" if key == "params" else str(v)
 
 
+def _ratios(rows: list[dict]) -> None:
+    """`x_anchor`: trace + save CPU seconds over the anchor's trace CPU seconds (same run)."""
+    anchor = next((r.get("trace_cpu_s") for r in rows if r["case"] == "anchor"), None)
+    for r in rows:
+        if anchor and "trace_cpu_s" in r:
+            r["x_anchor"] = round((r["trace_cpu_s"] + r.get("save_cpu_s", 0.0)) / anchor, 1)
+
+
 def _table(rows: list[dict]) -> str:
     cols = [("case", "case"), ("params", "params"), ("nodes", "nodes"), ("build_s", "build s"),
             ("trace_s", "trace s"), ("trace_cpu_s", "trace cpu s"), ("save_s", "save s"),
+            ("save_cpu_s", "save cpu s"), ("pt2_bytes", "pt2 bytes"), ("x_anchor", "x anchor"),
             ("peak_rss_mb", "peak RSS MB"), ("process_s", "process s")]
     lines = [[h for _, h in cols]] + [[_cell(r, k) for k, _ in cols] for r in rows]
     widths = [max(len(x[i]) for x in lines) for i in range(len(cols))]
@@ -127,7 +143,9 @@ def main() -> None:
     ap.add_argument("--presets", nargs="+", default=["kimi-linear-48b", "k3"])
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
     ap.add_argument("--baseline", action="store_true", help="also run each preset with plain torch.export defaults")
-    ap.add_argument("--save", action="store_true", help="also time torch.export.save of the weightless program")
+    ap.add_argument("--per-layer", action="store_true", help="also run each preset with the per-layer trace")
+    ap.add_argument("--save", action="store_true", help="also time torch.export.save of the weightless program "
+                    "(the anchor's too)")
     ap.add_argument("--json", default="export_full.json", help="where to write the results")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -136,11 +154,13 @@ def main() -> None:
         with open(a.json, "w") as f:
             json.dump(res, f)
         return
-    cases = ["anchor"] + [c for p in a.presets for c in ([f"{p}@baseline"] if a.baseline else []) + [p]]
+    variants = [v for v, on in (("baseline", a.baseline), ("per-layer", a.per_layer)) if on]
+    cases = ["anchor"] + [c for p in a.presets for c in [f"{p}@{v}" for v in variants] + [p]]
     rows = []
     for c in cases:
-        rows.append(_run_case(c, a.dtype, a.save and c != "anchor"))
+        rows.append(_run_case(c, a.dtype, a.save))
         print(f"  done {c}: {rows[-1].get('trace_s', rows[-1].get('error'))}", file=sys.stderr, flush=True)
+    _ratios(rows)
     report = {"dtype": a.dtype, "cpu_count": os.cpu_count(), "loadavg_end": os.getloadavg(), "results": rows}
     with open(a.json, "w") as f:
         json.dump(report, f, indent=2)

@@ -19,7 +19,7 @@ from typing import Annotated, Optional
 import typer
 
 from .. import __version__
-from ..export.options import Activations, DType, ExpertFormat, KernelChoice, Target
+from ..export.options import Activations, DType, ExpertFormat, KernelChoice, Target, TraceMode
 from .console import fail
 
 __all__ = ["Activations", "DType", "ExpertFormat", "KernelChoice", "Target"]  # the export choices, torch-free
@@ -110,6 +110,9 @@ ExpertActivations = Annotated[Activations, typer.Option(
 MaxContext = Annotated[Optional[int], typer.Option(
     "--max-context", min=1, help="Static MLA latent cache: preallocate this many positions (one shape per decode "
     "step, so decode can be a CUDA graph); longer requests are refused. Default: a cache that grows each step.")]
+TraceModes = Annotated[TraceMode, typer.Option(
+    "--trace-mode", help="stamped: each distinct decoder layer traced once and copied for every layer (same program); "
+         "per-layer: every layer traced. The manifest's `trace` says which was used.")]
 
 # build-engine
 EngineExportDir = Annotated[Path, typer.Argument(callback=must_exist, help="Export folder holding model.trt.onnx.")]

@@ -55,6 +55,11 @@ class Activations(str, Enum):  # model.options.BuildOptions.activations (expert-
     MXFP8 = "mxfp8"
 
 
+class TraceMode(str, Enum):  # export/trace.TRACE_MODES
+    STAMPED = "stamped"
+    PER_LAYER = "per-layer"
+
+
 def config_error(message: str) -> Exception:
     from ..model.config import ConfigError
 
@@ -78,10 +83,13 @@ class ExportOptions:
     serving: bool = False  # trace the serving step (packed sequences, state pools: export/serving.py)
     block_size: int = 16  # serving: positions per MLA latent block (fixed in the program)
     activations: Activations = Activations.BF16  # expert-GEMM inputs: as computed, or MXFP8 (MXFP4 experts)
+    trace_mode: TraceMode = TraceMode.STAMPED  # each distinct layer traced once, or every layer (export/stamp.py)
 
     def __post_init__(self) -> None:
         if (self.preset is None) == (self.checkpoint is None):
             raise config_error("export: give exactly one of --preset or --checkpoint")
+        if self.trace_mode not in {m.value for m in TraceMode}:
+            raise config_error(f"--trace-mode: {self.trace_mode!r} is not one of stamped, per-layer")
         if not self.targets:
             raise config_error("export: give at least one --target")
         if self.serving and (self.max_context is not None or self.block_size < 1):

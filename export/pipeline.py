@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from .options import (TARGET_STAGES, Activations, DType, ExpertFormat, ExportJob, ExportOptions, KernelChoice,
-                      Progress, Target, Timed, config_error, timed_step)
+                      Progress, Target, Timed, TraceMode, config_error, timed_step)
 from .tokenizer import copy_tokenizer
 
 if TYPE_CHECKING:  # this module is imported by the CLI: torch only inside functions
@@ -219,19 +219,21 @@ def write_program(work: Path, job: ExportJob, timed: Timed) -> list[str]:
     """One program (world size 1): trace, manifest, tokenizer, then every target stage from the one trace."""
     from ..folder import artifacts
     from .serving import serving_manifest, trace_serving
-    from .trace import op_counts, trace
+    from .stamp import trace_recorded
+    from .trace import op_counts
 
     with timed("model"):
         model = _build(job)
     o = job.options
     with timed("trace"):
-        ep = trace_serving(model, block_size=o.block_size, kernels=job.model.build.kernels.value) if o.serving \
-            else trace(model, cache=job.model.cache)
+        ep, traced = (trace_serving(model, block_size=o.block_size, kernels=job.model.build.kernels.value),
+                      {"mode": "per-layer", "fallback": None}) if o.serving \
+            else trace_recorded(model, cache=job.model.cache, mode=TraceMode(o.trace_mode).value)
     with timed("manifest"):
         serving = serving_manifest(job.cfg, o.block_size) if o.serving else None
         artifacts.init_manifest(work, job.cfg, dtype=job.dtype, weights=o.weights, op_counts=op_counts(ep),
                                 checkpoint=o.checkpoint, checkpoint_hash=job.checkpoint_hash, options=job.model,
-                                serving=serving)
+                                serving=serving, trace=traced)
     ctx = StageContext(job.cfg, o, work, _weight_stream(job) if job.stream else None, job.model)
     notes = [copy_tokenizer(o.checkpoint, work)] if o.checkpoint else []
     for name in o.stages():

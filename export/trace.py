@@ -6,6 +6,8 @@ TensorRT optimisation profiles). Inputs: `input_ids [batch, seq]` and the flat s
 and `past_length` is a scalar input). Each custom op is one graph node (`op_counts`).
 
 Notable choices:
+- `trace` traces every layer; export/stamp.py traces each distinct decoder layer once and copies its graph
+  for every layer, giving the same program (the export pipeline's default, `--trace-mode`).
 - The fake-tensor dispatch cache is off while tracing. With three symbolic dims almost every op is a
   cache hit whose output is rebuilt from symbolic sizes/strides, which costs more than recomputing it.
   Same graph, CPU seconds of the trace (bench/export_full.py --baseline): k3 70.5 -> 50.5,
@@ -56,8 +58,9 @@ def example_inputs(cfg: K3Config, *, dtype: torch.dtype = torch.float32, device:
 
 def trace(model: K3ForCausalLM, *, dtype: torch.dtype | None = None, cache: CacheOptions | None = None
           ) -> ExportedProgram:
-    """Export `model` (real weights or the meta device) with the dynamic dims of DYNAMIC_DIMS; `cache`: the
-    latent cache interface to trace (default growing; a static cache adds `past_length`)."""
+    """Export `model` (real weights or the meta device) with the dynamic dims of DYNAMIC_DIMS, every layer traced
+    (the stamped trace, export/stamp.py, gives the same program faster); `cache`: the latent cache interface to
+    trace (default growing; a static cache adds `past_length`)."""
     p = next(model.parameters())
     dtype = dtype or p.dtype
     ids, past = example_inputs(model.cfg, dtype=dtype, device=p.device, cache=cache)

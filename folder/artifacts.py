@@ -29,6 +29,7 @@ manifest.json (schema 1):
     versions               torch, triton, onnx, onnxruntime, k3x (null when not installed)
     dynamic_dims           {"batch": {"min", "opt", "max"}, "seq": ..., "past_seq": ...}
     op_counts              {"k3::kda": 69, ...} in the traced graph
+    trace                  {"mode": "stamped" | "per-layer", "fallback": why stamping fell back, or null}
     io                     {"inputs": [...], "outputs": [...]} flat I/O names, and
     state                  the state contract (model/state_contract.py): every state tensor's layer, kind,
                            shape per sequence, axes, dtype, update and snapshot granularity, and the latent
@@ -124,10 +125,11 @@ def _no_constant(name: str) -> None:
 def init_manifest(out_dir: str | Path, cfg: K3Config, *, dtype: torch.dtype, weights: bool,
                   op_counts: dict[str, int], checkpoint: str | Path | None = None,
                   checkpoint_hash: str | None = None, options: ModelOptions | None = None,
-                  serving: dict[str, Any] | None = None) -> dict[str, Any]:
+                  serving: dict[str, Any] | None = None, trace: dict[str, Any] | None = None) -> dict[str, Any]:
     """Start a fresh manifest (no artifacts) in `out_dir`, created if needed; replaces an older one.
     `options`: what the program was built with (default: reference kernels, dense experts, growing cache).
-    `serving`: the serving-step interface (export/serving.py `serving_manifest`); `io` then names its I/O."""
+    `serving`: the serving-step interface (export/serving.py `serving_manifest`); `io` then names its I/O.
+    `trace`: how the program was traced (export/trace.trace_recorded; default per-layer)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     options = options or ModelOptions()
@@ -145,6 +147,7 @@ def init_manifest(out_dir: str | Path, cfg: K3Config, *, dtype: torch.dtype, wei
         "versions": package_versions(),
         "dynamic_dims": {n: {"min": r.min, "opt": r.opt, "max": r.max} for n, r in DYNAMIC_DIMS.items()},
         "op_counts": dict(op_counts),
+        "trace": dict(trace or {"mode": "per-layer", "fallback": None}),
         "io": {"inputs": ["input_ids"] + [s.input_name for s in specs],
                "outputs": ["logits"] + [s.output_name for s in specs]},
         "state": state_contract(cfg, dtype, cache=options.cache,
