@@ -17,7 +17,7 @@ from .app import app
 from .console import Printer, debug, echo, fail, one_line, timed
 from .options import Backend, BatchFile, CacheBlocks, Chat, Checkpoint, CheckpointRequired, CudaGraph, ExportDir, \
     InputIds, JsonOut, LogitsBackend, LogitsExportDir, LogitsOut, MaxNewTokens, MaxSequences, MaxStepTokens, \
-    OrtProvider, PromptIds, PromptsFile, PromptText, Provider, RunBackend, SamplerSeed, SkipHashCheck, Temperature, \
+    OrtProvider, PrefixCache, PrefixCacheMB, PromptIds, PromptsFile, PromptText, Provider, RunBackend, SamplerSeed, SkipHashCheck, Temperature, \
     TopK, TopP
 
 
@@ -89,7 +89,8 @@ def run(export_dir: ExportDir, backend: RunBackend = Backend.ORT, prompt: Prompt
         temperature: Temperature = 0.0, top_k: TopK = 0, top_p: TopP = 1.0, seed: SamplerSeed = None,
         provider: OrtProvider = Provider.AUTO, skip_hash_check: SkipHashCheck = False,
         cuda_graph: CudaGraph = False, prompts: PromptsFile = None, max_sequences: MaxSequences = 8,
-        cache_blocks: CacheBlocks = None, max_step_tokens: MaxStepTokens = 512, json_out: JsonOut = None) -> None:
+        cache_blocks: CacheBlocks = None, max_step_tokens: MaxStepTokens = 512, json_out: JsonOut = None,
+        prefix_cache: PrefixCache = False, prefix_cache_mb: PrefixCacheMB = 1024.0) -> None:
     """Decode with an exported artifact: prefill, then decode steps carrying state; greedy by default.
     Prints text as it comes when the export folder has a tokenizer (random weights give gibberish).
     A serving export (export --serving) serves --prompts FILE (or the one prompt) by continuous batching."""
@@ -109,7 +110,8 @@ def run(export_dir: ExportDir, backend: RunBackend = Backend.ORT, prompt: Prompt
 
         return run_prompts(export_dir, prompts or [p.ids], p, backend.value,
                            (max_sequences, cache_blocks, max_step_tokens), json_out,
-                           runner_options(provider, skip_hash_check))
+                           runner_options(provider, skip_hash_check),
+                           prefix_cache=int(prefix_cache_mb * 1e6) if prefix_cache else None)
     s = open_session(export_dir, [backend.value], runner_options(provider, skip_hash_check, cuda_graph=cuda_graph),
                      default_ort=True)
     (name,) = s.runners
@@ -153,7 +155,8 @@ def logits(out: LogitsOut, checkpoint: Checkpoint = None, input_ids: InputIds = 
     with timed(f"logits {list(ids.shape)} ({backend.value})"):
         result = (checkpoint_logits(checkpoint, ids) if backend == Backend.EAGER else
                   export_logits(ExportFolder.open(export_dir), backend.value, ids,
-                                runner_options(provider, skip_hash_check)))
+                                runner_options(provider, skip_hash_check),
+                           prefix_cache=int(prefix_cache_mb * 1e6) if prefix_cache else None))
     try:
         save_npy(out, result.numpy())
     except OSError as e:
