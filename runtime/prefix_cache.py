@@ -106,19 +106,24 @@ class PrefixCache:
         while a running sequence is prefilling a longer shared prefix (the request waits for its snapshot)."""
         hit = self.match(request.prompt)
         last = (len(request.prompt) - 1) // self.bs * self.bs
-        for seq in running:
+        for seq in running if self.budget else ():  # with no budget, nothing will be cached to wait for
             if seq.fed < len(seq.request.prompt):
                 shared = min(common_prefix(request.prompt, seq.request.prompt) // self.bs * self.bs, last)
                 if shared > hit.length and seq.fed < shared:
                     return None
-        need = -(-request.positions // self.bs) - len(hit.blocks)
-        for key in list(self.snapshots):
-            if self.alloc.blocks.available >= need:
-                break
-            if self.snapshots[key].rows is not hit.rows:
-                self._evict(key)  # never the hit's own (its blocks would be freed)
+        self._make_room(-(-request.positions // self.bs) - len(hit.blocks), hit)
         self.hits[request.id] = hit
         return hit
+
+    def _make_room(self, need: int, hit: Hit) -> None:
+        """Evict least recently used snapshots that free a block now (one the cache alone holds, through it
+        alone), never the hit's own, until `need` blocks are free or none would help."""
+        while self.alloc.blocks.available < need:
+            key = next((k for k, s in self.snapshots.items()
+                        if s.rows is not hit.rows and any(self.alloc.refs[b] == 1 for b in s.blocks)), None)
+            if key is None:
+                return
+            self._evict(key)
 
     def chunk(self, seq, n: int) -> int:
         """Tokens of `seq`'s next prefill chunk (at most n): ends on a snapshot point when one lies inside."""
