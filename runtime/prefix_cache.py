@@ -81,7 +81,7 @@ class PrefixCache:
         self.known: Counter[bytes] = Counter()  # chain hashes of every cached prefix's blocks
         self.held: Counter[int] = Counter()  # the cache's holds on each block
         self.hits: dict[int, Hit] = {}  # by request id, while it runs
-        self.stored = self.evictions = 0
+        self.stored = self.evictions = self.peak_bytes = 0
 
     @property
     def nbytes(self) -> int:
@@ -169,6 +169,13 @@ class PrefixCache:
         self.stored += 1
         while self.snapshots and self.nbytes > self.budget:
             self._evict(next(iter(self.snapshots)))
+        self.peak_bytes = max(self.peak_bytes, self.nbytes)
+
+    def figures(self) -> dict[str, int]:
+        """What the cache did in a run: snapshots taken, evicted and held at the end, and its memory."""
+        return {"snapshots_stored": self.stored, "snapshots_evicted": self.evictions,
+                "snapshots_held": len(self.snapshots), "snapshot_bytes": self.snapshot_bytes,
+                "cache_peak_bytes": self.peak_bytes}
 
     def _evict(self, key: bytes) -> None:
         snap = self.snapshots.pop(key)

@@ -94,10 +94,11 @@ def default_blocks(requests: list[Request], options: ServeOptions, cfg, dtype: t
 
 def serve(runner, cfg, prompts: Sequence[Sequence[int]], sampling: SamplingOptions,
           options: ServeOptions = ServeOptions(), *, max_new_tokens: Sequence[int] | None = None,
-          dtype: torch.dtype = torch.float32, device: str | None = None) -> list[Record]:
+          dtype: torch.dtype = torch.float32, device: str | None = None, stats: dict | None = None) -> list[Record]:
     """Generate for every prompt (ids) -> records in input order. `max_new_tokens`: per prompt (default:
     sampling.max_new_tokens for all). The pools live on `device`, by default the runner's (an ORT CUDA session
-    then binds them where they are: a pool on another device would be copied every step)."""
+    then binds them where they are: a pool on another device would be copied every step). `stats`: a dict the
+    run's counters are added to (the prefix cache's figures)."""
     device = str(device or getattr(runner, "device", None) or "cpu")
     news = list(max_new_tokens) if max_new_tokens is not None else [sampling.max_new_tokens] * len(prompts)
     if len(news) != len(prompts):
@@ -138,4 +139,6 @@ def serve(runner, cfg, prompts: Sequence[Sequence[int]], sampling: SamplingOptio
             if options.keep_logits:
                 records[rid].logits.append(row[0].cpu())
         sched.commit(step, chosen)
+    if stats is not None and prefix is not None:
+        stats.update(prefix.figures())
     return records
