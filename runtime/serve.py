@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 
 from ..model.serving import STEP_INPUTS
-from ..text.sampling import Sampler, SamplingOptions
 from ..model.state import state_bytes
+from ..text.sampling import Sampler, SamplingOptions
 from .pools import CacheAllocator, StatePools
 from .prefix_cache import PrefixCache
 from .scheduler import Request, Scheduler
