@@ -189,6 +189,12 @@ CacheBlocks = Annotated[Optional[int], typer.Option(
     min=1, help="Serving: MLA latent cache blocks (default: enough for --max-sequences of the longest requests).")]
 MaxStepTokens = Annotated[int, typer.Option(min=1, help="Serving: tokens per step; longer prompts are prefilled "
                                                         "in chunks.")]
+PrefixCache = Annotated[bool, typer.Option("--prefix-cache", help="Serving: reuse cached prompt prefixes "
+                                           "(linear-attention state snapshots at block boundaries, shared latent "
+                                           "blocks); reports the hit rate and the prefill tokens saved.")]
+PrefixCacheMB = Annotated[float, typer.Option("--prefix-cache-mb", min=0, help="--prefix-cache: memory budget in MB "
+                                              "(snapshots + blocks only the cache holds; least recently used "
+                                              "evicted first).")]
 JsonOut = Annotated[Optional[Path], typer.Option("--json", help="Serving: write one record per prompt (input "
                                                                 "order: tokens and text) to this file.")]
 Sequences = Annotated[Optional[int], typer.Option(

@@ -17,8 +17,8 @@ from .app import app
 from .console import Printer, debug, echo, fail, one_line, timed
 from .options import Backend, BatchFile, CacheBlocks, Chat, Checkpoint, CheckpointRequired, CudaGraph, ExportDir, \
     InputIds, JsonOut, LogitsBackend, LogitsExportDir, LogitsOut, MaxNewTokens, MaxSequences, MaxStepTokens, \
-    LoadState, OrtProvider, PromptIds, PromptsFile, PromptText, Provider, RunBackend, SamplerSeed, SaveState, \
-    SkipHashCheck, Temperature, TopK, TopP
+    LoadState, OrtProvider, PrefixCache, PrefixCacheMB, PromptIds, PromptsFile, PromptText, Provider, RunBackend, \
+    SamplerSeed, SaveState, SkipHashCheck, Temperature, TopK, TopP
 
 
 def runner_options(provider: Provider, skip_hash_check: bool, checkpoint: Path | None = None,
@@ -98,7 +98,8 @@ def run(export_dir: ExportDir, backend: RunBackend = Backend.ORT, prompt: Prompt
         provider: OrtProvider = Provider.AUTO, skip_hash_check: SkipHashCheck = False,
         cuda_graph: CudaGraph = False, prompts: PromptsFile = None, max_sequences: MaxSequences = 8,
         cache_blocks: CacheBlocks = None, max_step_tokens: MaxStepTokens = 512, json_out: JsonOut = None,
-        save_state: SaveState = None, load_state: LoadState = None) -> None:
+        save_state: SaveState = None, load_state: LoadState = None, prefix_cache: PrefixCache = False,
+        prefix_cache_mb: PrefixCacheMB = 1024.0) -> None:
     """Decode with an exported artifact: prefill, then decode steps carrying state; greedy by default.
     Prints text as it comes when the export folder has a tokenizer (random weights give gibberish).
     A serving export (export --serving) serves --prompts FILE (or the one prompt) by continuous batching.
@@ -125,8 +126,9 @@ def run(export_dir: ExportDir, backend: RunBackend = Backend.ORT, prompt: Prompt
         block = int(serving_entry(folder)["block_size"])  # refused here, and the prompts read, before ranks spawn
         ids = [p.ids] if prompts is None else read_prompts(prompts, p.tokenizer, folder.config().vocab_size)
         names, notes = ranks_here(export_dir, [backend.value], default_ort=True)
-        return run_prompts(folder, ids, p, (names[0], notes), ServeOptions(max_sequences, cache_blocks, block,
-                           max_step_tokens), json_out, runner_options(provider, skip_hash_check))
+        return run_prompts(folder, ids, p, (names[0], notes), ServeOptions(
+            max_sequences, cache_blocks, block, max_step_tokens, prefix_cache=prefix_cache,
+            prefix_cache_bytes=int(prefix_cache_mb * 1e6) if prefix_cache else 0), json_out, runner_options(provider, skip_hash_check))
     try:  # a state file is checked before any runner loads
         ids, state = state_hooks(save_state, load_state, folder.state_contract(), folder.config(), p.ids)
     except RunnerError as e:
@@ -187,7 +189,8 @@ def logits(out: LogitsOut, checkpoint: Checkpoint = None, input_ids: InputIds = 
     with timed(f"logits {list(ids.shape)} ({backend.value})"):
         result = (checkpoint_logits(checkpoint, ids) if backend == Backend.EAGER else
                   export_logits(ExportFolder.open(export_dir), backend.value, ids,
-                                runner_options(provider, skip_hash_check)))
+                                runner_options(provider, skip_hash_check),
+                           prefix_cache=int(prefix_cache_mb * 1e6) if prefix_cache else None))
     try:
         save_npy(out, result.numpy())
     except OSError as e:

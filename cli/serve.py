@@ -6,6 +6,8 @@
 - A serving export run without --prompts (`--prompt` / `--prompt-ids`) is served as a file of one prompt.
 - A rank serving export (`--serving --tp/--ep`) is served by its ranks (under torchrun, or started by k3x as
   for every rank export); rank 0 prints and writes `--json`.
+- `--prefix-cache`: prompts sharing a prefix reuse its cached state; the hit rate and the prefill tokens saved
+  are printed, and every --json record has `cached_tokens` (prompt tokens taken from the cache).
 - Errors name the file and line, or the flag; nothing is written on failure (`--json` is renamed into place).
 """
 
@@ -64,10 +66,13 @@ def run_prompts(folder, prompts: list[list[int]], prepared, backend: tuple[str, 
         fail(f"{s.who if s else ''}backend {name}: {one_line(e)}")
     if s.speaks:
         out = [{"index": r.index, "prompt_tokens": len(r.prompt), "tokens": r.tokens,
+                **({"cached_tokens": r.cached} if options.prefix_cache else {}),
                 **({"text": tok.decode(r.tokens)} if tok is not None else {})} for r in records]
         for rec in out:
             echo(f"[{rec['index']}] tokens: " + ",".join(map(str, rec["tokens"]))
                  + (f"  {rec['text']!r}" if "text" in rec else ""))
+        if options.prefix_cache:
+            echo(prefix_line(records))
         if s.plan.world > 1:
             echo(f"served on {s.describe(name)}")
         if json_out is not None:
@@ -75,6 +80,14 @@ def run_prompts(folder, prompts: list[list[int]], prepared, backend: tuple[str, 
 
             atomic_write_bytes(json_out, (json.dumps(out, indent=1) + "\n").encode())
     s.close()
+
+
+def prefix_line(records) -> str:
+    """The prefix cache's figures of a run: requests that hit, and prompt tokens taken from the cache."""
+    hits, prompt = sum(r.cached > 0 for r in records), sum(len(r.prompt) for r in records)
+    saved = sum(r.cached for r in records)
+    return (f"prefix cache: {hits}/{len(records)} requests hit ({100 * hits / len(records):.0f} %), "
+            f"{saved:,} of {prompt:,} prompt tokens from the cache, {prompt - saved:,} prefilled")
 
 
 def print_pools(cfg, context: int, sequences: int, block_size: int = 16, tp: int = 1, ep: int = 1,

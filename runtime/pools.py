@@ -4,8 +4,11 @@
 - MLA layer i: `pool.{i}.latent` [NB, BS, kv_lora + rope] (model dtype), fixed-size blocks; sequence b's
   position p lives in block `table[p // BS]`, row `p % BS`.
 
-`CacheAllocator` is pure bookkeeping (free lists of slots and blocks, one block table per sequence): the
-scheduler admits with it and never touches a tensor. `StatePools` holds the tensors and writes a step's new
+`CacheAllocator` is pure bookkeeping (free lists of slots and blocks, one block table per sequence, a reference
+count per block in use): the scheduler admits with it and never touches a tensor. A block is back on the free
+list when its last holder lets go: the sequences whose tables hold it, and the prefix cache
+(runtime/prefix_cache.py) for the blocks of a cached prefix, shared copy-on-write (a step writes only positions
+>= past_lens, so a sequence never writes into the full blocks of a prefix it was given). `StatePools` holds the tensors and writes a step's new
 rows back in place (`write_back`: O(B + N) rows, never a copy of a pool). model/state.py `pool_bytes` sizes
 a deployment (what `k3x inspect --context --sequences` prints).
 """
@@ -54,26 +57,47 @@ class CacheAllocator:
         self.slots, self.blocks = FreeList(slots), FreeList(blocks)
         self.slot_of: dict[int, int] = {}
         self.table_of: dict[int, list[int]] = {}
+        self.refs: dict[int, int] = {}  # holders of each block in use
 
     def fits_ever(self, positions: int) -> bool:
         return blocks_for(positions, self.block_size) <= self.blocks.capacity
 
-    def can_admit(self, positions: int) -> bool:
-        return self.slots.available > 0 and blocks_for(positions, self.block_size) <= self.blocks.available
+    def can_admit(self, positions: int, shared: int = 0) -> bool:
+        return self.slots.available > 0 and blocks_for(positions, self.block_size) - shared <= self.blocks.available
 
-    def admit(self, seq: int, positions: int) -> int:
-        """A slot and the blocks for `positions` for sequence `seq` -> its slot."""
+    def admit(self, seq: int, positions: int, shared: tuple[int, ...] = ()) -> int:
+        """A slot and the blocks for `positions` for sequence `seq` -> its slot. `shared`: blocks of a cached
+        prefix that start its table (held, not copied); the rest are taken from the free list."""
         if seq in self.slot_of:
             raise ValueError(f"sequence {seq}: already admitted")
-        if not self.can_admit(positions):
-            raise ValueError(f"sequence {seq}: no slot or not {blocks_for(positions, self.block_size)} free blocks")
+        need = blocks_for(positions, self.block_size) - len(shared)
+        if not self.can_admit(positions, len(shared)):
+            raise ValueError(f"sequence {seq}: no slot or not {need} free blocks")
         self.slot_of[seq] = self.slots.take(1)[0]
-        self.table_of[seq] = self.blocks.take(blocks_for(positions, self.block_size))
+        self.hold(shared)
+        fresh = self.blocks.take(need)
+        self.refs.update(dict.fromkeys(fresh, 1))
+        self.table_of[seq] = [*shared, *fresh]
         return self.slot_of[seq]
+
+    def hold(self, blocks) -> None:
+        """One more holder of each block (in use)."""
+        for b in blocks:
+            if b not in self.refs:
+                raise ValueError(f"block {b}: not in use, cannot be shared")
+            self.refs[b] += 1
+
+    def drop(self, blocks) -> None:
+        """One holder fewer of each block; a block nobody holds goes back to the free list."""
+        for b in blocks:
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                del self.refs[b]
+                self.blocks.give([b])
 
     def release(self, seq: int) -> None:
         self.slots.give([self.slot_of.pop(seq)])
-        self.blocks.give(self.table_of.pop(seq))
+        self.drop(self.table_of.pop(seq))
 
     def table_row(self, seq: int, width: int) -> list[int]:
         """The first `width` block ids of `seq`'s table, padded with block 0 (a valid id, never read)."""
@@ -110,6 +134,15 @@ class StatePools:
         for name, t in self.tensors.items():
             if not name.endswith(".latent"):
                 t[slot].zero_()
+
+    def save_slot(self, slot: int) -> dict[str, Tensor]:
+        """A copy of the KDA state of `slot` (every conv and recurrent row): a prefix-cache snapshot."""
+        return {n: t[slot].clone() for n, t in self.tensors.items() if not n.endswith(".latent")}
+
+    def load_slot(self, slot: int, rows: dict[str, Tensor]) -> None:
+        """The KDA state of `slot` = a snapshot taken by `save_slot`."""
+        for n, row in rows.items():
+            self.tensors[n][slot].copy_(row)
 
     def write_back(self, feeds: dict[str, Tensor], outputs: dict[str, Tensor]) -> None:
         """conv/recurrent pool[slots[b]] = new[b]; the latent row of token (b, t) goes to position

@@ -15,6 +15,9 @@
   the packed row of every due sequence (a step of prompt chunks only asks for one row it then ignores, so a
   step never has zero logits rows).
 - A finished sequence (EOS or max_new_tokens) frees its slot and blocks at commit.
+- With a prefix cache (runtime/prefix_cache.py) a request is admitted at its longest cached boundary (`fed`
+  starts there, its table starts with the shared blocks), may wait for a prefix in flight, and prefill chunks
+  end on snapshot points.
 Pure bookkeeping on Python lists plus the feed tensors: no model, no clock.
 """
 
@@ -27,6 +30,7 @@ from torch import Tensor
 
 from ..model.state import blocks_for
 from .pools import CacheAllocator
+from .prefix_cache import NO_HIT, PrefixCache
 
 
 @dataclass(frozen=True)
@@ -60,16 +64,16 @@ class Step:
     seqs: tuple[int, ...]  # request id of each packed sequence b
     lengths: tuple[int, ...]  # tokens of each
     due: tuple[int, ...]  # request ids whose next token is chosen from logits row j (j = position here)
-    admitted: tuple[int, ...]  # request ids that took a slot in this step (their KDA slot state is reset)
+    admitted: tuple[int, ...]  # request ids that took a slot in this step (their KDA slot is reset or loaded)
 
 
 class Scheduler:
     def __init__(self, allocator: CacheAllocator, *, max_sequences: int, max_step_tokens: int,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+                 eos_token_ids: tuple[int, ...] = (), prefix: PrefixCache | None = None) -> None:
         if max_sequences < 1 or max_step_tokens < 1:
             raise ValueError(f"max_sequences={max_sequences}, max_step_tokens={max_step_tokens}: each must be >= 1")
         self.alloc, self.max_sequences, self.max_step_tokens = allocator, max_sequences, max_step_tokens
-        self.eos = set(eos_token_ids)
+        self.eos, self.prefix = set(eos_token_ids), prefix
         self.queue: list[Request] = []
         self.running: dict[int, Sequence] = {}  # by request id, in admission order
         self.finished: dict[int, Sequence] = {}
@@ -89,10 +93,13 @@ class Scheduler:
 
     def _admit(self, budget_left: int) -> list[int]:
         admitted = []
-        while (self.queue and budget_left - len(admitted) > 0 and len(self.running) < self.max_sequences
-               and self.alloc.can_admit(self.queue[0].positions)):
-            r = self.queue.pop(0)
-            self.running[r.id] = Sequence(r, self.alloc.admit(r.id, r.positions))
+        while self.queue and budget_left - len(admitted) > 0 and len(self.running) < self.max_sequences:
+            r = self.queue[0]
+            hit = NO_HIT if self.prefix is None else self.prefix.place(r, self.running.values())
+            if hit is None or not self.alloc.can_admit(r.positions, len(hit.blocks)):
+                break
+            self.queue.pop(0)
+            self.running[r.id] = Sequence(r, self.alloc.admit(r.id, r.positions, hit.blocks), fed=hit.length)
             admitted.append(r.id)
         return admitted
 
@@ -107,13 +114,13 @@ class Scheduler:
             raise RuntimeError("scheduler: nothing runs and nothing can be admitted")  # unreachable after add()
         return self._step(plan, tuple(admitted))
 
-    @staticmethod
-    def _plan(seqs: list[Sequence], budget: int) -> list[tuple[Sequence, list[int]]]:
+    def _plan(self, seqs: list[Sequence], budget: int) -> list[tuple[Sequence, list[int]]]:
         plan = []
         for seq in seqs:
             if budget == 0:
                 break
-            plan.append((seq, seq.pending()[:budget]))
+            n = budget if self.prefix is None else self.prefix.chunk(seq, budget)
+            plan.append((seq, seq.pending()[:n]))
             budget -= len(plan[-1][1])
         return plan
 
@@ -150,6 +157,8 @@ class Scheduler:
                 seq.done = tokens[rid] in self.eos or len(seq.tokens) == seq.request.max_new_tokens
             if seq.done:
                 self.alloc.release(rid)
+                if self.prefix is not None:
+                    self.prefix.forget(rid)
                 self.finished[rid] = self.running.pop(rid)
                 done.append(rid)
         return done

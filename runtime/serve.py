@@ -7,6 +7,8 @@ The scheduler (runtime/scheduler.py) packs each step; the pools (runtime/pools.p
 name every step (the same tensors: a runner that binds them does not copy) and the step's new rows are
 written back in place. Tokens are chosen by the shared sampler (text/sampling.py), one `Sampler` per prompt
 (seeded `seed + index`), so a prompt's tokens do not depend on what it was batched with.
+`ServeOptions.prefix_cache`: prompts sharing a prefix start from its KDA snapshot and shared latent blocks
+(runtime/prefix_cache.py); `Record.cached` says how many prompt tokens each took from the cache.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import torch
 from torch import Tensor
 
 from ..model.serving import STEP_INPUTS
+from ..model.state import state_bytes
 from ..text.sampling import Sampler, SamplingOptions
 from .pools import CacheAllocator, StatePools
+from .prefix_cache import PrefixCache
 from .scheduler import Request, Scheduler
 
 Feeds = dict[str, Tensor]
@@ -32,6 +36,8 @@ class ServeOptions:
     block_size: int = 16  # fixed at export for exported steps (manifest `serving.block_size`)
     max_step_tokens: int = 512  # tokens per step (prompts longer than this are prefilled in chunks)
     keep_logits: bool = False  # records carry the logits every token was chosen from (tests, verify)
+    prefix_cache: bool = False  # reuse cached prompt prefixes (KDA snapshots + shared latent blocks)
+    prefix_cache_bytes: int = 1 << 30  # the cache's memory budget (snapshots + blocks only it holds), LRU
 
 
 @dataclass
@@ -40,6 +46,7 @@ class Record:
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)
     logits: list[Tensor] = field(default_factory=list)  # [vocab] fp32 per token (ServeOptions.keep_logits)
+    cached: int = 0  # prompt tokens restored from the prefix cache (not prefilled)
 
 
 class StepModuleRunner:
@@ -78,46 +85,60 @@ def serving_runner(backend: str, export_dir, options=None):
     return StepModuleRunner("pt2", ep.module(), entry["inputs"], entry["outputs"], options.device)
 
 
-def default_blocks(requests: list[Request], options: ServeOptions) -> int:
-    """Enough blocks for the `max_sequences` longest requests at once (nothing waits for memory)."""
+def default_blocks(requests: list[Request], options: ServeOptions, cfg, dtype: torch.dtype) -> int:
+    """Enough blocks for the `max_sequences` longest requests at once (nothing waits for memory), plus, with
+    the prefix cache, what its budget holds (at most every prompt's blocks)."""
     need = sorted((-(-r.positions // options.block_size) for r in requests), reverse=True)
-    return max(1, sum(need[: options.max_sequences]))
+    blocks = max(1, sum(need[: options.max_sequences]))
+    if options.prefix_cache:
+        per_block = state_bytes(cfg, torch.empty((), dtype=dtype).element_size())["mla_kv_bytes_per_token"]
+        blocks += min(options.prefix_cache_bytes // (per_block * options.block_size),
+                      sum(len(r.prompt) // options.block_size for r in requests))
+    return blocks
 
 
 def serve(runner, cfg, prompts: Sequence[Sequence[int]], sampling: SamplingOptions,
           options: ServeOptions = ServeOptions(), *, max_new_tokens: Sequence[int] | None = None,
           dtype: torch.dtype = torch.float32, device: str | None = None, pool_cfg=None,
-          agree: Callable[[list[int]], list[int]] | None = None) -> list[Record]:
+          agree: Callable[[list[int]], list[int]] | None = None, stats: dict | None = None) -> list[Record]:
     """Generate for every prompt (ids) -> records in input order. `max_new_tokens`: per prompt (default:
     sampling.max_new_tokens for all). The pools live on `device`, by default the runner's (an ORT CUDA session
     then binds them where they are: a pool on another device would be copied every step).
     Rank programs: `cfg` is the whole model's (token ids), `pool_cfg` the rank program's (its pools: its KDA
     heads, the whole latent), and `agree` makes each step's chosen tokens the same on every rank
-    (runtime/dist_run.agree_tokens), so every rank's scheduler makes the same steps."""
+    (runtime/dist_run.agree_tokens), so every rank's scheduler makes the same steps. `stats`: a dict the
+    run's counters are added to (the prefix cache's figures)."""
     device = str(device or getattr(runner, "device", None) or "cpu")
     news = list(max_new_tokens) if max_new_tokens is not None else [sampling.max_new_tokens] * len(prompts)
     if len(news) != len(prompts):
         raise ValueError(f"max_new_tokens: {len(news)} values for {len(prompts)} prompts")
     requests = [Request(i, tuple(int(t) for t in p), n) for i, (p, n) in enumerate(zip(prompts, news))]
-    blocks = options.cache_blocks or default_blocks(requests, options)
+    blocks = options.cache_blocks or default_blocks(requests, options, cfg, dtype)
     alloc = CacheAllocator(options.max_sequences, blocks, options.block_size)
+    pools = StatePools(pool_cfg or cfg, slots=options.max_sequences, blocks=blocks, block_size=options.block_size,
+                       dtype=dtype, device=device)
+    prefix = PrefixCache(alloc, pools, options.prefix_cache_bytes) if options.prefix_cache else None
     sched = Scheduler(alloc, max_sequences=options.max_sequences, max_step_tokens=options.max_step_tokens,
-                      eos_token_ids=sampling.eos_token_ids)
+                      eos_token_ids=sampling.eos_token_ids, prefix=prefix)
     for r in requests:
         if any(t < 0 or t >= cfg.vocab_size for t in r.prompt):
             raise ValueError(f"prompt {r.id}: token ids must be in [0, {cfg.vocab_size})")
         sched.add(r)
-    pools = StatePools(pool_cfg or cfg, slots=options.max_sequences, blocks=blocks, block_size=options.block_size,
-                       dtype=dtype, device=device)
     records = [Record(r.id, list(r.prompt)) for r in requests]
     seed = sampling.seed
     samplers = [Sampler(replace(sampling, seed=None if seed is None else seed + i)) for i in range(len(requests))]
     while (step := sched.next_step()) is not None:
         for rid in step.admitted:
-            pools.reset_slot(alloc.slot_of[rid])
+            records[rid].cached = sched.running[rid].fed
+            if prefix is None:
+                pools.reset_slot(alloc.slot_of[rid])
+            else:
+                prefix.start(rid, alloc.slot_of[rid])
         feeds = {**step.feeds, **pools.tensors}
         out = runner.infer(feeds)
         pools.write_back(feeds, out)
+        if prefix is not None:
+            prefix.record(step, sched.running, alloc.table_of)
         rows = out["logits"].float()
         picks = [int(samplers[rid](rows[j: j + 1])[0]) for j, rid in enumerate(step.due)]
         if agree is not None and picks:  # every rank has the same due sequences
@@ -127,4 +148,6 @@ def serve(runner, cfg, prompts: Sequence[Sequence[int]], sampling: SamplingOptio
             if options.keep_logits:
                 records[rid].logits.append(rows[j].cpu())
         sched.commit(step, dict(zip(step.due, picks)))
+    if stats is not None and prefix is not None:
+        stats.update(prefix.figures())
     return records

@@ -1,5 +1,6 @@
 """Test-wide fixtures: a fixed seed per test, NaN-poisoned uninitialised memory, and the k3-mini
-checkpoint and CLI export that several test folders read (built once per session: `mini_cli_export`).
+checkpoint and CLI export that several test folders read (built once per session: `mini_cli_export`), and
+the k3-mini serving export the serving tests share (`serving_export`).
 
 `torch.empty`, `torch.empty_like` and `Tensor.new_empty` return NaN-filled floating tensors during
 tests, so code that reads memory it never wrote fails loudly instead of passing by luck (FLA conftest).
@@ -87,3 +88,14 @@ def mini_cli_export(tmp_path_factory) -> CliExport:
                          "--out", str(root / "export")])
     assert r.exit_code == 0, r.output
     return CliExport(root / "ckpt", root / "export", r.output)
+
+
+@pytest.fixture(scope="session")
+def serving_export(tmp_path_factory) -> Path:
+    """k3-mini (random weights, seed 0) exported with --serving, block size 8, pt2 + onnx."""
+    from k3x.export.options import ExportOptions, Target
+    from k3x.export.pipeline import export
+
+    out = tmp_path_factory.mktemp("serving") / "k3-mini"
+    export(ExportOptions((Target.PT2, Target.ONNX), out, preset="k3-mini", serving=True, block_size=8))
+    return out

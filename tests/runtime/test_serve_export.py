@@ -33,10 +33,8 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    out = tmp_path_factory.mktemp("serving") / "k3-mini"
-    export(ExportOptions((Target.PT2, Target.ONNX), out, preset="k3-mini", serving=True, block_size=8))
-    return out
+def folder(serving_export):
+    return serving_export  # tests/conftest.py: shared with the prefix-cache tests
 
 
 def test_manifest_names_the_interface(folder):
