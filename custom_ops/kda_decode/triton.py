@@ -1,8 +1,8 @@
 """k3::kda_decode, Triton: the whole KDA decode step of one layer in one kernel, its launch plan and the torch
 launcher. Never imports `reference.py`.
 
-`_kda_decode_kernel`, grid (H, cdiv(B, BB)): program (h, j) runs head h of sequences j·BB ... j·BB+BB-1, one
-after the other. Per sequence b (pool row slot = slots[b]):
+`_kda_decode_kernel`, grid cdiv(B·H, TILES): program p runs the (sequence, head) tiles p, p + grid, ... (TILES of
+them, strided so every program gets a similar share). Per tile (b, h), pool row slot = slots[b]:
   1. short conv: the head's q, k, v channels' window = conv_pool[slot, ch, :] | qkv[b, ch]; y = Σ window·w,
      SiLU; the window shifted by one is the new conv row (written to new_conv[b], or to conv_pool[slot] in
      place). Heads own disjoint channels, so the conv rows are read and written once.
@@ -11,11 +11,11 @@ after the other. Per sequence b (pool row slot = slots[b]):
   3. the [K, V] fp32 state read once from state_pool[slot, h], decayed, delta-corrected, read out (after the
      write), written once (new_state[b], or state_pool[slot, h] in place).
   4. o = RMSNorm_V(Sᵀq)·norm_weight·σ(gate), stored in qkv's dtype.
-The full [K, V] state of a head stays in one program (the output norm needs the whole V row), so a program
-holds K·V fp32 values (128×128: 64 KB over 8 warps, 64 registers a thread). BB, the sequences per program,
-is chosen from the plan's B so the grid is one wave on sm_90 (`decode_launch_config`); the grid follows the
-runtime B, so a plugin compiled at one B runs any. In place, every program reads the rows it writes before
-writing them and no two programs share a row (distinct slots, disjoint channels), so aliasing is safe.
+The full [K, V] state of a head stays in one program (the output norm needs the whole V row): 128×128 fp32
+over 4 warps. TILES is chosen from the plan's B so the grid is one wave on sm_90 (`decode_launch_config`);
+the grid follows the runtime B, so a plugin compiled at one B runs any (more tiles per program past it).
+In place, every program reads the rows it writes before writing them and no two programs share a row
+(distinct slots, disjoint channels), so aliasing is safe.
 """
 
 from __future__ import annotations
@@ -53,20 +53,21 @@ def _kda_decode_kernel(  # arguments in TensorRT QDP order: inputs, int32 scalar
     o, new_conv, new_state,
     scale: tl.constexpr, eps: tl.constexpr, GATE_LB: tl.constexpr,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, BB: tl.constexpr, IN_PLACE: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, TILES: tl.constexpr, IN_PLACE: tl.constexpr,
 ):
-    i_h, i_j = tl.program_id(0), tl.program_id(1)
+    pid, nprog = tl.program_id(0), tl.num_programs(0)
     C: tl.constexpr = 2 * H * K + H * V
     o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
     m_s = m_k[:, None] & m_v[None, :]
-    a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-    dtb = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     nw = tl.load(norm_w + o_v, mask=m_v, other=0.0).to(tl.float32)
-    for i in range(BB):
-        i_b = i_j * BB + i
-        live = i_b < B
-        i_b = tl.where(live, i_b, 0).to(tl.int64)
+    for i in range(TILES):
+        tile = pid + i * nprog  # (sequence, head) tiles strided over the programs
+        live = tile < B * H
+        tile = tl.where(live, tile, 0).to(tl.int64)
+        i_b, i_h = tile // H, tile % H
+        a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        dtb = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         slot = tl.load(slots + i_b).to(tl.int64)
         row = i_b  # where the new rows go: this step's row b, or the slot's row in place
         if IN_PLACE:
@@ -79,7 +80,7 @@ def _kda_decode_kernel(  # arguments in TensorRT QDP order: inputs, int32 scalar
         v = _conv_silu(x_row, pool_row, new_row, conv_w, 2 * H * K + i_h * V + o_v, m_v, live, W, BW)
         q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
         k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
-        hb = i_b * H + i_h
+        hb = tile  # = i_b * H + i_h
         fx = tl.load(f + hb * K + o_k, mask=m_k, other=0.0).to(tl.float32) + dtb
         if GATE_LB != 0.0:
             g = GATE_LB * tl.sigmoid(a * fx)
@@ -100,9 +101,12 @@ def _kda_decode_kernel(  # arguments in TensorRT QDP order: inputs, int32 scalar
 
 
 # Compiled resources on sm_90a (triton 3.8, K = V = 128, W = 4, bf16; `python -m k3x.bench.kernel_resources
-# --family kda_decode` recompiles them): num_warps -> (registers per thread, dynamic shared memory bytes, spills?)
-DECODE_RESOURCES_SM90 = {4: (255, 0, True), 8: (128, 0, False), 16: (64, 0, False)}
-DECODE_WARPS = 8
+# --family kda_decode` and tests/bench/test_kernel_resources.py recompile them):
+# (num_warps, looped: TILES > 1) -> (registers per thread, dynamic shared memory bytes, spills?).
+# Measured: 8 warps 125 / 198 registers (2 / 1 CTAs per SM), 16 warps 106 / 128 (1 CTA): 4 warps keep two
+# CTAs per SM whether the program loops or not, without spills.
+DECODE_RESOURCES_SM90 = {(4, False): (236, 2048, False), (4, True): (227, 2048, False)}  # looped: at B = 64
+DECODE_WARPS = 4
 
 
 def _np2(x: int) -> int:
@@ -110,12 +114,14 @@ def _np2(x: int) -> int:
 
 
 def decode_launch_config(B: int, H: int, K: int, V: int) -> dict:
-    """Block sizes and warps: the whole [K, V] state of a head per program; BB sequences per program, the
-    fewest that keep the grid H·cdiv(B, BB) within one wave of sm_90 CTAs (at least 1)."""
-    regs, shared, _ = DECODE_RESOURCES_SM90[DECODE_WARPS]
-    wave = SM90_SMS * ctas_per_sm(regs, shared, DECODE_WARPS)
-    BB = cdiv(B, max(1, wave // H))
-    return {"BK": _np2(K), "BV": _np2(V), "BB": max(1, BB), "num_warps": DECODE_WARPS}
+    """Block sizes and warps: the whole [K, V] state of a head per tile; TILES (sequence, head) tiles per program,
+    the fewest that keep the grid cdiv(B·H, TILES) within one wave of sm_90 CTAs (DECODE_RESOURCES_SM90:
+    a program that loops holds more registers than one that does not)."""
+    def wave(looped: bool) -> int:
+        regs, shared, _ = DECODE_RESOURCES_SM90[(DECODE_WARPS, looped)]
+        return SM90_SMS * ctas_per_sm(regs, shared, DECODE_WARPS)
+    tiles = 1 if B * H <= wave(False) else cdiv(B * H, wave(True))
+    return {"BK": _np2(K), "BV": _np2(V), "TILES": tiles, "num_warps": DECODE_WARPS}
 
 
 def dims(shapes) -> dict:
@@ -134,9 +140,9 @@ def plan(d: dict, dtypes: list[str], attrs: dict) -> Plan:
     lb = attrs.get("gate_lower_bound")
     launch = Launch(_kda_decode_kernel, (*_PORTS, "B", "o", "new_conv", "new_state"),
                     {"scale": float(attrs["scale"]), "eps": float(attrs["eps"]), "GATE_LB": float(lb or 0.0),
-                     "H": H, "K": K, "V": V, "W": W, "BK": c["BK"], "BV": c["BV"], "BW": _np2(W), "BB": c["BB"],
+                     "H": H, "K": K, "V": V, "W": W, "BK": c["BK"], "BV": c["BV"], "BW": _np2(W), "TILES": c["TILES"],
                      "IN_PLACE": bool(attrs.get("in_place", False))},
-                    grid=lambda x, BB=c["BB"]: (H, cdiv(x["B"], BB), 1), scalars=lambda x: {"B": x["B"]},
+                    grid=lambda x, n=c["TILES"]: (cdiv(x["B"] * H, n), 1, 1), scalars=lambda x: {"B": x["B"]},
                     num_warps=c["num_warps"], num_stages=1)
     return Plan((Variant("fused", (launch,)),))
 

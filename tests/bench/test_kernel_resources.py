@@ -149,3 +149,22 @@ def test_moe_gemm_resource_table_matches_the_compiler(k3_moe_gemms):
             r = k3_moe_gemms[(N, x.kernel_name)]
             assert mt.GEMM_RESOURCES_SM90[(x.kernel_name, c["BM"], c["BN"], c["BK"], x.num_warps, x.num_stages)] == (
                 r.regs, r.shared), (x.kernel_name, N)
+
+
+@pytest.mark.parametrize("sm", [90, 100])
+def test_fused_decode_one_wave_no_spills(sm):
+    """k3::kda_decode at K3's shape: no spills, one wave at batch 64 (and batch 1) on sm_90a and sm_100a, the
+    state moved about twice (read once, written once: everything else is ~8% on top), and the resource
+    table the grid is sized from is what the compiler produces."""
+    from k3x.custom_ops.kda_decode import triton as dt
+
+    for B in (1, 64):
+        case = kr.decode_case(B)
+        (r,) = kr.measure_case(case, kr.SMS[sm])
+        assert not r.error and not r.spills, (B, r.error, r.stack, r.spill_ld, r.spill_st)
+        assert r.waves <= 1.0, (B, r.grid_ctas, r.ctas_per_sm)
+        assert 2.0 <= r.extra["moved_vs_state"] < 2.2, r.extra
+        if sm == 90:
+            launch = kr.family_plan(case).select(case.dims).launches[0]
+            key = (launch.num_warps, launch.constexprs["TILES"] > 1)
+            assert dt.DECODE_RESOURCES_SM90[key] == (r.regs, r.shared, r.spills), (key, r.regs, r.shared)
