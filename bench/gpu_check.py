@@ -195,7 +195,8 @@ def parity_kda(ctx: Context) -> list[Result]:
     for B in ((1, 3) if ctx.selftest else (1, 64)):
         H, K = (2, 16) if ctx.selftest else (96, 128)
         a = _decode_inputs(B, H, K, K, ctx.dtype, ctx.device)
-        ro, rc, rs = dref.kda_decode(*(x.float() for x in a[:10]), a[10], scale=K ** -0.5, eps=1e-5, gate_lower_bound=-5.0)
+        ro, rc, rs = dref.kda_decode(*(x.float() for x in a[:10]), a[10], scale=K ** -0.5, eps=1e-5,
+                                     gate_lower_bound=-5.0)
         o, c, s = dkern.kda_decode(*a, scale=K ** -0.5, eps=1e-5, gate_lower_bound=-5.0)
         for name, x, e in (("o", o, ro), ("conv", c, rc), ("state", s, rs)):
             out.append(_compare(f"kda_decode (fused) {name} B{B}-H{H}", x, e, ctx.dtype))

@@ -129,7 +129,8 @@ def decode_bytes(d: dict) -> dict:
     C = 2 * H * K + H * V
     state = B * H * K * V * 4
     moved = 2 * state + 2 * B * C * (W - 1) * 4 + B * (C + H * K + H + H * V) * 2 + B * H * V * 2
-    return {"state_MB": round(state / 1e6, 2), "moved_MB": round(moved / 1e6, 2), "moved_vs_state": round(moved / state, 3)}
+    return {"state_MB": round(state / 1e6, 2), "moved_MB": round(moved / 1e6, 2),
+            "moved_vs_state": round(moved / state, 3)}
 
 
 MOE_TOKENS = (1, 16, 64, 4096)  # decode batches and a prefill chunk  # decode batches and a prefill chunk

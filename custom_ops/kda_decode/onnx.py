@@ -22,7 +22,8 @@ def translate(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_weight, conv_po
               eps: float, kernels: str, gate_lower_bound: float = 0.0):
     return opset().KDADecode(qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_weight, conv_pool, state_pool, slots,
                              scale=float(scale), eps=float(eps), num_heads=static(f.shape[1], "kda heads"),
-                             head_dim=static(f.shape[2], "kda head_dim"), value_dim=static(gate.shape[2], "kda value_dim"),
+                             head_dim=static(f.shape[2], "kda head_dim"),
+                             value_dim=static(gate.shape[2], "kda value_dim"),
                              conv_kernel=static(conv_weight.shape[1], "kda conv kernel"),
                              gate_lower_bound=float(gate_lower_bound), _outputs=3, **COMMON_ATTRIBUTES)
 

@@ -20,7 +20,8 @@ def check(shapes, attrs: dict) -> str | None:
     qkv, f, b, gate, w, a, dt, nw, conv, pool, slots = (list(x) for x in shapes)
     ranks = [len(x) for x in (qkv, f, b, gate, w, conv, pool, slots)]
     if ranks != [2, 3, 2, 3, 2, 3, 4, 1]:
-        return f"ranks qkv, f, b, gate, conv_weight, conv_pool, state_pool, slots {ranks}, expected [2, 3, 2, 3, 2, 3, 4, 1]"
+        return (f"ranks qkv, f, b, gate, conv_weight, conv_pool, state_pool, slots {ranks}, "
+                "expected [2, 3, 2, 3, 2, 3, 4, 1]")
     B, H, K = f
     V, W = gate[2], w[1]
     C = None if None in (H, K, V) else 2 * H * K + H * V

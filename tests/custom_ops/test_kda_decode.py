@@ -68,3 +68,19 @@ def test_opcheck(B):
     assert (tuple(o.shape), tuple(conv.shape), tuple(state.shape)) == shapes
     assert state.dtype == conv.dtype == torch.float32
 
+
+
+def test_plugin_check_names_the_bad_port():
+    from k3x.custom_ops.kda_decode.plugin import check
+
+    args = decode_step(3, H=2, K=16, V=16, W=4)
+    shapes = [tuple(x.shape) for x in args]
+    attrs = {"num_heads": 2, "head_dim": 16, "value_dim": 16, "conv_kernel": 4}
+    assert check(shapes, attrs) is None
+    assert check(shapes, attrs | {"conv_kernel": 3}).startswith("field conv_kernel=3")
+    bad = list(shapes)
+    bad[0] = (3, 95)
+    assert check(bad, attrs).startswith("qkv has shape")
+    bad = list(shapes)
+    bad[8] = (6, 96, 2)
+    assert check(bad, attrs).startswith("conv_pool[1:] has shape")
