@@ -145,6 +145,16 @@ def _kda_inputs(B, T, H, K, V, dtype, device, gate_min=-5.0):
     return q, k, v, g, beta, h0
 
 
+def _decode_inputs(B, H, K, V, dtype, device):
+    """k3::kda_decode's inputs (W = 4, pools of B + 3 slots, slots reversed): qkv ... slots."""
+    import torch
+
+    C, r = 2 * H * K + H * V, lambda *s, a=1.0: torch.randn(*s, device=device) * a  # noqa: E731
+    return (r(B, C).to(dtype), r(B, H, K).to(dtype), r(B, H).to(dtype), r(B, H, V).to(dtype), r(C, 4, a=0.5).to(dtype),
+            r(H, a=0.5), r(H * K), 1 + r(V, a=0.1), r(B + 3, C, 3), r(B + 3, H, K, V, a=0.3),
+            torch.arange(B + 2, 2, -1, device=device, dtype=torch.int32) - 1)
+
+
 # ------------------------------------------------------------------------------------------------ parity
 
 
@@ -180,6 +190,16 @@ def parity_kda(ctx: Context) -> list[Result]:
         o = kern.kda_recurrent_(q, k, v, g, beta, state)
         out.append(_compare(f"kda_recurrent_ o B{B}-T{T}-H{H}", o, ro, ctx.dtype))
         out.append(_compare(f"kda_recurrent_ state B{B}-T{T}-H{H}", state, rs, ctx.dtype))
+    from k3x.custom_ops.kda_decode import reference as dref, triton as dkern
+
+    for B in ((1, 3) if ctx.selftest else (1, 64)):
+        H, K = (2, 16) if ctx.selftest else (96, 128)
+        a = _decode_inputs(B, H, K, K, ctx.dtype, ctx.device)
+        ro, rc, rs = dref.kda_decode(*(x.float() for x in a[:10]), a[10], scale=K ** -0.5, eps=1e-5,
+                                     gate_lower_bound=-5.0)
+        o, c, s = dkern.kda_decode(*a, scale=K ** -0.5, eps=1e-5, gate_lower_bound=-5.0)
+        for name, x, e in (("o", o, ro), ("conv", c, rc), ("state", s, rs)):
+            out.append(_compare(f"kda_decode (fused) {name} B{B}-H{H}", x, e, ctx.dtype))
     if note and not ctx.selftest:
         out.append(Result("fla comparison", "info", None, note=note))
     return out

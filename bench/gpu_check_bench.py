@@ -88,7 +88,27 @@ def bench_kda(ctx) -> list:
                                                       use_qk_l2norm_in_kernel=True))
             m |= {"fla_us": fms * 1e3, "fla_timing": fhow}
         out.append(gc.Result(f"kda decode B{B}-H96", "bench", None, m, note))
+        out.append(fused_decode(gc, ctx, B))
     return out
+
+
+def fused_decode(gc, ctx, B: int):
+    """k3::kda_decode (conv + gate + recurrence + gated norm, one kernel) at K3's shape, pure and in place, as
+    device time, beside the anchors (FlashInfer's fused KDA decode, fla's Triton decode) and the copy ceiling."""
+    import torch
+
+    from k3x.custom_ops.kda_decode import triton as dk
+
+    a = gc._decode_inputs(B, 96, 128, 128, torch.bfloat16, "cuda")
+    attrs = {"scale": 128 ** -0.5, "eps": 1e-5, "gate_lower_bound": -5.0}
+    ms, how = gc.device_time(lambda: dk.kda_decode(*a, **attrs))
+    ims, _ = gc.device_time(lambda: dk.kda_decode(*a, **attrs, in_place=True))
+    anchors = {1: (4.08, 10.1), 64: (16.3, 22.4)}.get(B, (None, None))
+    m = {"fused_us": ms * 1e3, "fused_in_place_us": ims * 1e3, "timing": how, "flashinfer_anchor_us": anchors[0],
+         "triton_anchor_us": anchors[1], "state_TB/s": 2 * a[9][:B].numel() * 4 / ms / 1e9}
+    if ctx.copy_tbps:
+        m["frac_of_copy"] = m["state_TB/s"] / ctx.copy_tbps
+    return gc.Result(f"kda fused decode B{B}-H96", "bench", None, m)
 
 
 def bench_attn_res(ctx) -> list:

@@ -111,7 +111,29 @@ def kda_case(B: int, T: int, *, H: int = 96, K: int = 128, gate_lower_bound: flo
                 ("bf16", "bf16", "bf16", "fp32", "fp32", "fp32"), attrs, _KDA_PORTS)
 
 
-MOE_TOKENS = (1, 16, 64, 4096)  # decode batches and a prefill chunk
+_DECODE_PORTS = {"qkv": "bf16", "f": "bf16", "b": "bf16", "gate": "bf16", "conv_weight": "bf16", "A_log": "fp32",
+                 "dt_bias": "fp32", "norm_weight": "fp32", "conv_pool": "fp32", "state_pool": "fp32", "slots": "int32",
+                 "o": "bf16", "new_conv": "fp32", "new_state": "fp32"}
+
+
+def decode_case(B: int, *, H: int = 96, K: int = 128, W: int = 4) -> Case:
+    """The fused KDA decode step (k3::kda_decode) at batch B: K3's heads, bf16 activations, fp32 pools."""
+    return Case("kda_decode", f"B{B}-H{H}", {"B": B, "H": H, "K": K, "V": K, "W": W}, ("bf16",),
+                {"scale": K ** -0.5, "eps": 1e-5, "gate_lower_bound": -5.0}, _DECODE_PORTS)
+
+
+def decode_bytes(d: dict) -> dict:
+    """Bytes one fused decode step moves (each read or written once) vs the recurrent state's size: the state
+    read and written (fp32), the conv rows read and written (fp32), the token inputs (bf16) and o (bf16)."""
+    B, H, K, V, W = d["B"], d["H"], d["K"], d["V"], d["W"]
+    C = 2 * H * K + H * V
+    state = B * H * K * V * 4
+    moved = 2 * state + 2 * B * C * (W - 1) * 4 + B * (C + H * K + H + H * V) * 2 + B * H * V * 2
+    return {"state_MB": round(state / 1e6, 2), "moved_MB": round(moved / 1e6, 2),
+            "moved_vs_state": round(moved / state, 3)}
+
+
+MOE_TOKENS = (1, 16, 64, 4096)  # decode batches and a prefill chunk  # decode batches and a prefill chunk
 
 
 def moe_case(N: int, *, packed: bool = False) -> Case:
@@ -127,11 +149,11 @@ def moe_case(N: int, *, packed: bool = False) -> Case:
 
 def cases() -> list[Case]:
     """K3's shapes: KDA decode and prefill (B = 1 and 64, H = 96, K = V = 128, bf16, K3's gate bound), the
-    unbounded-gate variant for reference, AttnRes over 8 bank entries at d = 7168, the latent MoE's experts
+    unbounded-gate variant for reference, the fused KDA decode step at batch 1, 64 and 256, AttnRes over 8 bank entries at d = 7168, the latent MoE's experts
     dense and MXFP4 at `MOE_TOKENS` tokens (top-16 over 896 experts, latent 3584, intermediate 3072)."""
     return [
         kda_case(1, 1), kda_case(64, 1), kda_case(1, 4096), kda_case(64, 4096),
-        kda_case(1, 4096, gate_lower_bound=None),
+        kda_case(1, 4096, gate_lower_bound=None), decode_case(1), decode_case(64), decode_case(256),
         Case("attn_res", "R4096-N8-d7168", {"R": 4096, "N": 8, "d": 7168}, ("bf16", "bf16", "fp32", "fp32"),
              {"eps": 1e-6}, _AR_PORTS),
         *(moe_case(N, packed=p) for p in (False, True) for N in MOE_TOKENS),
@@ -202,6 +224,8 @@ def measure_launch(case: Case, plan, launch, sm: SM) -> Resources:
         g = [int(x) for x in launch.grid(case.dims)]
         r.grid_ctas = g[0] * (g[1] if len(g) > 1 else 1) * (g[2] if len(g) > 2 else 1)
         r.waves = round(r.grid_ctas / max(r.ctas_per_sm * sm.sms, 1), 2)
+        if case.family == "kda_decode":
+            r.extra = decode_bytes(case.dims)
     except Exception as e:  # noqa: BLE001 - one row per failure, the table goes on
         r.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
     _MEASURED[key] = r
@@ -228,7 +252,7 @@ def measure_case(case: Case, sm: SM, *, kernels: tuple[str, ...] | None = None) 
 
 COLUMNS = ("family", "case", "kernel", "sm", "warps", "stages", "regs", "stack", "spill_ld", "spill_st", "shared",
            "ctas_per_sm", "limited_by", "grid_ctas", "waves", "wgmma", "tcgen05", "mx_mma", "tma",
-           "sass")
+           "sass", "extra")
 
 
 def markdown(rows: list[Resources]) -> str:

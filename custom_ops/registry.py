@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Iterator
 
-FAMILIES: tuple[str, ...] = ("kda", "attn_res", "moe", "moe_mxfp4", "kda_packed", "mla_paged")
+FAMILIES: tuple[str, ...] = ("kda", "attn_res", "moe", "moe_mxfp4", "kda_packed", "mla_paged", "kda_decode")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@
 - Output: per-head RMSNorm ⊙ σ(output gate), full rank (K3) or low rank (Kimi Linear), then o_proj.
 - `forward_packed`: one serving step over B sequences packed end to end, states read from slot-indexed
   pools (the conv by gathers, `packed_causal_conv`; the recurrence through `torch.ops.k3.kda_packed`).
+- `forward_decode`: the same step when every sequence has one token: conv, gate, recurrence and gated norm
+  in one op, `torch.ops.k3.kda_decode` (one Triton kernel per layer with kernels=triton).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import Tensor, nn
 from ..custom_ops.common import cast
 from ..custom_ops.kda import kda
 from ..custom_ops.kda.reference import kda_gate, l2norm
+from ..custom_ops.kda_decode import kda_decode
 from ..custom_ops.kda_packed import kda_packed
 from ..plan.kernels import Kernels
 from .config import K3Config
@@ -74,6 +77,22 @@ class KimiDeltaAttention(nn.Module):
                          gate_lower_bound=self.cfg.kda.gate_lower_bound)
         return self._output(x, out.output), cast(new_conv, torch.float32), out.final_state
 
+    def forward_decode(self, x: Tensor, conv_pool: Tensor, rec_pool: Tensor, slots: Tensor, *,
+                       kernels: Kernels) -> tuple[Tensor, Tensor, Tensor]:
+        """`forward_packed` for a step of one token per sequence (x [B, d], cu_seqlens = 0..B): the mixer in one
+        fused op from the pools (read only). Returns y [B, d], new conv [B, 3P, W-1], new recurrent [B, H, K, V]."""
+        H, D = self.H, self.D
+        f = self.f_b_proj(self.f_a_proj(x)).unflatten(-1, (H, D))
+        out = kda_decode(self._qkv(x), f, self.b_proj(x), self._gate(x).unflatten(-1, (H, D)),
+                         self._conv_weight(x.dtype)[:, 0], self.A_log, self.dt_bias, self.o_norm.weight, conv_pool,
+                         rec_pool, slots, eps=self.o_norm.eps, scale=D ** -0.5, kernels=kernels,
+                         gate_lower_bound=self.cfg.kda.gate_lower_bound)
+        return self.o_proj(out.output.flatten(-2)), out.conv, out.state
+
+    def _gate(self, x: Tensor) -> Tensor:
+        """The output gate's pre-activation [..., P]: full rank (K3) or low rank (Kimi Linear)."""
+        return self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+
     def _qkv(self, x: Tensor) -> Tensor:
         return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [..., 3P] pre-conv
 
@@ -93,7 +112,7 @@ class KimiDeltaAttention(nn.Module):
 
     def _output(self, x: Tensor, core: Tensor) -> Tensor:
         """x [..., d], core [..., H, D] (the recurrence's output) -> [..., d]."""
-        gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+        gate = self._gate(x)
         o = self.o_norm(core)
         o = o * cast(torch.sigmoid(cast(gate, torch.float32).unflatten(-1, (self.H, self.D))), o.dtype)
         return self.o_proj(o.flatten(-2))

@@ -66,3 +66,22 @@ class LayerStep(torch.nn.Module):
 
     def forward(self, x, conv_pool, rec_pool, cu_seqlens, slots):
         return self.m.forward_packed(x, conv_pool, rec_pool, cu_seqlens, slots, kernels="reference")
+
+
+def decode_step(B: int, H: int = 2, K: int = 16, V: int = 24, W: int = 4, S: int | None = None,
+                seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """k3::kda_decode's inputs, fp32: qkv, f, b, gate, conv_weight, A_log, dt_bias, norm_weight, conv_pool,
+    state_pool, slots (a permutation of a pool with spare rows)."""
+    gen = torch.Generator().manual_seed(seed)
+    S = S or B + 3
+    C = 2 * H * K + H * V
+    r = lambda *s, a=1.0: torch.randn(*s, generator=gen) * a  # noqa: E731
+    return (r(B, C), r(B, H, K), r(B, H), r(B, H, V), r(C, W, a=0.5), r(H + 1, a=0.5), r(H * K), 1 + r(V, a=0.1),
+            r(S, C, W - 1), r(S, H, K, V, a=0.3), slots(B, S, gen))
+
+
+def decode_token(B: int, H: int, K: int, V: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """A further decode step's per-token inputs (qkv, f, b, gate) for `decode_step`'s layer."""
+    C = 2 * H * K + H * V
+    return (torch.randn(B, C, generator=gen), torch.randn(B, H, K, generator=gen), torch.randn(B, H, generator=gen),
+            torch.randn(B, H, V, generator=gen))

@@ -164,3 +164,22 @@ def test_w4a8_gemms_use_block_scaled_mma_on_sm100a():
         assert len(rows) == 2
         for r in rows:
             assert not r.error and r.mx_mma and not r.spills, (N, r.kernel, r.error, r.regs, r.stack)
+
+
+@pytest.mark.parametrize("sm", [90, 100])
+def test_fused_decode_one_wave_no_spills(sm):
+    """k3::kda_decode at K3's shape: no spills, one wave at batch 64 (and batch 1) on sm_90a and sm_100a, the
+    state moved about twice (read once, written once: everything else is ~8% on top), and the resource
+    table the grid is sized from is what the compiler produces."""
+    from k3x.custom_ops.kda_decode import triton as dt
+
+    for B in (1, 64):
+        case = kr.decode_case(B)
+        (r,) = kr.measure_case(case, kr.SMS[sm])
+        assert not r.error and not r.spills, (B, r.error, r.stack, r.spill_ld, r.spill_st)
+        assert r.waves <= 1.0, (B, r.grid_ctas, r.ctas_per_sm)
+        assert 2.0 <= r.extra["moved_vs_state"] < 2.2, r.extra
+        if sm == 90:
+            launch = kr.family_plan(case).select(case.dims).launches[0]
+            key = (launch.num_warps, launch.constexprs["TILES"] > 1)
+            assert dt.DECODE_RESOURCES_SM90[key] == (r.regs, r.shared, r.spills), (key, r.regs, r.shared)
