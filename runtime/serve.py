@@ -21,6 +21,7 @@ from ..model.serving import STEP_INPUTS
 from ..text.sampling import Sampler, SamplingOptions
 from .pools import CacheAllocator, StatePools
 from .scheduler import Request, Scheduler
+from .speculate import Counts, choose
 
 Feeds = dict[str, Tensor]
 
@@ -40,6 +41,7 @@ class Record:
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)
     logits: list[Tensor] = field(default_factory=list)  # [vocab] fp32 per token (ServeOptions.keep_logits)
+    counts: Counts = field(default_factory=Counts)  # steps that gave it tokens; drafts (speculation)
 
 
 class StepModuleRunner:
@@ -81,10 +83,13 @@ def default_blocks(requests: list[Request], options: ServeOptions) -> int:
 
 def serve(runner, cfg, prompts: Sequence[Sequence[int]], sampling: SamplingOptions,
           options: ServeOptions = ServeOptions(), *, max_new_tokens: Sequence[int] | None = None,
-          dtype: torch.dtype = torch.float32, device: str | None = None) -> list[Record]:
+          dtype: torch.dtype = torch.float32, device: str | None = None, drafter=None) -> list[Record]:
     """Generate for every prompt (ids) -> records in input order. `max_new_tokens`: per prompt (default:
     sampling.max_new_tokens for all). The pools live on `device`, by default the runner's (an ORT CUDA session
-    then binds them where they are: a pool on another device would be copied every step)."""
+    then binds them where they are: a pool on another device would be copied every step). `drafter`:
+    speculative decoding (runtime/speculate.py; greedy only), the same tokens in fewer steps."""
+    if drafter is not None and not sampling.greedy:
+        raise ValueError(f"temperature={sampling.temperature}: speculative decoding is greedy only (temperature 0)")
     device = str(device or getattr(runner, "device", None) or "cpu")
     news = list(max_new_tokens) if max_new_tokens is not None else [sampling.max_new_tokens] * len(prompts)
     if len(news) != len(prompts):
@@ -103,19 +108,22 @@ def serve(runner, cfg, prompts: Sequence[Sequence[int]], sampling: SamplingOptio
     records = [Record(r.id, list(r.prompt)) for r in requests]
     seed = sampling.seed
     samplers = [Sampler(replace(sampling, seed=None if seed is None else seed + i)) for i in range(len(requests))]
-    while (step := sched.next_step()) is not None:
+    while True:
+        if drafter is not None:
+            drafter.propose(sched)  # drafts on the decoding sequences, verified by this step
+        if (step := sched.next_step()) is None:
+            break
         for rid in step.admitted:
             pools.reset_slot(alloc.slot_of[rid])
         feeds = {**step.feeds, **pools.tensors}
         out = runner.infer(feeds)
-        pools.write_back(feeds, out)
-        logits = out["logits"]
-        chosen = {}
-        for j, rid in enumerate(step.due):
-            row = logits[j: j + 1].float()
-            chosen[rid] = int(samplers[rid](row)[0])
-            records[rid].tokens.append(chosen[rid])
-            if options.keep_logits:
-                records[rid].logits.append(row[0].cpu())
+        chosen, rows = choose(step, out["logits"], samplers)
+        pools.write_back(feeds, out, step.advances(chosen))
         sched.commit(step, chosen)
+        for rid, draft in zip(step.due, step.drafts):
+            rec = records[rid]
+            new = sched.sequence(rid).tokens[len(rec.tokens):]
+            rec.tokens += new
+            rec.logits += [r.cpu() for r in rows[rid][: len(new)]] if options.keep_logits else []
+            rec.counts.add(Counts(len(draft), len(rows[rid]) - 1, len(new), 1))
     return records
