@@ -15,10 +15,10 @@ import typer
 
 from .app import app
 from .console import Printer, debug, echo, fail, one_line, timed
-from .options import Backend, BatchFile, CacheBlocks, Chat, Checkpoint, CheckpointRequired, CudaGraph, ExportDir, \
-    InputIds, JsonOut, LogitsBackend, LogitsExportDir, LogitsOut, MaxNewTokens, MaxSequences, MaxStepTokens, \
-    OrtProvider, PromptIds, PromptsFile, PromptText, Provider, RunBackend, SamplerSeed, SkipHashCheck, Temperature, \
-    TopK, TopP
+from .options import Backend, BatchFile, CacheBlocks, Chat, Checkpoint, CheckpointRequired, CudaGraph, Draft, \
+    ExportDir, InputIds, JsonOut, LogitsBackend, LogitsExportDir, LogitsOut, MaxNewTokens, MaxSequences, MaxStepTokens, \
+    OrtProvider, PromptIds, PromptsFile, PromptText, Provider, RunBackend, SamplerSeed, SkipHashCheck, Speculate, \
+    SpeculateTokens, Temperature, TopK, TopP
 
 
 def runner_options(provider: Provider, skip_hash_check: bool, checkpoint: Path | None = None,
@@ -89,10 +89,12 @@ def run(export_dir: ExportDir, backend: RunBackend = Backend.ORT, prompt: Prompt
         temperature: Temperature = 0.0, top_k: TopK = 0, top_p: TopP = 1.0, seed: SamplerSeed = None,
         provider: OrtProvider = Provider.AUTO, skip_hash_check: SkipHashCheck = False,
         cuda_graph: CudaGraph = False, prompts: PromptsFile = None, max_sequences: MaxSequences = 8,
-        cache_blocks: CacheBlocks = None, max_step_tokens: MaxStepTokens = 512, json_out: JsonOut = None) -> None:
+        cache_blocks: CacheBlocks = None, max_step_tokens: MaxStepTokens = 512, json_out: JsonOut = None,
+        speculate: Speculate = None, draft: Draft = None, speculate_tokens: SpeculateTokens = 4) -> None:
     """Decode with an exported artifact: prefill, then decode steps carrying state; greedy by default.
     Prints text as it comes when the export folder has a tokenizer (random weights give gibberish).
-    A serving export (export --serving) serves --prompts FILE (or the one prompt) by continuous batching."""
+    A serving export (export --serving) serves --prompts FILE (or the one prompt) by continuous batching,
+    optionally speculating (--speculate ngram:K, or --draft EXPORT --speculate-tokens K; greedy)."""
     import torch
 
     from ..folder.artifacts import ExportFolder
@@ -105,11 +107,13 @@ def run(export_dir: ExportDir, backend: RunBackend = Backend.ORT, prompt: Prompt
     p = prepare(export_dir, folder.config().vocab_size, prompt, prompt_ids, chat,
                 Sampling(max_new_tokens, temperature, top_k, top_p, seed), folder.tokenizer_files())
     if prompts is not None or "serving" in folder.manifest:  # continuous batching (cli/serve.py)
-        from .serve import run_prompts
+        from .serve import Speculation, run_prompts
 
         return run_prompts(export_dir, prompts or [p.ids], p, backend.value,
                            (max_sequences, cache_blocks, max_step_tokens), json_out,
-                           runner_options(provider, skip_hash_check))
+                           runner_options(provider, skip_hash_check), Speculation(speculate, draft, speculate_tokens))
+    if speculate is not None or draft is not None:
+        fail("--speculate / --draft: speculative decoding needs a serving export (export --serving)")
     s = open_session(export_dir, [backend.value], runner_options(provider, skip_hash_check, cuda_graph=cuda_graph),
                      default_ort=True)
     (name,) = s.runners

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..model.state import blocks_for, state_bytes
 from .pools import CacheAllocator, StatePools
 from .scheduler import Scheduler, Sequence, Step, pack_feeds
 
@@ -88,23 +89,35 @@ class NgramDrafter:
 
 
 class ModelDrafter:
-    """Drafts from a second serving export (`runner`, its `cfg`; the vocabulary of the target's), with its
-    own allocator and pools of `slots` slots and `blocks` latent blocks of `block_size`."""
+    """Drafts from a second serving export (`runner`, its `cfg`: the target's vocabulary; latent blocks of
+    `block_size` positions). Its allocator and pools are sized at the first step for the target scheduler's
+    slots and positions."""
 
-    def __init__(self, runner, cfg, tokens: int, *, slots: int, blocks: int, block_size: int,
-                 dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
-        self.runner, self.k = runner, tokens
-        self.alloc = CacheAllocator(slots, blocks, block_size)
-        self.pools = StatePools(cfg, slots=slots, blocks=blocks, block_size=block_size, dtype=dtype, device=device)
+    def __init__(self, runner, cfg, tokens: int, *, block_size: int, dtype: torch.dtype = torch.float32,
+                 device: str | None = None) -> None:
+        self.runner, self.cfg, self.k, self.block_size, self.dtype = runner, cfg, tokens, block_size, dtype
+        self.device = str(device or getattr(runner, "device", None) or "cpu")
+        self.alloc: CacheAllocator | None = None
+        self.pools: StatePools | None = None
         self.fed: dict[int, int] = {}  # request id -> positions in its draft state
         self.fed_drafts: dict[int, list[int]] = {}  # drafts fed past `fed` last round (valid if accepted)
         self.saved: dict[int, dict[str, Tensor]] = {}  # request id -> its KDA rows at `fed` (rollback point)
 
+    def _size(self, sched: Scheduler) -> None:
+        """As many slots as the target, blocks for every position its latent blocks hold (+1 a sequence)."""
+        slots, target = sched.max_sequences, sched.alloc
+        blocks = blocks_for(target.blocks.capacity * target.block_size, self.block_size) + slots
+        self.alloc = CacheAllocator(slots, blocks, self.block_size)
+        self.pools = StatePools(self.cfg, slots=slots, blocks=blocks, block_size=self.block_size, dtype=self.dtype,
+                                device=self.device)
+
     @property
-    def rollback_bytes_per_sequence(self) -> int:
-        return sum(t[0].numel() * t.element_size() for n, t in self.pools.tensors.items() if not n.endswith("latent"))
+    def rollback_bytes_per_sequence(self) -> int:  # the saved KDA rows: one draft-model state
+        return state_bytes(self.cfg)["kda_state_bytes_per_sequence"]
 
     def propose(self, sched: Scheduler) -> None:
+        if self.alloc is None:
+            self._size(sched)
         for rid in [r for r in self.fed if r not in sched.running]:
             self.alloc.release(rid)
             del self.fed[rid], self.fed_drafts[rid], self.saved[rid]
@@ -149,7 +162,7 @@ class ModelDrafter:
         greedy token after each, by request id."""
         rids = [s.request.id for s, _ in work]
         past = [self.fed[r] + offset for r in rids]
-        width = max(-(-(p + len(t)) // self.alloc.block_size) for p, t in zip(past, tokens))
+        width = max(blocks_for(p + len(t), self.block_size) for p, t in zip(past, tokens))
         feeds = pack_feeds(tokens, past, [self.alloc.slot_of[r] for r in rids],
                            [self.alloc.table_row(r, width) for r in rids], [(b, 1) for b in range(len(rids))])
         feeds.update(self.pools.tensors)
