@@ -10,19 +10,20 @@ greedy token at each row and keeps the drafts while they equal it: a accepted dr
 same tokens plain greedy decoding gives (the rows see exactly the prefix plain decoding would have fed).
 
 Rollback. A KDA state cannot be truncated, so a partly rejected step must go back to a state inside the
-step. Three ways, sized for K3 (`k3x inspect --checkpoint`, model/state.py `state_bytes`: 69 KDA layers,
+step. The ways, sized for K3 (`k3x inspect --checkpoint`, model/state.py `state_bytes`: 69 KDA layers,
 H=96, K=V=128, fp32):
 - per-position states out of the graph, or a window of them: 464.6 MB of KDA state per position per
-  sequence (96*128*128*4 B recurrent + conv, x 69 layers) -> K=4 drafts: 1.86 GB written (and held) per
-  sequence per step, ~92x the 20 GB-class bf16 weights read per decode step divided by 64 sequences; plus a
-  change of every target's kda_packed kernel and plugin;
+  sequence (96*128*128*4 B recurrent + conv, x 69 layers; k3-bench 4.8 MB) -> K=4 drafts: 1.86 GB more
+  written by every step and held per sequence (a 64-sequence batch: 119 GB, most of an H200), and a new
+  output in every target's kda_packed kernel and plugin;
 - recompute (what this module does): the step's new KDA rows are written back only when every draft was
   accepted (`Step.advances`, `StatePools.write_back(keep=...)`); otherwise the pool still holds the state
   before the step, the sequence keeps its position, and its unfed tokens (the accepted ones and the new
   token, a + 2 rows) ride at the front of its next step, whose drafts shrink by as many (K + 1 rows in
   all, `draft_length`). Extra memory: none (the new rows are the step's outputs anyway; the target pool is
-  the rollback point). Extra work: a + 1 rows in the next step, which a decode step bounded by its weight
-  reads (K3 on a GPU: 1.5 x 10^10 active bytes vs 2 x 10^9 flop per row) absorbs nearly for free.
+  the rollback point). Extra work: a + 1 re-fed rows in the next step, in place of drafts: a decode step
+  is bound by reading the weights, not by its few rows, so they cost little (bench/speculate.py measures
+  the net speed: k3-bench, ORT CPU).
 Rejected latent positions are dropped by the position: `past_lens` governs what mla_paged reads, and the
 re-fed rows overwrite them.
 
