@@ -16,9 +16,9 @@ import typer
 from .app import app
 from .console import Printer, debug, echo, fail, one_line, timed
 from .options import Backend, BatchFile, CacheBlocks, Chat, Checkpoint, CheckpointRequired, CudaGraph, Draft, \
-    ExportDir, InputIds, JsonOut, LogitsBackend, LogitsExportDir, LogitsOut, MaxNewTokens, MaxSequences, MaxStepTokens, \
-    OrtProvider, PromptIds, PromptsFile, PromptText, Provider, RunBackend, SamplerSeed, SkipHashCheck, Speculate, \
-    SpeculateTokens, Temperature, TopK, TopP
+    ExportDir, InputIds, JsonOut, LogitsBackend, LogitsExportDir, LogitsOut, MaxNewTokens, MaxSequences, \
+    MaxStepTokens, OrtProvider, PromptIds, PromptsFile, PromptText, Provider, RunBackend, SamplerSeed, \
+    SkipHashCheck, Speculate, SpeculateTokens, Temperature, TopK, TopP
 
 
 def runner_options(provider: Provider, skip_hash_check: bool, checkpoint: Path | None = None,
