@@ -197,6 +197,13 @@ PrefixCacheMB = Annotated[float, typer.Option("--prefix-cache-mb", min=0, help="
                                               "evicted first).")]
 JsonOut = Annotated[Optional[Path], typer.Option("--json", help="Serving: write one record per prompt (input "
                                                                 "order: tokens and text) to this file.")]
+Speculate = Annotated[Optional[str], typer.Option(
+    "--speculate", help="Serving: speculative decoding from prompt n-grams, ngram:K (K draft tokens per step; "
+                        "greedy only, the same tokens).")]
+Draft = Annotated[Optional[Path], typer.Option(
+    "--draft", help="Serving: speculative decoding with drafts from this serving export (a small model of the "
+                    "same vocabulary; greedy only, the same tokens).")]
+SpeculateTokens = Annotated[int, typer.Option(min=1, help="--draft: draft tokens per step.")]
 Sequences = Annotated[Optional[int], typer.Option(
     min=1, help="Serving pools: the memory of this many sequences of --context positions (latents in --dtype, "
                 "block 16; per rank with --tp/--ep).")]

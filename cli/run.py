@@ -15,10 +15,10 @@ import typer
 
 from .app import app
 from .console import Printer, debug, echo, fail, one_line, timed
-from .options import Backend, BatchFile, CacheBlocks, Chat, Checkpoint, CheckpointRequired, CudaGraph, ExportDir, \
-    InputIds, JsonOut, LogitsBackend, LogitsExportDir, LogitsOut, MaxNewTokens, MaxSequences, MaxStepTokens, \
-    LoadState, OrtProvider, PrefixCache, PrefixCacheMB, PromptIds, PromptsFile, PromptText, Provider, RunBackend, \
-    SamplerSeed, SaveState, SkipHashCheck, Temperature, TopK, TopP
+from .options import Backend, BatchFile, CacheBlocks, Chat, Checkpoint, CheckpointRequired, CudaGraph, Draft, \
+    ExportDir, InputIds, JsonOut, LogitsBackend, LogitsExportDir, LogitsOut, LoadState, MaxNewTokens, MaxSequences, \
+    MaxStepTokens, OrtProvider, PrefixCache, PrefixCacheMB, PromptIds, PromptsFile, PromptText, Provider, RunBackend, \
+    SamplerSeed, SaveState, SkipHashCheck, Speculate, SpeculateTokens, Temperature, TopK, TopP
 
 
 def runner_options(provider: Provider, skip_hash_check: bool, checkpoint: Path | None = None,
@@ -99,11 +99,13 @@ def run(export_dir: ExportDir, backend: RunBackend = Backend.ORT, prompt: Prompt
         cuda_graph: CudaGraph = False, prompts: PromptsFile = None, max_sequences: MaxSequences = 8,
         cache_blocks: CacheBlocks = None, max_step_tokens: MaxStepTokens = 512, json_out: JsonOut = None,
         save_state: SaveState = None, load_state: LoadState = None, prefix_cache: PrefixCache = False,
-        prefix_cache_mb: PrefixCacheMB = 1024.0) -> None:
+        prefix_cache_mb: PrefixCacheMB = 1024.0, speculate: Speculate = None, draft: Draft = None,
+        speculate_tokens: SpeculateTokens = 4) -> None:
     """Decode with an exported artifact: prefill, then decode steps carrying state; greedy by default.
     Prints text as it comes when the export folder has a tokenizer (random weights give gibberish).
-    A serving export (export --serving) serves --prompts FILE (or the one prompt) by continuous batching.
-    --save-state / --load-state hand a sequence's state from the prefill to a decode in another process."""
+    A serving export (export --serving) serves --prompts FILE (or the one prompt) by continuous batching,
+    optionally with a prefix cache and speculating (--speculate ngram:K, or --draft EXPORT --speculate-tokens K;
+    greedy). --save-state / --load-state hand a sequence's state from the prefill to a decode in another process."""
     import torch
 
     from ..folder.artifacts import ExportFolder
@@ -121,14 +123,17 @@ def run(export_dir: ExportDir, backend: RunBackend = Backend.ORT, prompt: Prompt
     if prompts is not None or "serving" in folder.manifest:  # continuous batching (cli/serve.py), any rank count
         from ..runtime.runners import serving_entry
         from ..runtime.serve import ServeOptions
-        from .serve import read_prompts, run_prompts
+        from .serve import Speculation, read_prompts, run_prompts
 
         block = int(serving_entry(folder)["block_size"])  # refused here, and the prompts read, before ranks spawn
         ids = [p.ids] if prompts is None else read_prompts(prompts, p.tokenizer, folder.config().vocab_size)
         names, notes = ranks_here(export_dir, [backend.value], default_ort=True)
         return run_prompts(folder, ids, p, (names[0], notes), ServeOptions(
             max_sequences, cache_blocks, block, max_step_tokens, prefix_cache=prefix_cache,
-            prefix_cache_bytes=int(prefix_cache_mb * 1e6) if prefix_cache else 0), json_out, runner_options(provider, skip_hash_check))
+            prefix_cache_bytes=int(prefix_cache_mb * 1e6) if prefix_cache else 0), json_out,
+            runner_options(provider, skip_hash_check), Speculation(speculate, draft, speculate_tokens))
+    if speculate is not None or draft is not None:
+        fail("--speculate / --draft: speculative decoding needs a serving export (export --serving)")
     try:  # a state file is checked before any runner loads
         ids, state = state_hooks(save_state, load_state, folder.state_contract(), folder.config(), p.ids)
     except RunnerError as e:

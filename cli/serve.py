@@ -8,12 +8,16 @@
   for every rank export); rank 0 prints and writes `--json`.
 - `--prefix-cache`: prompts sharing a prefix reuse its cached state; the hit rate and the prefill tokens saved
   are printed, and every --json record has `cached_tokens` (prompt tokens taken from the cache).
+- Speculation (`--speculate ngram:K`, `--draft EXPORT --speculate-tokens K`): greedy only; the tokens are
+  those of plain greedy decoding; the acceptance rate and tokens per step are printed, and each record of
+  `--json` carries its `steps`, `drafted` and `accepted`.
 - Errors name the file and line, or the flag; nothing is written on failure (`--json` is renamed into place).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from .console import echo, fail, one_line
@@ -44,11 +48,40 @@ def read_prompts(path: Path, tokenizer, vocab_size: int) -> list[list[int]]:
     return prompts
 
 
+@dataclass(frozen=True)
+class Speculation:
+    ngram: str | None  # --speculate ngram:K
+    draft: Path | None  # --draft EXPORT
+    tokens: int  # --speculate-tokens (with --draft)
+
+
+def make_drafter(spec: Speculation, backend: str, runner_options, vocab_size: int):
+    """The drafter of --speculate / --draft (None: neither); ValueError / RunnerError name the flag."""
+    from ..runtime.serve import serving_runner
+    from ..runtime.speculate import ModelDrafter, NgramDrafter, parse_speculate
+
+    if spec.ngram is not None and spec.draft is not None:
+        raise ValueError("--speculate and --draft: give one of them")
+    if spec.ngram is not None:
+        return NgramDrafter(parse_speculate(spec.ngram))
+    if spec.draft is None:
+        return None
+    from ..folder.artifacts import ExportFolder
+    from ..runtime.runners import serving_entry
+
+    folder = ExportFolder.open(spec.draft)
+    cfg = folder.config()
+    if cfg.vocab_size != vocab_size:
+        raise ValueError(f"--draft {spec.draft}: vocabulary of {cfg.vocab_size} tokens, the export's has {vocab_size}")
+    return ModelDrafter(serving_runner(backend, folder, runner_options), cfg, spec.tokens,
+                        block_size=int(serving_entry(folder)["block_size"]), dtype=folder.dtype())
+
+
 def run_prompts(folder, prompts: list[list[int]], prepared, backend: tuple[str, list[str]], options,
-                json_out: Path | None, runner_options) -> None:
+                json_out: Path | None, runner_options, spec: Speculation = Speculation(None, None, 4)) -> None:
     """Serve the prompts (ids) with the export's serving step (`options`: runtime/serve.ServeOptions), one
     program or (inside a launcher) this rank's; the speaking rank prints and optionally writes the records.
-    `backend`: (name, notes for the user)."""
+    `backend`: (name, notes for the user); `spec`: --speculate / --draft."""
     import json
 
     from ..runtime import session as sessions
@@ -59,7 +92,8 @@ def run_prompts(folder, prompts: list[list[int]], prepared, backend: tuple[str, 
         s = sessions.open_serving(folder, name, runner_options)
         for line in notes if s.speaks else ():
             echo(line, err=line.startswith("note:"))
-        records = sessions.serve_prompts(s, name, prompts, prepared.options, options)
+        drafter = make_drafter(spec, name, runner_options, folder.config().vocab_size)
+        records = sessions.serve_prompts(s, name, prompts, prepared.options, options, drafter=drafter)
     except (RunnerError, ValueError) as e:
         fail(f"{s.who if s else ''}{e}")
     except Exception as e:  # noqa: BLE001 - one line (per rank), no traceback
@@ -67,12 +101,16 @@ def run_prompts(folder, prompts: list[list[int]], prepared, backend: tuple[str, 
     if s.speaks:
         out = [{"index": r.index, "prompt_tokens": len(r.prompt), "tokens": r.tokens,
                 **({"cached_tokens": r.cached} if options.prefix_cache else {}),
-                **({"text": tok.decode(r.tokens)} if tok is not None else {})} for r in records]
+                **({"text": tok.decode(r.tokens)} if tok is not None else {}),
+                **({"steps": r.counts.steps, "drafted": r.counts.drafted, "accepted": r.counts.accepted}
+                   if drafter is not None else {})} for r in records]
         for rec in out:
             echo(f"[{rec['index']}] tokens: " + ",".join(map(str, rec["tokens"]))
                  + (f"  {rec['text']!r}" if "text" in rec else ""))
         if options.prefix_cache:
             echo(prefix_line(records))
+        if drafter is not None:
+            echo(speculation_line(records))
         if s.plan.world > 1:
             echo(f"served on {s.describe(name)}")
         if json_out is not None:
@@ -80,6 +118,16 @@ def run_prompts(folder, prompts: list[list[int]], prepared, backend: tuple[str, 
 
             atomic_write_bytes(json_out, (json.dumps(out, indent=1) + "\n").encode())
     s.close()
+
+
+def speculation_line(records) -> str:
+    from ..runtime.speculate import Counts
+
+    total = Counts()
+    for r in records:
+        total.add(r.counts)
+    return (f"speculation: {total.accepted}/{total.drafted} drafts accepted ({total.acceptance:.1%}), "
+            f"{total.tokens_per_step:.2f} tokens per step ({total.tokens} tokens in {total.steps} sequence-steps)")
 
 
 def prefix_line(records) -> str:

@@ -144,9 +144,11 @@ class StatePools:
         for n, row in rows.items():
             self.tensors[n][slot].copy_(row)
 
-    def write_back(self, feeds: dict[str, Tensor], outputs: dict[str, Tensor]) -> None:
-        """conv/recurrent pool[slots[b]] = new[b]; the latent row of token (b, t) goes to position
-        past_lens[b] + t of sequence b. Index writes of B rows and N rows, in place."""
+    def write_back(self, feeds: dict[str, Tensor], outputs: dict[str, Tensor], keep: list[bool] | None = None
+                   ) -> None:
+        """conv/recurrent pool[slots[b]] = new[b] (only where keep[b], when given: a speculating sequence
+        whose drafts were rejected keeps its pre-step KDA rows); the latent row of token (b, t) goes to
+        position past_lens[b] + t of sequence b. Index writes of B rows and N rows, in place."""
         cu = feeds["cu_seqlens"].long().cpu()
         lens = cu[1:] - cu[:-1]
         seq_of_row = torch.repeat_interleave(torch.arange(len(lens)), lens)  # [N]
@@ -154,10 +156,11 @@ class StatePools:
         blocks = feeds["block_table"].long().cpu()[seq_of_row, pos // self.block_size]
         rows = pos % self.block_size
         slots = feeds["slots"].long().cpu()
+        kept = slice(None) if keep is None else torch.tensor(keep, dtype=torch.bool).nonzero()[:, 0]
         for pool_name, new_name in self.names:
             pool, new = self.tensors[pool_name], outputs[new_name]
             if pool_name.endswith(".latent"):
                 pool[blocks.to(pool.device), rows.to(pool.device)] = new.to(pool.device, pool.dtype)
             else:
-                pool[slots.to(pool.device)] = new.to(pool.device, pool.dtype)
+                pool[slots[kept].to(pool.device)] = new[kept].to(pool.device, pool.dtype)
 

@@ -18,6 +18,10 @@
 - With a prefix cache (runtime/prefix_cache.py) a request is admitted at its longest cached boundary (`fed`
   starts there, its table starts with the shared blocks), may wait for a prefix in flight, and prefill chunks
   end on snapshot points.
+- Speculation (runtime/speculate.py) sets `Sequence.draft` before `next_step`: the draft tokens ride after the
+  sequence's unfed tokens, every one of their rows gets logits, and `commit` takes the accepted tokens (a list)
+  and advances the state only when every draft was accepted (else the KDA state was not written back: the
+  sequence re-feeds its unfed tokens next step).
 Pure bookkeeping on Python lists plus the feed tensors: no model, no clock.
 """
 
@@ -51,11 +55,17 @@ class Sequence:
     fed: int = 0  # positions already in its state
     tokens: list[int] = field(default_factory=list)  # generated so far
     done: bool = False
+    draft: list[int] = field(default_factory=list)  # speculated tokens to verify in the next step
+
+    @property
+    def length(self) -> int:  # prompt + generated tokens
+        return len(self.request.prompt) + len(self.tokens)
 
     def pending(self) -> list[int]:
-        """Tokens not yet fed: the rest of the prompt, else the last generated token."""
-        prompt = self.request.prompt
-        return list(prompt[self.fed:]) if self.fed < len(prompt) else self.tokens[-1:]
+        """Tokens not yet fed (the rest of the prompt, else the generated ones not in the state: the last,
+        more after a rollback), then the draft."""
+        return [*self.request.prompt[self.fed:], *self.tokens[max(0, self.fed - len(self.request.prompt)):],
+                *self.draft]
 
 
 @dataclass(frozen=True)
@@ -65,6 +75,13 @@ class Step:
     lengths: tuple[int, ...]  # tokens of each
     due: tuple[int, ...]  # request ids whose next token is chosen from logits row j (j = position here)
     admitted: tuple[int, ...]  # request ids that took a slot in this step (their KDA slot is reset or loaded)
+    drafts: tuple[tuple[int, ...], ...] = ()  # per due sequence: draft tokens fed (logits rows: 1 + len each)
+
+    def advances(self, tokens: dict[int, int | list[int]]) -> list[bool]:
+        """Per packed sequence b: whether its state moves past this step's rows (its KDA rows are written
+        back) -> False only for a sequence whose drafts were not all accepted (`tokens`: as for commit)."""
+        drafted = dict(zip(self.due, self.drafts))
+        return [not drafted.get(rid) or len(tokens[rid]) > len(drafted[rid]) for rid in self.seqs]
 
 
 class Scheduler:
@@ -125,36 +142,36 @@ class Scheduler:
         return plan
 
     def _step(self, plan: list[tuple[Sequence, list[int]]], admitted: tuple[int, ...]) -> Step:
-        lens = [len(t) for _, t in plan]
-        cu = [0]
-        for n in lens:
-            cu.append(cu[-1] + n)
-        ends = [s.fed + n for (s, _), n in zip(plan, lens)]
-        due = [b for b, (s, _) in enumerate(plan) if ends[b] >= len(s.request.prompt)]
+        ends = [s.fed + len(t) for s, t in plan]
+        due = [b for b, (s, _) in enumerate(plan) if ends[b] >= s.length]
+        drafts = [tuple(plan[b][0].draft[: ends[b] - plan[b][0].length]) for b in due]  # a chunk may cut it
         width = max(blocks_for(e, self.alloc.block_size) for e in ends)
-        i32 = torch.int32
-        feeds = {
-            "input_ids": torch.tensor([t for _, ts in plan for t in ts], dtype=torch.int64),
-            "cu_seqlens": torch.tensor(cu, dtype=i32),
-            "past_lens": torch.tensor([s.fed for s, _ in plan], dtype=i32),
-            "slots": torch.tensor([s.slot for s, _ in plan], dtype=i32),
-            "block_table": torch.tensor([self.alloc.table_row(s.request.id, width) for s, _ in plan], dtype=i32),
-            "logits_index": torch.tensor([cu[b + 1] - 1 for b in (due or [0])], dtype=torch.int64),
-        }
-        return Step(feeds, tuple(s.request.id for s, _ in plan), tuple(lens),
-                    tuple(plan[b][0].request.id for b in due), admitted)
+        feeds = pack_feeds([t for _, t in plan], [s.fed for s, _ in plan], [s.slot for s, _ in plan],
+                           [self.alloc.table_row(s.request.id, width) for s, _ in plan],
+                           [(b, 1 + len(d)) for b, d in zip(due, drafts)])
+        return Step(feeds, tuple(s.request.id for s, _ in plan), tuple(len(t) for _, t in plan),
+                    tuple(plan[b][0].request.id for b in due), admitted, tuple(drafts))
 
-    def commit(self, step: Step, tokens: dict[int, int]) -> list[int]:
-        """Record the step as run: positions advance, due sequences take their token -> ids finished now."""
+    def sequence(self, rid: int) -> Sequence:
+        return self.running[rid] if rid in self.running else self.finished[rid]
+
+    def commit(self, step: Step, tokens: dict[int, int | list[int]]) -> list[int]:
+        """Record the step as run: positions advance, due sequences take their token (or, speculating, the
+        accepted drafts and the next token: a list) -> ids finished now. A sequence whose drafts were not all
+        accepted keeps its position (its KDA state was not written back)."""
         if set(tokens) != set(step.due):
             raise ValueError(f"commit: tokens for {sorted(tokens)}, due {sorted(step.due)}")
         done = []
-        for rid, n in zip(step.seqs, step.lengths):
+        for rid, n, advance in zip(step.seqs, step.lengths, step.advances(tokens)):
             seq = self.running[rid]
-            seq.fed += n
-            if rid in tokens:
-                seq.tokens.append(int(tokens[rid]))
-                seq.done = tokens[rid] in self.eos or len(seq.tokens) == seq.request.max_new_tokens
+            seq.draft = []
+            seq.fed += n if advance else 0
+            new = tokens.get(rid, [])
+            for t in [new] if isinstance(new, int) else new:
+                seq.tokens.append(int(t))
+                seq.done = t in self.eos or len(seq.tokens) == seq.request.max_new_tokens
+                if seq.done:
+                    break
             if seq.done:
                 self.alloc.release(rid)
                 if self.prefix is not None:
@@ -162,3 +179,19 @@ class Scheduler:
                 self.finished[rid] = self.running.pop(rid)
                 done.append(rid)
         return done
+
+
+def pack_feeds(tokens: list[list[int]], past: list[int], slots: list[int], tables: list[list[int]],
+               logits_rows: list[tuple[int, int]]) -> dict[str, Tensor]:
+    """The step feeds of sequences b (their tokens, positions already in the state, slot, block table row of
+    one width); `logits_rows`: (b, r) asks for the last r rows of sequence b (none: the last row of b = 0,
+    which the caller ignores: a step never has zero logits rows)."""
+    cu = [0]
+    for t in tokens:
+        cu.append(cu[-1] + len(t))
+    i32 = torch.int32
+    index = [cu[b + 1] - r + j for b, r in logits_rows for j in range(r)] or [cu[1] - 1]
+    return {"input_ids": torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64),
+            "cu_seqlens": torch.tensor(cu, dtype=i32), "past_lens": torch.tensor(past, dtype=i32),
+            "slots": torch.tensor(slots, dtype=i32), "block_table": torch.tensor(tables, dtype=i32),
+            "logits_index": torch.tensor(index, dtype=torch.int64)}

@@ -25,6 +25,7 @@ from ..text.sampling import Sampler, SamplingOptions
 from .pools import CacheAllocator, StatePools
 from .prefix_cache import PrefixCache
 from .scheduler import Request, Scheduler
+from .speculate import Counts, choose
 
 Feeds = dict[str, Tensor]
 
@@ -47,6 +48,7 @@ class Record:
     tokens: list[int] = field(default_factory=list)
     logits: list[Tensor] = field(default_factory=list)  # [vocab] fp32 per token (ServeOptions.keep_logits)
     cached: int = 0  # prompt tokens restored from the prefix cache (not prefilled)
+    counts: Counts = field(default_factory=Counts)  # steps that gave it tokens; drafts (speculation)
 
 
 class StepModuleRunner:
@@ -100,14 +102,20 @@ def default_blocks(requests: list[Request], options: ServeOptions, cfg, dtype: t
 def serve(runner, cfg, prompts: Sequence[Sequence[int]], sampling: SamplingOptions,
           options: ServeOptions = ServeOptions(), *, max_new_tokens: Sequence[int] | None = None,
           dtype: torch.dtype = torch.float32, device: str | None = None, pool_cfg=None,
-          agree: Callable[[list[int]], list[int]] | None = None, stats: dict | None = None) -> list[Record]:
+          agree: Callable[[list[int]], list[int]] | None = None, stats: dict | None = None, drafter=None
+          ) -> list[Record]:
     """Generate for every prompt (ids) -> records in input order. `max_new_tokens`: per prompt (default:
     sampling.max_new_tokens for all). The pools live on `device`, by default the runner's (an ORT CUDA session
     then binds them where they are: a pool on another device would be copied every step).
     Rank programs: `cfg` is the whole model's (token ids), `pool_cfg` the rank program's (its pools: its KDA
     heads, the whole latent), and `agree` makes each step's chosen tokens the same on every rank
     (runtime/dist_run.agree_tokens), so every rank's scheduler makes the same steps. `stats`: a dict the
-    run's counters are added to (the prefix cache's figures)."""
+    run's counters are added to (the prefix cache's figures). `drafter`: speculative decoding
+    (runtime/speculate.py; greedy only, one program), the same tokens in fewer steps."""
+    if drafter is not None and not sampling.greedy:
+        raise ValueError(f"temperature={sampling.temperature}: speculative decoding is greedy only (temperature 0)")
+    if drafter is not None and agree is not None:
+        raise ValueError("speculative decoding runs on one program, not on rank programs")
     device = str(device or getattr(runner, "device", None) or "cpu")
     news = list(max_new_tokens) if max_new_tokens is not None else [sampling.max_new_tokens] * len(prompts)
     if len(news) != len(prompts):
@@ -127,7 +135,11 @@ def serve(runner, cfg, prompts: Sequence[Sequence[int]], sampling: SamplingOptio
     records = [Record(r.id, list(r.prompt)) for r in requests]
     seed = sampling.seed
     samplers = [Sampler(replace(sampling, seed=None if seed is None else seed + i)) for i in range(len(requests))]
-    while (step := sched.next_step()) is not None:
+    while True:
+        if drafter is not None:
+            drafter.propose(sched)  # drafts on the decoding sequences, verified by this step
+        if (step := sched.next_step()) is None:
+            break
         for rid in step.admitted:
             records[rid].cached = sched.running[rid].fed
             if prefix is None:
@@ -136,18 +148,19 @@ def serve(runner, cfg, prompts: Sequence[Sequence[int]], sampling: SamplingOptio
                 prefix.start(rid, alloc.slot_of[rid])
         feeds = {**step.feeds, **pools.tensors}
         out = runner.infer(feeds)
-        pools.write_back(feeds, out)
+        chosen, rows = choose(step, out["logits"], samplers)
+        if agree is not None and chosen:  # no drafts on ranks: one token each; every rank has the same due
+            chosen = dict(zip(step.due, agree([chosen[rid] for rid in step.due])))
+        pools.write_back(feeds, out, step.advances(chosen))
         if prefix is not None:
             prefix.record(step, sched.running, alloc.table_of)
-        rows = out["logits"].float()
-        picks = [int(samplers[rid](rows[j: j + 1])[0]) for j, rid in enumerate(step.due)]
-        if agree is not None and picks:  # every rank has the same due sequences
-            picks = agree(picks)
-        for j, (rid, token) in enumerate(zip(step.due, picks)):
-            records[rid].tokens.append(token)
-            if options.keep_logits:
-                records[rid].logits.append(rows[j].cpu())
-        sched.commit(step, dict(zip(step.due, picks)))
+        sched.commit(step, chosen)
+        for rid, draft in zip(step.due, step.drafts):
+            rec = records[rid]
+            new = sched.sequence(rid).tokens[len(rec.tokens):]
+            rec.tokens += new
+            rec.logits += [r.cpu() for r in rows[rid][: len(new)]] if options.keep_logits else []
+            rec.counts.add(Counts(len(draft), len(rows[rid]) - 1, len(new), 1))
     if stats is not None and prefix is not None:
         stats.update(prefix.figures())
     return records
