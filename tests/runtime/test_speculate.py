@@ -157,3 +157,33 @@ def test_cli_refuses_bad_speculation_in_one_line(target, draft, tmp_path, flags,
                          "--json", str(tmp_path / "o.json"), *flags])
     assert r.exit_code == 1 and message in r.output and "Traceback" not in r.output, r.output
     assert not (tmp_path / "o.json").exists()
+
+
+SHARED = REPEAT[0] + REPEAT[1]  # 50 tokens: prefixes of 0, 8, 16, 24, 40 and 50 tokens are shared below
+PREFIXED = [SHARED[:n] + p for n, p in zip([50, 50, 40, 24, 8, 50, 16, 0, 40, 50, 24, 3],
+                                           prompts([3, 1, 9, 20, 5, 3, 12, 30, 2, 17, 6, 4], CFG.vocab_size, seed=7))]
+
+
+@pytest.mark.parametrize("backend", ["pt2", "ort"])
+def test_prefix_cache_and_speculation_together_equal_greedy(target, draft, backend):
+    """12 prompts sharing prefixes of different lengths: greedy tokens with the prefix cache, with n-gram
+    drafts, with a draft export, and with the cache and each drafter at once, all equal plain greedy."""
+    def tokens(drafter, cache: bool):
+        opts = ServeOptions(max_sequences=4, block_size=8, max_step_tokens=32, prefix_cache=cache,
+                            prefix_cache_bytes=1 << 30 if cache else 0)
+        stats: dict = {}
+        records = serve(serving_runner(backend, target), CFG, PREFIXED, SamplingOptions(), opts,
+                        max_new_tokens=NEW, drafter=drafter, stats=stats)
+        assert not cache or sum(r.cached for r in records) > 0, "the prefix cache never hit"
+        return [r.tokens for r in records], records
+
+    want, _ = tokens(None, False)
+    cases = [("prefix cache", None, True), ("ngram + prefix cache", NgramDrafter(4), True)]
+    if backend == "ort":  # the draft export alone and with the cache (pt2 steps are slow on the CPU)
+        cases += [("ngram", NgramDrafter(4), False),
+                  ("draft + prefix cache", ModelDrafter(serving_runner("ort", draft), CFG, 3, block_size=4), True)]
+    for name, drafter, cache in cases:
+        got, records = tokens(drafter, cache)
+        assert got == want, name
+        if drafter is not None:
+            assert sum(r.counts.accepted for r in records) > 0, f"{name}: no draft accepted"
