@@ -1,0 +1,63 @@
+"""A checkpoint referenced by an export instead of copied into it (`k3x export --weights reference`).
+
+The export folder then holds graphs only; the manifest's `weight_source` entry names the checkpoint:
+
+    {"kind": "checkpoint", "path": <as given>, "resolved": <absolute, links followed>,
+     "files": [{"name": "config.json", "bytes": N, "sha256": "..."}, ...]}   # every file the weights come from
+
+A runner loads the weights from there (`referenced_checkpoint` first: every recorded file present in the
+folder, not a link leaving it (fileio.confined), of the recorded size and, unless the hash check is skipped,
+sha256; else one line naming the file), then reads them tensor by tensor (`referenced_tensors`, the names
+and dtypes a copying export writes).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ..fileio import sha256
+from .files import CheckpointError, checkpoint_digests, checkpoint_file, stream_tensors
+
+KIND = "checkpoint"
+
+
+def reference_entry(path: str | Path) -> tuple[dict, str]:
+    """(the manifest's `weight_source` entry for checkpoint `path`, its `checkpoint_hash`): each used file
+    read once."""
+    path = Path(path)
+    digest, each = checkpoint_digests(path)
+    files = [{"name": f.name, "bytes": f.stat().st_size, "sha256": sha} for f, sha in each.items()]
+    return {"kind": KIND, "path": str(path), "resolved": str(path.resolve()), "files": files}, digest
+
+
+def referenced_checkpoint(entry: dict, *, check_hash: bool = True) -> Path:
+    """The checkpoint folder `entry` references, once every recorded file is there unchanged (size, and
+    sha256 unless `check_hash` is off). CheckpointError (one line naming the file) otherwise."""
+    if not isinstance(entry, dict) or entry.get("kind") != KIND or not isinstance(entry.get("files"), list):
+        raise CheckpointError(f"weight_source {str(entry)[:80]!r}: not a checkpoint reference")
+    folder = Path(str(entry.get("resolved")))
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: the referenced checkpoint is missing (moved or deleted since the "
+                              "export); re-export, or put it back")
+    for f in entry["files"]:
+        p = checkpoint_file(folder, f.get("name"))
+        if not p.is_file():
+            raise CheckpointError(f"{p}: missing from the referenced checkpoint; refused")
+        if p.stat().st_size != f.get("bytes"):
+            raise CheckpointError(f"{p}: {p.stat().st_size} bytes, the export recorded {f.get('bytes')}: "
+                                  "the checkpoint changed since the export; refused")
+        if check_hash and sha256(p) != f.get("sha256"):
+            raise CheckpointError(f"{p}: sha256 differs from the export's record: the checkpoint changed since "
+                                  "the export; refused")
+    return folder
+
+
+def referenced_tensors(folder: Path, *, dtype: torch.dtype, expert_format: str, prefix: str = ""
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights as a copying export writes them (`prefix` + state_dict name, packed MXFP4 as stored),
+    one tensor at a time."""
+    for name, t in stream_tensors(folder, dtype=dtype, expert_format=expert_format):
+        yield prefix + name, t
