@@ -1,4 +1,6 @@
-"""A checkpoint referenced by an export instead of copied into it (`k3x export --weights reference`).
+"""A checkpoint's identity — the files its weights come from (`used_files`) and their digests
+(`checkpoint_hash`, recorded by every export from a checkpoint) — and a checkpoint referenced by an export
+instead of copied into it (`k3x export --weights reference`).
 
 The export folder then holds graphs only; the manifest's `weight_source` entry names the checkpoint:
 
@@ -13,15 +15,47 @@ and dtypes a copying export writes).
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from ..fileio import sha256
-from .files import CheckpointError, checkpoint_digests, checkpoint_file, stream_tensors
+from .files import INDEX, CheckpointError, checkpoint_file, stream_tensors, tensor_files
 
 KIND = "checkpoint"
+
+
+def used_files(path: Path) -> list[Path]:
+    """The files the weights come from, in name order: config.json, the index when present, every shard used
+    (each a bare name in `path`, links leaving it refused)."""
+    used = {checkpoint_file(path, "config.json"), *set(tensor_files(path).values())}
+    if checkpoint_file(path, INDEX).is_file():
+        used.add(path / INDEX)
+    return sorted(used)
+
+
+def checkpoint_hash(path: str | Path) -> str:
+    """sha256 over exactly the files the weights come from: config.json, the index when present, and every
+    shard it (or the folder, without an index) uses — streamed, in name order. Shards outside the folder are
+    refused (CheckpointError), never silently left out."""
+    return checkpoint_digests(path)[0]
+
+
+def checkpoint_digests(path: str | Path) -> tuple[str, dict[Path, str]]:
+    """(`checkpoint_hash`, each used file's own sha256), every file read once."""
+    path = Path(path)
+    h, each = hashlib.sha256(), {}
+    for f in used_files(path):
+        h.update(str(f.relative_to(path)).encode())
+        one = hashlib.sha256()
+        with open(f, "rb") as src:
+            for chunk in iter(lambda: src.read(1 << 20), b""):
+                h.update(chunk)
+                one.update(chunk)
+        each[f] = one.hexdigest()
+    return h.hexdigest()[:16], each
 
 
 def reference_entry(path: str | Path) -> tuple[dict, str]:

@@ -188,7 +188,7 @@ def _job(options: ExportOptions) -> ExportJob:
 
         source, ckpt_hash = reference_entry(options.checkpoint)
     elif options.checkpoint is not None and options.weights:  # the graph alone depends on the config
-        from ..checkpoint.files import checkpoint_hash
+        from ..checkpoint.reference import checkpoint_hash
 
         ckpt_hash = checkpoint_hash(options.checkpoint)
     return ExportJob(options, cfg, model, plan, dtype, ckpt_hash, source, stream)

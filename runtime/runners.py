@@ -91,7 +91,8 @@ def artifact_files(folder: ExportFolder, name: str, options: RunnerOptions) -> l
 
 
 def _eager(d: ExportFolder, options: RunnerOptions) -> Runner:
-    from ..checkpoint.files import CheckpointError, checkpoint_hash, load_checkpoint
+    from ..checkpoint.files import CheckpointError, load_checkpoint
+    from ..checkpoint.reference import checkpoint_hash
 
     ckpt = options.checkpoint or d.checkpoint()
     if ckpt is None:
