@@ -307,7 +307,8 @@ def onnx_stage(out_dir: Path, ep: ExportedProgram, cfg: K3Config, options: OnnxO
         art = export_onnx(ep, cfg, tmp, options, model)
         digests.update(art.digests)
         extra.update(flavors={f: p.name for f, p in art.files.items()}, opset=options.opset,
-                     weights=REFERENCED if options.reference else options.weights, external_data=art.external_data.name if art.external_data else None,
+                     weights=REFERENCED if options.reference else options.weights,
+                     external_data=art.external_data.name if art.external_data else None,
                      nodes=art.num_nodes, k3_nodes=art.op_counts)
         if art.collectives:  # the ort flavor needs onnxruntime-extensions' Python ops (onnx_collectives.py)
             extra["collectives"] = art.collectives

@@ -16,6 +16,9 @@ Notable choices:
 - From a checkpoint, pt2 and ONNX never hold the model: it is traced on meta and each stage streams the
   checkpoint's tensors into its artifact (`StageContext.weight_stream`); aoti (AOTInductor compiles real
   weights) loads the model as before.
+- `--weights reference` (`ExportOptions.weight_source`): the same meta trace, but no stage writes weights: the
+  manifest's `weight_source` names the checkpoint's files (size, sha256; checkpoint/reference.py) and the
+  runners read them at load (runtime/referenced.py).
 - Whole exports (folder/staging.py): everything is written into a sibling temporary folder
   (`StageContext.work_dir`) that replaces `out_dir` only once every stage succeeded; `out_dir` must be
   missing, empty or an earlier k3x export, and is locked against concurrent exports.
