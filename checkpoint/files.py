@@ -17,13 +17,12 @@ Names as transformers 5 writes them are renamed at load (`hf_transformers.WEIGHT
 A checkpoint folder is not trusted: every file read from it (config.json, the index, every shard the index
 names, the tokenizer files) must resolve (symlinks followed) directly inside the folder (`checkpoint_file`); a tensor in two shards, a tensor in a shard that the index does not list, or one the index
 lists in a shard that lacks it is a `CheckpointError` naming tensor and files. Each shard is opened
-once (`Shards`). `checkpoint_hash` covers exactly the files the weights come from (config.json, the
+once (`Shards`). `checkpoint_hash` (checkpoint/reference.py) covers exactly the files the weights come from (config.json, the
 index, the shards in use), so any change to them reads as "changed since the export".
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -382,18 +381,3 @@ def save_checkpoint(model: K3ForCausalLM, path: str | Path, *, expert_format: st
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
-
-
-def checkpoint_hash(path: str | Path) -> str:
-    """sha256 over exactly the files the weights come from: config.json, the index when present, and every
-    shard it (or the folder, without an index) uses — streamed, in name order. Shards outside the folder are
-    refused (CheckpointError), never silently left out."""
-    path = Path(path)
-    used = {checkpoint_file(path, "config.json"), *set(tensor_files(path).values())}
-    if checkpoint_file(path, INDEX).is_file():
-        used.add(path / INDEX)
-    h = hashlib.sha256()
-    for f in sorted(used):
-        h.update(str(f.relative_to(path)).encode())
-        sha256(f, h=h)
-    return h.hexdigest()[:16]

@@ -19,7 +19,7 @@ from typing import Annotated, Optional
 import typer
 
 from .. import __version__
-from ..export.options import Activations, DType, ExpertFormat, KernelChoice, Target, TraceMode
+from ..export.options import Activations, DType, ExpertFormat, KernelChoice, Target, TraceMode, WeightSource
 from .console import fail
 
 __all__ = ["Activations", "DType", "ExpertFormat", "KernelChoice", "Target"]  # the export choices, torch-free
@@ -96,6 +96,9 @@ ExportOut = Annotated[Path, typer.Option("--out", help="Export folder (created; 
 Targets = Annotated[list[Target], typer.Option("--target", help="Artifact(s) to build from the one trace "
                                                "(repeatable).")]
 NoWeights = Annotated[bool, typer.Option("--no-weights", help="Trace on the meta device: any size, no weights.")]
+WeightsFrom = Annotated[WeightSource, typer.Option(
+    "--weights", help="With --checkpoint: copy the weights into the pt2 / ONNX (default), or reference the "
+    "checkpoint: graph-only artifacts, the weights read (and the checkpoint's files checked) at load.")]
 ModelDType = Annotated[DType, typer.Option("--dtype", help="Model dtype (states stay fp32).")]
 PoolDType = Annotated[DType, typer.Option("--dtype", help="inspect --sequences: the model dtype of the MLA latents.")]
 PresetSeed = Annotated[int, typer.Option("--seed", help="Seed of a preset's random weights.")]

@@ -292,6 +292,8 @@ def _checked_input(folder: ExportFolder) -> tuple[Path, str, bytes]:
     """(model.trt.onnx, its recorded sha256, the reusable timing cache or b"") once every file of the `onnx`
     artifact matches the manifest and no file the build writes would overwrite a user's (module docstring)."""
     export_dir = folder.path
+    if folder.manifest.get("weight_source") is not None:
+        raise EngineBuildError(f"{export_dir}: exported with --weights reference: no weights to build from")
     try:
         files = {p.name: p for p in folder.checked_files("onnx")}
         if ONNX_FILE not in files:

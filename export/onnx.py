@@ -51,6 +51,7 @@ EXTERNAL_DATA = "model.onnx.data"
 EXTERNAL_DATA_THRESHOLD = 2 * 1024**3  # protobuf's 2 GB limit
 TOTAL_SEQ = "total_seq"
 OPSET_IMPORTS = "k3x.opset_imports"  # model.meta key (not serialised)
+REFERENCED = "checkpoint"  # an artifact's `weights` when they are read from the checkpoint at load
 
 @dataclass(frozen=True)
 class OnnxOptions:
@@ -63,6 +64,7 @@ class OnnxOptions:
     weight_stream: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None
     cache: CacheOptions | None = None  # the latent cache interface traced (None: growing)
     serving: dict | None = None  # the manifest's `serving` entry: a serving step's I/O names (export/serving.py)
+    reference: bool = False  # weights read from the checkpoint at load (export/onnx_weights.reference_weights)
 
     def __post_init__(self) -> None:
         bad = [f for f in self.flavors if f not in FLAVOR_FILES]
@@ -254,13 +256,18 @@ def export_onnx(ep: ExportedProgram, cfg: K3Config, out_dir: Path, options: Onnx
     out_dir = Path(out_dir)
     streamed = options.weights and options.weight_stream is not None
     if model is None:
-        model = to_onnx_ir(ep, cfg, weights=options.weights and not streamed, optimize=options.optimize,
+        model = to_onnx_ir(ep, cfg, weights=options.weights and not streamed and not options.reference,
+                           optimize=options.optimize,
                            opset=options.opset, cache=options.cache, serving=options.serving)
     external = options.external_data
     if external is None:
         external = _weight_bytes(model) > EXTERNAL_DATA_THRESHOLD
     data_path, digests = None, {}
-    if streamed:
+    if options.reference:
+        from .onnx_weights import reference_weights
+
+        reference_weights(model, set(ep.state_dict) | set(ep.constants))
+    elif streamed:
         from .onnx_weights import attach_streamed_weights
 
         data_path, digests[EXTERNAL_DATA] = attach_streamed_weights(model, out_dir, EXTERNAL_DATA,
@@ -300,7 +307,8 @@ def onnx_stage(out_dir: Path, ep: ExportedProgram, cfg: K3Config, options: OnnxO
         art = export_onnx(ep, cfg, tmp, options, model)
         digests.update(art.digests)
         extra.update(flavors={f: p.name for f, p in art.files.items()}, opset=options.opset,
-                     weights=options.weights, external_data=art.external_data.name if art.external_data else None,
+                     weights=REFERENCED if options.reference else options.weights,
+                     external_data=art.external_data.name if art.external_data else None,
                      nodes=art.num_nodes, k3_nodes=art.op_counts)
         if art.collectives:  # the ort flavor needs onnxruntime-extensions' Python ops (onnx_collectives.py)
             extra["collectives"] = art.collectives

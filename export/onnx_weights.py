@@ -9,11 +9,17 @@ checkpoint's (`StoredTensor`: bf16 -> bf16, packed MXFP4) is copied file to file
 only in 16 MiB `pread` chunks by the sha256 the manifest records; a converted one is written from memory.
 Peak memory is one converted tensor (or a few chunks) plus the graph; both flavor files reference the one
 data file.
+
+`reference_weights` (`k3x export --weights reference`) writes no data at all: each weight input becomes an
+initializer whose external data points at `REFERENCE_LOCATION`, a file that never exists; the ORT runner
+supplies every such initializer from the checkpoint (`SessionOptions.add_external_initializers`), so ONNX
+Runtime never opens it and optimises the graph exactly as a copying export's.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from pathlib import Path
 from typing import Iterable
@@ -73,3 +79,18 @@ def attach_streamed_weights(model: ir.Model, out_dir: Path, data_name: str,
         g.inputs.remove(v)
         g.register_initializer(v)
     return path, sha.hexdigest()
+
+
+REFERENCE_LOCATION = "weights-in-checkpoint.absent"  # never written; the runner supplies these initializers
+
+
+def reference_weights(model: ir.Model, weight_names: set[str]) -> None:
+    """Every weight input of `model` becomes an initializer that points at `REFERENCE_LOCATION` (name, dtype and
+    shape kept), for the loader to supply from the checkpoint."""
+    g = model.graph
+    values = [v for v in g.inputs if v.name in weight_names]
+    for v in values:
+        size = v.dtype.itemsize * math.prod(v.shape.numpy())
+        v.const_value = ir.ExternalTensor(REFERENCE_LOCATION, 0, size, v.dtype, shape=v.shape, name=v.name)
+        g.inputs.remove(v)
+        g.register_initializer(v)

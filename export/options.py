@@ -50,6 +50,11 @@ class ExpertFormat(str, Enum):  # model.options.BuildOptions.expert_format
     MXFP4 = "mxfp4"
 
 
+class WeightSource(str, Enum):  # where a checkpoint export's pt2 / ONNX weights live
+    COPY = "copy"  # written into the artifacts
+    REFERENCE = "reference"  # read from the checkpoint at load (manifest `weight_source`: checkpoint/reference.py)
+
+
 class Activations(str, Enum):  # model.options.BuildOptions.activations (expert-GEMM inputs)
     BF16 = "bf16"
     MXFP8 = "mxfp8"
@@ -84,6 +89,7 @@ class ExportOptions:
     block_size: int = 16  # serving: positions per MLA latent block (fixed in the program)
     activations: Activations = Activations.BF16  # expert-GEMM inputs: as computed, or MXFP8 (MXFP4 experts)
     trace_mode: TraceMode = TraceMode.STAMPED  # each distinct layer traced once, or every layer (export/stamp.py)
+    weight_source: WeightSource = WeightSource.COPY
 
     def __post_init__(self) -> None:
         if (self.preset is None) == (self.checkpoint is None):
@@ -104,6 +110,21 @@ class ExportOptions:
         if self.tp * self.ep > 1 and self.max_context is not None:
             raise config_error("--max-context: the static latent cache is not available for rank programs "
                                "(--tp/--ep > 1)")
+
+        if self.references_checkpoint:
+            self._check_reference()
+
+    @property
+    def references_checkpoint(self) -> bool:
+        return WeightSource(self.weight_source) == WeightSource.REFERENCE
+
+    def _check_reference(self) -> None:
+        if self.checkpoint is None or not self.weights:
+            raise config_error("--weights reference: needs --checkpoint (the weights are read from it at load) "
+                               "and not --no-weights")
+        if not set(self.stages()) <= {"pt2", "onnx"} or self.tp * self.ep > 1 or self.serving:
+            raise config_error("--weights reference: for one program (no --tp/--ep, no --serving) with "
+                               f"--target pt2 and/or onnx (got {list(self.stages())})")
 
     def plan(self) -> ParallelPlan:
         from ..model.parallel import ParallelPlan
@@ -145,4 +166,5 @@ class ExportJob:
     plan: ParallelPlan
     dtype: torch.dtype
     checkpoint_hash: str | None
+    weight_source: dict | None  # --weights reference: the manifest's checkpoint reference (checkpoint/reference.py)
     stream: bool  # pt2 / ONNX from a checkpoint: traced on meta, weights streamed into each artifact

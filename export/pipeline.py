@@ -16,6 +16,9 @@ Notable choices:
 - From a checkpoint, pt2 and ONNX never hold the model: it is traced on meta and each stage streams the
   checkpoint's tensors into its artifact (`StageContext.weight_stream`); aoti (AOTInductor compiles real
   weights) loads the model as before.
+- `--weights reference` (`ExportOptions.weight_source`): the same meta trace, but no stage writes weights: the
+  manifest's `weight_source` names the checkpoint's files (size, sha256; checkpoint/reference.py) and the
+  runners read them at load (runtime/referenced.py).
 - Whole exports (folder/staging.py): everything is written into a sibling temporary folder
   (`StageContext.work_dir`) that replaces `out_dir` only once every stage succeeded; `out_dir` must be
   missing, empty or an earlier k3x export, and is locked against concurrent exports.
@@ -82,7 +85,10 @@ def stage_pt2(ep: ExportedProgram, ctx: StageContext) -> str:
     from .trace import save_pt2
 
     name, digests = "model.pt2", {}
-    with artifacts.write_artifact(ctx.work_dir, "pt2", {"weights": ctx.options.weights,
+    from .onnx import REFERENCED
+
+    weights = REFERENCED if ctx.options.references_checkpoint else ctx.options.weights
+    with artifacts.write_artifact(ctx.work_dir, "pt2", {"weights": weights,
                                                        "load": "k3x.export.trace.load_pt2"}, digests=digests) as tmp:
         if ctx.weight_stream is not None:  # traced on meta: weights written tensor by tensor from the checkpoint
             from .pt2_weights import save_streamed_pt2
@@ -90,6 +96,8 @@ def stage_pt2(ep: ExportedProgram, ctx: StageContext) -> str:
             digests[name] = save_streamed_pt2(ep, tmp / name, ctx.weight_stream())
         else:
             save_pt2(ep, tmp / name)
+    if ctx.options.references_checkpoint:
+        return f"pt2: {ctx.out_dir / name} (graph only: weights read from {ctx.options.checkpoint} at load)"
     if ctx.options.weights:
         return f"pt2: {ctx.out_dir / name}"
     return (f"pt2: {ctx.out_dir / name} (weightless: names/shapes/dtypes only; "
@@ -113,11 +121,13 @@ def stage_onnx(ep: ExportedProgram, ctx: StageContext) -> str:
     serving = serving_manifest(ctx.cfg, ctx.options.block_size) if ctx.options.serving else None
     cache = ctx.model.cache if ctx.model else None
     art = onnx_stage(ctx.work_dir, ep, ctx.cfg, OnnxOptions(weights=ctx.options.weights, weight_stream=ctx.weight_stream,
-                                                           cache=cache, serving=serving))
+                                                           cache=cache, serving=serving,
+                                                           reference=ctx.options.references_checkpoint))
     where = ", ".join(f"{flavor} {ctx.out_dir / Path(path).name}" for flavor, path in art.files.items())
     data = f", weights in {ctx.out_dir / Path(art.external_data).name}" if art.external_data else ""
-    if not ctx.options.weights or serving is not None:
-        why = "serving step" if serving is not None else "weightless: weights are graph inputs"
+    if not ctx.options.weights or serving is not None or ctx.options.references_checkpoint:
+        why = "serving step" if serving is not None else "weightless: weights are graph inputs" \
+            if not ctx.options.weights else f"graph only: weights read from {ctx.options.checkpoint} at load"
         return f"onnx: {where}{data} ({why}; no GenAI package)"
     from .genai import genai_stage  # the ort model wrapped for onnxruntime-genai, beside it
 
@@ -175,12 +185,16 @@ def _job(options: ExportOptions) -> ExportJob:
     stream = plan.world == 1 and options.checkpoint is not None and options.weights and set(stages) <= {"pt2", "onnx"}
     if plan.world == 1 and options.weights and not stream:
         _check_fits_in_memory(cfg, model.build, dtype)
-    ckpt_hash = None
-    if options.checkpoint is not None and options.weights:  # the graph alone depends on the config
-        from ..checkpoint.files import checkpoint_hash
+    ckpt_hash, source = None, None
+    if options.references_checkpoint:  # every file's size and sha256, for the loader's check
+        from ..checkpoint.reference import reference_entry
+
+        source, ckpt_hash = reference_entry(options.checkpoint)
+    elif options.checkpoint is not None and options.weights:  # the graph alone depends on the config
+        from ..checkpoint.reference import checkpoint_hash
 
         ckpt_hash = checkpoint_hash(options.checkpoint)
-    return ExportJob(options, cfg, model, plan, dtype, ckpt_hash, stream)
+    return ExportJob(options, cfg, model, plan, dtype, ckpt_hash, source, stream)
 
 
 def _build(job: ExportJob):
@@ -233,8 +247,9 @@ def write_program(work: Path, job: ExportJob, timed: Timed) -> list[str]:
         serving = serving_manifest(job.cfg, o.block_size) if o.serving else None
         artifacts.init_manifest(work, job.cfg, dtype=job.dtype, weights=o.weights, op_counts=op_counts(ep),
                                 checkpoint=o.checkpoint, checkpoint_hash=job.checkpoint_hash, options=job.model,
-                                serving=serving, trace=traced)
-    ctx = StageContext(job.cfg, o, work, _weight_stream(job) if job.stream else None, job.model)
+                                serving=serving, trace=traced, weight_source=job.weight_source)
+    stream = job.stream and job.weight_source is None  # a reference: the artifacts hold the graph only
+    ctx = StageContext(job.cfg, o, work, _weight_stream(job) if stream else None, job.model)
     notes = [copy_tokenizer(o.checkpoint, work)] if o.checkpoint else []
     for name in o.stages():
         with timed(name):

@@ -125,11 +125,13 @@ def _no_constant(name: str) -> None:
 def init_manifest(out_dir: str | Path, cfg: K3Config, *, dtype: torch.dtype, weights: bool,
                   op_counts: dict[str, int], checkpoint: str | Path | None = None,
                   checkpoint_hash: str | None = None, options: ModelOptions | None = None,
-                  serving: dict[str, Any] | None = None, trace: dict[str, Any] | None = None) -> dict[str, Any]:
+                  serving: dict[str, Any] | None = None, trace: dict[str, Any] | None = None,
+                  weight_source: dict[str, Any] | None = None) -> dict[str, Any]:
     """Start a fresh manifest (no artifacts) in `out_dir`, created if needed; replaces an older one.
     `options`: what the program was built with (default: reference kernels, dense experts, growing cache).
     `serving`: the serving-step interface (export/serving.py `serving_manifest`); `io` then names its I/O.
-    `trace`: how the program was traced (export/trace.trace_recorded; default per-layer)."""
+    `trace`: how the program was traced (export/trace.trace_recorded; default per-layer).
+    `weight_source`: the checkpoint the artifacts reference instead of holding weights (checkpoint/reference.py)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     options = options or ModelOptions()
@@ -155,6 +157,8 @@ def init_manifest(out_dir: str | Path, cfg: K3Config, *, dtype: torch.dtype, wei
         "static_cache": None if capacity is None else {"max_context": capacity, "length_input": "past_length"},
         "artifacts": {},
     }
+    if weight_source is not None:
+        data["weight_source"] = weight_source
     if serving is not None:
         data["serving"] = serving
         data["io"] = {"inputs": serving["inputs"], "outputs": serving["outputs"]}

@@ -44,10 +44,11 @@ def import_onnxruntime():
 
 
 def ort_session(path: Path, provider: str = "auto", intra_op_threads: int = 0, collectives: bool = False,
-                profile: str | None = None):
+                profile: str | None = None, initializers: dict | None = None):
     """An InferenceSession on the requested provider; returns (session, provider actually used).
     `collectives`: the model has a rank program's collective nodes (runtime/ort_collectives.py); `profile`: a
-    file prefix for ONNX Runtime's per-node profile (written by `session.end_profiling()`)."""
+    file prefix for ONNX Runtime's per-node profile (written by `session.end_profiling()`); `initializers`:
+    name -> OrtValue for initializers whose data is not in the export (runtime/referenced.py)."""
     ort = import_onnxruntime()
     if provider not in ("auto", "cuda", "cpu"):
         raise RunnerError(f"provider={provider!r}: choose auto, cuda or cpu")
@@ -60,6 +61,8 @@ def ort_session(path: Path, provider: str = "auto", intra_op_threads: int = 0, c
         so.intra_op_num_threads = intra_op_threads
     if profile:
         so.enable_profiling, so.profile_file_prefix = True, profile
+    if initializers:
+        so.add_external_initializers(list(initializers), list(initializers.values()))
     if collectives:
         try:
             from .ort_collectives import register
@@ -120,9 +123,17 @@ class OrtRunner:
     name = "ort"
 
     def __init__(self, path: Path, *, provider: str = "auto", intra_op_threads: int = 0,
-                 collectives: bool = False, profile: str | None = None) -> None:
+                 collectives: bool = False, profile: str | None = None,
+                 weights: dict[str, Tensor] | None = None) -> None:
         self.path = Path(path)
-        self.session, self.provider = ort_session(self.path, provider, intra_op_threads, collectives, profile)
+        # weights: those the graph references in the checkpoint (runtime/referenced.py); kept alive with the session
+        self.initializers = None
+        if weights is not None:
+            from .referenced import ort_initializers
+
+            self.initializers = ort_initializers(self.path, weights)
+        self.session, self.provider = ort_session(self.path, provider, intra_op_threads, collectives, profile,
+                                                  self.initializers)
         self.device = torch.device("cuda" if self.provider == "cuda" and torch.cuda.is_available() else "cpu")
         self.inputs = {i.name: i for i in self.session.get_inputs()}
         self.outputs = {o.name: o for o in self.session.get_outputs()}

@@ -29,6 +29,7 @@ from .base import Feeds, Runner, RunnerError, RunnerOptions
 from .cuda_graph import require_cuda_graph
 from .engine_runner import TrtRunner  # TensorRT 11 + GPU; imports tensorrt only when a runner is built
 from .ort_runner import OrtRunner  # imports onnxruntime only when a runner is built
+from .referenced import referenced_weights
 
 
 class ModuleRunner:
@@ -90,7 +91,8 @@ def artifact_files(folder: ExportFolder, name: str, options: RunnerOptions) -> l
 
 
 def _eager(d: ExportFolder, options: RunnerOptions) -> Runner:
-    from ..checkpoint.files import CheckpointError, checkpoint_hash, load_checkpoint
+    from ..checkpoint.files import CheckpointError, load_checkpoint
+    from ..checkpoint.reference import checkpoint_hash
 
     ckpt = options.checkpoint or d.checkpoint()
     if ckpt is None:
@@ -131,13 +133,19 @@ def load_pt2_artifact(folder: ExportFolder, options: RunnerOptions, what: str):
     if not folder.manifest.get("weights", True):
         raise RunnerError(f"{path}: weightless program (exported with --no-weights); it cannot run")
     sha = folder.manifest["artifacts"]["pt2"]["files"][0]["sha256"] if options.check_hashes else None
+    weights = referenced_weights(folder, options.check_hashes)  # a graph-only program: from the checkpoint
     try:
         with checked_pt2(path, sha256=sha) as f:
-            return load_pt2(f)
+            ep = load_pt2(f)
     except UnsafeArtifactError as e:
         raise RunnerError(str(e)) from None
     except Exception as e:  # noqa: BLE001 - name the file
         raise RunnerError(f"{path}: cannot load {what}: {e}") from None
+    if weights is None:
+        return ep
+    from ..export.trace import with_weights
+
+    return with_weights(ep, weights)
 
 
 def _pt2(folder: ExportFolder, options: RunnerOptions) -> Runner:
@@ -162,9 +170,10 @@ def _ort(folder: ExportFolder, options: RunnerOptions) -> Runner:
                           "re-export with the ort flavor")
     if name not in {p.name for p in files}:
         raise RunnerError(f"{folder.path}: the ort flavor {str(name)[:80]!r} is not one of the onnx artifact's files")
+    weights = referenced_weights(folder, options.check_hashes)
     return OrtRunner(folder.path / name, provider=options.provider,
                      intra_op_threads=options.intra_op_threads, collectives=bool(entry.get("collectives")),
-                     profile=options.profile)
+                     profile=options.profile, weights=weights)
 
 
 def _trt(folder: ExportFolder, options: RunnerOptions) -> Runner:

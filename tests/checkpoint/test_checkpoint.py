@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from k3x.checkpoint.files import CheckpointError, checkpoint_hash, load_checkpoint, save_checkpoint
+from k3x.checkpoint.files import CheckpointError, load_checkpoint, save_checkpoint
+from k3x.checkpoint.reference import checkpoint_hash
 from k3x.model import build_model, preset
 from k3x.model import mxfp4
 

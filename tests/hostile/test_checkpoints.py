@@ -14,7 +14,8 @@ from hostile_util import k3x
 from safetensors.torch import load_file, save_file
 
 from k3x.checkpoint import files as ckpt_mod
-from k3x.checkpoint.files import INDEX, CheckpointError, checkpoint_hash, load_checkpoint
+from k3x.checkpoint.files import INDEX, CheckpointError, load_checkpoint
+from k3x.checkpoint.reference import checkpoint_hash
 
 SHARD = "model-00001-of-00001.safetensors"
 
