@@ -27,7 +27,7 @@ from onnx import TensorProto, helper
 from ...plan.onnx_node import Body
 
 FLOAT, INT64, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
-PADDED_WASTE = 4  # padded rows per routed row above which the loop is taken (K3 decode: 56)
+PADDED_WASTE = 2  # padded rows per routed row above which the loop is taken (K3 decode: 56)
 
 Glu = Callable[[Body, str, str], str]
 ExpertWeights = Callable[[Body, str], dict[str, str]]
@@ -78,11 +78,14 @@ def _local_counts(b: Body, p: Pairs) -> tuple[str, str]:
 
 
 def use_padded(b: Body, p: Pairs) -> tuple[str, str]:
-    """(the If condition: some local pair and E_local·C <= PADDED_WASTE·M_local, C)."""
+    """(the If condition, C): some local pair, padded rows E_local·C <= PADDED_WASTE·M_local (FLOPs), and
+    at least half the local experts hit, 2·H >= E_local (the batch reads every expert's weights, the loop
+    the H hit ones)."""
     m, c = _local_counts(b, p)
     e = b.op("Squeeze", p.e_local)
-    waste = b.op("LessOrEqual", b.op("Mul", e, c), b.op("Mul", m, b.op("Constant", value_int=PADDED_WASTE)))
-    return b.op("And", b.op("Greater", m, b.op("Constant", value_int=0)), waste), c
+    flops = b.op("LessOrEqual", b.op("Mul", e, c), b.op("Mul", m, b.op("Constant", value_int=PADDED_WASTE)))
+    bytes_read = b.op("GreaterOrEqual", b.op("Mul", p.hit, b.op("Constant", value_int=2)), e)
+    return b.op("And", b.op("And", b.op("Greater", m, b.op("Constant", value_int=0)), flops), bytes_read), c
 
 
 def padded_experts(name: str, p: Pairs, c: str, glu: Glu) -> onnx.GraphProto:
@@ -95,11 +98,14 @@ def padded_experts(name: str, p: Pairs, c: str, glu: Glu) -> onnx.GraphProto:
     m, _ = _local_counts(b, p)
     first = b.ints(0)
     m1 = b.op("Unsqueeze", m, first)
-    idx = b.op("Unsqueeze", b.op("Slice", slot, first, m1), b.ints(1))  # [M_local, 1], unique
-    zs = b.op("Gather", p.z, b.op("Slice", p.rows, first, m1), axis=0)  # [M_local, L]
     e_rows = b.op("Mul", p.e_local, b.op("Unsqueeze", c, first))  # [1] = E·C
     width = b.op("Slice", b.op("Shape", p.z), b.ints(1), b.ints(2))
-    zp = b.op("ScatterND", b.op("ConstantOfShape", b.op("Concat", e_rows, width, axis=0)), idx, zs)
+    # source row of z per padded row, 0 = a zero row prepended to z (one int scatter, one row Gather)
+    src = b.op("ScatterElements", b.op("ConstantOfShape", e_rows, value=helper.make_tensor("zero", INT64, [1], [0])),
+               b.op("Slice", slot, first, m1), b.op("Add", b.op("Slice", p.rows, first, m1),
+                                                    b.op("Constant", value_int=1)), axis=0)  # [E·C], unique slots
+    z0 = b.op("Concat", b.op("ConstantOfShape", b.op("Concat", b.ints(1), width, axis=0)), p.z, axis=0)
+    zp = b.op("Gather", z0, src, axis=0)  # [E·C, L]
     zt = b.op("Transpose", b.op("Reshape", zp, b.op("Concat", p.e_local, b.op("Unsqueeze", c, first), width,
                                                       axis=0)), perm=[0, 2, 1])  # [E, L, C]
     g = glu(b, b.op("MatMul", "w1", zt), b.op("MatMul", "w3", zt))  # [E, I, C]
