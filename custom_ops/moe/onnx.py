@@ -2,8 +2,9 @@
 `torch.ops.k3.moe`, and the ONNX Runtime function body.
 
 Body: standard ops, exact, O(N·top_k) expert work: sigmoid router, TopK on biased scores, GatherElements of
-unbiased scores, renormalise; the routed (token, slot) pairs sorted by expert, then a Loop over the hit
-experts only (each: its weights on its tokens, the weighted result ScatterND-added), in fp32. ORT's
+unbiased scores, renormalise; the routed (token, slot) pairs sorted by expert, then the experts' work
+(onnx_experts.py: a padded batch over fp32 stacked experts when little of it is padding, else a Loop over
+the hit experts only), each pair's output weighted and summed per token, in fp32. ORT's
 com.microsoft::MoE routes with softmax, not K3's sigmoid + biased top-k + unbiased renormalised weights, so
 it is not used. Numeric hyper-parameters are read from the node attributes (attribute references); the
 activation is a string, so it is baked into the body and all MoE nodes of a model must share it.
@@ -90,13 +91,15 @@ def moe_function(spec: NodeSpec, opset_version: int, nodes: list,
        (row = pair // k, weight); Unique gives the hit experts, ascending, and their counts.
        Expert parallelism: ids become local (id - expert_offset); pairs of another rank's experts get the
        sentinel E_local, which sorts last, so the Loop's trip count (local hit experts) never reaches them.
-    3. Loop over the hit experts only (<= min(E, M) iterations): Gather the expert's weights (cast to fp32
-       after the Gather: bf16 weights are never all cast) and its rows of z, Gemm / GLU / Gemm, scale by
-       the pair weights, ScatterND-add into the fp32 accumulator u [N, L] (a token occurs once per expert;
-       experts are added in ascending id, the reference's order). u is returned in z's dtype.
-    Each hit expert's weights are read (and copied by its Gather) once per call; transient memory is one
-    expert's fp32 weights plus its activations. The SiTU betas are attribute references evaluated in the
-    function scope and read by the loop body as outer-scope values (no attribute references in subgraphs).
+    3. The experts (onnx_experts.routed_experts): `padded` (fp32 stacked weights, `fp32_experts`) adds an If
+       that runs every local expert on its pairs padded to the largest count as batched MatMuls reading the
+       weights in place, while padding stays <= 2x the routed rows and at least half the experts are hit;
+       otherwise (and always for bf16 / MXFP4 weights) a Loop over the hit experts only (<= min(E, M)
+       iterations) builds each one's fp32 weights with `expert_weights` (a Gather, then Cast: bf16 weights
+       are never all cast; transient memory is one expert's fp32 weights) and appends its rows to a
+       sequence. Each pair's row is then weighted and the top_k slots of a token summed. u in z's dtype.
+    The SiTU betas are attribute references evaluated in the function scope and read by the subgraphs as
+    outer-scope values (no attribute references in subgraphs).
     `nodes`: the model's MoE nodes (onnx_ir), whose shared activation is baked in. `expert_weights(b, e)`
     builds expert e's fp32 weights inside the loop body (`dense_weights`; the MXFP4 sibling decodes there).
     """
