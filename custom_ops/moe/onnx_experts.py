@@ -7,13 +7,17 @@ O(work actually routed), chosen per call by an If where the stacked weights are 
 - padded (`padded_experts`): every local expert's pairs in a [E, C, L] block, C = the largest expert's pair
   count (padding rows are zeros); three batched MatMuls read the stacked weights in place, the weights as
   the A operand (w1 [E, I, L] @ Zᵀ [E, L, C]), so nothing copies or transposes them. Taken when the padding
-  waste is bounded: E_local·C <= PADDED_WASTE · M_local. At K3 scale (896 experts, top-16) a decode step has
-  E·C / M = 56: the loop; a balanced prefill is within 2x: padded.
+  waste is bounded, E_local·C <= PADDED_WASTE · M_local, and at least half the local experts are hit (the
+  batch reads every expert's weights). At K3 scale (896 experts, top-16) a decode step has E·C / M = 56:
+  the loop; a balanced prefill is within 2x: padded. Only for fp32 weights (bf16 would be cast whole; MXFP4
+  would be decoded whole: those keep the loop, one expert's fp32 weights at a time).
 - loop (`looped_experts`): a Loop over the hit experts only, each expert's weights built by
   `expert_weights` (a Gather of one expert; MXFP4 decodes there), its outputs appended to a sequence, so no
-  pass copies an [N, L] accumulator; one ConcatFromSequence at the end ([1 + M_local, L], row 0 zeros).
+  pass copies an [N, L] accumulator (the old ScatterND-add did: N·L per expert, 117 MB per pass at K3
+  prefill of 8 K tokens); one ConcatFromSequence at the end ([1 + M_local, L], row 0 zeros).
 
-`combine` then takes each pair's row back in (token, slot) order and sums the top_k slots of each token.
+`combine` then takes each pair's row back in (token, slot) order, weighs it and sums the top_k slots of each
+token (in slot order; the reference adds experts in ascending id: equal within fp32 rounding).
 """
 
 from __future__ import annotations
