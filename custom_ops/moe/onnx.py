@@ -2,8 +2,9 @@
 `torch.ops.k3.moe`, and the ONNX Runtime function body.
 
 Body: standard ops, exact, O(N·top_k) expert work: sigmoid router, TopK on biased scores, GatherElements of
-unbiased scores, renormalise; the routed (token, slot) pairs sorted by expert, then a Loop over the hit
-experts only (each: its weights on its tokens, the weighted result ScatterND-added), in fp32. ORT's
+unbiased scores, renormalise; the routed (token, slot) pairs sorted by expert, then the experts' work
+(onnx_experts.py: a padded batch over fp32 stacked experts when little of it is padding, else a Loop over
+the hit experts only), each pair's output weighted and summed per token, in fp32. ORT's
 com.microsoft::MoE routes with softmax, not K3's sigmoid + biased top-k + unbiased renormalised weights, so
 it is not used. Numeric hyper-parameters are read from the node attributes (attribute references); the
 activation is a string, so it is baked into the body and all MoE nodes of a model must share it.
@@ -11,12 +12,12 @@ activation is a string, so it is baked into the body and all MoE nodes of a mode
 
 from __future__ import annotations
 
-from typing import Callable
-
 import onnx
+import onnx_ir
 from onnx import TensorProto, helper
 
 from ...plan.onnx_node import COMMON_ATTRIBUTES, Body, NodeSpec, opset, static
+from .onnx_experts import ExpertWeights, Pairs, Quantize, routed_experts
 from .op import SIGNATURE
 
 FLOAT, INT64, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
@@ -69,39 +70,20 @@ def dense_weights(b: Body, e: str) -> dict[str, str]:
     return {n: b.op("Cast", b.op("Gather", n, e, axis=0), to=FLOAT) for n in ("w1", "w3", "w2")}
 
 
-def _expert_loop_body(name: str, z: str, experts: str, starts: str, ends: str, rows: str, weights: str,
-                      betas: list[str], expert_weights: Callable[[Body, str], dict[str, str]],
-                      quantize: Callable[[Body, str], str] | None) -> onnx.GraphProto:
-    """Iteration i: expert experts[i] on its segment [starts[i], ends[i]) of the expert-sorted pairs;
-    `quantize(b, t)` (if given) rounds both GEMM inputs (its rows of z, the GLU output) first."""
-    q = quantize or (lambda _, t: t)
-    b = Body(name, "expert")
-    i, cond, acc = "moe_expert_i", "moe_expert_cond", "moe_expert_acc"
-    axis0 = b.ints(0)
-    e = b.op("Gather", experts, i, axis=0)  # scalar expert id
-    lo, hi = (b.op("Unsqueeze", b.op("Gather", t, i, axis=0), axis0) for t in (starts, ends))
-    tok, we = b.op("Slice", rows, lo, hi, axis0), b.op("Slice", weights, lo, hi, axis0)  # [n_e]
-    ze = q(b, b.op("Gather", z, tok, axis=0))  # [n_e, L]
-    W = expert_weights(b, e)  # fp32 [I, L], [I, L], [L, I]
-    g = q(b, _glu(b, b.op("Gemm", ze, W["w1"], transB=1), b.op("Gemm", ze, W["w3"], transB=1), betas))  # [n_e, I]
-    y = b.op("Mul", b.op("Gemm", g, W["w2"], transB=1), b.op("Unsqueeze", we, b.ints(1)))  # [n_e, L]
-    b.out("ScatterND", [acc, b.op("Unsqueeze", tok, b.ints(1)), y], ["moe_expert_acc_out"],
-          reduction="add")  # a token occurs once per expert
-    b.out("Identity", [cond], ["moe_expert_cond_out"])
-    return helper.make_graph(
-        b.nodes, "moe_expert",
-        [helper.make_tensor_value_info(i, INT64, []), helper.make_tensor_value_info(cond, BOOL, []),
-         helper.make_tensor_value_info(acc, FLOAT, None)],
-        [helper.make_tensor_value_info("moe_expert_cond_out", BOOL, []),
-         helper.make_tensor_value_info("moe_expert_acc_out", FLOAT, None)])
+def fp32_experts(nodes: list) -> bool:
+    """Whether every MoE node's stacked expert weights (w1, w3, w2) are known fp32 (the padded batch reads
+    them in place; bf16 ones would be cast whole, so those models keep the loop)."""
+    return bool(nodes) and all(len(n.inputs) > 6 and all(v is not None and v.dtype == onnx_ir.DataType.FLOAT
+                                                             for v in n.inputs[4:7]) for n in nodes)
 
 
 def function(opset_version: int, nodes: list) -> tuple[onnx.FunctionProto, dict[str, int]]:
-    return moe_function(NODE, opset_version, nodes, dense_weights)
+    return moe_function(NODE, opset_version, nodes, dense_weights, padded=fp32_experts(nodes))
 
 
-def moe_function(spec: NodeSpec, opset_version: int, nodes: list, expert_weights: Callable[[Body, str], dict[str, str]],
-                 quantize: Callable[[Body, str], str] | None = None) -> tuple[onnx.FunctionProto, dict[str, int]]:
+def moe_function(spec: NodeSpec, opset_version: int, nodes: list, expert_weights: ExpertWeights,
+                 quantize: Quantize | None = None, *, padded: bool = False
+                 ) -> tuple[onnx.FunctionProto, dict[str, int]]:
     """k3::MoE, exact (custom_ops/moe/reference.py), O(M·I·L) FLOPs for the M = N·top_k routed pairs.
 
     1. Route in fp32: s = sigmoid(x gate_weightᵀ), ids = TopK(s + gate_bias) [N, k], w = s[ids] renormalised
@@ -110,13 +92,15 @@ def moe_function(spec: NodeSpec, opset_version: int, nodes: list, expert_weights
        (row = pair // k, weight); Unique gives the hit experts, ascending, and their counts.
        Expert parallelism: ids become local (id - expert_offset); pairs of another rank's experts get the
        sentinel E_local, which sorts last, so the Loop's trip count (local hit experts) never reaches them.
-    3. Loop over the hit experts only (<= min(E, M) iterations): Gather the expert's weights (cast to fp32
-       after the Gather: bf16 weights are never all cast) and its rows of z, Gemm / GLU / Gemm, scale by
-       the pair weights, ScatterND-add into the fp32 accumulator u [N, L] (a token occurs once per expert;
-       experts are added in ascending id, the reference's order). u is returned in z's dtype.
-    Each hit expert's weights are read (and copied by its Gather) once per call; transient memory is one
-    expert's fp32 weights plus its activations. The SiTU betas are attribute references evaluated in the
-    function scope and read by the loop body as outer-scope values (no attribute references in subgraphs).
+    3. The experts (onnx_experts.routed_experts): `padded` (fp32 stacked weights, `fp32_experts`) adds an If
+       that runs every local expert on its pairs padded to the largest count as batched MatMuls reading the
+       weights in place, while padding stays <= 2x the routed rows and at least half the experts are hit;
+       otherwise (and always for bf16 / MXFP4 weights) a Loop over the hit experts only (<= min(E, M)
+       iterations) builds each one's fp32 weights with `expert_weights` (a Gather, then Cast: bf16 weights
+       are never all cast; transient memory is one expert's fp32 weights) and appends its rows to a
+       sequence. Each pair's row is then weighted and the top_k slots of a token summed. u in z's dtype.
+    The SiTU betas are attribute references evaluated in the function scope and read by the subgraphs as
+    outer-scope values (no attribute references in subgraphs).
     `nodes`: the model's MoE nodes (onnx_ir), whose shared activation is baked in. `expert_weights(b, e)`
     builds expert e's fp32 weights inside the loop body (`dense_weights`; the MXFP4 sibling decodes there);
     `quantize(b, t)` rounds both expert-GEMM inputs there (the MXFP4 sibling's MXFP8 activations).
@@ -147,14 +131,12 @@ def moe_function(spec: NodeSpec, opset_version: int, nodes: list, expert_weights
     flat = b.ints(-1)
     pair_ids, pair_w = b.op("Reshape", ids, flat), b.op("Reshape", w, flat)  # [M]
     sorted_ids, order = b.op("TopK", pair_ids, b.op("Shape", pair_ids), outputs=2, axis=0, largest=0, sorted=1)
-    rows, weights = b.op("Div", order, k), b.op("Gather", pair_w, order, axis=0)  # [M], expert-sorted
-    experts, _, _, counts = b.op("Unique", sorted_ids, outputs=4, sorted=1)  # hit experts, ascending
-    ends = b.op("CumSum", counts, b.ints(0))
-    starts = b.op("Sub", ends, counts)
+    rows = b.op("Div", order, k)  # [M], expert-sorted
+    experts, _, inverse, counts = b.op("Unique", sorted_ids, outputs=4, sorted=1)  # hit experts, ascending
+    starts = b.op("Sub", b.op("CumSum", counts, b.ints(0)), counts)
     hit = b.op("ReduceSum", b.op("Cast", b.op("Less", experts, e_local), to=INT64), keepdims=0)  # local hits
     b.step = "experts"
-    acc = b.op("ConstantOfShape", b.op("Shape", z))  # fp32 zeros [N, L]
-    body = _expert_loop_body(spec.op_type, z, experts, starts, ends, rows, weights, betas, expert_weights, quantize)
-    u = b.op("Loop", hit, "", acc, body=body)
+    pairs = Pairs(z, k, e_local, pair_ids, pair_w, order, sorted_ids, rows, experts, counts, inverse, starts, hit)
+    u = routed_experts(b, pairs, lambda b, a, u: _glu(b, a, u, betas), expert_weights, padded, quantize)
     b.out("CastLike", [u, "z"], ["u"])
     return b.function(spec, {"": opset_version}), {}

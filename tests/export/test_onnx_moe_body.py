@@ -6,6 +6,10 @@ expert weights stored as initializers (as in an exported model).
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import onnx
 import onnx_ir as ir
 import pytest
@@ -40,7 +44,7 @@ class MoESession:
     """One k3::MoE node over the `ort` pass: x [N, d], z [N, L] fp32 inputs (N dynamic), weights as initializers."""
 
     def __init__(self, w: dict[str, torch.Tensor], top_k: int, activation: str = "situ", renormalize: bool = True,
-                 factor: float = 1.0, offset: int | None = None):
+                 factor: float = 1.0, offset: int | None = None, profile: str | None = None):
         E, I, L = w["w1"].shape
         d = w["gate_weight"].shape[1]
         self.w, self.args = w, (top_k, factor, renormalize, activation, 4.0, 25.0)
@@ -61,7 +65,16 @@ class MoESession:
                                   ir_version=10)
         proto = ir.serde.serialize_model(ort_pass(ir.serde.deserialize_model(proto)))
         onnx.checker.check_model(proto, full_check=True)
-        self.sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+        so = ort.SessionOptions()
+        if profile is not None:
+            so.enable_profiling, so.profile_file_prefix = True, profile
+        self.sess = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+    def steps_run(self) -> set[str]:
+        """The body steps whose nodes ran (profiled sessions): `padded` (If's batch) or `expert` (Loop body)."""
+        events = json.loads(Path(self.sess.end_profiling()).read_text())
+        return {m.group(1) for e in events if e.get("cat") == "Node"
+                for m in [re.search(r"_inlfunc_MoE_MoE/(\w+)/", e["name"])] if m}
 
     def check(self, x: torch.Tensor, z: torch.Tensor, what: str) -> torch.Tensor:
         (u,) = self.sess.run(None, {"x": x.numpy(), "z": z.numpy()})
@@ -109,8 +122,52 @@ def test_bf16_expert_weights():
         s.check(*tokens(N, d, L, seed=N), f"bf16 weights N={N}")
 
 
+@pytest.mark.parametrize("N,top_k,path", [
+    pytest.param(1, 4, "expert", id="decode-4-of-16-hit:loop"),
+    pytest.param(2, 1, "expert", id="2-pairs:loop"),
+    pytest.param(48, 4, "padded", id="prefill-balanced:padded"),
+    pytest.param(5, 16, "padded", id="top_k=E:padded"),
+])
+def test_padded_batch_and_loop_each_taken_by_size_and_exact(N, top_k, path, tmp_path):
+    """fp32 experts: the If takes the padded batch over all experts when few rows are padding and most experts
+    are hit, else the loop over hit experts; the path the rule picks for the size runs (the other does not),
+    and both equal the reference."""
+    E, d, L, I = 16, 24, 16, 12
+    w = weights(E, d, L, I)
+    w["gate_bias"] *= 0.2  # a small selection bias (as a trained router): balanced routing
+    s = MoESession(w, top_k, profile=str(tmp_path / "ort"))
+    s.check(*tokens(N, d, L, seed=N), f"{path} N={N}")
+    ran = s.steps_run()
+    assert path in ran and ({"padded", "expert"} - {path}).isdisjoint(ran), ran
+
+
+def weight_values(dtype: ir.DataType) -> list[ir.Value]:
+    return [ir.Value(name=n, type=ir.TensorType(dtype)) for n in ("w1", "w3", "w2")]
+
+
+def test_padded_batch_reads_stacked_fp32_weights_in_place_and_only_for_fp32():
+    """fp32 experts: the If's batch reads w1/w3/w2 only as MatMul operands (no copy, no cast of all experts),
+    its loop only through a Gather of one expert; bf16 experts get no batch at all (it would cast them whole)."""
+    def moe_node(dtype):
+        inputs = [ir.Value(name=n) for n in ("x", "z", "gate_weight", "gate_bias")] + weight_values(dtype)
+        return ir.node("MoE", inputs, {"activation": "situ"}, domain=onnx_node.DOMAIN)
+
+    fn, _ = moe_function(20, [moe_node(ir.DataType.FLOAT)])
+    experts = {"w1", "w3", "w2"}
+    assert not [n.op_type for n in fn.node if set(n.input) & experts]
+    (branch,) = [n for n in fn.node if n.op_type == "If"]
+    g = {a.name: helper.get_attribute_value(a) for a in branch.attribute}
+    assert {n.op_type for n in g["then_branch"].node if set(n.input) & experts} == {"MatMul"}
+    (loop,) = [n for n in g["else_branch"].node if n.op_type == "Loop"]
+    body = helper.get_attribute_value(loop.attribute[0])
+    assert {n.op_type for n in body.node if set(n.input) & experts} == {"Gather"}
+    fn, _ = moe_function(20, [moe_node(ir.DataType.BFLOAT16)])
+    assert not [n for n in fn.node if n.op_type == "If"] and [n for n in fn.node if n.op_type == "Loop"]
+
+
 def test_expert_weights_are_only_gathered_per_hit_expert():
-    """No dense path: outside the Loop nothing reads w1/w3/w2; inside, only a Gather of one expert does."""
+    """Weights of unknown type: no batch; outside the Loop nothing reads w1/w3/w2; inside, only a Gather of one
+    expert does."""
     import onnx_ir as ir
 
     fn, _ = moe_function(20, [ir.node("MoE", [], {"activation": "situ"}, domain=onnx_node.DOMAIN)])
