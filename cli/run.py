@@ -194,8 +194,7 @@ def logits(out: LogitsOut, checkpoint: Checkpoint = None, input_ids: InputIds = 
     with timed(f"logits {list(ids.shape)} ({backend.value})"):
         result = (checkpoint_logits(checkpoint, ids) if backend == Backend.EAGER else
                   export_logits(ExportFolder.open(export_dir), backend.value, ids,
-                                runner_options(provider, skip_hash_check),
-                           prefix_cache=int(prefix_cache_mb * 1e6) if prefix_cache else None))
+                                runner_options(provider, skip_hash_check)))
     try:
         save_npy(out, result.numpy())
     except OSError as e:

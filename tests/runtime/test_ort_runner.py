@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 
 from k3x.checkpoint.files import load_checkpoint
 from k3x.cli import app
-from k3x.model import empty_state, preset, state_specs
+from k3x.model import K3Config, empty_state, preset, state_specs
+from k3x.model.state_contract import state_contract
 from k3x.runtime import generate as eager
 from k3x.runtime.ort_runner import OrtRunner, import_onnxruntime, output_shapes
 from k3x.runtime.runners import RunnerError, RunnerOptions, generate, make_runner, next_feeds
@@ -123,6 +124,11 @@ def test_a_model_whose_inputs_do_not_match_the_export_is_named(tmp_path):
     cfg = manifest["config"]  # claim one layer fewer than model.onnx has: the state feeds no longer match
     cfg["layer_types"], cfg["mlp_types"] = cfg["layer_types"][:-1], cfg["mlp_types"][:-1]
     (folder / "manifest.json").write_text(json.dumps(manifest))
-    res = cli.invoke(app, ["run", str(folder), "--backend", "ort", "--provider", "cpu", "--max-new-tokens", "2"])
+    args = ["run", str(folder), "--backend", "ort", "--provider", "cpu", "--max-new-tokens", "2"]
+    res = cli.invoke(app, args)  # the manifest's state contract no longer fits its config: refused on open
+    assert res.exit_code == 1 and "the state contract must match the config" in res.output, res.output
+    manifest["state"] = state_contract(K3Config.from_dict(cfg), torch.float32)  # consistent manifest, wrong model
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    res = cli.invoke(app, args)
     assert res.exit_code == 1
     assert "feeds do not match the model inputs" in res.output and "past_key_values.5.latent" in res.output
