@@ -131,8 +131,7 @@ class ModelDrafter:
         drafts = self._run([ctx[self.fed[s.request.id]:] for (s, _), ctx in zip(work, contexts)], work)
         for rid, ctx in zip((s.request.id for s, _ in work), contexts):
             self.fed[rid] = len(ctx)
-            slot = self.alloc.slot_of[rid]
-            self.saved[rid] = {n: t[slot].clone() for n, t in self.pools.tensors.items() if not n.endswith("latent")}
+            self.saved[rid] = self.pools.save_slot(self.alloc.slot_of[rid])
         for j in range(1, max(g for _, g in work)):
             more = [(s, g) for s, g in work if g > j]
             nxt = self._run([[drafts[s.request.id][-1]] for s, _ in more], more, offset=j - 1)
@@ -153,9 +152,7 @@ class ModelDrafter:
         if ctx[fed: fed + len(drafts)] == drafts:
             self.fed[rid] = fed + len(drafts)
             return
-        slot = self.alloc.slot_of[rid]
-        for name, row in self.saved[rid].items():
-            self.pools.tensors[name][slot] = row
+        self.pools.load_slot(self.alloc.slot_of[rid], self.saved[rid])
 
     def _run(self, tokens: list[list[int]], work: list[tuple[Sequence, int]], offset: int = 0
              ) -> dict[int, list[int]]:
