@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(table(r))
     if a.json:
         a.json.write_text(json.dumps(r, indent=1) + "\n")
+    if not r["tokens_equal"]:
+        raise SystemExit("prefix cache: the cached runs' tokens differ from the plain run's")
     return r
 
 
