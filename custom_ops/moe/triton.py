@@ -479,7 +479,7 @@ def plan(d: dict, dtypes: list[str], attrs: dict) -> Plan:
     skip; EG = E and offset 0 on one GPU. `attrs`: the op's hyper-parameters (top_k, routed_scaling_factor,
     renormalize, activation, situ_beta, situ_linear_beta; the MXFP4 family's `activations`, "mxfp8" quantizing
     both GEMMs' activation tiles), specialised into the code; `sm`: the target (90 if absent; the MXFP4 GEMMs
-    use native FP4 MMAs from 100); `block_m` overrides BM, `gemm_programs` the
+    use native FP4 MMAs from 100, FP8 MMAs on 90 with "mxfp8"); `block_m` overrides BM, `gemm_programs` the
     persistent GEMMs' grid size (tests). Workspace: s [N, EG] fp32, ids [N·k] int64, wts [N·k]
     fp32, counts/offsets [NB, E] int32, sorted_pair [P] int32, block_expert [P/BM] int32, h [P, I] and
     y [N·k, L] (z's dtype), P = padded_rows(N·k, E, BM)."""

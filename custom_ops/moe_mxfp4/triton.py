@@ -152,9 +152,10 @@ def _packed_dot(a, byte, s, acc, R: tl.constexpr, BK: tl.constexpr, SWAP: tl.con
                 SCALED: tl.constexpr, AFMT: tl.constexpr, A8: tl.constexpr, F8: tl.constexpr):
     """One k step against a packed [R, BK] weight tile (see `tile_dot` for a, acc and SWAP). F8 (sm_90 with A8):
     `_fp8_dot`. SCALED (sm_100+, 16-bit a, or A8): `tl.dot_scaled`, E2M1 codes with their E8M0 scales against a
-    in AFMT (A8: a's MXFP8 codes and scales, AFMT "e4m3"). Else (Hopper's 16-bit a, fp32): decode in registers — the low and high nibbles as two
-    [R, BK/2] halves interleaved (k = 2i + high), no per-element index math for the compiler to carry into the
-    MMA operand's layout — and a plain dot (A8: on a's MXFP8 values)."""
+    in AFMT (A8: a's MXFP8 codes and scales, AFMT "e4m3"). Else (Hopper's 16-bit a, fp32, A8 below sm_90):
+    decode in registers — the low and high nibbles as two [R, BK/2] halves interleaved (k = 2i + high), no
+    per-element index math for the compiler to carry into the MMA operand's layout — and a plain dot (A8: on a's
+    MXFP8 values)."""
     BM: tl.constexpr = a.shape[0]
     if F8:
         acc = _fp8_dot(a, byte, s, acc, R, BK, SWAP)
