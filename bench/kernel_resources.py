@@ -14,7 +14,8 @@ divisibility, warps, stages), then read back:
   the SM; waves = CTAs of the case's grid / (CTAs per SM x SMs);
 - wgmma (`wgmma.mma_async` in the PTX, Hopper), tcgen05 (`tcgen05.mma`, Blackwell), block-scaled MMAs
   (`block_scale`: MXFP4/MXFP8 operands with E8M0 scales in the tensor core) and TMA (`cp.async.bulk.tensor`)
-  use.
+  use; `mma`: every distinct MMA instruction of the PTX (shape and operand types, e.g.
+  `wgmma.mma_async.m64n16k32.f32.e4m3.e4m3`: Hopper's FP8 MMA of the W4A8 GEMMs).
 
 Which kernels a case runs is the plan's own choice (`Plan.select(dims)`), so the table follows the plan: a
 variant the plan does not pick at a shape is not compiled for it. A case whose plan cannot be built (e.g. a
@@ -83,6 +84,7 @@ class Resources:
     tcgen05: bool = False
     mx_mma: bool = False  # block-scaled MMA (tcgen05 kind::mxf*, E8M0 scales applied by the tensor core)
     tma: bool = False
+    mma: str = ""  # the PTX's distinct MMA instructions (`mma_kinds`)
     sass: int = 0  # SASS instructions
     error: str = ""
     extra: dict = field(default_factory=dict)
@@ -136,13 +138,16 @@ def decode_bytes(d: dict) -> dict:
 MOE_TOKENS = (1, 16, 64, 4096)  # decode batches and a prefill chunk  # decode batches and a prefill chunk
 
 
-def moe_case(N: int, *, packed: bool = False) -> Case:
+def moe_case(N: int, *, packed: bool = False, activations: str = "bf16") -> Case:
     """K3's latent MoE at N tokens: top-16 of 896 experts, latent L = 3584, intermediate I = 3072, bf16
-    activations; experts bf16 (`moe`) or MXFP4 bytes (`moe_mxfp4`)."""
+    activations into the experts as computed or (`activations="mxfp8"`, MXFP4 only: W4A8) quantized to MXFP8 in
+    the GEMM prologues; experts bf16 (`moe`) or MXFP4 bytes (`moe_mxfp4`)."""
     dims = {"N": N, "d": 7168, "L": 3584, "E": 896, "I": 3072}
     if packed:
-        return Case("moe_mxfp4", f"N{N}-k16-E896-L3584-I3072", dims,
-                    ("bf16", "bf16", "bf16", "fp32") + ("uint8",) * 6 + ("bf16",), _MOE_ATTRS, _MXFP4_PORTS)
+        a8 = activations == "mxfp8"
+        return Case("moe_mxfp4", f"N{N}-k16-E896-L3584-I3072" + ("-mxfp8" if a8 else ""), dims,
+                    ("bf16", "bf16", "bf16", "fp32") + ("uint8",) * 6 + ("bf16",),
+                    _MOE_ATTRS | ({"activations": activations} if a8 else {}), _MXFP4_PORTS)
     return Case("moe", f"N{N}-k16-E896-L3584-I3072", dims, ("bf16", "bf16", "bf16", "fp32", "bf16", "bf16", "bf16"),
                 _MOE_ATTRS, _MOE_PORTS)
 
@@ -150,13 +155,15 @@ def moe_case(N: int, *, packed: bool = False) -> Case:
 def cases() -> list[Case]:
     """K3's shapes: KDA decode and prefill (B = 1 and 64, H = 96, K = V = 128, bf16, K3's gate bound), the
     unbounded-gate variant for reference, the fused KDA decode step at batch 1, 64 and 256, AttnRes over 8 bank entries at d = 7168, the latent MoE's experts
-    dense and MXFP4 at `MOE_TOKENS` tokens (top-16 over 896 experts, latent 3584, intermediate 3072)."""
+    dense, MXFP4 and MXFP4 with MXFP8 activations (W4A8) at `MOE_TOKENS` tokens (top-16 over 896 experts, latent
+    3584, intermediate 3072)."""
     return [
         kda_case(1, 1), kda_case(64, 1), kda_case(1, 4096), kda_case(64, 4096),
         kda_case(1, 4096, gate_lower_bound=None), decode_case(1), decode_case(64), decode_case(256),
         Case("attn_res", "R4096-N8-d7168", {"R": 4096, "N": 8, "d": 7168}, ("bf16", "bf16", "fp32", "fp32"),
              {"eps": 1e-6}, _AR_PORTS),
         *(moe_case(N, packed=p) for p in (False, True) for N in MOE_TOKENS),
+        *(moe_case(N, packed=True, activations="mxfp8") for N in MOE_TOKENS),
     ]
 
 
@@ -179,8 +186,16 @@ def _tool(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
+_MMA = re.compile(r"\b(?:wgmma\.mma_async|tcgen05\.mma|mma\.sync)[\w.:]*")
+
+
+def mma_kinds(ptx: str) -> str:
+    """The distinct MMA instructions of a PTX (".sync.aligned" dropped), sorted, comma-separated."""
+    return ",".join(sorted({m.group(0).replace(".sync.aligned", "") for m in _MMA.finditer(ptx)}))
+
+
 def read_cubin(cubin: bytes, ptx: str, kernel: str) -> dict:
-    """Registers, stack, LDL/STL and SASS instruction counts of one cubin; wgmma/TMA from its PTX."""
+    """Registers, stack, LDL/STL and SASS instruction counts of one cubin; MMA kinds and TMA from its PTX."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -195,7 +210,8 @@ def read_cubin(cubin: bytes, ptx: str, kernel: str) -> dict:
     ops = [i.split(".")[0] for i in instrs]
     return {"regs": int(m.group(1)), "stack": int(m.group(2)), "spill_ld": ops.count("LDL"),
             "spill_st": ops.count("STL"), "sass": len(instrs), "wgmma": "wgmma.mma_async" in ptx,
-            "tcgen05": "tcgen05.mma" in ptx, "mx_mma": "block_scale" in ptx, "tma": "cp.async.bulk.tensor" in ptx}
+            "tcgen05": "tcgen05.mma" in ptx, "mx_mma": "block_scale" in ptx, "tma": "cp.async.bulk.tensor" in ptx,
+            "mma": mma_kinds(ptx)}
 
 
 def _types(case: Case, plan, launch) -> dict:
@@ -252,7 +268,7 @@ def measure_case(case: Case, sm: SM, *, kernels: tuple[str, ...] | None = None) 
 
 COLUMNS = ("family", "case", "kernel", "sm", "warps", "stages", "regs", "stack", "spill_ld", "spill_st", "shared",
            "ctas_per_sm", "limited_by", "grid_ctas", "waves", "wgmma", "tcgen05", "mx_mma", "tma",
-           "sass", "extra")
+           "mma", "sass", "extra")
 
 
 def markdown(rows: list[Resources]) -> str:

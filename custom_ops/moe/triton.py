@@ -381,10 +381,10 @@ def padded_rows(NK: int, E: int, BM: int) -> int:
 
 SWAP_BELOW = 64  # rows per block below which the grouped GEMMs swap A and B (weight rows on the MMA's M side)
 
-# Compiled resources of the grouped GEMMs on sm_90a at K3's configurations (triton 3.8, bf16 activations;
-# tests/bench/test_kernel_resources.py recompiles them and holds them to these numbers):
-# (kernel, BM, BN, BK, warps, stages) -> (registers per thread, dynamic shared memory bytes). The persistent
-# grid is SM90_SMS × the CTAs per SM these allow; a configuration not listed gets one CTA per SM.
+# Compiled resources of the grouped GEMMs on sm_90a at K3's configurations (triton 3.8, bf16 activations, and
+# MXFP8 ones into the MXFP4 experts; tests/bench/test_kernel_resources.py recompiles them and holds them to these
+# numbers): `resource_key` -> (registers per thread, dynamic shared memory bytes). The persistent grid is
+# SM90_SMS × the CTAs per SM these allow; a configuration not listed gets one CTA per SM.
 GEMM_RESOURCES_SM90: dict[tuple, tuple[int, int]] = {
     ("_moe_gemm1_kernel", 16, 64, 64, 4, 3): (72, 55296), ("_moe_gemm2_kernel", 16, 128, 64, 4, 3): (47, 55320),
     ("_moe_gemm1_kernel", 64, 128, 64, 8, 3): (128, 122880), ("_moe_gemm2_kernel", 64, 128, 64, 4, 3): (124, 73752),
@@ -392,15 +392,21 @@ GEMM_RESOURCES_SM90: dict[tuple, tuple[int, int]] = {
     ("_moe_mxfp4_gemm2_kernel", 16, 64, 64, 4, 3): (78, 10384),
     ("_moe_mxfp4_gemm1_kernel", 64, 64, 64, 8, 3): (214, 40960),
     ("_moe_mxfp4_gemm2_kernel", 64, 64, 64, 4, 3): (104, 36880),
+    # Hopper W4A8 (MXFP8 activations, e4m3 wgmma: the "fp8" entries)
+    ("_moe_mxfp4_gemm1_kernel", 16, 32, 32, 4, 3, "fp8"): (128, 4096),
+    ("_moe_mxfp4_gemm2_kernel", 16, 64, 32, 4, 3, "fp8"): (68, 4624),
+    ("_moe_mxfp4_gemm1_kernel", 64, 64, 32, 8, 3, "fp8"): (226, 14336),
+    ("_moe_mxfp4_gemm2_kernel", 64, 64, 32, 8, 3, "fp8"): (128, 14352),
 }
 
 
-def gemm_config(BM: int, L: int, I: int, elem_bytes: int, packed: bool) -> dict:
+def gemm_config(BM: int, L: int, I: int, elem_bytes: int, packed: bool, fp8: bool = False) -> dict:
     """Tiles of the two grouped GEMMs at BM rows per block. Swap-AB below `SWAP_BELOW` rows (decode): the tile
     is R weight rows × BM tokens, GEMM1's R = 2·BN gate and up rows interleaved (one wide dot), 4 warps.
     Otherwise BM × R with GEMM1's R = 2·BN columns; MXFP4 tiles are half as wide (their weights are decoded in
-    registers, [BK, R] fp32 values per step)."""
-    BK = 64 if elem_bytes <= 2 else 32
+    registers, [BK, R] fp32 values per step). `fp8` (Hopper W4A8, packed): k steps of one 32-wide scale block,
+    GEMM2's prefill tile on 8 warps (128 registers, 2 CTAs per SM; 219 on 4 warps)."""
+    BK = 64 if elem_bytes <= 2 and not fp8 else 32
     np2 = triton.next_power_of_2
     if BM < SWAP_BELOW:
         rows = 64 if packed else 128
@@ -409,15 +415,22 @@ def gemm_config(BM: int, L: int, I: int, elem_bytes: int, packed: bool) -> dict:
     else:
         wide = 64 if packed else 128
         g1 = {"BN": min(wide, max(16, np2(I))), "num_warps": 8}
-        g2 = {"BN": min(wide, max(16, np2(L))), "num_warps": 8 if BM >= 128 else 4}
+        g2 = {"BN": min(wide, max(16, np2(L))), "num_warps": 8 if BM >= 128 or fp8 else 4}
     common = {"BK": BK, "GROUP_M": 8, "num_stages": 3, "SWAP": BM < SWAP_BELOW}
     return {"gemm1": g1 | common, "gemm2": g2 | common}
 
 
-def persistent_ctas(kernel: str, BM: int, g: dict) -> int:
+def resource_key(kernel: str, constexprs: dict, num_warps: int, num_stages: int) -> tuple:
+    """A grouped GEMM launch's key into `GEMM_RESOURCES_SM90`: (kernel, BM, BN, BK, warps, stages), "fp8" last
+    for the Hopper W4A8 kernels (constexpr F8)."""
+    c = constexprs
+    return (kernel, c["BM"], c["BN"], c["BK"], num_warps, num_stages) + (("fp8",) if c.get("F8") else ())
+
+
+def persistent_ctas(key: tuple, num_warps: int) -> int:
     """Programs of a persistent grouped GEMM: SM90_SMS × its CTAs per SM from `GEMM_RESOURCES_SM90`."""
-    res = GEMM_RESOURCES_SM90.get((kernel, BM, g["BN"], g["BK"], g["num_warps"], g["num_stages"]))
-    return SM90_SMS * (ctas_per_sm(*res, g["num_warps"]) if res else 1)
+    res = GEMM_RESOURCES_SM90.get(key)
+    return SM90_SMS * (ctas_per_sm(*res, num_warps) if res else 1)
 
 
 def moe_launch_config(N: int, top_k: int, E: int, L: int, I: int, elem_bytes: int = 2, packed: bool = False) -> dict:
@@ -466,7 +479,7 @@ def plan(d: dict, dtypes: list[str], attrs: dict) -> Plan:
     skip; EG = E and offset 0 on one GPU. `attrs`: the op's hyper-parameters (top_k, routed_scaling_factor,
     renormalize, activation, situ_beta, situ_linear_beta; the MXFP4 family's `activations`, "mxfp8" quantizing
     both GEMMs' activation tiles), specialised into the code; `sm`: the target (90 if absent; the MXFP4 GEMMs
-    use native FP4 MMAs from 100); `block_m` overrides BM, `gemm_programs` the
+    use native FP4 MMAs from 100, FP8 MMAs on 90 with "mxfp8"); `block_m` overrides BM, `gemm_programs` the
     persistent GEMMs' grid size (tests). Workspace: s [N, EG] fp32, ids [N·k] int64, wts [N·k]
     fp32, counts/offsets [NB, E] int32, sorted_pair [P] int32, block_expert [P/BM] int32, h [P, I] and
     y [N·k, L] (z's dtype), P = padded_rows(N·k, E, BM)."""
@@ -485,10 +498,11 @@ def build_plan(d: dict, dtypes: list[str], attrs: dict, gemms: dict, *, packed: 
     # upcasts to kind::f16 at 64): 128 activation rows per block at prefill (the packed tiles' width: no
     # spills), the dense tiles' 128 weight rows in swap-AB at decode (the codes reach the MMA undecoded)
     mx = a8 and sm >= 100
+    f8 = a8 and 90 <= sm < 100  # Hopper W4A8: e4m3 wgmma, the E8M0 scales applied per 32-wide k step
     if mx and SWAP_BELOW <= BM < 128 and not attrs.get("block_m"):
         BM = 128
     c = moe_launch_config(max(int(d["N"]), 1), k, E, L, I, ITEMSIZE[dtypes[1]], packed) | gemm_config(
-        BM, L, I, ITEMSIZE[dtypes[1]], packed and not (mx and BM < SWAP_BELOW))
+        BM, L, I, ITEMSIZE[dtypes[1]], packed and not (mx and BM < SWAP_BELOW), fp8=f8)
     r, a, g1, g2, su = c["router"], c["align"], c["gemm1"], c["gemm2"], c["sum"]
     t = moe_launch_config(1, k, EG, L, I)["topk"]  # top-k over all EG experts
     static = {"d": D, "L": L, "E": E, "I": I, "EG": EG}
@@ -512,18 +526,20 @@ def build_plan(d: dict, dtypes: list[str], attrs: dict, gemms: dict, *, packed: 
     def gemm(name: str, cols: int, g: dict, constexprs: dict) -> Launch:
         """A persistent grouped GEMM: min(tiles, SMs × CTAs per SM) programs walking the tiles."""
         kernel, args = gemms[name]
-        ctas = int(attrs.get("gemm_programs") or persistent_ctas(kernel.fn.__name__, BM, g))
         tiles = lambda x: num_m(x) * cdiv(cols, g["BN"])  # noqa: E731
         scaled = packed and sm >= 100 and (a8 or z_t in ("bf16", "fp16"))
-        if packed:  # native MXFP4 MMA (tl.dot_scaled) on sm_100+ with 16-bit or MXFP8 activations; decode else
-            constexprs = constexprs | {"SCALED": scaled, "AFMT": "e4m3" if a8 else z_t, "A8": a8}
+        if packed:  # native MXFP4 MMA (tl.dot_scaled) on sm_100+ with 16-bit or MXFP8 activations; Hopper W4A8:
+            # FP8 MMAs (F8); decode else
+            constexprs = constexprs | {"SCALED": scaled, "AFMT": "e4m3" if a8 else z_t, "A8": a8, "F8": f8}
         if "TMA" in kernel.arg_names:  # GEMM2's weights: rows of I elements (I/2 bytes packed), 16-byte strides;
             # not with dot_scaled (8 B of spills at K3's prefill on sm_100a)
             row_bytes = I // 2 if packed else I * ITEMSIZE[w_t]
             constexprs = constexprs | {"TMA": sm >= 90 and row_bytes % 16 == 0 and not scaled}
-        return launch(kernel, args, constexprs | {"BM": BM, "BN": g["BN"], "BK": g["BK"], "GROUP_M": g["GROUP_M"],
-                                                  "SWAP": g["SWAP"], "IEEE": _ieee(z_t, w_t)},
-                      lambda x: (min(tiles(x), ctas), 1, 1), g)
+        constexprs = constexprs | {"BM": BM, "BN": g["BN"], "BK": g["BK"], "GROUP_M": g["GROUP_M"], "SWAP": g["SWAP"],
+                                   "IEEE": _ieee(z_t, w_t)}
+        key = resource_key(kernel.fn.__name__, constexprs, g["num_warps"], g["num_stages"])
+        ctas = int(attrs.get("gemm_programs") or persistent_ctas(key, g["num_warps"]))
+        return launch(kernel, args, constexprs, lambda x: (min(tiles(x), ctas), 1, 1), g)
 
     num_m = lambda x: sizes(x)["num_m"]  # noqa: E731
     nb = lambda x: sizes(x)["NB"]  # noqa: E731

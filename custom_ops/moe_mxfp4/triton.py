@@ -1,5 +1,6 @@
 """Routed MoE on MXFP4-packed experts: Triton grouped GEMMs that read the packed nibbles and E8M0 scales, decode
-them in registers (Hopper) or hand them to `tl.dot_scaled` (sm_100+). Never imports `reference.py`.
+them in registers (Hopper), re-code them to E4M3 for FP8 MMAs (Hopper, MXFP8 activations) or hand them to
+`tl.dot_scaled` (sm_100+). Never imports `reference.py`.
 
 The plan is `custom_ops/moe/triton.build_plan` (router, top-k, align, GEMM1, GEMM2, sum; same workspace and
 grid rules) with its two GEMM launches swapped for the packed ones below and their own tiles; the routing,
@@ -29,8 +30,14 @@ saturation by a clamp), blocks of 32 along K lying inside a BK tile (BK is 32 or
 sm_100+ the E4M3 codes and their E8M0 bytes go to `tl.dot_scaled` with the E2M1 weights (both operands
 block-scaled: tcgen05 kind::mxf8f6f4, which needs 128 rows on the MMA's M side — the plan gives W4A8 tiles 128
 activation rows at prefill and 128 weight rows in swap-AB at decode; compiled for sm_100a: block-scaled MMA and
-no spills at N = 1 .. 4096, tests/bench/test_kernel_resources.py); elsewhere the quantized values (E4M3 × 2^s,
-exact in fp32 and bf16) take the decode path above.
+no spills at N = 1 .. 4096, tests/bench/test_kernel_resources.py). On sm_90 (F8, `_fp8_dot`) every k step is one
+scale block (BK = 32): the activation codes and the E2M1 weights re-coded to E4M3 by bit operations (every E2M1
+value is an E4M3 value) go as float8e4nv into one FP8 MMA from zero (wgmma e4m3 × e4m3, k = 32, fp32 out; both
+operands k-contiguous, as fp8 wgmma requires), and the partial is scaled by the two blocks' 2^(e − 127) in
+registers — by the activation's first (partial × 2^s_a is Σ a_i · code_i), then the weight row's — and added to
+the fp32 accumulator. Compiled for sm_90a: wgmma e4m3 in both GEMMs, no spills at N = 1 .. 4096
+(tests/bench/test_kernel_resources.py). Elsewhere (sm < 90) the quantized values (E4M3 × 2^s, exact in fp32 and
+bf16) take the decode path above.
 """
 
 from __future__ import annotations
@@ -110,15 +117,49 @@ def _mxfp8_values(a, BM: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _packed_dot(a, byte, s, acc, R: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr, IEEE: tl.constexpr,
-                SCALED: tl.constexpr, AFMT: tl.constexpr, A8: tl.constexpr):
-    """One k step against a packed [R, BK] weight tile (see `tile_dot` for a, acc and SWAP). SCALED (sm_100+,
-    16-bit a, or A8): `tl.dot_scaled`, E2M1 codes with their E8M0 scales against a in AFMT (A8: a's MXFP8 codes
-    and scales, AFMT "e4m3"). Else (Hopper, fp32): decode in registers — the low and high nibbles as two
-    [R, BK/2] halves interleaved (k = 2i + high), no per-element index math for the compiler to carry into the
-    MMA operand's layout — and a plain dot (A8: on a's MXFP8 values)."""
+def _e4m3_code(code):
+    """int32 E2M1 code (sign in bit 3) -> the E4M3 byte of the same value, exactly: magnitudes 2 .. 7 (1 .. 6)
+    are E4M3's exponent and mantissa shifted by two bits plus 0x30 (bias 7 against E2M1's 1), 1 (0.5) is 0x30,
+    0 is 0; the sign moves to bit 7."""
+    mag = code & 7
+    return tl.where(mag < 2, mag * 0x30, (mag << 2) + 0x30) | ((code & 8) << 4)
+
+
+@triton.jit
+def _fp8_dot(a, byte, s, acc, R: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr):
+    """sm_90 W4A8 k step over one 32-wide scale block (BK == 32): a's MXFP8 codes and the E2M1 weights re-coded
+    to E4M3 (`_e4m3_code`), both float8e4nv, into one FP8 MMA (wgmma e4m3 × e4m3, fp32 out) from zero; the
+    partial × 2^(a's block exponent) × 2^(the weight row's) is added to acc outside the MMA (an activation block
+    holding a NaN or an infinity scales by NaN, as the quantizer's 0xFF)."""
+    tl.static_assert(BK == 32, "one E8M0 scale block per k step")
     BM: tl.constexpr = a.shape[0]
-    if SCALED:
+    p, e = _mxfp8(a, BM, BK)
+    a8 = p.to(tl.float8e4nv)  # p is on the E4M3 grid: exact
+    code = byte.to(tl.int32)
+    b8 = tl.reshape(tl.join(_e4m3_code(code & 15), _e4m3_code(code >> 4)), [R, BK]).to(tl.uint8)
+    b8 = b8.to(tl.float8e4nv, bitcast=True)
+    x_a = tl.where(e == 128, float("nan"), _e8m0(e + 127))  # [BM, 1]
+    x_b = _e8m0(s.to(tl.int32))  # [R, 1]
+    if SWAP:  # the scales as row and column vectors of the partial (no [R, BM] scale tile to lay out)
+        acc += tl.dot(b8, tl.trans(a8)) * tl.trans(x_a) * x_b
+    else:
+        acc += tl.dot(a8, tl.trans(b8)) * x_a * tl.trans(x_b)
+    return acc
+
+
+@triton.jit
+def _packed_dot(a, byte, s, acc, R: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr, IEEE: tl.constexpr,
+                SCALED: tl.constexpr, AFMT: tl.constexpr, A8: tl.constexpr, F8: tl.constexpr):
+    """One k step against a packed [R, BK] weight tile (see `tile_dot` for a, acc and SWAP). F8 (sm_90 with A8):
+    `_fp8_dot`. SCALED (sm_100+, 16-bit a, or A8): `tl.dot_scaled`, E2M1 codes with their E8M0 scales against a
+    in AFMT (A8: a's MXFP8 codes and scales, AFMT "e4m3"). Else (Hopper's 16-bit a, fp32, A8 below sm_90):
+    decode in registers — the low and high nibbles as two [R, BK/2] halves interleaved (k = 2i + high), no
+    per-element index math for the compiler to carry into the MMA operand's layout — and a plain dot (A8: on a's
+    MXFP8 values)."""
+    BM: tl.constexpr = a.shape[0]
+    if F8:
+        acc = _fp8_dot(a, byte, s, acc, R, BK, SWAP)
+    elif SCALED:
         a_s = None
         if A8:
             p, e = _mxfp8(a, BM, BK)
@@ -145,7 +186,7 @@ def _moe_mxfp4_gemm1_kernel(
     beta1, beta2,
     TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     ACT: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr, SCALED: tl.constexpr, AFMT: tl.constexpr,
-    A8: tl.constexpr = False,
+    A8: tl.constexpr = False, F8: tl.constexpr = False,
 ):
     num_n = tl.cdiv(I, BN)
     o_j = tl.arange(0, 2 * BN)  # wide operand row j: gate (w1, even j) or up (w3, odd j) of unit j // 2
@@ -163,7 +204,7 @@ def _moe_mxfp4_gemm1_kernel(
             for k0 in range(0, L, BK):
                 a = tl.load(a_ptr + k0, mask=valid[:, None] & (o_k[None, :] < L - k0), other=0.0)
                 byte, s = _load_packed(w1 + d3, w1s + ds3, rows, k0, L, o_n < I, BK)  # [2·BN, BK/2], [2·BN, BK/32]
-                acc = _packed_dot(a, byte, s, acc, 2 * BN, BK, SWAP, IEEE, SCALED, AFMT, A8)
+                acc = _packed_dot(a, byte, s, acc, 2 * BN, BK, SWAP, IEEE, SCALED, AFMT, A8, F8)
             store_h(h, tile_out(acc, SWAP), o_m, pid_n, I, beta1, beta2, BM, BN, ACT)
 
 
@@ -174,6 +215,7 @@ def _moe_mxfp4_gemm2_kernel(
     NK, I, L, E, num_m,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr,
     SWAP: tl.constexpr, SCALED: tl.constexpr, AFMT: tl.constexpr, TMA: tl.constexpr, A8: tl.constexpr = False,
+    F8: tl.constexpr = False,
 ):
     num_n = tl.cdiv(L, BN)
     o_j = tl.arange(0, BN)
@@ -197,7 +239,7 @@ def _moe_mxfp4_gemm2_kernel(
                     s = _load_scales(w2s, rows, k0, I, o_n < L, BK)
                 else:
                     byte, s = _load_packed(w2, w2s, rows, k0, I, o_n < L, BK)
-                acc = _packed_dot(a, byte, s, acc, BN, BK, SWAP, IEEE, SCALED, AFMT, A8)
+                acc = _packed_dot(a, byte, s, acc, BN, BK, SWAP, IEEE, SCALED, AFMT, A8, F8)
             store_y(y, tile_out(acc, SWAP), topk_w, pair, valid, pid_n, L, BN)
 
 

@@ -136,30 +136,62 @@ def test_moe_gemms_persistent_in_one_wave(k3_moe_gemms):
         assert r.grid_ctas == H200.sms * r.ctas_per_sm, (kernel, r.grid_ctas, r.ctas_per_sm)
 
 
-def test_moe_gemm_resource_table_matches_the_compiler(k3_moe_gemms):
-    """The table the persistent grids are sized from is what the compiler produces at K3's configurations."""
+def _table_matches_the_compiler(cases: list, rows: dict) -> None:
+    """Every GEMM launch of the cases' plans has the (registers, shared memory) it compiled to in
+    `GEMM_RESOURCES_SM90` (`rows`: (N, kernel) -> measured)."""
     from k3x.custom_ops.moe import triton as mt
 
-    for N, packed in ((1, False), (4096, False), (1, True), (4096, True)):
-        case = kr.moe_case(N, packed=packed)
+    for case in cases:
         for x in kr.family_plan(case).select(case.dims).launches:
             if x.kernel_name not in MOE_GEMMS:
                 continue
-            c = x.constexprs
-            r = k3_moe_gemms[(N, x.kernel_name)]
-            assert mt.GEMM_RESOURCES_SM90[(x.kernel_name, c["BM"], c["BN"], c["BK"], x.num_warps, x.num_stages)] == (
-                r.regs, r.shared), (x.kernel_name, N)
+            r = rows[(case.dims["N"], x.kernel_name)]
+            key = mt.resource_key(x.kernel_name, x.constexprs, x.num_warps, x.num_stages)
+            assert mt.GEMM_RESOURCES_SM90[key] == (r.regs, r.shared), (key, r.regs, r.shared)
+
+
+def test_moe_gemm_resource_table_matches_the_compiler(k3_moe_gemms):
+    """The table the persistent grids are sized from is what the compiler produces at K3's configurations."""
+    _table_matches_the_compiler([kr.moe_case(N, packed=p) for N in (1, 4096) for p in (False, True)], k3_moe_gemms)
+
+
+@pytest.fixture(scope="module")
+def k3_w4a8_gemms():
+    """The MXFP4 GEMMs with MXFP8 activations (W4A8) at K3's decode (N = 1) and prefill (N = 4096) shapes,
+    sm_90a."""
+    rows = {}
+    for N in (1, 4096):
+        for r in kr.measure_case(kr.moe_case(N, packed=True, activations="mxfp8"), H200, kernels=MOE_GEMMS[2:]):
+            assert not r.error, (r.case, r.kernel, r.error)
+            rows[(N, r.kernel)] = r
+    assert len(rows) == 4
+    return rows
+
+
+def test_w4a8_gemms_use_fp8_wgmma_on_sm90a(k3_w4a8_gemms):
+    """activations="mxfp8" on Hopper: both packed GEMMs take their MXFP8 codes and the E4M3-recoded weights
+    into FP8 wgmma (e4m3 × e4m3, k = 32: one E8M0 block per MMA, scales applied outside it) and into no other
+    MMA, at decode (swap-AB) and prefill; no spills, one persistent wave."""
+    for (N, kernel), r in k3_w4a8_gemms.items():
+        kinds = r.mma.split(",")
+        assert all(k.startswith("wgmma.mma_async.") and k.endswith("k32.f32.e4m3.e4m3") for k in kinds), (
+            N, kernel, r.mma)
+        assert not r.spills and r.waves <= 1.0, (N, kernel, r.stack, r.spill_ld, r.spill_st, r.waves)
+
+
+def test_w4a8_resource_table_matches_the_compiler(k3_w4a8_gemms):
+    """The Hopper W4A8 GEMMs' persistent grids are sized from their own ("fp8") entries, which are what the
+    compiler produces."""
+    _table_matches_the_compiler([kr.moe_case(N, packed=True, activations="mxfp8") for N in (1, 4096)],
+                                k3_w4a8_gemms)
 
 
 def test_w4a8_gemms_use_block_scaled_mma_on_sm100a():
     """activations="mxfp8": both packed GEMMs quantize their activation tiles and hand E4M3 codes + E8M0 scales
     with the E2M1 weights to tcgen05's block-scaled MMA (kind::mxf8f6f4) at decode (swap-AB, 128 weight rows)
     and prefill (128 activation rows), without spills."""
-    from dataclasses import replace
-
     for N in (1, 4096):
-        case = kr.moe_case(N, packed=True)
-        case = replace(case, attrs=dict(case.attrs) | {"activations": "mxfp8"})
+        case = kr.moe_case(N, packed=True, activations="mxfp8")
         rows = kr.measure_case(case, kr.SMS[100], kernels=MOE_GEMMS[2:])
         assert len(rows) == 2
         for r in rows:

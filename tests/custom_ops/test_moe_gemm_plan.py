@@ -18,10 +18,10 @@ DENSE = ["bf16", "bf16", "bf16", "fp32", "bf16", "bf16", "bf16", "bf16"]
 PACKED = ["bf16", "bf16", "bf16", "fp32"] + ["uint8"] * 6 + ["bf16"]
 
 
-def _gemms(family: str, N: int, sm: int = 90, dtypes: list[str] | None = None) -> tuple[dict, list]:
+def _gemms(family: str, N: int, sm: int = 90, dtypes: list[str] | None = None, **attrs) -> tuple[dict, list]:
     mod, dts = (dense, DENSE) if family == "moe" else (packed, PACKED)
     d = dict(K3, N=N)
-    plan = mod.plan(d, dtypes or dts, ATTRS | {"sm": sm})
+    plan = mod.plan(d, dtypes or dts, ATTRS | {"sm": sm} | attrs)
     return d, [x for x in plan.select(d).launches if "gemm" in x.kernel_name], plan
 
 
@@ -43,15 +43,17 @@ def test_swap_ab_below_64_rows_per_block(family, N, swap):
     assert all((x.constexprs["BM"] < dense.SWAP_BELOW) == swap for x in gemms)
 
 
-@pytest.mark.parametrize("family", ["moe", "moe_mxfp4"])
+@pytest.mark.parametrize("family, activations", [("moe", "bf16"), ("moe_mxfp4", "bf16"), ("moe_mxfp4", "mxfp8")])
 @pytest.mark.parametrize("N", [1, 64, 4096])
-def test_persistent_grid_from_compiled_resources(family, N):
-    """Each grouped GEMM launches min(tiles, 132 × CTAs per SM) programs, CTAs per SM from the sm_90a table."""
-    d, gemms, _ = _gemms(family, N)
+def test_persistent_grid_from_compiled_resources(family, activations, N):
+    """Each grouped GEMM launches min(tiles, 132 × CTAs per SM) programs, CTAs per SM from the sm_90a table
+    (the Hopper W4A8 GEMMs from their own "fp8" entries)."""
+    d, gemms, _ = _gemms(family, N, activations=activations)
     for x in gemms:
         c = x.constexprs
-        key = (x.kernel_name, c["BM"], c["BN"], c["BK"], x.num_warps, x.num_stages)
+        key = dense.resource_key(x.kernel_name, c, x.num_warps, x.num_stages)
         assert key in dense.GEMM_RESOURCES_SM90, key
+        assert (key[-1] == "fp8") == (activations == "mxfp8"), key
         cap = SM90_SMS * ctas_per_sm(*dense.GEMM_RESOURCES_SM90[key], x.num_warps)
         sizes = x.scalars(d)
         cols = d["I"] if "gemm1" in x.kernel_name else d["L"]
@@ -99,24 +101,33 @@ def test_tma_for_the_down_projection_weights(family, sm, dtypes, I, tma):
     assert gemm2.constexprs["TMA"] is tma and "TMA" not in gemm1.constexprs
 
 
-@pytest.mark.parametrize("sm, dtypes, scaled", [
-    (90, PACKED, False),  # Hopper: MXFP8 values from the prologue, decoded weights, bf16 MMA
-    (100, PACKED, True),  # Blackwell: E4M3 codes + E8M0 scales on both tl.dot_scaled operands
-    (100, ["fp32", "fp32", "fp32", "fp32"] + ["uint8"] * 6 + ["fp32"], True),  # fp32 z: quantized to E4M3 too
+FP32_PACKED = ["fp32", "fp32", "fp32", "fp32"] + ["uint8"] * 6 + ["fp32"]
+
+
+@pytest.mark.parametrize("sm, dtypes, scaled, f8", [
+    (90, PACKED, False, True),  # Hopper: E4M3 codes × E4M3-recoded weights, FP8 dots, scales per 32-wide k step
+    (90, FP32_PACKED, False, True),  # fp32 z: quantized to E4M3 too
+    (89, PACKED, False, False),  # before Hopper: MXFP8 values from the prologue into the decode path
+    (100, PACKED, True, False),  # Blackwell: E4M3 codes + E8M0 scales on both tl.dot_scaled operands
+    (100, FP32_PACKED, True, False),
 ])
-def test_mxfp8_activations_in_both_gemms(sm, dtypes, scaled):
+def test_mxfp8_activations_in_both_gemms(sm, dtypes, scaled, f8):
     """activations="mxfp8" (the plugin field / op argument) turns on the prologue quantizer (A8) in both packed
-    GEMMs; from sm_100 both operands go block-scaled into tl.dot_scaled (AFMT e4m3), whatever z's dtype."""
+    GEMMs, whatever z's dtype; from sm_100 both operands go block-scaled into tl.dot_scaled (AFMT e4m3), on sm_90
+    into FP8 dots one E8M0 block (BK = 32) at a time (F8)."""
     for N in (1, 4096):
         d = dict(K3, N=N)
         plan = packed.plan(d, dtypes, ATTRS | {"sm": sm, "activations": "mxfp8"})
         gemms = [x for x in plan.select(d).launches if "gemm" in x.kernel_name]
-        assert [(x.constexprs["A8"], x.constexprs["SCALED"]) for x in gemms] == [(True, scaled)] * 2
+        assert [(x.constexprs["A8"], x.constexprs["SCALED"], x.constexprs["F8"]) for x in gemms] == [
+            (True, scaled, f8)] * 2
         assert {x.constexprs["AFMT"] for x in gemms} == {"e4m3"}
         if scaled:
             assert not gemms[1].constexprs["TMA"]
-    _, gemms, _ = _gemms("moe_mxfp4", 1, sm, dtypes)  # bf16 activations: no quantizer
-    assert [x.constexprs["A8"] for x in gemms] == [False, False]
+        if f8:
+            assert {x.constexprs["BK"] for x in gemms} == {32}
+    _, gemms, _ = _gemms("moe_mxfp4", 1, sm, dtypes)  # bf16 activations: no quantizer, today's path
+    assert [(x.constexprs["A8"], x.constexprs["F8"]) for x in gemms] == [(False, False)] * 2
 
 
 @pytest.mark.parametrize("sm, bm, rows", [(90, 64, 64), (100, 128, 128)])

@@ -156,6 +156,26 @@ def test_moe_aot_kernels_sm90():
     assert "P" in ks["_moe_align_scan_kernel"].divisible
 
 
+def test_moe_mxfp4_plugin_plans_the_ops_w4a8_gemms():
+    """The MoEMXFP4 plugin plans for its build target (attrs["sm"], as `adapter` passes it) exactly as the op's
+    Triton path does: with the activations field "mxfp8", FP8-dot GEMMs on sm_90 (F8: compiled to wgmma e4m3 in
+    tests/bench/test_kernel_resources.py) and block-scaled ones on sm_100; "bf16" keeps the decode path."""
+    from k3x.custom_ops.moe import triton as dense
+    from k3x.custom_ops.moe_mxfp4 import triton as kt
+
+    spec, d = SPECS["MoEMXFP4"], MOE_DIMS[1]
+    types = ["bf16"] * 3 + ["fp32"] + ["int8"] * 6 + ["int32", "bf16"]  # the byte ports as TensorRT passes them
+    op_attrs = dense.plan_attrs(2, 1.5, True, "situ", 4.0, 25.0)
+    gemms = lambda plan: [x for x in plan.select(d).launches if "gemm" in x.kernel_name]  # noqa: E731
+    for activations, sm, f8, scaled in (("mxfp8", 90, True, False), ("mxfp8", 100, False, True),
+                                        ("bf16", 90, False, False)):
+        plugin = gemms(spec.plan(d, types, spec.attrs(MOE_ATTRS | {"activations": activations}) | {"sm": sm}))
+        assert [(x.constexprs["F8"], x.constexprs["SCALED"]) for x in plugin] == [(f8, scaled)] * 2
+        op = gemms(kt.plan(d, types, op_attrs | {"sm": sm, "activations": activations}))
+        assert [(x.kernel_name, x.constexprs, x.num_warps) for x in plugin] == [
+            (x.kernel_name, x.constexprs, x.num_warps) for x in op]
+
+
 def test_moe_tma_scratch_carved_from_the_workspace():
     """GEMM2 reads w2 through a TMA descriptor built on the device: 128 B of global scratch per program, which
     run_plan passes right after the plan's workspace and get_workspace_size counts at the max shape."""

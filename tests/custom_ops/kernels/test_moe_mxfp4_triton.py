@@ -127,19 +127,25 @@ def test_mxfp8_prologue_is_the_quantizer(device):
         assert torch.equal(out.cpu().nan_to_num(), want.nan_to_num())
 
 
-@pytest.mark.parametrize("block_m, sm", [(16, 90), (64, 90), (16, 100), (64, 100)])
-def test_packed_moe_mxfp8_matches_reference(block_m, sm, device):
-    """W4A8: both GEMMs quantize their activation tiles in the prologue; decode path (sm_90) and tl.dot_scaled
-    with E4M3 codes and E8M0 scales on both operands (sm_100), swap-AB and plain tiles, against the reference's
-    exact emulation — and MXFP8 changes the result (it is not a no-op)."""
+@pytest.mark.parametrize("N, L, I, block_m, sm", [
+    (37, 96, 64, 16, 90), (37, 96, 160, 64, 90),  # FP8 dots: swap-AB, plain tiles (L, I not multiples of BN)
+    (1, 96, 160, 16, 90),  # one token, I of five scale blocks
+    (37, 96, 64, 16, 100), (37, 96, 64, 64, 100),  # tl.dot_scaled
+    (37, 96, 64, 16, 80),  # no FP8 MMA: the MXFP8 values into the decode path
+])
+def test_packed_moe_mxfp8_matches_reference(N, L, I, block_m, sm, device):
+    """W4A8: both GEMMs quantize their activation tiles in the prologue; FP8 dots of E4M3 codes with the E8M0
+    scales applied per 32-wide k step (sm_90), tl.dot_scaled with E4M3 codes and E8M0 scales on both operands
+    (sm_100) and the decode path (below sm_90), swap-AB and plain tiles, against the reference's exact emulation
+    (fp32) — and MXFP8 changes the result (it is not a no-op)."""
     from test_moe_triton import run_with
 
     hyper = [2, 1.5, True, "situ", 4.0, 25.0]
-    args = _inputs(37, 16, 96, 64, 5, hot=2, device=device) + hyper
+    args = _inputs(N, 16, L, I, 5, hot=2, device=device) + hyper
     out = run_with(kernels, args, PORTS, {"block_m": block_m, "gemm_programs": 2, "sm": sm,
                                           "activations": "mxfp8"})
     want = reference.moe(*[a.cpu() if torch.is_tensor(a) else a for a in args], activations="mxfp8")
-    assert_close(out.cpu(), want, torch.float32, what=f"u BM={block_m} sm={sm}")
+    assert_close(out.cpu(), want, torch.float32, what=f"u N={N} I={I} BM={block_m} sm={sm}")
     plain = reference.moe(*[a.cpu() if torch.is_tensor(a) else a for a in args])
     assert (want - plain).abs().max() > 1e-3
 
@@ -149,3 +155,74 @@ def test_moe_entry_takes_the_activation_format(device):
     out = kernels.moe(*args, activations="mxfp8")
     assert_close(out.cpu(), reference.moe(*[a.cpu() if torch.is_tensor(a) else a for a in args],
                                          activations="mxfp8"), torch.float32, what="u")
+
+
+@triton.jit
+def _e4m3_code_kernel(out):
+    code = tl.arange(0, 16)
+    tl.store(out + code, kernels._e4m3_code(code).to(tl.uint8))
+
+
+def test_e2m1_codes_recoded_to_e4m3_exactly(device):
+    """The sm_90 W4A8 path re-codes every E2M1 code (both signs, 0.5 and the zeros included) to the E4M3 byte of
+    the same value: torch's float8_e4m3fn encoding, not the interpreter's fp8 emulation, is the judge."""
+    from k3x.custom_ops.moe_mxfp4.codec import E2M1
+
+    out = torch.empty(16, dtype=torch.uint8, device=device)
+    _e4m3_code_kernel[(1,)](out)
+    assert torch.equal(out.cpu(), torch.tensor(E2M1).to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+def _fp8_gemm2(h: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, swap: bool, BN: int) -> torch.Tensor:
+    """The packed GEMM2 on its sm_90 W4A8 path (F8: MXFP8 codes × E4M3-recoded weights, one 32-wide scale block per
+    FP8 dot) over one expert: h [NK, I] (NK a multiple of 16, every row a pair of weight 1) -> y [NK, L] fp32."""
+    (NK, I), L, dev = h.shape, packed.shape[1], h.device
+    y = torch.empty(NK, L, device=dev)
+    kernels._moe_mxfp4_gemm2_kernel[(NK // 16 * (L // BN),)](
+        h, packed.to(dev), scale.to(dev), torch.arange(NK, dtype=torch.int32, device=dev),
+        torch.zeros(NK // 16, dtype=torch.int32, device=dev), torch.ones(NK, device=dev), y, NK, I, L, 1, NK // 16,
+        BM=16, BN=BN, BK=32, GROUP_M=1, IEEE=True, SWAP=swap, SCALED=False, AFMT="e4m3", TMA=swap, A8=True, F8=True)
+    return y
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_fp8_tile_is_the_codec(swap, device):
+    """Weight side of the sm_90 W4A8 dot: every code byte and scale bytes 0 (2^-127) .. 252, a one-hot activation
+    (1.0: code 256 at scale 2^-8), eight k steps of which seven are zero blocks — each output column is the decoded
+    weight, bit for bit (activation scale applied first: 256·w·2^-8 is the E2M1 value before 2^(s − 127))."""
+    from k3x.custom_ops.moe_mxfp4.codec import dequantize
+
+    L, I = 32, 256
+    packed = torch.arange(256, dtype=torch.uint8).repeat(L, 1)[:, : I // 2][None].contiguous()
+    scale = (torch.arange(L * I // 32) % 253).to(torch.uint8).reshape(1, L, I // 32)
+    want = dequantize(packed, scale)[0]  # [L, I]
+    h = torch.zeros(16, I)
+    for row, i in enumerate((0, 77, 200, 255)):
+        h[row, i] = 1.0
+    y = _fp8_gemm2(h.to(device), packed, scale, swap, BN=32).cpu()
+    for row, i in enumerate((0, 77, 200, 255)):
+        assert torch.equal(y[row], want[:, i]), f"column {i}, swap {swap}"
+    assert not y[4:].any()
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_fp8_dot_is_the_quantizer(swap, device):
+    """Activation side of the sm_90 W4A8 dot, through the FP8 MMA: identity weights (code 1.0, scale 2^0), so
+    y = h's MXFP8 values — equal to mxfp8.fake_quantize bit for bit on every E4M3 value, tie and neighbour at
+    scales 2^-127 (subnormal fp32 scale), 2^-9, 2^0 and 2^119, zero, clamped (2^-140) and NaN/Inf blocks (a whole
+    NaN row, as the quantizer's 0xFF scale)."""
+    from mxfp8_cases import scale_blocks
+
+    from k3x.custom_ops.moe_mxfp4.mxfp8 import fake_quantize
+
+    rows = [torch.from_numpy(scale_blocks(s)) for s in (-127, -9, 0, 119)]
+    h = torch.cat(rows + [torch.zeros(1, 32), torch.full((1, 32), 2.0 ** -140), torch.randn(2, 32) * 1e3])
+    h = torch.cat([h, torch.zeros(-len(h) % 16, 32)])
+    h[-1, 3], h[-2, 30] = float("nan"), float("inf")
+    packed = torch.full((1, 32, 16), 0, dtype=torch.uint8)
+    packed[0, torch.arange(32), torch.arange(32) // 2] = torch.where(torch.arange(32) % 2 == 0, 0x02, 0x20).to(
+        torch.uint8)  # E2M1 code 2 (1.0) at k = n: low nibble for even n, high for odd
+    y = _fp8_gemm2(h.to(device), packed, torch.full((1, 32, 1), 127, dtype=torch.uint8), swap, BN=32).cpu()
+    want = fake_quantize(h)
+    assert torch.equal(y.isnan(), want.isnan())
+    assert torch.equal(y.nan_to_num(), want.nan_to_num())
