@@ -4,6 +4,8 @@ and a Reciprocal with another use survives."""
 
 from __future__ import annotations
 
+import functools
+
 import onnx
 import onnx_ir as ir
 import pytest
@@ -17,13 +19,21 @@ from tolerances import assert_close
 ort = pytest.importorskip("onnxruntime")
 
 
-def exported_norm() -> tuple[ir.Model, RMSNorm]:
+@functools.cache
+def _export() -> tuple[bytes, RMSNorm]:
     norm = RMSNorm(48, 1e-5)
     with torch.no_grad():
         norm.weight.copy_(1 + 0.1 * torch.randn(48, generator=torch.Generator().manual_seed(0)))
     x = torch.randn(1, 5, 48)
     ep = torch.export.export(norm, (x,), dynamic_shapes={"x": {1: torch.export.Dim("T")}})
-    return torch.onnx.export(ep, dynamo=True, opset_version=20, verbose=False).model, norm
+    model = torch.onnx.export(ep, dynamo=True, opset_version=20, verbose=False).model
+    return ir.serde.serialize_model(model).SerializeToString(), norm
+
+
+def exported_norm() -> tuple[ir.Model, RMSNorm]:
+    """A fresh copy of the exported RMSNorm (one export per session), and the module."""
+    data, norm = _export()
+    return ir.serde.deserialize_model(onnx.load_from_string(data)), norm
 
 
 def test_rms_norm_runs_as_one_fused_kernel_with_the_same_result(tmp_path):
