@@ -3,8 +3,9 @@
 
 1. pad: sequence b's rows become a [Tmax] row of a [B, Tmax] grid (Tmax = the step's longest sequence; a
    short sequence repeats its last row, masked out of its keys and never read back);
-2. past keys: the block table's blocks gathered per sequence, [B, MB*BS, L] — MB is the step's longest
-   sequence's block count, so nothing here grows with the pool;
+2. past keys: the first MBp = ceil(max(past_lens) / BS) blocks of the block table gathered per sequence,
+   [B, MBp*BS, L] -- only blocks holding past positions (a prefill reads none: MBp = 0), so nothing here
+   grows with the pool, nor with this step's own rows;
 3. scores over [past | step] (two MatMuls, no concatenated keys): past key j visible iff j < past_lens[b],
    step key s iff s <= t; one Softmax over both; o = p_past @ past[:C] + p_step @ step[:C];
 4. unpad: packed row n = grid cell (b, n - cu_seqlens[b]) with b = #{b' : cu_seqlens[b'+1] <= n}.
@@ -64,6 +65,14 @@ def _unpad(b: Body, o: str, starts: str, tmax: str) -> str:
     return b.op("Gather", rows, cell)
 
 
+def _past_blocks(b: Body) -> str:
+    """[1]: the blocks holding the step's past positions, ceil(max(past_lens) / BS): a prefill (no past) reads
+    none, a decode step no block beyond its last past position (the table also covers this step's rows)."""
+    most = b.op("ReduceMax", b.op("Cast", "past_lens", to=INT64), keepdims=1)
+    bs = b.op("Shape", "latent_pool", start=1, end=2)
+    return b.op("Div", b.op("Add", most, b.op("Sub", bs, b.ints(1))), bs)
+
+
 def function(opset_version: int, nodes: list) -> tuple[onnx.FunctionProto, dict[str, int]]:
     """The ONNX Runtime body and the extra opsets it imports (none)."""
     b = Body("MLAPaged", "pad")
@@ -72,7 +81,8 @@ def function(opset_version: int, nodes: list) -> tuple[onnx.FunctionProto, dict[
     q = b.op("Transpose", b.op("Gather", q, grid), perm=[0, 2, 1, 3])  # [B, H, Tmax, L]
     step = b.op("Unsqueeze", b.op("Cast", b.op("Gather", "latent", grid), to=FLOAT), b.ints(1))  # [B, 1, Tmax, L]
     b.step = "gather"
-    blocks = b.op("Gather", "latent_pool", "block_table", axis=0)  # [B, MB, BS, L]
+    table = b.op("Slice", "block_table", b.ints(0), _past_blocks(b), b.ints(1))  # [B, MBp]
+    blocks = b.op("Gather", "latent_pool", table, axis=0)  # [B, MBp, BS, L]
     past = b.op("Reshape", blocks, b.op("Concat", b.ints(0, 1, -1), b.op("Shape", "latent_pool", start=2), axis=0))
     past = b.op("Cast", past, to=FLOAT)  # [B, 1, MB*BS, L]
     b.step = "scores"

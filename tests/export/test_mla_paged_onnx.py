@@ -5,6 +5,8 @@ body reads the pool only through a Gather of the step's block table; the `trt` p
 
 from __future__ import annotations
 
+import functools
+
 import onnx
 import onnx_ir as ir
 import pytest
@@ -48,11 +50,17 @@ def _export() -> ir.Model:
                              opset_version=23, verbose=False).model
 
 
-@pytest.fixture(scope="module")
-def session():
+@functools.cache
+def session_proto() -> bytes:
     proto = ir.serde.serialize_model(ort_pass(_export()))
     onnx.checker.check_model(proto, full_check=True)
-    return proto, ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    return proto.SerializeToString()
+
+
+@pytest.fixture(scope="module")
+def session():
+    return onnx.load_from_string(session_proto()), ort.InferenceSession(session_proto(),
+                                                                        providers=["CPUExecutionProvider"])
 
 
 @pytest.mark.parametrize("seqs", [
@@ -73,9 +81,32 @@ def test_body_reads_the_pool_only_through_the_block_table(session):
     proto, _ = session
     (fn,) = [f for f in proto.functions if f.name == NODE.op_type]
     readers = [n.op_type for n in fn.node if "latent_pool" in n.input]
-    assert sorted(readers) == ["Gather", "Shape"], readers
+    assert sorted(readers) == ["Gather", "Shape", "Shape"], readers
     gather = next(n for n in fn.node if n.op_type == "Gather" and "latent_pool" in n.input)
-    assert list(gather.input) == ["latent_pool", "block_table"]
+    (table,) = [n for n in fn.node if gather.input[1] in n.output]
+    assert table.op_type == "Slice" and table.input[0] == "block_table"  # the table's first blocks only
+
+
+@pytest.mark.parametrize("seqs,blocks", [
+    pytest.param([(0, 11)], 0, id="prefill-reads-no-block"),
+    pytest.param([(5, 1), (0, 1), (12, 1)], 3, id="decode-reads-past-blocks-only"),  # the table has 4 (12 + 1 rows)
+])
+def test_body_gathers_only_the_blocks_holding_past_positions(seqs, blocks, tmp_path):
+    """ORT's profile of the pool Gather: [B, ceil(max past / BS), BS, L], not the table's MB blocks (which also
+    cover this step's rows): a prefill chunk with no past reads nothing from the pool."""
+    import json
+    from pathlib import Path
+
+    so = ort.SessionOptions()
+    so.enable_profiling, so.profile_file_prefix = True, str(tmp_path / "ort")
+    sess = ort.InferenceSession(session_proto(), so, providers=["CPUExecutionProvider"])
+    args = _inputs(seqs, seed=5)
+    (o,) = sess.run(None, {i.name: a.numpy() for i, a in zip(sess.get_inputs(), args)})
+    assert_close(torch.from_numpy(o), reference(*args, 0.3), torch.float32, f"{seqs}")
+    events = json.loads(Path(sess.end_profiling()).read_text())
+    shapes = [e["args"]["output_type_shape"][0]["float"] for e in events if e.get("cat") == "Node"
+              and "MLAPaged/gather/Gather" in e["name"] and e["name"].endswith("_kernel_time")]
+    assert shapes == [[len(seqs), blocks, BS, C + R]], shapes
 
 
 def test_trt_pass_keeps_the_bare_node_with_its_fields():

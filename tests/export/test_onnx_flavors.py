@@ -6,6 +6,9 @@ Each case is a one-node model built by hand (so the body is tested without the e
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -39,11 +42,16 @@ def one_node_model(op_type: str, inputs: dict[str, torch.Tensor], outputs: dict[
     return ir.serde.deserialize_model(proto)
 
 
-def run_ort(model: ir.Model, inputs: dict[str, torch.Tensor]) -> list[np.ndarray]:
+def run_ort(model: ir.Model, inputs: dict[str, torch.Tensor], profile: str | None = None) -> list[np.ndarray]:
+    """The `ort` flavor of `model` run on `inputs` (`profile`: a file prefix; the last run's session is
+    `run_ort.session`, for its end_profiling())."""
     proto = ir.serde.serialize_model(ort_pass(model))
     onnx.checker.check_model(proto, full_check=True)
-    sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
-    return sess.run(None, {n: t.numpy() for n, t in inputs.items()})
+    so = ort.SessionOptions()
+    if profile is not None:
+        so.enable_profiling, so.profile_file_prefix = True, profile
+    run_ort.session = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return run_ort.session.run(None, {n: t.numpy() for n, t in inputs.items()})
 
 
 @pytest.mark.parametrize("B,T,H,K,V", [
@@ -65,13 +73,34 @@ def test_kda_body_matches_reference(B, T, H, K, V):
     assert_close(torch.from_numpy(s), s_ref, torch.float32, "final_state")
 
 
-@pytest.mark.parametrize("N", [1, 3])
-def test_attn_res_body_matches_reference(N):
+def attn_res_inputs(B: int, T: int, N: int, d: int) -> dict[str, torch.Tensor]:
+    return {"prefix": torch.randn(B, T, d), "bank": torch.randn(B, T, N, d) * 3, "norm_weight": torch.randn(d),
+            "proj_weight": torch.randn(d)}
+
+
+@pytest.mark.parametrize("B,T,N", [(2, 5, 1), (2, 5, 3), (1, 1, 24)])
+def test_attn_res_body_matches_reference(B, T, N):
     d = 16
-    inputs = {"prefix": torch.randn(2, 5, d), "bank": torch.randn(2, 5, N, d) * 3, "norm_weight": torch.randn(d),
-              "proj_weight": torch.randn(d)}
-    (out,) = run_ort(one_node_model("AttnRes", inputs, {"out": (2, 5, d)}, eps=1e-5, hidden_size=d), inputs)
+    inputs = attn_res_inputs(B, T, N, d)
+    (out,) = run_ort(one_node_model("AttnRes", inputs, {"out": (B, T, d)}, eps=1e-5, hidden_size=d), inputs)
     assert_close(torch.from_numpy(out), attn_res(*inputs.values(), 1e-5), torch.float32, "attn_res")
+
+
+def test_attn_res_body_matmuls_are_2d_and_only_v_is_source_sized(tmp_path):
+    """ORT's profile of the AttnRes body: its MatMuls take 2-D operands (a 1-D one is ORT's slow per-row path,
+    ~30x at prefill) and no node but V's Concat writes a tensor the size of the sources (no normalised keys,
+    no weighted copy of V)."""
+    T, N, d = 40, 3, 32
+    inputs = attn_res_inputs(1, T, N, d)
+    (out,) = run_ort(one_node_model("AttnRes", inputs, {"out": (1, T, d)}, eps=1e-5, hidden_size=d), inputs,
+                     profile=str(tmp_path / "ort"))
+    assert_close(torch.from_numpy(out), attn_res(*inputs.values(), 1e-5), torch.float32, "attn_res")
+    nodes = [e for e in json.loads(Path(run_ort.session.end_profiling()).read_text())
+             if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+    matmuls = [e["args"]["input_type_shape"] for e in nodes if e["args"]["op_name"] == "MatMul"]
+    assert len(matmuls) == 2 and all(len(next(iter(s.values()))) >= 2 for m in matmuls for s in m), matmuls
+    big = sorted(e["args"]["op_name"] for e in nodes if int(e["args"]["output_size"]) >= 4 * T * (N + 1) * d)
+    assert big == ["Concat"], big
 
 
 @pytest.mark.parametrize("activation,renormalize,factor", [

@@ -1,0 +1,60 @@
+"""export/ort_rewrites.py: the `ort` flavor writes the model's rsqrt products as Div, so ONNX Runtime fuses the
+model's RMSNorm (model/layers.py) into one SimplifiedLayerNormalization kernel; the norm's result is unchanged
+and a Reciprocal with another use survives."""
+
+from __future__ import annotations
+
+import functools
+
+import onnx
+import onnx_ir as ir
+import pytest
+import torch
+
+from k3x.export.onnx_flavors import ort_pass
+from k3x.export.ort_rewrites import rsqrt_as_div
+from k3x.model.layers import RMSNorm
+from tolerances import assert_close
+
+ort = pytest.importorskip("onnxruntime")
+
+
+@functools.cache
+def _export() -> tuple[bytes, RMSNorm]:
+    norm = RMSNorm(48, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(48, generator=torch.Generator().manual_seed(0)))
+    x = torch.randn(1, 5, 48)
+    ep = torch.export.export(norm, (x,), dynamic_shapes={"x": {1: torch.export.Dim("T")}})
+    model = torch.onnx.export(ep, dynamo=True, opset_version=20, verbose=False).model
+    return ir.serde.serialize_model(model).SerializeToString(), norm
+
+
+def exported_norm() -> tuple[ir.Model, RMSNorm]:
+    """A fresh copy of the exported RMSNorm (one export per session), and the module."""
+    data, norm = _export()
+    return ir.serde.deserialize_model(onnx.load_from_string(data)), norm
+
+
+def test_rms_norm_runs_as_one_fused_kernel_with_the_same_result(tmp_path):
+    model, norm = exported_norm()
+    assert "Reciprocal" in [n.op_type for n in model.graph]  # torch.onnx writes rsqrt as Sqrt + Reciprocal
+    proto = ir.serde.serialize_model(ort_pass(model))
+    assert "Reciprocal" not in [n.op_type for n in proto.graph.node]
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "opt.onnx")
+    sess = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    assert [n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node] == ["SimplifiedLayerNormalization"]
+    x = torch.randn(1, 9, 48, generator=torch.Generator().manual_seed(1)) * 4
+    (y,) = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})
+    with torch.no_grad():
+        assert_close(torch.from_numpy(y), norm(x), torch.float32, "rms_norm")
+
+
+def test_a_reciprocal_with_another_use_is_kept():
+    model, _ = exported_norm()
+    (rec,) = [n for n in model.graph if n.op_type == "Reciprocal"]
+    model.graph.outputs.append(rec.outputs[0])  # the 1/rms itself is wanted too
+    assert rsqrt_as_div(model) == 1
+    assert [n.op_type for n in model.graph].count("Reciprocal") == 1
+    assert "Div" in [n.op_type for n in model.graph]
