@@ -31,13 +31,15 @@ from k3x.model.options import CacheOptions
 
 
 def structure(ep) -> list[tuple]:
-    """Every node as (op, target, arguments by position, value) — names aside."""
+    """Every node as (op, target, arguments by position, value, tensor metadata's requires_grad) — names aside.
+    (Symbolic strides may be written differently, e.g. `4*s70*(s60 + s70)` for `4*s60*s70 + 4*s70**2`.)"""
     index = {n: k for k, n in enumerate(ep.graph.nodes)}
 
     def arg(x):
         return torch.fx.node.map_arg(x, lambda n: ("node", index[n]))
 
-    return [(n.op, str(n.target), arg(n.args), arg(n.kwargs), str(n.meta.get("val"))) for n in ep.graph.nodes]
+    return [(n.op, str(n.target), arg(n.args), arg(n.kwargs), str(n.meta.get("val")),
+             getattr(n.meta.get("tensor_meta"), "requires_grad", None)) for n in ep.graph.nodes]
 
 
 def assert_same_program(a, b) -> None:
