@@ -93,9 +93,17 @@ def stage_pt2(ep: ExportedProgram, ctx: StageContext) -> str:
         if ctx.weight_stream is not None:  # traced on meta: weights written tensor by tensor from the checkpoint
             from .pt2_weights import save_streamed_pt2
 
-            digests[name] = save_streamed_pt2(ep, tmp / name, ctx.weight_stream())
-        else:  # the manifest says how: {"mode": "fast" | "torch", "fallback": ...}
-            extra["save"] = save_recorded(ep, tmp / name, stamped=ctx.stamped)
+            def write(save):
+                return save_streamed_pt2(ep, tmp / name, ctx.weight_stream(), save=save)
+        else:
+            from .trace import save_pt2
+
+            def write(save):
+                save_pt2(ep, tmp / name, save=save)
+        # the manifest says which save wrote it: {"mode": "fast" | "torch", "fallback": why not fast, or null}
+        digest, extra["save"] = save_recorded(write, stamped=ctx.stamped)
+        if digest is not None:
+            digests[name] = digest
     if ctx.options.references_checkpoint:
         return f"pt2: {ctx.out_dir / name} (graph only: weights read from {ctx.options.checkpoint} at load)"
     if ctx.options.weights:

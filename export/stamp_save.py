@@ -316,20 +316,25 @@ def save_fast(ep: ExportedProgram, f: str | Path | BinaryIO, *, check_every: int
     return counts
 
 
-def save_recorded(ep: ExportedProgram, path: str | Path, *, stamped: bool) -> dict[str, Any]:
-    """Write `ep` to `path` (trace.save_pt2: a full disk is an OSError naming the file) with `save_fast` when the
-    program is stamped (export/stamp.py), else with `torch.export.save`. Returns the manifest's `save` entry:
-    {"mode": "fast" | "torch", "fallback": why a stamped program was saved by torch after all, or null}."""
-    from .trace import save_pt2
+def _fast_or_raise(ep: ExportedProgram, f: Any) -> None:
+    """save_fast, any failure of its own (a failed check, torch internals that moved) a StampSaveError."""
+    try:
+        save_fast(ep, f)
+    except (OSError, StampSaveError):
+        raise
+    except Exception as e:
+        raise StampSaveError(f"{type(e).__name__}: {e}") from e
 
+
+def save_recorded(write: Callable[[Callable[..., Any]], Any], *, stamped: bool) -> tuple[Any, dict[str, Any]]:
+    """`write(save)`, where `save(ep, f)` writes a program's `.pt2`: `save_fast` when the program is stamped
+    (export/stamp.py), else (or when the fast save fails: `write` is called again) `torch.export.save`.
+    Returns what `write` returned and the manifest's `save` entry: {"mode": "fast" | "torch", "fallback": why a
+    stamped program was saved by torch after all, or null}."""
     reason = None
     if stamped:
         try:
-            save_pt2(ep, path, save=save_fast)
-            return {"mode": "fast", "fallback": None}
-        except OSError:
-            raise
-        except Exception as e:  # a failed check, or torch internals that moved: torch's own save instead
-            reason = f"{type(e).__name__}: {e}".splitlines()[0]
-    save_pt2(ep, path)
-    return {"mode": "torch", "fallback": reason}
+            return write(_fast_or_raise), {"mode": "fast", "fallback": None}
+        except StampSaveError as e:
+            reason = str(e).splitlines()[0]
+    return write(torch.export.save), {"mode": "torch", "fallback": reason}
