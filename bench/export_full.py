@@ -2,13 +2,17 @@
 
 Each case runs in its own subprocess (so peak RSS is that case's alone; one case at a time) and reports:
 parameter count, graph nodes, custom-op counts, model construction time, trace wall and CPU seconds,
-optionally the weightless `.pt2` save (wall and CPU seconds, file bytes), and peak RSS (`ru_maxrss`). CPU
-seconds are the steadier figure on a shared machine; wall seconds are what a user waits. `x anchor` is a
-case's trace + save CPU seconds over the anchor's trace CPU seconds, measured in the same run.
+optionally the weightless `.pt2` save (wall and CPU seconds, file bytes) by `torch.export.save` and by
+export/stamp_save.save_fast (timed first, so it never finds torch's caches warm; `same` says whether its
+archive equals torch's record for record), and peak RSS (`ru_maxrss`). CPU seconds are the steadier figure
+on a shared machine; wall seconds are what a user waits. `x anchor` is a case's trace + save CPU seconds over
+the anchor's trace CPU seconds, measured in the same round (`x fast`: with the fast save). `--repeat N` runs
+the cases N rounds, interleaved (anchor, k3, anchor, k3, ...).
 
     python bench/export_full.py                                  # anchor, kimi-linear-48b, k3 (bf16)
     python bench/export_full.py --presets k3 --per-layer --save  # stamped vs per-layer trace, and .pt2 save
     python bench/export_full.py --presets k3 --baseline --save   # also the pre-tuning trace
+    python bench/export_full.py --presets k3 --save --repeat 3   # three interleaved rounds
     python bench/export_full.py --json out.json
 
 Cases:
@@ -31,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zipfile
 
 ANCHOR_LAYERS, ANCHOR_WIDTH = 93, 173_500  # 93 * 173500^2 = 2.80e12 parameters
 
@@ -85,14 +90,24 @@ def _child(case: str, dtype_name: str, save: bool) -> dict:
 
         out["op_counts"] = op_counts(ep)
     if save:
+        from k3x.export.stamp_save import save_fast
+
         with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, "model.pt2")
-            t4, c4 = time.perf_counter(), time.process_time()
-            torch.export.save(ep, path)
-            out["save_s"], out["save_cpu_s"] = round(time.perf_counter() - t4, 2), round(time.process_time() - c4, 2)
+            for key, fn in (("fast_save", save_fast), ("save", torch.export.save)):
+                os.mkdir(os.path.join(d, key))  # the same file name: torch names the archive's folder after it
+                path = os.path.join(d, key, "model.pt2")
+                t4, c4 = time.perf_counter(), time.process_time()
+                fn(ep, path)
+                out[f"{key}_s"], out[f"{key}_cpu_s"] = round(time.perf_counter() - t4, 2), round(time.process_time() - c4, 2)
             out["pt2_bytes"] = os.path.getsize(path)
+            out["same"] = _records(os.path.join(d, "fast_save", "model.pt2")) == _records(path)
     out["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     return out
+
+
+def _records(path: str) -> list[tuple[str, bytes]]:
+    with zipfile.ZipFile(path) as z:
+        return [(i.filename, z.read(i)) for i in z.infolist()]
 
 
 def _run_case(case: str, dtype: str, save: bool) -> dict:
@@ -120,17 +135,22 @@ def _cell(row: dict, key: str) -> str:
 
 
 def _ratios(rows: list[dict]) -> None:
-    """`x_anchor`: trace + save CPU seconds over the anchor's trace CPU seconds (same run)."""
-    anchor = next((r.get("trace_cpu_s") for r in rows if r["case"] == "anchor"), None)
+    """`x_anchor` / `x_fast`: trace + save / fast save CPU seconds over the anchor's trace CPU seconds (same
+    round)."""
+    anchors = {r.get("round"): r.get("trace_cpu_s") for r in rows if r["case"] == "anchor"}
     for r in rows:
+        anchor = anchors.get(r.get("round"))
         if anchor and "trace_cpu_s" in r:
-            r["x_anchor"] = round((r["trace_cpu_s"] + r.get("save_cpu_s", 0.0)) / anchor, 1)
+            r["x_anchor"] = round((r["trace_cpu_s"] + r.get("save_cpu_s", 0.0)) / anchor, 2)
+            if "fast_save_cpu_s" in r:
+                r["x_fast"] = round((r["trace_cpu_s"] + r["fast_save_cpu_s"]) / anchor, 2)
 
 
 def _table(rows: list[dict]) -> str:
-    cols = [("case", "case"), ("params", "params"), ("nodes", "nodes"), ("build_s", "build s"),
+    cols = [("case", "case"), ("round", "round"), ("params", "params"), ("nodes", "nodes"), ("build_s", "build s"),
             ("trace_s", "trace s"), ("trace_cpu_s", "trace cpu s"), ("save_s", "save s"),
-            ("save_cpu_s", "save cpu s"), ("pt2_bytes", "pt2 bytes"), ("x_anchor", "x anchor"),
+            ("save_cpu_s", "save cpu s"), ("fast_save_s", "fast save s"), ("fast_save_cpu_s", "fast save cpu s"),
+            ("same", "same"), ("pt2_bytes", "pt2 bytes"), ("x_anchor", "x anchor"), ("x_fast", "x fast"),
             ("peak_rss_mb", "peak RSS MB"), ("process_s", "process s")]
     lines = [[h for _, h in cols]] + [[_cell(r, k) for k, _ in cols] for r in rows]
     widths = [max(len(x[i]) for x in lines) for i in range(len(cols))]
@@ -146,6 +166,7 @@ def main() -> None:
     ap.add_argument("--per-layer", action="store_true", help="also run each preset with the per-layer trace")
     ap.add_argument("--save", action="store_true", help="also time torch.export.save of the weightless program "
                     "(the anchor's too)")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of all cases, interleaved")
     ap.add_argument("--json", default="export_full.json", help="where to write the results")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -157,9 +178,10 @@ def main() -> None:
     variants = [v for v, on in (("baseline", a.baseline), ("per-layer", a.per_layer)) if on]
     cases = ["anchor"] + [c for p in a.presets for c in [f"{p}@{v}" for v in variants] + [p]]
     rows = []
-    for c in cases:
-        rows.append(_run_case(c, a.dtype, a.save))
-        print(f"  done {c}: {rows[-1].get('trace_s', rows[-1].get('error'))}", file=sys.stderr, flush=True)
+    for r in range(1, a.repeat + 1):
+        for c in cases:
+            rows.append({**_run_case(c, a.dtype, a.save), "round": r})
+            print(f"  done {c} ({r}): {rows[-1].get('trace_s', rows[-1].get('error'))}", file=sys.stderr, flush=True)
     _ratios(rows)
     report = {"dtype": a.dtype, "cpu_count": os.cpu_count(), "loadavg_end": os.getloadavg(), "results": rows}
     with open(a.json, "w") as f:

@@ -61,6 +61,7 @@ class StageContext:
     work_dir: Path  # where stages write (renamed to out_dir when the export is complete)
     weight_stream: Callable | None = None  # the checkpoint's tensors one by one (a meta-traced program)
     model: ModelOptions | None = None  # the build and cache options the program was traced with
+    stamped: bool = False  # traced by export/stamp.py: pt2 saved by export/stamp_save.py
 
     @property
     def out_dir(self) -> Path:
@@ -82,20 +83,27 @@ Stage = Callable[["ExportedProgram", StageContext], str]
 
 def stage_pt2(ep: ExportedProgram, ctx: StageContext) -> str:
     from ..folder import artifacts
-    from .trace import save_pt2
+    from .onnx import REFERENCED
+    from .stamp_save import save_recorded
 
     name, digests = "model.pt2", {}
-    from .onnx import REFERENCED
-
     weights = REFERENCED if ctx.options.references_checkpoint else ctx.options.weights
-    with artifacts.write_artifact(ctx.work_dir, "pt2", {"weights": weights,
-                                                       "load": "k3x.export.trace.load_pt2"}, digests=digests) as tmp:
+    extra = {"weights": weights, "load": "k3x.export.trace.load_pt2"}
+    with artifacts.write_artifact(ctx.work_dir, "pt2", extra, digests=digests) as tmp:
         if ctx.weight_stream is not None:  # traced on meta: weights written tensor by tensor from the checkpoint
             from .pt2_weights import save_streamed_pt2
 
-            digests[name] = save_streamed_pt2(ep, tmp / name, ctx.weight_stream())
+            def write(save):
+                return save_streamed_pt2(ep, tmp / name, ctx.weight_stream(), save=save)
         else:
-            save_pt2(ep, tmp / name)
+            from .trace import save_pt2
+
+            def write(save):
+                save_pt2(ep, tmp / name, save=save)
+        # the manifest says which save wrote it: {"mode": "fast" | "torch", "fallback": why not fast, or null}
+        digest, extra["save"] = save_recorded(write, stamped=ctx.stamped)
+        if digest is not None:
+            digests[name] = digest
     if ctx.options.references_checkpoint:
         return f"pt2: {ctx.out_dir / name} (graph only: weights read from {ctx.options.checkpoint} at load)"
     if ctx.options.weights:
@@ -249,7 +257,8 @@ def write_program(work: Path, job: ExportJob, timed: Timed) -> list[str]:
                                 checkpoint=o.checkpoint, checkpoint_hash=job.checkpoint_hash, options=job.model,
                                 serving=serving, trace=traced, weight_source=job.weight_source)
     stream = job.stream and job.weight_source is None  # a reference: the artifacts hold the graph only
-    ctx = StageContext(job.cfg, o, work, _weight_stream(job) if stream else None, job.model)
+    ctx = StageContext(job.cfg, o, work, _weight_stream(job) if stream else None, job.model,
+                       stamped=traced["mode"] == "stamped")
     notes = [copy_tokenizer(o.checkpoint, work)] if o.checkpoint else []
     for name in o.stages():
         with timed(name):

@@ -6,7 +6,8 @@ under `archive/`: `models/model.json` (the graph), `data/weights/model_weights_c
 record `weight_N` and its tensor meta), one raw-bytes record `data/weights/weight_N` per storage, constants,
 sample inputs and version records. `save_streamed_pt2`:
 
-1. saves the meta program (sample inputs as cpu zeros) into memory with `torch.export.save`: graph and
+1. saves the meta program (sample inputs as cpu zeros) into memory with `torch.export.save` (or the fast
+   save of a stamped program, export/stamp_save.py: the same archive): graph and
    metadata, zero-length weight records; every device in the serialized graph and weights config is then
    made cpu (`cpu_devices`, the serialized form of `trace.with_weights`'s `move_to_device_pass`);
 2. writes the final zip: each weight gets its own record `weight_N` filled from the stream — a
@@ -28,7 +29,7 @@ import time
 import zipfile
 import zlib
 from pathlib import Path
-from typing import BinaryIO, Iterable, Iterator
+from typing import BinaryIO, Callable, Iterable, Iterator
 
 import torch
 from torch.export import ExportedProgram
@@ -143,13 +144,14 @@ def _naming(path: str | Path) -> Iterator[None]:
         raise
 
 
-def save_streamed_pt2(ep: ExportedProgram, path: str | Path,
-                      weights: Iterable[tuple[str, torch.Tensor | StoredTensor]]) -> str:
+def save_streamed_pt2(ep: ExportedProgram, path: str | Path, weights: Iterable[tuple[str, torch.Tensor | StoredTensor]],
+                      *, save: Callable[..., object] | None = None) -> str:
     """Write `ep` (traced on meta) to `path` as a `.pt2` whose weights come from `weights`, one at a time;
-    returns the file's sha256 (taken as it was written).
+    returns the file's sha256 (taken as it was written). `save`: what writes the skeleton (default
+    `torch.export.save`; export/stamp_save.py's for a stamped program).
     ValueError naming the tensor on a dtype/shape mismatch or naming the weights the stream did not give."""
     buf = io.BytesIO()
-    torch.export.save(skeleton(ep), buf)
+    (save or torch.export.save)(skeleton(ep), buf)
     want = {k: (v.dtype, tuple(v.shape)) for k, v in ep.state_dict.items()}
     with zipfile.ZipFile(buf) as skel:
         config = json.loads(skel.read(WEIGHTS_CONFIG))

@@ -196,7 +196,7 @@ class _Splicer:
             new.meta = dict(node.meta)
             new.meta["val"] = SymbolMap(self.fake_mode, {}).value(node.meta["val"])
             if "tensor_meta" in node.meta:
-                new.meta["tensor_meta"] = tensor_meta(new.meta["val"])
+                new.meta["tensor_meta"] = tensor_meta(new.meta["val"], node.meta["tensor_meta"])
             self.by_fqn[fqn] = new
             self.specs[fqn] = dataclasses.replace(spec, arg=TensorArgument(new.name), target=fqn)
 
@@ -211,7 +211,7 @@ class _Splicer:
         key = (id(t), n.name, env.key(syms))
         if key not in self.values:
             new = env.value(v)
-            self.values[key] = new, tensor_meta(new) if "tensor_meta" in n.meta else None
+            self.values[key] = new, tensor_meta(new, n.meta["tensor_meta"]) if "tensor_meta" in n.meta else None
         return self.values[key]
 
     def splice(self, op: torch.fx.Node) -> None:
@@ -321,9 +321,8 @@ def _program(ep: ExportedProgram, model: K3ForCausalLM, splicer: _Splicer) -> Ex
     state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     calls = {e.fqn: e for e in ep.module_call_graph}
     calls = [calls.get(fqn) or ModuleCallEntry(fqn, None) for fqn, _ in model.named_modules()]
-    gm = ep.graph_module
-    gm.recompile()
-    return ExportedProgram(root=gm, graph=g, graph_signature=sig, state_dict=state,
+    # the program's GraphModule is built from `g` (and compiled) by ExportedProgram itself
+    return ExportedProgram(root=ep.graph_module, graph=g, graph_signature=sig, state_dict=state,
                            range_constraints=ep.range_constraints, module_call_graph=calls,
                            example_inputs=ep.example_inputs, constants=ep.constants, verifiers=ep.verifiers)
 

@@ -112,9 +112,14 @@ class SymbolMap:
     def value(self, v: Any) -> Any:
         """A template node value rebuilt with the bound sizes (tensors as fake tensors of the full program)."""
         if isinstance(v, torch.Tensor):
+            sizes, strides = [self.size(s) for s in v.shape], [self.size(s) for s in v.stride()]
+            if all(type(x) is int for x in (*sizes, *strides)):  # static (every weight): a meta tensor wrapped
+                meta = torch.empty_strided(sizes, strides, dtype=v.dtype, device="meta")
+                fake = self.fake_mode.fake_tensor_converter.from_meta_and_device(self.fake_mode, meta, v.device)
+                return fake.requires_grad_(v.requires_grad)
             with self.fake_mode:
-                return torch.empty_strided([self.size(s) for s in v.shape], [self.size(s) for s in v.stride()],
-                                           dtype=v.dtype, device=v.device, requires_grad=v.requires_grad)
+                return torch.empty_strided(sizes, strides, dtype=v.dtype, device=v.device,
+                                           requires_grad=v.requires_grad)
         if isinstance(v, torch.SymInt):
             return self.size(v)
         if isinstance(v, (list, tuple)):
@@ -124,10 +129,13 @@ class SymbolMap:
         return v
 
 
-def tensor_meta(v: Any) -> Any:
-    """`meta["tensor_meta"]` as torch.export records it for a value."""
+def tensor_meta(v: Any, like: Any = None) -> Any:
+    """`meta["tensor_meta"]` as torch.export records it for a value; `like`: the template node's, whose
+    `requires_grad` is kept (torch records a parameter's views as requiring grad, their values as not)."""
     if isinstance(v, torch.Tensor):
-        return _extract_tensor_metadata(v)
+        tm = _extract_tensor_metadata(v)
+        return tm if like is None else tm._replace(requires_grad=like.requires_grad)
     if isinstance(v, (list, tuple)):
-        return type(v)(tensor_meta(x) for x in v)
+        likes = like if isinstance(like, (list, tuple)) and len(like) == len(v) else [None] * len(v)
+        return type(v)(tensor_meta(x, y) for x, y in zip(v, likes))
     return None

@@ -12,7 +12,8 @@ Notable choices:
   cache hit whose output is rebuilt from symbolic sizes/strides, which costs more than recomputing it.
   Same graph, CPU seconds of the trace (bench/export_full.py --baseline): k3 70.5 -> 50.5,
   kimi-linear-48b 16.4 -> 11.8. What remains is torch's per-node symbolic-shape work (~3 ms a node).
-- `.pt2` files come from `torch.export.save`. A program traced on the meta device saves as a weightless
+- `.pt2` files come from `torch.export.save` (a stamped program's from export/stamp_save.py: the same archive,
+  each distinct node serialised once). A program traced on the meta device saves as a weightless
   archive: every parameter is recorded with name, shape and dtype but no bytes (torch 2.13 writes meta
   tensors as zero-length storage). `load_pt2` gives it back on meta; `with_weights` attaches real ones (no re-trace).
 """
@@ -23,7 +24,7 @@ import copy
 import io
 from collections import Counter
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Callable
 
 import torch
 from torch.export import Dim, ExportedProgram
@@ -103,13 +104,14 @@ class _WriteOnce(io.RawIOBase):
             self.f.flush()
 
 
-def save_pt2(ep: ExportedProgram, path: str | Path) -> None:
-    """`torch.export.save`; meta-device weights are stored as names, shapes and dtypes only. A failed
-    write (full disk) is an OSError naming the file, never a process abort (`_WriteOnce`)."""
+def save_pt2(ep: ExportedProgram, path: str | Path, *, save: Callable[..., object] | None = None) -> None:
+    """`torch.export.save` (or `save`, e.g. export/stamp_save.save_fast: the same archive); meta-device weights
+    are stored as names, shapes and dtypes only. A failed write (full disk) is an OSError naming the file,
+    never a process abort (`_WriteOnce`)."""
     with open(path, "wb") as f:
         sink = _WriteOnce(f)
         try:
-            torch.export.save(ep, sink)
+            (save or torch.export.save)(ep, sink)
         except Exception:
             if sink.error is None:
                 raise

@@ -62,6 +62,9 @@ def test_the_folder_holds_no_weight_bytes(mini_cli_export, ref):
     assert {f["name"] for f in source["files"]} == {"config.json", SHARD, "model.safetensors.index.json"}
     assert all(f["bytes"] == (ckpt / f["name"]).stat().st_size for f in source["files"])
     assert manifest["artifacts"]["pt2"]["weights"] == manifest["artifacts"]["onnx"]["weights"] == "checkpoint"
+    copying = json.loads((mini_cli_export.export / "manifest.json").read_text())  # its weights streamed in
+    for m in (manifest, copying):  # both stamped programs, saved by export/stamp_save.py
+        assert m["artifacts"]["pt2"]["save"] == {"mode": "fast", "fallback": None}
     assert not list(export.glob("*.data"))
     with zipfile.ZipFile(export / "model.pt2") as z:  # every weight record is empty
         records = [i for i in z.infolist() if i.filename.startswith(WEIGHT_RECORD + "weight_")]
