@@ -122,8 +122,8 @@ class ExportOptions:
         if self.checkpoint is None or not self.weights:
             raise config_error("--weights reference: needs --checkpoint (the weights are read from it at load) "
                                "and not --no-weights")
-        if not set(self.stages()) <= {"pt2", "onnx"} or self.tp * self.ep > 1 or self.serving:
-            raise config_error("--weights reference: for one program (no --tp/--ep, no --serving) with "
+        if not set(self.stages()) <= {"pt2", "onnx"} or self.tp * self.ep > 1:
+            raise config_error("--weights reference: for one program (no --tp/--ep) with "
                                f"--target pt2 and/or onnx (got {list(self.stages())})")
 
     def plan(self) -> ParallelPlan:
