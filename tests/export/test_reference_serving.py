@@ -5,22 +5,31 @@ them from the checkpoint at load under the step's names (`lm.` + the checkpoint'
 A copy of the session's k3-mini checkpoint is exported twice with --serving (copied, referenced); three prompts
 through continuous batching (more prompts than slots, a prompt prefilled in chunks) give the same tokens and
 logits (`torch.equal`) on pt2 and ORT, the referencing folder holds no weight bytes, and a changed or moved
-checkpoint is refused at load in one line naming the file.
+checkpoint is refused at load in one line naming the file. `k3x build-engine` on the referencing export: the
+parser is handed the checkpoint's tensors (TensorRT-RTX on CPU builds it; its plan holds the weights), and the
+weight sources a stripped engine records are the checkpoint's safetensors ranges, each reading back the
+initializer's exact bytes (MXFP4 experts: one range per expert).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
+import onnx
 import pytest
 import torch
+from onnx import numpy_helper
 from serving_cases import prompts
 from typer.testing import CliRunner
 
 from k3x.cli import app
+from k3x.export.engine_weights import WeightSourceError, checkpoint_ranges, inline_weights, read_weight, weight_sources
 from k3x.export.pt2_weights import WEIGHT_RECORD
 from k3x.export.serving import WEIGHT_PREFIX
 from k3x.runtime.base import RunnerError, RunnerOptions
@@ -106,3 +115,53 @@ def test_a_changed_or_moved_checkpoint_is_refused_at_load(exports, backend, tmp_
     finally:
         moved.rename(ckpt)
     assert _run(referenced, backend, tmp_path / "p.txt").exit_code == 0  # as exported: it serves
+
+
+def _sources(referenced: Path) -> tuple[Path, dict[str, dict]]:
+    folder = open_folder(referenced)
+    ckpt = checkpoint_ranges(folder.manifest["weight_source"], dtype=folder.dtype(),
+                             expert_format=folder.options().build.expert_format)
+    return ckpt[0], weight_sources(referenced / "model.trt.onnx", ckpt)
+
+
+def test_stripped_engine_sources_are_checkpoint_ranges(exports):
+    ckpt, copied, referenced = exports
+    folder, sources = _sources(referenced)
+    assert folder == ckpt.resolve()
+    want = {i.name: numpy_helper.to_array(i).tobytes() for i in onnx.load(str(copied / "model.trt.onnx")).graph.initializer}
+    assert set(sources) == set(want)
+    inline = inline_weights(referenced / "model.trt.onnx")
+    for name, src in sources.items():  # every range, read back, is the copying export's initializer
+        assert read_weight(referenced, name, src, inline, folder) == want[name], name
+    from_ckpt = {n: s for n, s in sources.items() if s.get("checkpoint")}
+    assert {r["file"] for s in from_ckpt.values() for r in s["ranges"]} == {SHARD}
+    assert sum(s["length"] for s in from_ckpt.values()) > 0.9 * sum(map(len, want.values()))
+    experts = from_ckpt[WEIGHT_PREFIX + "model.layers.1.block_sparse_moe.experts.w1"]
+    assert experts["dtype"] == "INT8" and len(experts["ranges"]) == 8  # packed MXFP4 (the trt flavor types it INT8)
+    name, src = next(iter(from_ckpt.items()))
+    r = src["ranges"][0]
+    old = (ckpt / SHARD).read_bytes()
+    (ckpt / SHARD).write_bytes(old[:r["offset"]] + bytes([old[r["offset"]] ^ 1]) + old[r["offset"] + 1:])
+    try:
+        with pytest.raises(WeightSourceError, match=f"weight {name!r} no longer matches"):
+            read_weight(referenced, name, src, inline, folder)
+    finally:
+        (ckpt / SHARD).write_bytes(old)
+    with pytest.raises(WeightSourceError, match="not stored in the referenced checkpoint as the program holds it"):
+        weight_sources(referenced / "model.trt.onnx", (folder, {}))
+
+
+@pytest.mark.trt
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt_rtx_bindings") is None, reason="TensorRT-RTX not installed")
+def test_build_engine_takes_the_weights_from_the_checkpoint(exports, tmp_path):
+    copied, referenced = exports[1], tmp_path / "reference"
+    shutil.copytree(exports[2], referenced)  # the build adds its files to the folder
+    cmd = [sys.executable, "-c", "from k3x.cli import app; app()", "build-engine", str(referenced), "--runtime",
+           "trt-rtx", "--sm", "89"]  # a process of its own: it re-executes with TensorRT-RTX's library path
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    blob = (referenced / "model.engine").read_bytes()
+    inits = onnx.load(str(copied / "model.trt.onnx")).graph.initializer
+    for init in sorted(inits, key=lambda i: -numpy_helper.to_array(i).nbytes)[:3]:  # the largest weights
+        assert numpy_helper.to_array(init).tobytes() in blob, init.name

@@ -149,7 +149,3 @@ def test_reference_needs_a_checkpoint(args, tmp_path):
     r = CliRunner().invoke(app, ["export", *args, "--weights", "reference", "--out", str(tmp_path / "x")])
     _refused(r, "--weights reference: needs --checkpoint")
     assert not (tmp_path / "x").exists()
-
-
-def test_build_engine_refuses_a_referencing_export(ref):
-    _refused(CliRunner().invoke(app, ["build-engine", str(ref[1])]), "exported with --weights reference")
