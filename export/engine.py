@@ -41,7 +41,7 @@ from pathlib import Path
 
 from ..folder.artifacts import ExportFolder, ManifestError, refuse_unlisted, write_artifact
 from ..folder.dims import DYNAMIC_DIMS, DimRange
-from .engine_weights import checkpoint_ranges, strip_plan
+from .engine_weights import checkpoint_ranges, parse_onnx, strip_plan
 
 log = logging.getLogger("k3x.trt")
 ENGINE_FILE, ENGINE_META, TIMING_CACHE, ONNX_FILE = "model.engine", "model.engine.json", "timing.cache", "model.trt.onnx"
@@ -311,9 +311,7 @@ def _checked_input(folder: ExportFolder) -> tuple[Path, str, bytes]:
 def _build_engine(export_dir: Path, options: EngineOptions) -> EngineArtifact:
     folder = _open(export_dir)
     onnx_path, onnx_sha256, cache_bytes = _checked_input(folder)
-    entry = folder.manifest.get("weight_source")  # --weights reference: the checkpoint, checked once
-    checkpoint = None if entry is None else checkpoint_ranges(entry, dtype=folder.dtype(),
-                                                              expert_format=folder.options().build.expert_format)
+    checkpoint = checkpoint_ranges(folder)  # --weights reference: the checkpoint (checked once), its byte ranges
     ranges = profile_ranges(options.dims, exported_dims(folder.manifest))
     trt = import_trt(options.runtime)
     from ..custom_ops import trt_plugins as plugins
@@ -329,8 +327,7 @@ def _build_engine(export_dir: Path, options: EngineOptions) -> EngineArtifact:
     network = builder.create_network(0)
     parser = trt.OnnxParser(network, logger)
     t0 = time.perf_counter()
-    parsed, _keep = (parser.parse_from_file(str(onnx_path)), None) if checkpoint is None else \
-        _parse_referenced(parser, onnx_path, checkpoint[0], folder)
+    parsed, _keep = parse_onnx(parser, onnx_path, folder, checkpoint)  # _keep: weights handed to the parser
     if not parsed:
         errs = [parser.get_error(i) for i in range(parser.num_errors)]
         lines = [f"  node {e.node()} ({e.node_name()}, {e.node_operator()}): {e.desc()}" for e in errs]
@@ -371,27 +368,6 @@ def _build_engine(export_dir: Path, options: EngineOptions) -> EngineArtifact:
     log.info("engine %s: %.1f MiB in %.1f s (%s %s, sm_%d)", export_dir / ENGINE_FILE, len(data) / 2**20, seconds,
              options.runtime, trt.__version__, sm)
     return EngineArtifact(export_dir / ENGINE_FILE, meta)
-
-
-def _parse_referenced(parser, onnx_path: Path, checkpoint: Path, folder: ExportFolder) -> tuple[bool, list]:
-    """Parse an ONNX whose weights are in the referenced `checkpoint` (`k3x export --weights reference`): the
-    graph without its data, every initializer at `REFERENCE_LOCATION` handed over from the checkpoint's tensors
-    (`IParser.load_initializer`). (parsed, the tensors, which must outlive the parser and the build)."""
-    import onnx
-
-    from ..checkpoint.reference import referenced_tensors
-    from .onnx_weights import REFERENCE_LOCATION
-
-    model = onnx.load(str(onnx_path), load_external_data=False)
-    names = {i.name for i in model.graph.initializer
-             if any(e.key == "location" and e.value == REFERENCE_LOCATION for e in i.external_data)}
-    prefix = str(folder.manifest["weight_source"].get("prefix", ""))
-    keep = [(n, t.contiguous()) for n, t in referenced_tensors(checkpoint, dtype=folder.dtype(), prefix=prefix,
-                                                               expert_format=folder.options().build.expert_format)
-            if n in names]
-    parsed = parser.load_model_proto(onnx_path.read_bytes(), str(onnx_path)) and \
-        all(parser.load_initializer(n, t.data_ptr(), t.nbytes) for n, t in keep) and parser.parse_model_proto()
-    return bool(parsed), keep
 
 
 def _strip_hint(options: EngineOptions) -> str:

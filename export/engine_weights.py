@@ -62,24 +62,27 @@ def range_sha256(path: Path, offset: int, length: int) -> str:
     return h.hexdigest()
 
 
-def checkpoint_ranges(entry: dict, *, dtype, expert_format: str) -> tuple[Path, dict[str, list[dict]]]:
-    """(the checkpoint a referencing export's manifest `weight_source` names, checked as the runners check it:
-    checkpoint/reference.referenced_checkpoint; {program weight name: its ranges in the checkpoint's shards} for
-    every weight stored there as the program holds it). WeightSourceError (one line naming the file) when the
-    checkpoint is missing or changed."""
+def checkpoint_ranges(folder) -> tuple[Path, dict[str, list[dict]]] | None:
+    """For an export folder (ExportFolder) that references its checkpoint (manifest `weight_source`; None for
+    any other): (the checkpoint, checked as the runners check it: checkpoint/reference.referenced_checkpoint;
+    {program weight name: its ranges in the checkpoint's shards} for every weight stored there as the program
+    holds it). WeightSourceError (one line naming the file) when the checkpoint is missing or changed."""
     from ..checkpoint.byte_ranges import StoredTensor, stream_weights
     from ..checkpoint.files import CheckpointError
     from ..checkpoint.reference import referenced_checkpoint
 
+    entry = folder.manifest.get("weight_source")
+    if entry is None:
+        return None
     try:
-        folder = referenced_checkpoint(entry)
+        ckpt = referenced_checkpoint(entry)
         prefix, out = str(entry.get("prefix", "")), {}
-        for name, t in stream_weights(folder, dtype=dtype, expert_format=expert_format):
+        for name, t in stream_weights(ckpt, dtype=folder.dtype(), expert_format=folder.options().build.expert_format):
             if isinstance(t, StoredTensor):
                 out[prefix + name] = [{"file": r.file.name, "offset": r.offset, "length": r.nbytes} for r in t.ranges]
     except (CheckpointError, OSError) as e:
-        raise WeightSourceError(f"weights referenced in the checkpoint: {e}") from None
-    return folder, out
+        raise WeightSourceError(f"{folder.path}: weights referenced in the checkpoint: {e}") from None
+    return ckpt, out
 
 
 def _ranges_sha256(folder: Path, ranges: list[dict]) -> str:
@@ -103,7 +106,7 @@ def weight_sources(onnx_path: Path, checkpoint: tuple[Path, dict[str, list[dict]
     out: dict[str, dict] = {}
     for init in model.graph.initializer:
         entry = {"dtype": onnx.TensorProto.DataType.Name(init.data_type), "shape": list(init.dims)}
-        if init.data_location == onnx.TensorProto.EXTERNAL and _external(init)["location"] == REFERENCE_LOCATION:
+        if init.data_location == onnx.TensorProto.EXTERNAL and _external(init).get("location") == REFERENCE_LOCATION:
             ckpt, ranges = checkpoint or (None, {})
             if init.name not in ranges:
                 raise WeightSourceError(f"{onnx_path}: initializer {init.name!r} is not stored in the referenced "
@@ -178,3 +181,26 @@ def inline_weights(onnx_path: Path) -> dict[str, bytes]:
 
     model = onnx.load(str(onnx_path), load_external_data=False)
     return {i.name: inline_bytes(i) for i in model.graph.initializer if i.data_location != onnx.TensorProto.EXTERNAL}
+
+
+def parse_onnx(parser, onnx_path: Path, folder, checkpoint: tuple[Path, dict] | None) -> tuple[bool, list]:
+    """(parsed, the tensors handed to the parser, which must outlive it and the build). An export that
+    references its checkpoint (`checkpoint`: its `checkpoint_ranges`; `folder`: its ExportFolder): the graph
+    without its data, every initializer at `REFERENCE_LOCATION` handed over from the checkpoint's tensors
+    (`IParser.load_model_proto` + `load_initializer`); any other: parsed from the file."""
+    if checkpoint is None:
+        return bool(parser.parse_from_file(str(onnx_path))), []
+    import onnx
+
+    from ..checkpoint.reference import referenced_tensors
+    from .onnx_weights import REFERENCE_LOCATION
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    names = {i.name for i in model.graph.initializer if _external(i).get("location") == REFERENCE_LOCATION}
+    prefix = str(folder.manifest["weight_source"].get("prefix", ""))
+    keep = [(n, t.contiguous()) for n, t in referenced_tensors(checkpoint[0], dtype=folder.dtype(), prefix=prefix,
+                                                               expert_format=folder.options().build.expert_format)
+            if n in names]
+    parsed = parser.load_model_proto(onnx_path.read_bytes(), str(onnx_path)) and \
+        all(parser.load_initializer(n, t.data_ptr(), t.nbytes) for n, t in keep) and parser.parse_model_proto()
+    return bool(parsed), keep

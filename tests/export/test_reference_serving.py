@@ -111,16 +111,15 @@ def test_a_changed_or_moved_checkpoint_is_refused_at_load(exports, backend, tmp_
     moved = ckpt.with_name("moved")
     ckpt.rename(moved)
     try:
-        _refused(_run(referenced, backend, tmp_path / "p.txt"), f"{ckpt.resolve()}: the referenced checkpoint is missing")
+        _refused(_run(referenced, backend, tmp_path / "p.txt"),
+                 f"{ckpt.resolve()}: the referenced checkpoint is missing")
     finally:
         moved.rename(ckpt)
     assert _run(referenced, backend, tmp_path / "p.txt").exit_code == 0  # as exported: it serves
 
 
 def _sources(referenced: Path) -> tuple[Path, dict[str, dict]]:
-    folder = open_folder(referenced)
-    ckpt = checkpoint_ranges(folder.manifest["weight_source"], dtype=folder.dtype(),
-                             expert_format=folder.options().build.expert_format)
+    ckpt = checkpoint_ranges(open_folder(referenced))
     return ckpt[0], weight_sources(referenced / "model.trt.onnx", ckpt)
 
 
@@ -128,7 +127,8 @@ def test_stripped_engine_sources_are_checkpoint_ranges(exports):
     ckpt, copied, referenced = exports
     folder, sources = _sources(referenced)
     assert folder == ckpt.resolve()
-    want = {i.name: numpy_helper.to_array(i).tobytes() for i in onnx.load(str(copied / "model.trt.onnx")).graph.initializer}
+    inits = onnx.load(str(copied / "model.trt.onnx")).graph.initializer  # with the copied external data
+    want = {i.name: numpy_helper.to_array(i).tobytes() for i in inits}
     assert set(sources) == set(want)
     inline = inline_weights(referenced / "model.trt.onnx")
     for name, src in sources.items():  # every range, read back, is the copying export's initializer
