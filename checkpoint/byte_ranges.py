@@ -5,8 +5,9 @@ where the model tensor's bytes ARE the checkpoint's bytes (same dtype, no decodi
 packed MXFP4 uint8 -> uint8) the entry is a `StoredTensor`: the (shard file, offset, length) ranges that,
 concatenated, are the tensor's bytes (one range, or one per expert of a stacked expert tensor). A writer
 copies them with `copy_ranges` (`os.copy_file_range`: the kernel copies page cache to page cache; the writer's
-CRC / sha256 see the bytes in 16 MiB `pread` chunks on worker threads). Any other
-entry (a dtype conversion, dense-decoded experts, a trimmed `A_log`) is a filled `torch.Tensor` as before.
+CRC / sha256 see the bytes in 16 MiB `pread` chunks on worker threads; `A_log`, stored longer than the head
+count, is the prefix of its stored bytes). Any other entry (a dtype conversion, dense-decoded experts) is a
+filled `torch.Tensor` as before.
 
 Notable choices:
 - Offsets come from the safetensors header (8-byte little-endian length + JSON, data after it), read once
@@ -74,8 +75,10 @@ def _ranges(target: torch.Tensor, pieces: list, headers: dict[Path, dict]) -> tu
         if f not in headers:
             headers[f] = _header(f)
         dtype, offset, nbytes = headers[f][stored]
-        if _SAFETENSORS.get(dtype) != target.dtype or s.param.endswith("A_log"):
+        if _SAFETENSORS.get(dtype) != target.dtype:
             return None
+        if s.param.endswith("A_log"):  # stored longer than the head count: the model keeps its first values
+            nbytes = min(nbytes, target.numel() * target.element_size())
         out.append((-1 if s.expert is None else s.expert, ByteRange(f, offset, nbytes)))
     out.sort(key=lambda x: x[0])
     rows = [e for e, _ in out]

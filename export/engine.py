@@ -41,7 +41,7 @@ from pathlib import Path
 
 from ..folder.artifacts import ExportFolder, ManifestError, refuse_unlisted, write_artifact
 from ..folder.dims import DYNAMIC_DIMS, DimRange
-from .engine_weights import strip_plan
+from .engine_weights import checkpoint_ranges, parse_onnx, strip_plan
 
 log = logging.getLogger("k3x.trt")
 ENGINE_FILE, ENGINE_META, TIMING_CACHE, ONNX_FILE = "model.engine", "model.engine.json", "timing.cache", "model.trt.onnx"
@@ -292,8 +292,6 @@ def _checked_input(folder: ExportFolder) -> tuple[Path, str, bytes]:
     """(model.trt.onnx, its recorded sha256, the reusable timing cache or b"") once every file of the `onnx`
     artifact matches the manifest and no file the build writes would overwrite a user's (module docstring)."""
     export_dir = folder.path
-    if folder.manifest.get("weight_source") is not None:
-        raise EngineBuildError(f"{export_dir}: exported with --weights reference: no weights to build from")
     try:
         files = {p.name: p for p in folder.checked_files("onnx")}
         if ONNX_FILE not in files:
@@ -313,6 +311,7 @@ def _checked_input(folder: ExportFolder) -> tuple[Path, str, bytes]:
 def _build_engine(export_dir: Path, options: EngineOptions) -> EngineArtifact:
     folder = _open(export_dir)
     onnx_path, onnx_sha256, cache_bytes = _checked_input(folder)
+    checkpoint = checkpoint_ranges(folder)  # --weights reference: the checkpoint (checked once), its byte ranges
     ranges = profile_ranges(options.dims, exported_dims(folder.manifest))
     trt = import_trt(options.runtime)
     from ..custom_ops import trt_plugins as plugins
@@ -328,7 +327,8 @@ def _build_engine(export_dir: Path, options: EngineOptions) -> EngineArtifact:
     network = builder.create_network(0)
     parser = trt.OnnxParser(network, logger)
     t0 = time.perf_counter()
-    if not parser.parse_from_file(str(onnx_path)):
+    parsed, _keep = parse_onnx(parser, onnx_path, folder, checkpoint)  # _keep: weights handed to the parser
+    if not parsed:
         errs = [parser.get_error(i) for i in range(parser.num_errors)]
         lines = [f"  node {e.node()} ({e.node_name()}, {e.node_operator()}): {e.desc()}" for e in errs]
         raise EngineBuildError(f"{onnx_path}: TensorRT cannot parse it:\n" + "\n".join(lines) + "\n" + logger.excerpt())
@@ -339,7 +339,7 @@ def _build_engine(export_dir: Path, options: EngineOptions) -> EngineArtifact:
     config.add_optimization_profile(prof)
     if options.timing_cache:
         config.set_timing_cache(config.create_timing_cache(cache_bytes), ignore_mismatch=False)
-    sources = strip_plan(trt, config, onnx_path) if options.strip_weights else None  # WeightSourceError: ValueError
+    sources = strip_plan(trt, config, onnx_path, checkpoint) if options.strip_weights else None  # WeightSourceError
     from ..trt import adapter
 
     adapter.ERRORS.clear()

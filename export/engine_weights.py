@@ -10,6 +10,13 @@ one entry per initializer of `model.trt.onnx` (every weight TensorRT can ask for
 - an inline one (ONNX keeps tensors under 1 KiB in the graph): `"file": "model.trt.onnx"` with `"inline": true`
   (read from the graph proto, which holds only such small tensors);
 
+- a weight of an export that references its checkpoint (`k3x export --weights reference`: the initializer points
+  at the absent `REFERENCE_LOCATION`): `"checkpoint": true` and its `ranges` in the checkpoint's safetensors
+  shards (`[{file, offset, length}]`, file a bare name in the checkpoint folder the manifest's `weight_source`
+  names; one range per expert of a stacked expert tensor, MXFP4 bytes as stored, `checkpoint_ranges`), `length`
+  their total. A weight the checkpoint does not store as the program holds it (another dtype, dense-decoded
+  experts) has no range: refused, naming it;
+
 with the ONNX `dtype` (its TensorProto name: FLOAT, BFLOAT16, UINT8, ...), `shape` and the bytes' `sha256`, which the runner checks as it streams each weight.
 An export whose weights are all inline (`external_data` unset: under 2 GB, written without it) is refused:
 its plan would be refitted from a copy of the whole graph in memory, which is what stripping avoids.
@@ -55,17 +62,59 @@ def range_sha256(path: Path, offset: int, length: int) -> str:
     return h.hexdigest()
 
 
-def weight_sources(onnx_path: Path) -> dict[str, dict]:
+def checkpoint_ranges(folder) -> tuple[Path, dict[str, list[dict]]] | None:
+    """For an export folder (ExportFolder) that references its checkpoint (manifest `weight_source`; None for
+    any other): (the checkpoint, checked as the runners check it: checkpoint/reference.referenced_checkpoint;
+    {program weight name: its ranges in the checkpoint's shards} for every weight stored there as the program
+    holds it). WeightSourceError (one line naming the file) when the checkpoint is missing or changed."""
+    from ..checkpoint.byte_ranges import StoredTensor, stream_weights
+    from ..checkpoint.files import CheckpointError
+    from ..checkpoint.reference import referenced_checkpoint
+
+    entry = folder.manifest.get("weight_source")
+    if entry is None:
+        return None
+    try:
+        ckpt = referenced_checkpoint(entry)
+        prefix, out = str(entry.get("prefix", "")), {}
+        for name, t in stream_weights(ckpt, dtype=folder.dtype(), expert_format=folder.options().build.expert_format):
+            if isinstance(t, StoredTensor):
+                out[prefix + name] = [{"file": r.file.name, "offset": r.offset, "length": r.nbytes} for r in t.ranges]
+    except (CheckpointError, OSError) as e:
+        raise WeightSourceError(f"{folder.path}: weights referenced in the checkpoint: {e}") from None
+    return ckpt, out
+
+
+def _ranges_sha256(folder: Path, ranges: list[dict]) -> str:
+    h = hashlib.sha256()
+    for r in ranges:
+        for b in _chunks(folder / r["file"], r["offset"], r["length"]):
+            h.update(b)
+    return h.hexdigest()
+
+
+def weight_sources(onnx_path: Path, checkpoint: tuple[Path, dict[str, list[dict]]] | None = None) -> dict[str, dict]:
     """{initializer name: source} for every initializer of `onnx_path` (module docstring). The graph is read
-    without its external data; each external range is hashed in chunks."""
+    without its external data; each external range is hashed in chunks. `checkpoint`: `checkpoint_ranges` of
+    the export's referenced checkpoint (the sources of the initializers at `REFERENCE_LOCATION`)."""
     import onnx
+
+    from .onnx_weights import REFERENCE_LOCATION
 
     model = onnx.load(str(onnx_path), load_external_data=False)
     folder = Path(onnx_path).parent
     out: dict[str, dict] = {}
     for init in model.graph.initializer:
         entry = {"dtype": onnx.TensorProto.DataType.Name(init.data_type), "shape": list(init.dims)}
-        if init.data_location == onnx.TensorProto.EXTERNAL:
+        if init.data_location == onnx.TensorProto.EXTERNAL and _external(init).get("location") == REFERENCE_LOCATION:
+            ckpt, ranges = checkpoint or (None, {})
+            if init.name not in ranges:
+                raise WeightSourceError(f"{onnx_path}: initializer {init.name!r} is not stored in the referenced "
+                                        "checkpoint as the program holds it (converted: another dtype or expert "
+                                        "format); export with the checkpoint's --dtype to strip the engine")
+            r = ranges[init.name]
+            entry.update(checkpoint=True, ranges=r, length=sum(x["length"] for x in r), sha256=_ranges_sha256(ckpt, r))
+        elif init.data_location == onnx.TensorProto.EXTERNAL:
             ext = _external(init)
             data = folder / ext["location"]
             if Path(ext["location"]).name != ext["location"] or not data.is_file():
@@ -86,9 +135,10 @@ def weight_sources(onnx_path: Path) -> dict[str, dict]:
     return out
 
 
-def strip_plan(trt, config, onnx_path: Path) -> dict[str, dict]:
+def strip_plan(trt, config, onnx_path: Path, checkpoint: tuple[Path, dict[str, list[dict]]] | None = None
+               ) -> dict[str, dict]:
     """Set the weight-stripping flags on a builder config; the source of every weight the plan leaves out."""
-    sources = weight_sources(onnx_path)
+    sources = weight_sources(onnx_path, checkpoint)
     config.set_flag(trt.BuilderFlag.STRIP_PLAN)
     config.set_flag(trt.BuilderFlag.REFIT_IDENTICAL)
     return sources
@@ -103,18 +153,25 @@ def inline_bytes(init) -> bytes:
     return numpy_helper.to_array(init).tobytes()
 
 
-def read_weight(folder: Path, name: str, src: dict, inline: dict[str, bytes] | None = None) -> bytes:
-    """One weight's bytes from its recorded source, checked against its recorded length and sha256; a
-    mismatch is one line naming the weight and the file (the data changed after the build)."""
-    if src.get("inline"):
-        raw = (inline or {}).get(name)
+def read_weight(folder: Path, name: str, src: dict, inline: dict[str, bytes] | None = None,
+                checkpoint: Path | None = None) -> bytes:
+    """One weight's bytes from its recorded source (in the export `folder`, or for a `"checkpoint"` source in
+    the `checkpoint` folder), checked against its recorded length and sha256; a mismatch is one line naming
+    the weight and the file (the data changed after the build)."""
+    if src.get("checkpoint"):
+        ranges = src["ranges"]
+        where = Path(str(checkpoint)) / ranges[0]["file"]
+        raw = b"".join(b for r in ranges for b in _chunks(Path(str(checkpoint)) / r["file"], r["offset"], r["length"]))
+    elif src.get("inline"):
+        where, raw = Path(folder) / src["file"], (inline or {}).get(name)
         if raw is None:
-            raise WeightSourceError(f"{folder / src['file']}: initializer {name!r} is not in the graph")
+            raise WeightSourceError(f"{where}: initializer {name!r} is not in the graph")
     else:
-        raw = b"".join(_chunks(Path(folder) / src["file"], src["offset"], src["length"]))
+        where = Path(folder) / src["file"]
+        raw = b"".join(_chunks(where, src["offset"], src["length"]))
     if len(raw) != src["length"] or hashlib.sha256(raw).hexdigest() != src["sha256"]:
-        raise WeightSourceError(f"{Path(folder) / src['file']}: weight {name!r} no longer matches the engine's "
-                                "recorded sha256; rebuild the engine")
+        raise WeightSourceError(f"{where}: weight {name!r} no longer matches the engine's recorded sha256; "
+                                "rebuild the engine")
     return raw
 
 
@@ -124,3 +181,26 @@ def inline_weights(onnx_path: Path) -> dict[str, bytes]:
 
     model = onnx.load(str(onnx_path), load_external_data=False)
     return {i.name: inline_bytes(i) for i in model.graph.initializer if i.data_location != onnx.TensorProto.EXTERNAL}
+
+
+def parse_onnx(parser, onnx_path: Path, folder, checkpoint: tuple[Path, dict] | None) -> tuple[bool, list]:
+    """(parsed, the tensors handed to the parser, which must outlive it and the build). An export that
+    references its checkpoint (`checkpoint`: its `checkpoint_ranges`; `folder`: its ExportFolder): the graph
+    without its data, every initializer at `REFERENCE_LOCATION` handed over from the checkpoint's tensors
+    (`IParser.load_model_proto` + `load_initializer`); any other: parsed from the file."""
+    if checkpoint is None:
+        return bool(parser.parse_from_file(str(onnx_path))), []
+    import onnx
+
+    from ..checkpoint.reference import referenced_tensors
+    from .onnx_weights import REFERENCE_LOCATION
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    names = {i.name for i in model.graph.initializer if _external(i).get("location") == REFERENCE_LOCATION}
+    prefix = str(folder.manifest["weight_source"].get("prefix", ""))
+    keep = [(n, t.contiguous()) for n, t in referenced_tensors(checkpoint[0], dtype=folder.dtype(), prefix=prefix,
+                                                               expert_format=folder.options().build.expert_format)
+            if n in names]
+    parsed = parser.load_model_proto(onnx_path.read_bytes(), str(onnx_path)) and \
+        all(parser.load_initializer(n, t.data_ptr(), t.nbytes) for n, t in keep) and parser.parse_model_proto()
+    return bool(parsed), keep

@@ -122,9 +122,14 @@ class ExportOptions:
         if self.checkpoint is None or not self.weights:
             raise config_error("--weights reference: needs --checkpoint (the weights are read from it at load) "
                                "and not --no-weights")
-        if not set(self.stages()) <= {"pt2", "onnx"} or self.tp * self.ep > 1 or self.serving:
-            raise config_error("--weights reference: for one program (no --tp/--ep, no --serving) with "
-                               f"--target pt2 and/or onnx (got {list(self.stages())})")
+        if self.tp * self.ep > 1:
+            raise config_error("--weights reference: not for rank programs (--tp/--ep): a rank's weights are slices "
+                               "of the checkpoint's tensors (the row-parallel o_proj / down_proj slices are not "
+                               "contiguous byte ranges) and the rank runners do not slice a referenced checkpoint "
+                               "at load; use --weights copy")
+        if not set(self.stages()) <= {"pt2", "onnx"}:
+            raise config_error("--weights reference: the weights stay outside the pt2 and ONNX only: --target pt2 "
+                               f"and/or onnx (got {list(self.stages())}; aoti compiles them in)")
 
     def plan(self) -> ParallelPlan:
         from ..model.parallel import ParallelPlan

@@ -198,6 +198,10 @@ def _job(options: ExportOptions) -> ExportJob:
         from ..checkpoint.reference import reference_entry
 
         source, ckpt_hash = reference_entry(options.checkpoint)
+        if options.serving:  # the step holds the model as its `lm` child: the programs' weight names
+            from .serving import WEIGHT_PREFIX
+
+            source["prefix"] = WEIGHT_PREFIX
     elif options.checkpoint is not None and options.weights:  # the graph alone depends on the config
         from ..checkpoint.reference import checkpoint_hash
 

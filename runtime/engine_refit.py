@@ -3,7 +3,8 @@
 `k3x build-engine --strip-weights` records each refittable weight's source in `model.engine.json`
 (export/engine_weights.py). `refit_stripped` asks the engine's Refitter which weights it needs
 (`get_all_weights`), and for each: reads its bytes from the recorded source (16 MiB `pread`s, length and
-sha256 checked: data changed after the build is refused naming the weight), copies them to the GPU and hands
+sha256 checked: data changed after the build is refused naming the weight; an export that references its
+checkpoint reads the checkpoint's byte ranges), copies them to the GPU and hands
 TensorRT the device pointer (`set_named_weights(..., TensorLocation.DEVICE)`); the host buffer is dropped
 before the next weight, so host memory holds one weight at a time, never the rank. TensorRT needs every
 weight set before `refit_cuda_engine`, so the device copies live until the refit (the rank's weights once
@@ -39,11 +40,12 @@ def refit_stripped(trt, engine, logger, export_dir: Path, sources: dict[str, dic
     if unknown:
         raise RunnerError(f"{Path(export_dir) / 'model.engine.json'}: no source for refittable weight(s) {unknown[:5]}")
     inline = inline_weights(Path(export_dir) / ONNX_FILE) if any(sources[n].get("inline") for n in names) else {}
+    checkpoint = _checkpoint(export_dir) if any(sources[n].get("checkpoint") for n in names) else None
     on_device = []  # kept until refit_cuda_engine: TensorRT reads the pointers then
     for name in names:
         src = sources[name]
         try:
-            raw = read_weight(export_dir, name, src, inline)
+            raw = read_weight(export_dir, name, src, inline, checkpoint)
         except WeightSourceError as e:
             raise RunnerError(str(e)) from None
         dev = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy()).to("cuda")
@@ -61,3 +63,17 @@ def refit_stripped(trt, engine, logger, export_dir: Path, sources: dict[str, dic
     stream.synchronize()
     del on_device
     return time.perf_counter() - t0
+
+
+def _checkpoint(export_dir: Path) -> Path:
+    """The checkpoint folder a referencing export's weights come from (`k3x export --weights reference`): every
+    recorded file present, confined and of its recorded size (each weight's own sha256 is checked as it is
+    read, so the files are not hashed whole here). RunnerError naming the file otherwise."""
+    from ..checkpoint.files import CheckpointError
+    from ..checkpoint.reference import referenced_checkpoint
+    from ..folder.artifacts import ExportFolder
+
+    try:
+        return referenced_checkpoint(ExportFolder.open(export_dir).manifest.get("weight_source"), check_hash=False)
+    except CheckpointError as e:
+        raise RunnerError(f"{export_dir}: weights referenced in the checkpoint: {e}") from None

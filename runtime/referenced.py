@@ -32,7 +32,8 @@ def referenced_weights(folder: ExportFolder, check_hashes: bool = True) -> dict[
 
     try:
         ckpt = referenced_checkpoint(entry, check_hash=check_hashes)
-        return dict(referenced_tensors(ckpt, dtype=folder.dtype(), expert_format=folder.options().build.expert_format))
+        return dict(referenced_tensors(ckpt, dtype=folder.dtype(), expert_format=folder.options().build.expert_format,
+                                       prefix=str(entry.get("prefix", ""))))
     except (CheckpointError, OSError) as e:
         raise RunnerError(f"{folder.path}: weights referenced in the checkpoint: {e}") from None
 

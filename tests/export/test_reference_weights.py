@@ -154,5 +154,13 @@ def test_reference_needs_a_checkpoint(args, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-def test_build_engine_refuses_a_referencing_export(ref):
-    _refused(CliRunner().invoke(app, ["build-engine", str(ref[1])]), "exported with --weights reference")
+@pytest.mark.parametrize("args, reason", [
+    (["--tp", "2"], "a rank's weights are slices of the checkpoint's tensors"),
+    (["--ep", "2", "--serving"], "the rank runners do not slice a referenced checkpoint at load"),
+    (["--target", "aoti"], "aoti compiles them in")])
+def test_reference_refusals_name_the_reason(mini_cli_export, args, reason, tmp_path):
+    r = CliRunner().invoke(app, ["export", "--checkpoint", str(mini_cli_export.checkpoint), "--weights", "reference",
+                                 "--out", str(tmp_path / "x"), *(["--target", "pt2"] if "--target" not in args else []),
+                                 *args])
+    _refused(r, reason)
+    assert not (tmp_path / "x").exists()
