@@ -8,9 +8,10 @@ refit and checkpoint references are unchanged), and inlining the calls gives bac
 
 1. A node belongs to layer i by its name (`/model/layers.{i}/...`, export/onnx._name_nodes; a serving step's
    `/lm/model/layers.{i}/...`).
-2. Shape arithmetic the exporter shares between layers (a size computed in the first layer that needs it,
-   a Constant) is hoisted out of the layer: every node of the layer computed from constants and shapes
-   alone, whose inputs are outside the layer, stays in the main graph and becomes a call input.
+2. Shape arithmetic the exporter shares between layers (a size or Constant made in the first layer that needs
+   it, read by later ones) is hoisted out of that layer: a node of the layer computed from constants and
+   shapes alone whose value is read outside the layer stays in the main graph with its ancestors in the
+   layer (all shape arithmetic too), and becomes a call input of every layer that reads it.
 3. The layers of one kind must be isomorphic: the same nodes in the same order (domain, op, attributes),
    wired alike, the same inputs and outputs by position; names aside. The function is made from the first.
 4. A call input that is the same small constant in every call (a Constant node's value, or a non-weight
@@ -85,9 +86,9 @@ def _size_values(g: onnx.GraphProto, weights: set[str]) -> set[str]:
 
 
 def _layer(g: onnx.GraphProto, index: int, path: str, members: list[int], sizes: set[str],
-           graph_outputs: set[str], consumers: dict[str, list[int]]) -> tuple[_Layer, list[int]]:
-    """Layer `index` (its nodes at `members`): the body, its inputs and outputs and its signature, and the
-    member positions hoisted into the main graph (step 2)."""
+           graph_outputs: set[str], consumers: dict[str, list[int]]) -> _Layer:
+    """Layer `index` (its nodes at `members`): the body (what step 2 does not hoist into the main graph), its
+    inputs and outputs and its signature."""
     produced = {o: k for k in members for o in g.node[k].output}
     inside_all = set(members)
     hoisted: set[int] = set()
@@ -115,7 +116,7 @@ def _layer(g: onnx.GraphProto, index: int, path: str, members: list[int], sizes:
     outputs = [o for k in body for o in g.node[k].output
                if o and (o in graph_outputs or any(c not in inside for c in consumers.get(o, ())))]
     signature = (len(inputs), tuple(nodes), tuple(names[o] for o in outputs))
-    return _Layer(index, path, body, inputs, outputs, signature), sorted(hoisted)
+    return _Layer(index, path, body, inputs, outputs, signature)
 
 
 def _size_ancestors(g: onnx.GraphProto, k: int, produced: dict[str, int], sizes: set[str]) -> set[int] | None:
@@ -248,11 +249,7 @@ def functionalize(model: ModelProto, kinds: list[str], weights: set[str]) -> dic
         for x in n.input:
             consumers[x].append(k)
     sizes, graph_outputs = _size_values(g, weights), {o.name for o in g.output}
-    layers, hoisted = [], set()
-    for i in range(len(kinds)):
-        lay, h = _layer(g, i, paths[i], members[i], sizes, graph_outputs, consumers)
-        layers.append(lay)
-        hoisted.update(h)
+    layers = [_layer(g, i, paths[i], members[i], sizes, graph_outputs, consumers) for i in range(len(kinds))]
     by_kind: dict[str, list[_Layer]] = defaultdict(list)
     for lay in layers:
         by_kind[kinds[lay.index]].append(lay)
@@ -263,14 +260,14 @@ def functionalize(model: ModelProto, kinds: list[str], weights: set[str]) -> dic
                                      f"{_difference(group[0], other, g)}")
     constants = _constants(g, weights)
     opsets = {o.domain: o.version for o in model.opset_import}
-    functions, calls, embedded = [], {}, {}
+    functions, calls, embedded = [], {}, set()
     for kind, group in by_kind.items():
         embed = _embedded(group, constants, g)
         functions.append(_function(g, kind, group[0], embed, opsets, weights))
         for lay in group:
             calls[lay.body[-1]] = helper.make_node(kind, [x for p, x in enumerate(lay.inputs) if p not in embed],
                                                    lay.outputs, name=lay.path, domain=DOMAIN)
-            embedded.update((lay.inputs[p], True) for p in embed)
+            embedded.update(lay.inputs[p] for p in embed)
     in_body = {k for lay in layers for k in lay.body}
     nodes = [calls[k] if k in calls else n for k, n in enumerate(g.node) if k not in in_body or k in calls]
     nodes = _sort(nodes, {i.name for i in g.input} | {t.name for t in g.initializer})
@@ -279,7 +276,7 @@ def functionalize(model: ModelProto, kinds: list[str], weights: set[str]) -> dic
 
 
 def _commit(model: ModelProto, nodes: list[NodeProto], functions: list[FunctionProto],
-            embedded: dict[str, bool]) -> None:
+            embedded: set[str]) -> None:
     """Replace the graph's nodes, drop the constants and value infos nothing in the main graph uses any more."""
     g = model.graph
     used = {x for n in nodes for x in n.input} | {o.name for o in g.output}
@@ -298,7 +295,7 @@ def _commit(model: ModelProto, nodes: list[NodeProto], functions: list[FunctionP
     model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
 
 
-def save(model: "ir.Model", path: Path, kinds: list[str] | None, weights: set[str]) -> dict:
+def save(model: ir.Model, path: Path, kinds: list[str] | None, weights: set[str]) -> dict:
     """Write `model` to `path`: its layers as functions when `kinds` (one per layer) is given and they fit,
     else the flat graph. Returns the manifest entry {"mode": "functions" | "flat", "fallback": why flat
     although asked, or null, "calls": {kind: calls} with functions, "graph_nodes": the main graph's nodes}."""
