@@ -43,7 +43,9 @@ def serving_folder(args: argparse.Namespace) -> Iterator[Path]:
 
     with tempfile.TemporaryDirectory(prefix="k3x-bench-") as tmp:
         out = Path(tmp) / "x"
-        export(ExportOptions((Target.ONNX,), out, preset=args.preset, serving=True, block_size=args.block_size))
+        # flat layers: `profile_runs` attributes inlined k3 bodies to their callers in the main graph
+        export(ExportOptions((Target.ONNX,), out, preset=args.preset, serving=True, block_size=args.block_size,
+                             onnx_functions=False))
         yield out
 
 
@@ -148,7 +150,12 @@ def function_callers(onnx_path: Path) -> dict[str, list[str]]:
     """Per local function, the names of the nodes that call it, in graph order."""
     import onnx
 
+    from k3x.export.onnx_functions import DOMAIN
+
     m = onnx.load(str(onnx_path), load_external_data=False)
+    if any(f.domain == DOMAIN for f in m.functions):
+        raise ValueError(f"{onnx_path}: its layers are ONNX functions; profiles are attributed on a flat export "
+                         "(k3x export --no-onnx-functions)")
     local = {f.name for f in m.functions}
     out: dict[str, list[str]] = defaultdict(list)
     for n in m.graph.node:

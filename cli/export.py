@@ -12,7 +12,7 @@ from .console import Progress, debug, echo, fail
 from .options import EP, TP, Activations, BlockSize, Checkpoint, EngineExportDir, EngineRuntime, ExpertActivations, \
     Experts, ExportOut, Kernels, KernelChoice, MaxContext, ModelDType, DType, NoWeights, Plugins, PluginPath, Preset, \
     PresetSeed, ProfileMax, ProfileMin, ProfileOpt, Runtime, SM, Serving, StripWeights, Target, Targets, TraceMode, \
-    TraceModes, WeightSource, WeightsFrom
+    OnnxFunctions, TraceModes, WeightSource, WeightsFrom
 
 
 @app.command()
@@ -21,7 +21,7 @@ def export(out: ExportOut, preset: Preset = None, checkpoint: Checkpoint = None,
            kernels: Kernels = KernelChoice.REFERENCE, tp: TP = 1, ep: EP = 1, expert_format: Experts = None,
            max_context: MaxContext = None, serving: Serving = False, block_size: BlockSize = 16,
            activations: ExpertActivations = Activations.BF16, trace_mode: TraceModes = TraceMode.STAMPED,
-           weights: WeightsFrom = WeightSource.COPY) -> None:
+           weights: WeightsFrom = WeightSource.COPY, onnx_functions: OnnxFunctions = True) -> None:
     """Trace the model once (torch.export) and write the target's artifacts plus manifest.json."""
     from ..export.options import ExportOptions
     from ..export.pipeline import export as run_export
@@ -29,7 +29,7 @@ def export(out: ExportOut, preset: Preset = None, checkpoint: Checkpoint = None,
     try:
         options = ExportOptions(tuple(target), out, preset, checkpoint, not no_weights, dtype, seed, kernels,
                                 expert_format, max_context, tp, ep, serving, block_size, activations, trace_mode,
-                                weights)
+                                weights, onnx_functions)
         debug("export options: %s", options)
         with Progress() as progress:
             result = run_export(options, progress)

@@ -116,6 +116,10 @@ MaxContext = Annotated[Optional[int], typer.Option(
 TraceModes = Annotated[TraceMode, typer.Option(
     "--trace-mode", help="stamped: each distinct decoder layer traced once and copied for every layer (same program); "
          "per-layer: every layer traced. The manifest's `trace` says which was used.")]
+OnnxFunctions = Annotated[bool, typer.Option(
+    "--onnx-functions/--no-onnx-functions", help="ONNX: each decoder-layer kind one local function, called once per "
+    "layer (smaller files); the flat graph where the layers do not fit. The manifest's onnx `layer_functions` says "
+    "which each flavor file holds.")]
 
 # build-engine
 EngineExportDir = Annotated[Path, typer.Argument(callback=must_exist, help="Export folder holding model.trt.onnx.")]

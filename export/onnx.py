@@ -22,6 +22,9 @@ Notable choices:
 - Weights: initializers named like the state_dict; a model over 2 GB stores them once in
   `model.onnx.data`, shared by both flavor files. `weights=False` (meta-device models such as the full
   `k3`): no optimizer (it would read constant values) and every weight becomes a graph input.
+- Layer functions (`layer_functions`, default on; export/onnx_functions.py): each flavor file holds one local
+  function per layer kind, called once per layer with its weights as inputs; the flat graph where the layers
+  do not fit, the reason in the manifest entry's `layer_functions` (flavor -> mode, fallback, calls per kind).
 - Deterministic: the same program gives byte-identical files (tests/export/test_onnx_export.py); the
   exporter's per-node metadata (Python stack traces with absolute paths, fx node text) is dropped.
 """
@@ -45,6 +48,7 @@ from ..model.options import CacheOptions
 from ..model.state import state_specs
 from ..plan.onnx_node import DOMAIN
 from .onnx_flavors import FLAVOR_PASSES
+from .onnx_functions import save as save_layers
 
 FLAVOR_FILES: dict[str, str] = {"ort": "model.onnx", "trt": "model.trt.onnx"}
 EXTERNAL_DATA = "model.onnx.data"
@@ -65,6 +69,7 @@ class OnnxOptions:
     cache: CacheOptions | None = None  # the latent cache interface traced (None: growing)
     serving: dict | None = None  # the manifest's `serving` entry: a serving step's I/O names (export/serving.py)
     reference: bool = False  # weights read from the checkpoint at load (export/onnx_weights.reference_weights)
+    layer_functions: bool = True  # each layer kind one local function, called per layer (export/onnx_functions.py)
 
     def __post_init__(self) -> None:
         bad = [f for f in self.flavors if f not in FLAVOR_FILES]
@@ -80,6 +85,7 @@ class OnnxArtifact:
     op_counts: dict[str, int] = field(default_factory=dict)
     collectives: dict[str, int] = field(default_factory=dict)  # AllReduce / AllGather nodes (rank programs)
     digests: dict[str, str] = field(default_factory=dict)  # file name -> sha256 taken while writing
+    layer_functions: dict[str, dict] = field(default_factory=dict)  # flavor -> onnx_functions.save's entry
 
 
 # --- custom translations: torch.ops.k3.<family> -> k3::<Op> nodes (attributes = plugin fields) ---------
@@ -277,19 +283,22 @@ def export_onnx(ep: ExportedProgram, cfg: K3Config, out_dir: Path, options: Onnx
         # small tensors (shape constants ORT must read during shape inference) stay in the graph
         ir.external_data.unload_from_model(model, out_dir, EXTERNAL_DATA, size_threshold_bytes=1024)
         data_path = out_dir / EXTERNAL_DATA
+    kinds = [cfg.layer_kind(i) for i in range(cfg.num_layers)] if options.layer_functions else None
+    layer_functions = {}
     for flavor in ("trt", "ort"):  # trt first: the ort pass adds functions to the same model
         if flavor in options.flavors:
             model.opset_imports.clear()  # a model written before (rank programs) carries the last pass's imports
             model.opset_imports.update(model.meta.get(OPSET_IMPORTS, {}))
             FLAVOR_PASSES[flavor](model)
-            ir.save(model, out_dir / FLAVOR_FILES[flavor])
+            layer_functions[flavor] = save_layers(model, out_dir / FLAVOR_FILES[flavor], kinds,
+                                                  set(ep.state_dict) | set(ep.constants))
     files = {f: out_dir / FLAVOR_FILES[f] for f in FLAVOR_FILES if f in options.flavors}
     counts = Counter(f"{n.domain}::{n.op_type}" for n in model.graph if n.domain == DOMAIN)
     from .onnx_collectives import counts as collective_counts
 
     return OnnxArtifact(files=files, external_data=data_path, num_nodes=len(model.graph),
                         op_counts=dict(sorted(counts.items())), collectives=collective_counts(model),
-                        digests=digests)
+                        digests=digests, layer_functions=layer_functions)
 
 
 def onnx_stage(out_dir: Path, ep: ExportedProgram, cfg: K3Config, options: OnnxOptions = OnnxOptions(),
@@ -309,10 +318,10 @@ def onnx_stage(out_dir: Path, ep: ExportedProgram, cfg: K3Config, options: OnnxO
         extra.update(flavors={f: p.name for f, p in art.files.items()}, opset=options.opset,
                      weights=REFERENCED if options.reference else options.weights,
                      external_data=art.external_data.name if art.external_data else None,
-                     nodes=art.num_nodes, k3_nodes=art.op_counts)
+                     nodes=art.num_nodes, k3_nodes=art.op_counts, layer_functions=art.layer_functions)
         if art.collectives:  # the ort flavor needs onnxruntime-extensions' Python ops (onnx_collectives.py)
             extra["collectives"] = art.collectives
     files = {f: Path(out_dir) / p.name for f, p in art.files.items()}
     data = Path(out_dir) / art.external_data.name if art.external_data else None
     return OnnxArtifact(files=files, external_data=data, num_nodes=art.num_nodes, op_counts=art.op_counts,
-                        collectives=art.collectives)
+                        collectives=art.collectives, layer_functions=art.layer_functions)

@@ -90,6 +90,7 @@ class ExportOptions:
     activations: Activations = Activations.BF16  # expert-GEMM inputs: as computed, or MXFP8 (MXFP4 experts)
     trace_mode: TraceMode = TraceMode.STAMPED  # each distinct layer traced once, or every layer (export/stamp.py)
     weight_source: WeightSource = WeightSource.COPY
+    onnx_functions: bool = True  # ONNX: one local function per layer kind (export/onnx_functions.py)
 
     def __post_init__(self) -> None:
         if (self.preset is None) == (self.checkpoint is None):

@@ -130,7 +130,8 @@ def stage_onnx(ep: ExportedProgram, ctx: StageContext) -> str:
     cache = ctx.model.cache if ctx.model else None
     art = onnx_stage(ctx.work_dir, ep, ctx.cfg, OnnxOptions(weights=ctx.options.weights, weight_stream=ctx.weight_stream,
                                                            cache=cache, serving=serving,
-                                                           reference=ctx.options.references_checkpoint))
+                                                           reference=ctx.options.references_checkpoint,
+                                                           layer_functions=ctx.options.onnx_functions))
     where = ", ".join(f"{flavor} {ctx.out_dir / Path(path).name}" for flavor, path in art.files.items())
     data = f", weights in {ctx.out_dir / Path(art.external_data).name}" if art.external_data else ""
     if not ctx.options.weights or serving is not None or ctx.options.references_checkpoint:

@@ -182,7 +182,8 @@ def _write_rank(work: Path, rank: int, job: ExportJob, local, counts: dict[str, 
     if "onnx" in stages:
         from .onnx import OnnxOptions, onnx_stage
 
-        onnx_stage(d, program, local, OnnxOptions(weights=options.weights, serving=_serving(job, local)), onnx_model)
+        onnx_stage(d, program, local, OnnxOptions(weights=options.weights, serving=_serving(job, local),
+                                                  layer_functions=options.onnx_functions), onnx_model)
     files = [{"path": f"{d.name}/{f['path']}", "bytes": f["bytes"], "sha256": f["sha256"], "artifact": name}
              for name, a in artifacts.read_manifest(d)["artifacts"].items() for f in a["files"]]
     return {"rank": rank, "tp_rank": plan.tp_rank(rank), "ep_rank": plan.ep_rank(rank), "dir": d.name,

@@ -59,9 +59,8 @@ def _(index, prefix, bank, state, length):
                                 dtype=v.dtype, device=v.device) for v in t.output_vals]
 
 
-def layer_key(model: K3ForCausalLM, i: int) -> tuple:
-    layer = model.model.layers[i]
-    return layer.kind, layer.is_moe, layer.block_start, bool(model.cfg.block_starts()) and i == 0
+def layer_key(model: K3ForCausalLM, i: int) -> str:
+    return model.cfg.layer_kind(i)
 
 
 class _LayerCall(nn.Module):

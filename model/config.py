@@ -248,6 +248,13 @@ class K3Config:
             return ()
         return tuple(range(0, self.num_layers, self.attn_res.block_size))
 
+    def layer_kind(self, i: int) -> str:
+        """Layer i's shape: mixer, FFN and AttnRes role (`_first`: layer 0 opens the bank; `_block_start`: it
+        writes the running partial sum). Layers of one kind trace to the same graph (export/stamp.py) and share
+        one ONNX function (export/onnx_functions.py). E.g. 'kda_dense_first', 'kda_moe', 'mla_moe'."""
+        role = "_first" if self.attn_res is not None and i == 0 else "_block_start" if i in self.block_starts() else ""
+        return f"{self.layer_types[i]}_{self.mlp_types[i]}{role}"
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["extra"] = dict(self.extra)

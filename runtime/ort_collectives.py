@@ -78,8 +78,10 @@ def check_ready(path) -> str | None:
     import onnx
     from onnx.helper import get_attribute_value
 
+    from ..export.onnx_functions import model_nodes
+
     groups: dict[str, int | None] = {}
-    for n in onnx.load(str(path), load_external_data=False).graph.node:
+    for n in model_nodes(onnx.load(str(path), load_external_data=False)):
         if n.domain == PYOP_DOMAIN and n.op_type in OPS:
             a = {x.name: get_attribute_value(x) for x in n.attribute}
             name = a["group_name"].decode()

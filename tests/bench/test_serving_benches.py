@@ -20,7 +20,8 @@ def mini_serving(tmp_path_factory) -> Path:
     from k3x.export.pipeline import export
 
     out = tmp_path_factory.mktemp("serving-bench") / "x"
-    export(ExportOptions((Target.ONNX,), out, preset="k3-mini", serving=True, block_size=8))
+    # flat layers: serving_length attributes the profile's inlined k3 bodies to their callers in the main graph
+    export(ExportOptions((Target.ONNX,), out, preset="k3-mini", serving=True, block_size=8, onnx_functions=False))
     return out
 
 
@@ -90,3 +91,11 @@ def test_long_prompt_tail(mini_serving, tmp_path):
              "--tail")
     assert (r["tail"], r["steps"], r["positions"]) == (True, 2, 1001)  # the last chunk, one decode step
     assert r["peak_bytes"] >= r["steady_bytes"] >= r["predicted_pool_bytes"] > 0  # the pools' pages are written
+
+
+def test_profile_attribution_refuses_layer_functions(serving_export):
+    """A serving export holds its layers as ONNX functions by default; the profile split needs a flat one."""
+    from k3x.bench.serving_steps import function_callers
+
+    with pytest.raises(ValueError, match=r"layers are ONNX functions; .*--no-onnx-functions"):
+        function_callers(serving_export / "model.onnx")

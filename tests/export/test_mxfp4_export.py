@@ -23,6 +23,7 @@ from onnx import TensorProto, helper
 from k3x.custom_ops.moe_mxfp4.codec import dequantize
 from k3x.custom_ops.moe_mxfp4.onnx import decode
 from k3x.plan.onnx_node import Body
+from k3x.export.onnx_functions import inline_layers
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -73,7 +74,7 @@ def _tensor_bytes(ckpt: Path) -> int:
 @pytest.mark.parametrize("name, byte_type", [("model.onnx", TensorProto.UINT8), ("model.trt.onnx", TensorProto.INT8)])
 def test_onnx_flavors_carry_packed_experts(name, byte_type):
     _, folder, ckpt = packed_exports()
-    model = onnx.load(str(folder / name))
+    model = inline_layers(onnx.load(str(folder / name)))  # each k3 node wired to its layer's initializers
     inits = {i.name: i for i in model.graph.initializer}
     nodes = [n for n in model.graph.node if n.domain == "k3" and n.op_type == "MoEMXFP4"]
     assert len(nodes) == 5  # one node per MoE layer of k3-mini

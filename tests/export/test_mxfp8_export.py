@@ -15,6 +15,7 @@ import torch
 from typer.testing import CliRunner
 
 from k3x.cli import app
+from k3x.export.onnx_functions import inline_layers
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -38,7 +39,7 @@ def test_manifest_and_nodes_record_mxfp8():
     m = json.loads((folder / "manifest.json").read_text())
     assert m["options"]["activations"] == "mxfp8" and m["options"]["expert_format"] == "mxfp4"
     for name in ("model.onnx", "model.trt.onnx"):
-        nodes = [n for n in onnx.load(str(folder / name), load_external_data=False).graph.node
+        nodes = [n for n in inline_layers(onnx.load(str(folder / name), load_external_data=False)).graph.node
                  if n.op_type == "MoEMXFP4"]
         assert len(nodes) == 5 and all(
             onnx.helper.get_attribute_value(next(a for a in n.attribute if a.name == "activations")) == b"mxfp8"

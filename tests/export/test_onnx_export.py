@@ -12,6 +12,7 @@ import torch
 
 from k3x.custom_ops.registry import families
 from k3x.export.onnx import FLAVOR_FILES, OnnxOptions, export_onnx
+from k3x.export.onnx_functions import inline_layers
 from k3x.model import build_model, empty_state, preset, state_specs
 from onnx_mini_folder import export_folder, mini_export
 
@@ -43,7 +44,7 @@ def test_io_names_dims_and_k3_nodes():
             assert ins[s.input_name] == want_in, s.input_name
             want_out = ["batch", "total_seq", *s.dims[2:]] if s.kind == "latent" else want_in
             assert outs[s.output_name] == want_out, s.output_name
-        k3 = [n for n in model.graph.node if n.domain == "k3"]
+        k3 = [n for n in inline_layers(model).graph.node if n.domain == "k3"]  # one per layer, as traced
         counts = {t: sum(n.op_type == t for n in k3) for t in NODE_SPECS}
         traced = manifest["op_counts"]
         assert counts == {"KDA": traced["k3::kda"], "AttnRes": traced["k3::attn_res"], "MoE": traced["k3::moe"],
@@ -57,22 +58,29 @@ def test_io_names_dims_and_k3_nodes():
                 assert (attrs["top_k"], attrs["num_experts"], attrs["activation"]) == (2, 8, b"situ")
         functions = sorted(f.name for f in model.functions if f.domain == "k3")
         assert functions == ([] if flavor == "trt" else ["AttnRes", "KDA", "MoE"])
+        layers = sorted(f.name for f in model.functions if f.domain == "k3x.layers")
+        assert layers == sorted({CFG.layer_kind(i) for i in range(CFG.num_layers)})
+        assert manifest["artifacts"]["onnx"]["layer_functions"][flavor]["mode"] == "functions"
 
 
 def test_node_names_map_back_to_the_model():
-    """Main-graph nodes are named after the module they came from; function-body nodes after their op and
-    step, so an ONNX Runtime profile or a Netron view reads /model/layers.1/block_sparse_moe/MoE."""
+    """Main-graph nodes are named after the module they came from (a layer's call: /model/layers.1), layer
+    function nodes after theirs within the layer (block_sparse_moe/MoE), k3 function-body nodes after their op
+    and step, so an ONNX Runtime profile or a Netron view reads /model/layers.1 + block_sparse_moe/MoE."""
     model = onnx.load(str(mini_export().folder / FLAVOR_FILES["ort"]))
     names = [n.name for n in model.graph.node]
     assert len(set(names)) == len(names) and all(n.startswith("/") for n in names)
-    k3 = {n.name for n in model.graph.node if n.domain == "k3"}
+    calls = {n.name: n.op_type for n in model.graph.node if n.domain == "k3x.layers"}
+    assert calls == {f"/model/layers.{i}": CFG.layer_kind(i) for i in range(CFG.num_layers)}
+    k3 = {(f.name, n.name) for f in model.functions for n in f.node if n.domain == "k3"}
     for i in CFG.kda_layers:
-        assert f"/model/layers.{i}/self_attn/KDA" in k3
+        assert (CFG.layer_kind(i), "self_attn/KDA") in k3
     for i in CFG.moe_layers:
-        assert f"/model/layers.{i}/block_sparse_moe/MoE" in k3
-    assert "/model/layers.0/AttnRes" in k3
+        assert (CFG.layer_kind(i), "block_sparse_moe/MoE") in k3
+    assert (CFG.layer_kind(0), "AttnRes") in k3
     for f in model.functions:
-        assert all(n.name.startswith(f"{f.name}/") for n in f.node), f.name
+        if f.domain == "k3":
+            assert all(n.name.startswith(f"{f.name}/") for n in f.node), f.name
     moe = next(f for f in model.functions if f.name == "MoE")
     assert {n.name.split("/")[1] for n in moe.node} >= {"route", "segment", "experts"}
 

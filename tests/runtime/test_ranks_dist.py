@@ -29,6 +29,7 @@ from typer.testing import CliRunner
 import k3x
 from k3x.checkpoint.files import save_checkpoint
 from k3x.cli import app
+from k3x.export.onnx_functions import model_nodes
 from k3x.folder.artifacts import ExportFolder, read_manifest
 from k3x.model import build_model, preset
 
@@ -101,8 +102,8 @@ def test_sharded_export_layout_and_manifest(tp2ep2):
     for flavor in ("model.onnx", "model.trt.onnx"):  # nor does the ONNX graph
         nodes = set()
         for r in par["ranks"]:
-            g = onnx.load(tp2ep2 / r["dir"] / flavor).graph
-            nodes.add(tuple(n.SerializeToString() for n in g.node))
+            model = onnx.load(tp2ep2 / r["dir"] / flavor)  # main graph and layer functions alike
+            nodes.add(tuple(n.SerializeToString() for n in model_nodes(model)))
         assert len(nodes) == 1
 
 
