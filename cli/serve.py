@@ -5,7 +5,8 @@
   record i of `--json OUT` (input order), whatever order the sequences finished in.
 - A serving export run without --prompts (`--prompt` / `--prompt-ids`) is served as a file of one prompt.
 - A rank serving export (`--serving --tp/--ep`) is served by its ranks (under torchrun, or started by k3x as
-  for every rank export); rank 0 prints and writes `--json`.
+  for every rank export); rank 0 prints and writes `--json`. The prefix cache and speculation work there too
+  (every rank decides alike from rank 0's tokens; each keeps its own pools and snapshots).
 - `--prefix-cache`: prompts sharing a prefix reuse its cached state; the hit rate and the prefill tokens saved
   are printed, and every --json record has `cached_tokens` (prompt tokens taken from the cache).
 - Speculation (`--speculate ngram:K`, `--draft EXPORT --speculate-tokens K`): greedy only; the tokens are

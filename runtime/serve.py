@@ -25,7 +25,7 @@ from ..text.sampling import Sampler, SamplingOptions
 from .pools import CacheAllocator, StatePools
 from .prefix_cache import PrefixCache
 from .scheduler import Request, Scheduler
-from .speculate import Counts, choose
+from .speculate import Counts, agree_drafts, choose
 
 Feeds = dict[str, Tensor]
 
@@ -111,11 +111,10 @@ def serve(runner, cfg, prompts: Sequence[Sequence[int]], sampling: SamplingOptio
     heads, the whole latent), and `agree` makes each step's chosen tokens the same on every rank
     (runtime/dist_run.agree_tokens), so every rank's scheduler makes the same steps. `stats`: a dict the
     run's counters are added to (the prefix cache's figures). `drafter`: speculative decoding
-    (runtime/speculate.py; greedy only, one program), the same tokens in fewer steps."""
+    (runtime/speculate.py; greedy only; on rank programs every rank takes rank 0's drafts and
+    tokens), the same tokens in fewer steps."""
     if drafter is not None and not sampling.greedy:
         raise ValueError(f"temperature={sampling.temperature}: speculative decoding is greedy only (temperature 0)")
-    if drafter is not None and agree is not None:
-        raise ValueError("speculative decoding runs on one program, not on rank programs")
     device = str(device or getattr(runner, "device", None) or "cpu")
     news = list(max_new_tokens) if max_new_tokens is not None else [sampling.max_new_tokens] * len(prompts)
     if len(news) != len(prompts):
@@ -138,6 +137,8 @@ def serve(runner, cfg, prompts: Sequence[Sequence[int]], sampling: SamplingOptio
     while True:
         if drafter is not None:
             drafter.propose(sched)  # drafts on the decoding sequences, verified by this step
+            if agree is not None:
+                agree_drafts(sched, drafter.k, agree)
         if (step := sched.next_step()) is None:
             break
         for rid in step.admitted:
@@ -148,9 +149,7 @@ def serve(runner, cfg, prompts: Sequence[Sequence[int]], sampling: SamplingOptio
                 prefix.start(rid, alloc.slot_of[rid])
         feeds = {**step.feeds, **pools.tensors}
         out = runner.infer(feeds)
-        chosen, rows = choose(step, out["logits"], samplers)
-        if agree is not None and chosen:  # no drafts on ranks: one token each; every rank has the same due
-            chosen = dict(zip(step.due, agree([chosen[rid] for rid in step.due])))
+        chosen, rows = choose(step, out["logits"], samplers, agree)
         pools.write_back(feeds, out, step.advances(chosen))
         if prefix is not None:
             prefix.record(step, sched.running, alloc.table_of)
