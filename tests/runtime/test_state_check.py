@@ -19,36 +19,11 @@ from k3x.model import preset
 from k3x.runtime.runners import ModuleRunner, make_runner
 from k3x.runtime.state_check import check_state
 from onnx_mini_folder import mini_export
+from state_bugs import Corrupts
 
 CFG = preset("k3-mini")
 KDA_LAYERS = "layers 0, 1, 3"
 cli = CliRunner()
-
-
-class Corrupts:
-    """An honest runner behind one state bug: on the state it is given (`zeroed`, `stale`: the KDA state of
-    its previous call, `transposed`: recurrent key/value axes swapped, `one-layer`: layer 3 zeroed) or on
-    the state it returns (`bf16`: the recurrent state in bf16)."""
-
-    def __init__(self, inner, bug: str) -> None:
-        self.inner, self.bug, self.name, self.previous = inner, bug, f"{inner.name}+{bug}", None
-
-    def infer(self, feeds):
-        kda = [n for n in feeds if n.endswith((".conv", ".recurrent"))]
-        given = feeds
-        if self.bug == "zeroed":
-            feeds = {**feeds, **{n: torch.zeros_like(feeds[n]) for n in kda}}
-        elif self.bug == "one-layer":
-            feeds = {**feeds, **{n: torch.zeros_like(feeds[n]) for n in kda if n.startswith("past.3.")}}
-        elif self.bug == "stale":
-            feeds = {**feeds, **{n: (self.previous or feeds)[n] for n in kda}}
-        elif self.bug == "transposed":
-            feeds = {**feeds, **{n: feeds[n].transpose(-1, -2).contiguous() for n in kda if n.endswith("recurrent")}}
-        self.previous = {n: given[n] for n in kda}
-        out = self.inner.infer(feeds)
-        if self.bug == "bf16":
-            out = {n: v.bfloat16() if n.endswith("recurrent") else v for n, v in out.items()}
-        return out
 
 
 @pytest.fixture(scope="module")

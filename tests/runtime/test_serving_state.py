@@ -1,0 +1,102 @@
+"""The state contract on serving exports (issue 21): `k3x verify` on a `--serving` export hands every step the
+pools holding the true state and names a backend that decodes from a zeroed, stale (one step earlier) or
+transposed KDA state, or returns its rows in the wrong dtype (exit 1); the honest step passes. A sequence's
+state handed across processes through `k3x run --save-state / --load-state` on a serving export (its slot's
+KDA rows and its latent rows) continues with the tokens and bit-identical logits of one process, on pt2 and
+ort. The bugs are injected by a wrapper (tests/state_bugs.py) around the export's real pt2 serving step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from state_bugs import Corrupts
+from typer.testing import CliRunner
+
+import k3x.runtime.serving_check as serving_check
+from k3x.checkpoint.files import save_checkpoint
+from k3x.cli import app
+from k3x.folder.artifacts import ExportFolder
+from k3x.model import build_model, preset
+from k3x.runtime.base import RunnerOptions
+from k3x.runtime.serve import serving_runner
+from k3x.runtime.state_check import STATE_STEPS, check_state
+
+CFG = preset("k3-mini")
+KDA_LAYERS = "layers 0, 1, 3"
+cli = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """The weights `export --preset k3-mini` (the session's serving_export) cuts up, as a checkpoint: the
+    eager reference of verify."""
+    out = tmp_path_factory.mktemp("ckpt") / "k3-mini"
+    save_checkpoint(build_model(CFG, dtype=torch.float32, seed=0).eval(), out, expert_format="dense")
+    return out
+
+
+@pytest.fixture(scope="module")
+def pt2(serving_export):
+    return serving_runner("pt2", serving_export)
+
+
+@pytest.fixture(scope="module")
+def reference(serving_export, checkpoint):
+    """(the eager serving step, its run: a prefill and STATE_STEPS decode steps, the true pools of each), once."""
+    folder = ExportFolder.open(serving_export)
+    ref = serving_check.serving_reference(folder, RunnerOptions(checkpoint=checkpoint))
+    prompt = torch.randint(0, CFG.vocab_size, (7,), generator=torch.Generator().manual_seed(0)).tolist()
+    run = serving_check.serving_steps(ref, CFG, prompt, STATE_STEPS, torch.float32, 8)
+    return ref, run, folder.state_contract(), prompt
+
+
+def verify(serving_export, checkpoint, tmp_path, *args):
+    out = tmp_path / "report.json"
+    r = cli.invoke(app, ["verify", str(serving_export), "--checkpoint", str(checkpoint), "--steps", "2",
+                         "--json", str(out), *args])
+    return r, (json.loads(out.read_text()) if out.is_file() else None)
+
+
+@pytest.mark.parametrize("bug,line", [
+    ("", None),
+    ("zeroed", f"pt2+zeroed decode 1: logits: decoded from a zeroed KDA state in {KDA_LAYERS},"),
+    ("one-layer", "pt2+one-layer decode 1: logits: decoded from a zeroed KDA state in layer 3,"),
+    ("stale", f"pt2+stale decode 2: logits: decoded from the KDA state of one step earlier (stale) in {KDA_LAYERS},"),
+    ("transposed", "pt2+transposed decode 1: logits: decoded from a transposed KDA recurrent state (key and value "
+                   f"axes swapped) in {KDA_LAYERS},"),
+    ("bf16", "pt2+bf16 prefill: layer 0 kda_recurrent: dtype bf16, the contract says fp32"),
+])
+def test_the_serving_state_checks_name_each_state_bug(reference, pt2, bug, line):
+    ref, run, contract, prompt = reference
+    got = [f.line() for f in check_state(ref, Corrupts(pt2, bug) if bug else pt2, CFG, contract,
+                                         prompt=torch.tensor([prompt]), dtype=torch.float32, run=run)]
+    if not bug:
+        assert got == []
+    else:
+        assert any(g.startswith(line) for g in got), "\n".join(got)
+
+
+def test_a_step_returning_a_transposed_state_is_named(reference, pt2):
+    class ReturnsTransposed(Corrupts):
+        def infer(self, feeds):
+            out = self.inner.infer(feeds)
+            return {n: v.transpose(-1, -2) if n.endswith("recurrent") else v for n, v in out.items()}
+
+    ref, run, contract, prompt = reference
+    got = [f.line() for f in check_state(ref, ReturnsTransposed(pt2, "returns-transposed"), CFG, contract,
+                                         prompt=torch.tensor([prompt]), dtype=torch.float32, run=run)]
+    assert "pt2+returns-transposed prefill: layer 1 kda_recurrent: returned a transposed state (axes head, value, " \
+           "key; the contract says head, key, value)" in got, "\n".join(got)
+
+
+def test_verify_on_a_serving_export_passes_every_backend_and_fails_a_bug(serving_export, checkpoint, pt2,
+                                                                          monkeypatch, tmp_path):
+    r, report = verify(serving_export, checkpoint, tmp_path)
+    assert r.exit_code == 0 and "state contract: ok" in r.output, r.output
+    assert report["backends"] == ["pt2", "ort"] and report["ok"] and len(report["steps"]) == 6
+    monkeypatch.setattr(serving_check, "serving_runner", lambda b, folder, options: Corrupts(pt2, "zeroed"))
+    r, report = verify(serving_export, checkpoint, tmp_path, "--backends", "pt2")
+    assert r.exit_code == 1 and "state contract: FAIL" in r.output and not report["state_ok"], r.output
+    assert f"pt2+zeroed decode 1: logits: decoded from a zeroed KDA state in {KDA_LAYERS}" in r.output, r.output
