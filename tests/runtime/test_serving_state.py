@@ -11,7 +11,9 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
 from state_bugs import Corrupts
+from state_split import split
 from typer.testing import CliRunner
 
 import k3x.runtime.serving_check as serving_check
@@ -100,3 +102,35 @@ def test_verify_on_a_serving_export_passes_every_backend_and_fails_a_bug(serving
     r, report = verify(serving_export, checkpoint, tmp_path, "--backends", "pt2")
     assert r.exit_code == 1 and "state contract: FAIL" in r.output and not report["state_ok"], r.output
     assert f"pt2+zeroed decode 1: logits: decoded from a zeroed KDA state in {KDA_LAYERS}" in r.output, r.output
+
+
+def test_serving_prefill_and_decode_in_two_processes_equal_one_process_bit_for_bit(serving_export, tmp_path):
+    one = split("one", serving_export, tmp_path / "unused", tmp_path / "one.safetensors")
+    split("save", serving_export, tmp_path / "state", tmp_path / "save.safetensors")
+    two = split("load", serving_export, tmp_path / "state", tmp_path / "two.safetensors")
+    with safe_open(str(tmp_path / "state.pt2.safetensors"), framework="pt") as f:  # the slot's rows, the latents
+        assert list(f.get_tensor("layer.0.kda_recurrent").shape) == [4, 16, 16]
+        assert list(f.get_tensor("layer.2.mla_latent").shape) == [7, 32] and f.get_tensor("layer.2.mla_latent").any()
+    for backend in ("pt2", "ort"):
+        assert one[f"{backend}.tokens"].tolist() == two[f"{backend}.tokens"].tolist() and \
+            len(two[f"{backend}.tokens"]) == 6, backend
+        assert torch.equal(one[f"{backend}.logits"], two[f"{backend}.logits"]), backend  # bit-identical
+
+
+def run(folder, *args) -> tuple[int, str]:
+    r = cli.invoke(app, ["run", str(folder), "--backend", "pt2", *map(str, args)])
+    return r.exit_code, r.output
+
+
+def test_cli_hands_a_serving_state_across_and_refuses_what_cannot_resume(serving_export, tmp_path):
+    state, whole, two = tmp_path / "s.safetensors", tmp_path / "whole.json", tmp_path / "two.json"
+    assert run(serving_export, "--prompt-ids", "3,1,4,1,5", "--max-new-tokens", "5", "--json", whole)[0] == 0
+    code, out = run(serving_export, "--prompt-ids", "3,1,4,1,5", "--max-new-tokens", "1", "--save-state", state)
+    assert code == 0 and state.is_file(), out
+    code, out = run(serving_export, "--load-state", state, "--max-new-tokens", "5", "--json", two)
+    assert code == 0, out
+    assert json.loads(two.read_text())[0]["tokens"] == json.loads(whole.read_text())[0]["tokens"]
+    for args, message in [(("--prefix-cache",), "--prefix-cache with --load-state"),
+                          (("--prompts", state), "one sequence (--prompt / --prompt-ids), not --prompts")]:
+        code, out = run(serving_export, "--load-state", state, *args)
+        assert code == 1 and message in out and len(out.strip().splitlines()) == 1, out
