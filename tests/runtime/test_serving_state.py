@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from state_bugs import Corrupts
+from state_bugs import BUG_LINES, TRANSPOSED_LINE, Corrupts, ReturnsTransposed
 from state_split import split
 from typer.testing import CliRunner
 
@@ -26,7 +26,6 @@ from k3x.runtime.serve import serving_runner
 from k3x.runtime.state_check import STATE_STEPS, check_state
 
 CFG = preset("k3-mini")
-KDA_LAYERS = "layers 0, 1, 3"
 cli = CliRunner()
 
 
@@ -54,6 +53,12 @@ def reference(serving_export, checkpoint):
     return ref, run, folder.state_contract(), prompt
 
 
+def findings(reference, runner) -> list[str]:
+    ref, run, contract, prompt = reference
+    return [f.line() for f in check_state(ref, runner, CFG, contract, prompt=torch.tensor([prompt]),
+                                          dtype=torch.float32, run=run)]
+
+
 def verify(serving_export, checkpoint, tmp_path, *args):
     out = tmp_path / "report.json"
     r = cli.invoke(app, ["verify", str(serving_export), "--checkpoint", str(checkpoint), "--steps", "2",
@@ -61,19 +66,9 @@ def verify(serving_export, checkpoint, tmp_path, *args):
     return r, (json.loads(out.read_text()) if out.is_file() else None)
 
 
-@pytest.mark.parametrize("bug,line", [
-    ("", None),
-    ("zeroed", f"pt2+zeroed decode 1: logits: decoded from a zeroed KDA state in {KDA_LAYERS},"),
-    ("one-layer", "pt2+one-layer decode 1: logits: decoded from a zeroed KDA state in layer 3,"),
-    ("stale", f"pt2+stale decode 2: logits: decoded from the KDA state of one step earlier (stale) in {KDA_LAYERS},"),
-    ("transposed", "pt2+transposed decode 1: logits: decoded from a transposed KDA recurrent state (key and value "
-                   f"axes swapped) in {KDA_LAYERS},"),
-    ("bf16", "pt2+bf16 prefill: layer 0 kda_recurrent: dtype bf16, the contract says fp32"),
-])
+@pytest.mark.parametrize("bug,line", [("", None), *BUG_LINES])
 def test_the_serving_state_checks_name_each_state_bug(reference, pt2, bug, line):
-    ref, run, contract, prompt = reference
-    got = [f.line() for f in check_state(ref, Corrupts(pt2, bug) if bug else pt2, CFG, contract,
-                                         prompt=torch.tensor([prompt]), dtype=torch.float32, run=run)]
+    got = findings(reference, Corrupts(pt2, bug) if bug else pt2)
     if not bug:
         assert got == []
     else:
@@ -81,16 +76,8 @@ def test_the_serving_state_checks_name_each_state_bug(reference, pt2, bug, line)
 
 
 def test_a_step_returning_a_transposed_state_is_named(reference, pt2):
-    class ReturnsTransposed(Corrupts):
-        def infer(self, feeds):
-            out = self.inner.infer(feeds)
-            return {n: v.transpose(-1, -2) if n.endswith("recurrent") else v for n, v in out.items()}
-
-    ref, run, contract, prompt = reference
-    got = [f.line() for f in check_state(ref, ReturnsTransposed(pt2, "returns-transposed"), CFG, contract,
-                                         prompt=torch.tensor([prompt]), dtype=torch.float32, run=run)]
-    assert "pt2+returns-transposed prefill: layer 1 kda_recurrent: returned a transposed state (axes head, value, " \
-           "key; the contract says head, key, value)" in got, "\n".join(got)
+    got = findings(reference, ReturnsTransposed(pt2))
+    assert TRANSPOSED_LINE in got, "\n".join(got)
 
 
 def test_verify_on_a_serving_export_passes_every_backend_and_fails_a_bug(serving_export, checkpoint, pt2,
@@ -101,7 +88,7 @@ def test_verify_on_a_serving_export_passes_every_backend_and_fails_a_bug(serving
     monkeypatch.setattr(serving_check, "serving_runner", lambda b, folder, options: Corrupts(pt2, "zeroed"))
     r, report = verify(serving_export, checkpoint, tmp_path, "--backends", "pt2")
     assert r.exit_code == 1 and "state contract: FAIL" in r.output and not report["state_ok"], r.output
-    assert f"pt2+zeroed decode 1: logits: decoded from a zeroed KDA state in {KDA_LAYERS}" in r.output, r.output
+    assert dict(BUG_LINES)["zeroed"] in r.output, r.output
 
 
 def test_serving_prefill_and_decode_in_two_processes_equal_one_process_bit_for_bit(serving_export, tmp_path):
