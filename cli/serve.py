@@ -5,7 +5,8 @@
   record i of `--json OUT` (input order), whatever order the sequences finished in.
 - A serving export run without --prompts (`--prompt` / `--prompt-ids`) is served as a file of one prompt.
 - A rank serving export (`--serving --tp/--ep`) is served by its ranks (under torchrun, or started by k3x as
-  for every rank export); rank 0 prints and writes `--json`.
+  for every rank export); rank 0 prints and writes `--json`. The prefix cache and speculation work there too
+  (every rank decides alike from rank 0's tokens; each keeps its own pools and snapshots).
 - `--prefix-cache`: prompts sharing a prefix reuse its cached state; the hit rate and the prefill tokens saved
   are printed, and every --json record has `cached_tokens` (prompt tokens taken from the cache).
 - Speculation (`--speculate ngram:K`, `--draft EXPORT --speculate-tokens K`): greedy only; the tokens are
@@ -78,10 +79,12 @@ def make_drafter(spec: Speculation, backend: str, runner_options, vocab_size: in
 
 
 def run_prompts(folder, prompts: list[list[int]], prepared, backend: tuple[str, list[str]], options,
-                json_out: Path | None, runner_options, spec: Speculation = Speculation(None, None, 4)) -> None:
+                json_out: Path | None, runner_options, spec: Speculation = Speculation(None, None, 4),
+                state: dict | None = None) -> None:
     """Serve the prompts (ids) with the export's serving step (`options`: runtime/serve.ServeOptions), one
     program or (inside a launcher) this rank's; the speaking rank prints and optionally writes the records.
-    `backend`: (name, notes for the user); `spec`: --speculate / --draft."""
+    `backend`: (name, notes for the user); `spec`: --speculate / --draft; `state`: serve's `resume` /
+    `on_prefill` (--load-state / --save-state, runtime/state_file.serving_hooks)."""
     import json
 
     from ..runtime import session as sessions
@@ -93,7 +96,7 @@ def run_prompts(folder, prompts: list[list[int]], prepared, backend: tuple[str, 
         for line in notes if s.speaks else ():
             echo(line, err=line.startswith("note:"))
         drafter = make_drafter(spec, name, runner_options, folder.config().vocab_size)
-        records = sessions.serve_prompts(s, name, prompts, prepared.options, options, drafter=drafter)
+        records = sessions.serve_prompts(s, name, prompts, prepared.options, options, drafter=drafter, **(state or {}))
     except (RunnerError, ValueError) as e:
         fail(f"{s.who if s else ''}{e}")
     except Exception as e:  # noqa: BLE001 - one line (per rank), no traceback

@@ -27,8 +27,12 @@ def verify(export_dir: ExportDir, backends: Backends = "", steps: Steps = 8, pro
     from ..runtime import session as sessions
     from ..runtime.runners import RunnerError, make_runner
 
-    ExportFolder.open(export_dir).config()  # a k3x export whose config builds
+    folder = ExportFolder.open(export_dir)
+    folder.config()  # a k3x export whose config builds
     options = runner_options(provider, skip_hash_check, checkpoint, cuda_graph)
+    if "serving" in folder.manifest:
+        return _verify_serving(folder, [b.strip() for b in backends.split(",") if b.strip()], options, steps,
+                               prompt_len, seed, json_out)
     s = open_session(export_dir, [b.strip() for b in backends.split(",") if b.strip()], options)
     names = list(s.runners)
     if not names:
@@ -49,5 +53,31 @@ def verify(export_dir: ExportDir, backends: Backends = "", steps: Steps = 8, pro
         if json_out:
             atomic_write_bytes(json_out, (json.dumps(verdict.to_json(s, names), indent=2) + "\n").encode())
     close_session(s)
+    if not verdict.ok:
+        raise typer.Exit(code=1)
+
+
+def _verify_serving(folder, backends: list[str], options, steps: int, prompt_len: int, seed: int, json_out) -> None:
+    """A serving export: its step against the eager serving step, the true state handed in at every step, and
+    the state checks on the pools (runtime/serving_check.py)."""
+    from ..folder.artifacts import atomic_write_bytes
+    from ..runtime.runners import RunnerError
+    from ..runtime.serving_check import verify_serving
+    from ..runtime.session import Verdict
+
+    try:
+        names, report, findings = verify_serving(folder, backends, dataclasses.replace(options, cuda_graph=False),
+                                                 steps=steps, prompt_len=prompt_len, seed=seed)
+    except (RunnerError, ValueError) as e:
+        fail(str(e))
+    except Exception as e:  # noqa: BLE001 - one line, no traceback
+        fail(f"verify: {one_line(e)}")
+    verdict = Verdict(report, state=findings)
+    echo("\n".join(["serving step: the true state handed in at every step", report.table(),
+                    *verdict.state_lines()]))
+    if json_out:
+        out = verdict.report.to_json() | {"backends": names, "state_ok": not findings,
+                                          "state_findings": [f.to_json() for f in findings]}
+        atomic_write_bytes(json_out, (json.dumps(out, indent=2) + "\n").encode())
     if not verdict.ok:
         raise typer.Exit(code=1)

@@ -144,6 +144,26 @@ class StatePools:
         for n, row in rows.items():
             self.tensors[n][slot].copy_(row)
 
+    def _positions(self, table: list[int], n: int) -> tuple[Tensor, Tensor]:
+        """(block, row) of positions 0..n-1 of the sequence whose block table is `table`."""
+        pos = torch.arange(n)
+        return torch.tensor(table, dtype=torch.long)[pos // self.block_size], pos % self.block_size
+
+    def save_sequence(self, slot: int, table: list[int], n: int) -> dict[str, Tensor]:
+        """A copy of a sequence's whole state: its slot's KDA rows (`save_slot`) and the latent rows of its
+        positions 0..n-1 (`pool.{i}.latent` [n, kv_lora + rope]) read through its block table."""
+        blocks, rows = self._positions(table, n)
+        return {**self.save_slot(slot), **{name: t[blocks.to(t.device), rows.to(t.device)].clone()
+                                           for name, t in self.tensors.items() if name.endswith(".latent")}}
+
+    def load_sequence(self, slot: int, table: list[int], state: dict[str, Tensor]) -> None:
+        """The state `save_sequence` gave into `slot` and the blocks of `table`."""
+        self.load_slot(slot, {n: x for n, x in state.items() if not n.endswith(".latent")})
+        for name in (n for n in state if n.endswith(".latent")):
+            pool, x = self.tensors[name], state[name]
+            blocks, rows = self._positions(table, x.shape[0])
+            pool[blocks.to(pool.device), rows.to(pool.device)] = x.to(pool.device, pool.dtype)
+
     def write_back(self, feeds: dict[str, Tensor], outputs: dict[str, Tensor], keep: list[bool] | None = None
                    ) -> None:
         """conv/recurrent pool[slots[b]] = new[b] (only where keep[b], when given: a speculating sequence

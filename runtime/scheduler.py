@@ -94,8 +94,13 @@ class Scheduler:
         self.queue: list[Request] = []
         self.running: dict[int, Sequence] = {}  # by request id, in admission order
         self.finished: dict[int, Sequence] = {}
+        self.resumed: dict[int, list[int]] = {}  # request id -> tokens generated before its state was saved
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, resumed: list[int] | None = None) -> None:
+        """Queue `request`; `resumed`: its whole prompt is already in the state it will be given at admission
+        (a state file) and these tokens were generated from it (the first is fed by its first step)."""
+        if resumed is not None:
+            self.resumed[request.id] = list(resumed)
         if not request.prompt or request.max_new_tokens < 1:
             raise ValueError(f"request {request.id}: needs >= 1 prompt token and max_new_tokens >= 1")
         if not self.alloc.fits_ever(request.positions):
@@ -116,7 +121,10 @@ class Scheduler:
             if hit is None or not self.alloc.can_admit(r.positions, len(hit.blocks)):
                 break
             self.queue.pop(0)
-            self.running[r.id] = Sequence(r, self.alloc.admit(r.id, r.positions, hit.blocks), fed=hit.length)
+            seq = Sequence(r, self.alloc.admit(r.id, r.positions, hit.blocks), fed=hit.length)
+            if r.id in self.resumed:
+                seq.fed, seq.tokens = len(r.prompt), list(self.resumed[r.id])
+            self.running[r.id] = seq
             admitted.append(r.id)
         return admitted
 

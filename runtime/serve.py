@@ -25,7 +25,7 @@ from ..text.sampling import Sampler, SamplingOptions
 from .pools import CacheAllocator, StatePools
 from .prefix_cache import PrefixCache
 from .scheduler import Request, Scheduler
-from .speculate import Counts, choose
+from .speculate import Counts, agree_drafts, choose
 
 Feeds = dict[str, Tensor]
 
@@ -49,6 +49,16 @@ class Record:
     logits: list[Tensor] = field(default_factory=list)  # [vocab] fp32 per token (ServeOptions.keep_logits)
     cached: int = 0  # prompt tokens restored from the prefix cache (not prefilled)
     counts: Counts = field(default_factory=Counts)  # steps that gave it tokens; drafts (speculation)
+
+
+@dataclass(frozen=True)
+class SlotState:
+    """One sequence's state in a deployment (a state file's content, runtime/state_file.py): the tokens it
+    holds, its slot's KDA rows and its latent rows by pool name (`pool.{i}.conv` [3P, W-1], `.recurrent`
+    [H, K, V], `.latent` [T, kv_lora + rope]), and its last position's logits [vocab] fp32."""
+    tokens: list[int]
+    rows: dict[str, Tensor]
+    logits: Tensor
 
 
 class StepModuleRunner:
@@ -102,7 +112,8 @@ def default_blocks(requests: list[Request], options: ServeOptions, cfg, dtype: t
 def serve(runner, cfg, prompts: Sequence[Sequence[int]], sampling: SamplingOptions,
           options: ServeOptions = ServeOptions(), *, max_new_tokens: Sequence[int] | None = None,
           dtype: torch.dtype = torch.float32, device: str | None = None, pool_cfg=None,
-          agree: Callable[[list[int]], list[int]] | None = None, stats: dict | None = None, drafter=None
+          agree: Callable[[list[int]], list[int]] | None = None, stats: dict | None = None, drafter=None,
+          resume: dict[int, SlotState] | None = None, on_prefill: Callable[[int, SlotState], None] | None = None
           ) -> list[Record]:
     """Generate for every prompt (ids) -> records in input order. `max_new_tokens`: per prompt (default:
     sampling.max_new_tokens for all). The pools live on `device`, by default the runner's (an ORT CUDA session
@@ -111,11 +122,12 @@ def serve(runner, cfg, prompts: Sequence[Sequence[int]], sampling: SamplingOptio
     heads, the whole latent), and `agree` makes each step's chosen tokens the same on every rank
     (runtime/dist_run.agree_tokens), so every rank's scheduler makes the same steps. `stats`: a dict the
     run's counters are added to (the prefix cache's figures). `drafter`: speculative decoding
-    (runtime/speculate.py; greedy only, one program), the same tokens in fewer steps."""
+    (runtime/speculate.py; greedy only; on rank programs every rank takes rank 0's drafts and
+    tokens), the same tokens in fewer steps. `resume`: prompt i starts from a saved state (its prompt is the
+    state's tokens; its first token is chosen from the saved logits); `on_prefill(i, state)`: called with
+    prompt i's state once its prompt is in (a state file)."""
     if drafter is not None and not sampling.greedy:
         raise ValueError(f"temperature={sampling.temperature}: speculative decoding is greedy only (temperature 0)")
-    if drafter is not None and agree is not None:
-        raise ValueError("speculative decoding runs on one program, not on rank programs")
     device = str(device or getattr(runner, "device", None) or "cpu")
     news = list(max_new_tokens) if max_new_tokens is not None else [sampling.max_new_tokens] * len(prompts)
     if len(news) != len(prompts):
@@ -131,16 +143,28 @@ def serve(runner, cfg, prompts: Sequence[Sequence[int]], sampling: SamplingOptio
     for r in requests:
         if any(t < 0 or t >= cfg.vocab_size for t in r.prompt):
             raise ValueError(f"prompt {r.id}: token ids must be in [0, {cfg.vocab_size})")
-        sched.add(r)
     records = [Record(r.id, list(r.prompt)) for r in requests]
     seed = sampling.seed
     samplers = [Sampler(replace(sampling, seed=None if seed is None else seed + i)) for i in range(len(requests))]
+    resume = resume or {}
+    if resume and prefix is not None:
+        raise ValueError("--prefix-cache with --load-state: a resumed sequence starts from its own state")
+    for r in requests:
+        if r.id in resume:
+            _resume(records[r.id], resume[r.id], samplers[r.id], options.keep_logits)
+        if r.id not in resume or not _finished(records[r.id], r, sampling.eos_token_ids):
+            sched.add(r, records[r.id].tokens if r.id in resume else None)
     while True:
         if drafter is not None:
             drafter.propose(sched)  # drafts on the decoding sequences, verified by this step
+            if agree is not None:
+                agree_drafts(sched, drafter.k, agree)
         if (step := sched.next_step()) is None:
             break
         for rid in step.admitted:
+            if rid in resume:
+                pools.load_sequence(alloc.slot_of[rid], alloc.table_of[rid], resume[rid].rows)
+                continue
             records[rid].cached = sched.running[rid].fed
             if prefix is None:
                 pools.reset_slot(alloc.slot_of[rid])
@@ -148,10 +172,12 @@ def serve(runner, cfg, prompts: Sequence[Sequence[int]], sampling: SamplingOptio
                 prefix.start(rid, alloc.slot_of[rid])
         feeds = {**step.feeds, **pools.tensors}
         out = runner.infer(feeds)
-        chosen, rows = choose(step, out["logits"], samplers)
-        if agree is not None and chosen:  # no drafts on ranks: one token each; every rank has the same due
-            chosen = dict(zip(step.due, agree([chosen[rid] for rid in step.due])))
+        chosen, rows = choose(step, out["logits"], samplers, agree)
         pools.write_back(feeds, out, step.advances(chosen))
+        for rid in (r for r in step.due if on_prefill is not None and not sched.sequence(r).tokens):
+            prompt = list(sched.running[rid].request.prompt)
+            on_prefill(rid, SlotState(prompt, pools.save_sequence(alloc.slot_of[rid], alloc.table_of[rid], len(prompt)),
+                                      rows[rid][0].cpu()))
         if prefix is not None:
             prefix.record(step, sched.running, alloc.table_of)
         sched.commit(step, chosen)
@@ -164,3 +190,13 @@ def serve(runner, cfg, prompts: Sequence[Sequence[int]], sampling: SamplingOptio
     if stats is not None and prefix is not None:
         stats.update(prefix.figures())
     return records
+
+
+def _resume(record: Record, state: SlotState, sampler: Sampler, keep_logits: bool) -> None:
+    """A resumed prompt's first token, chosen from its saved logits as its prefill step would have."""
+    record.tokens = [int(sampler(state.logits.float()[None])[0])]
+    record.logits = [state.logits] if keep_logits else []
+
+
+def _finished(record: Record, request: Request, eos: tuple[int, ...]) -> bool:
+    return len(record.tokens) >= request.max_new_tokens or record.tokens[-1] in eos

@@ -178,18 +178,19 @@ def open_serving(export_dir: Folder, backend: str, options: RunnerOptions = Runn
 
 
 def serve_prompts(s: Session, backend: str, prompts: list[list[int]], sampling, options, *,
-                  max_new_tokens: list[int] | None = None, drafter=None):
+                  max_new_tokens: list[int] | None = None, drafter=None, **state):
     """Continuous batching (runtime/serve.serve) on the session's serving step (`drafter`: speculative
-    decoding, one program only). Rank programs: every rank runs
-    the same scheduler over the same prompts and takes rank 0's tokens each step (dist_run.agree_tokens), so
-    the packed inputs agree on every rank without being sent; only B token ids cross per step."""
+    decoding). Rank programs: every rank runs the same scheduler (and prefix cache, over its own pools) over
+    the same prompts and takes rank 0's tokens (and drafts) each step (dist_run.agree_tokens), so the packed
+    inputs, cache hits and draft acceptance agree on every rank without being sent; only token ids cross.
+    `state`: serve's `resume` / `on_prefill` (a state file, one program)."""
     from .serve import serve
 
     agree = None
     if s.plan.world > 1:
         from .dist_run import agree_tokens as agree
     return serve(s.runners[backend], s.cfg, prompts, sampling, options, max_new_tokens=max_new_tokens, dtype=s.dtype,
-                 pool_cfg=s.pool_cfg, agree=agree, drafter=drafter)
+                 pool_cfg=s.pool_cfg, agree=agree, drafter=drafter, **state)
 
 
 def check(s: Session, *, batch: int, prompt_len: int, new_tokens: int, backends: list[str]) -> None:

@@ -169,19 +169,38 @@ class ModelDrafter:
         return {r: [int(t)] for r, t in zip(rids, out["logits"].argmax(-1).tolist())}
 
 
-def choose(step: Step, logits: Tensor, samplers) -> tuple[dict[int, int | list[int]], dict[int, Tensor]]:
+def choose(step: Step, logits: Tensor, samplers, agree=None) -> tuple[dict[int, int | list[int]], dict[int, Tensor]]:
     """The tokens of the due sequences from the step's logits rows: the sampler's token (no drafts), else
     the greedy token at each draft row while the drafts equal it (a accepted -> a + 1 tokens) -> tokens and
-    the logits rows they came from, by request id."""
-    chosen, rows, j = {}, {}, 0
-    for rid, draft in zip(step.due, step.drafts):
-        block = logits[j: j + 1 + len(draft)].float()
+    the logits rows they came from, by request id. `agree` (rank programs, dist_run.agree_tokens): every
+    rank takes rank 0's token at every row before accepting, so all ranks accept alike."""
+    blocks, j = [], 0
+    for draft in step.drafts:
+        blocks.append(logits[j: j + 1 + len(draft)].float())
         j += 1 + len(draft)
-        picks = [int(samplers[rid](block[i: i + 1])[0]) for i in range(len(block))]
-        a = next((i for i, d in enumerate(draft) if d != picks[i]), len(draft))
-        chosen[rid] = picks[0] if not draft else picks[: a + 1]
+    picks = [int(samplers[rid](b[i: i + 1])[0]) for rid, b in zip(step.due, blocks) for i in range(len(b))]
+    if agree is not None and picks:
+        picks = agree(picks)
+    chosen, rows, j = {}, {}, 0
+    for rid, draft, block in zip(step.due, step.drafts, blocks):
+        mine, j = picks[j: j + len(block)], j + len(block)
+        a = next((i for i, d in enumerate(draft) if d != mine[i]), len(draft))
+        chosen[rid] = mine[0] if not draft else mine[: a + 1]
         rows[rid] = block[: a + 1]
     return chosen, rows
+
+
+def agree_drafts(sched: Scheduler, k: int, agree) -> None:
+    """Rank programs: every decoding sequence takes rank 0's drafts (a draft model's argmax need not agree
+    bit for bit across ranks; the step's shape follows the drafts). Sizes are fixed by `decoding`, which
+    depends only on agreed tokens: each sequence's drafts padded with -1 to its draft length."""
+    work = decoding(sched, k)
+    flat = [t for s, g in work for t in [*s.draft, *[-1] * (g - len(s.draft))][:g]]
+    if not flat:
+        return
+    got, j = agree(flat), 0
+    for seq, g in work:
+        seq.draft, j = [t for t in got[j: j + g] if t >= 0], j + g
 
 
 @dataclass

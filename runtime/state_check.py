@@ -12,8 +12,8 @@ judges what comes back:
   from candidate wrong inputs (the KDA state zeroed, one step stale, or its recurrent transposed; in every KDA
   layer, then in each one alone) and the candidate whose logits the runner reproduces names what the runner
   really decoded from and in which layers.
-Only the batch interface (past.* -> present.*) is checked this way; serving exports are checked by their
-continuous-batching parity (runtime/serve.py tests).
+The batch interface (past.* -> present.*) is run here (`reference_steps`); a serving export's steps (pools
+in, a slot's new rows out) are built by runtime/serving_check.py and judged by the same `check_state`.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def _contract_problem(t: dict[str, Any], got: Tensor | None, expected: Tensor) -
     """What of `got` breaks the contract entry `t` (expected: the reference's tensor, for the position count)."""
     if got is None:
         return f"missing output {t['output']}"
-    lead = [] if t["kind"] == "length" else [expected.shape[0]]  # a static cache's length: one for the batch
+    # a static cache's length: one for the batch; serving latents: this step's rows only, packed (no batch axis)
+    lead = [] if t["kind"] == "length" or t.get("update") == "append" else [expected.shape[0]]
     shape = [*lead, *(expected.shape[len(lead) + i] if d == "position" else d for i, d in enumerate(t["shape"]))]
     if list(got.shape) != shape:
         axes = ", ".join(["batch"] * len(lead) + t["axes"])
@@ -81,7 +82,17 @@ def _contract_problem(t: dict[str, Any], got: Tensor | None, expected: Tensor) -
     return None
 
 
-def _state_problem(t: dict[str, Any], got: Tensor, expected: Tensor, given: Tensor, before: Tensor | None,
+def _given(t: dict[str, Any], feeds: Feeds) -> Tensor | None:
+    """The state of the step's sequences that `feeds` hand in for contract entry `t`: the batch interface's
+    input; a serving step's KDA pool rows of its slots; None for serving latents (the step returns only new
+    positions, nothing to hold them against)."""
+    if t.get("update") == "append":
+        return None
+    x = feeds[t["input"]]
+    return x[feeds["slots"].long()] if "slots" in feeds else x
+
+
+def _state_problem(t: dict[str, Any], got: Tensor, expected: Tensor, given: Tensor | None, before: Tensor | None,
                    dtype: torch.dtype) -> str | None:
     """Why the returned state `got` is not the reference's `expected` (None when it is)."""
     got, expected = got.cpu(), expected.cpu()
@@ -91,7 +102,7 @@ def _state_problem(t: dict[str, Any], got: Tensor, expected: Tensor, given: Tens
         return "returned a zeroed state"
     if t["kind"] == "kda_recurrent" and _close(got.transpose(-1, -2), expected, dtype):
         return "returned a transposed state (axes head, value, key; the contract says head, key, value)"
-    if given.shape == got.shape and _close(got, given.cpu(), dtype):
+    if given is not None and given.shape == got.shape and _close(got, given.cpu(), dtype):
         return "returned the state it was given: not advanced by this step (stale)"
     if before is not None and before.shape == got.shape and _close(got, before.cpu(), dtype):
         return "returned the state of one step earlier (stale)"
@@ -156,7 +167,7 @@ def check_state(reference: Runner, runner: Runner, cfg: K3Config, contract: dict
         for t in contract["tensors"]:
             out, want = got.get(t["output"]), expected[t["output"]]
             problem = _contract_problem(t, out, want) or _state_problem(
-                t, out, want, feeds[t["input"]], None if before is None else before[t["input"]], dtype)
+                t, out, want, _given(t, feeds), None if before is None else _given(t, before), dtype)
             # a state computed from a wrong input the logits already name differs as a consequence
             if problem and not (logits and logits.startswith("decoded from") and problem.startswith("differs")):
                 findings.append(StateFinding(runner.name, step, tensor_label(t), problem))

@@ -14,7 +14,8 @@ per-sequence form (model/state_contract.py: the batch / slot axis dropped), inte
 - metadata: `format` (k3x-state), `version`, `config_hash`, and the state `contract` of the export that wrote it.
 Loading checks the file against the loading export's contract (layer, kind, shape per sequence, axes, dtype)
 and config hash before any tensor is used: every problem is a `StateFileError`, one line naming the file and
-the tensor or field.
+the tensor or field. A serving export (`serving_hooks`) writes and reads the same file: its slot's KDA rows and
+the sequence's latent rows from its blocks, per sequence as the contract names them.
 """
 
 from __future__ import annotations
@@ -152,3 +153,23 @@ def state_hooks(save: Path | None, load: Path | None, contract: dict[str, Any], 
         tokens = list(prompt)
         hooks["on_prefill"] = lambda outputs: save_state(save, contract, cfg.hash(), outputs, tokens)
     return prompt, hooks
+
+
+def serving_hooks(save: Path | None, load: Path | None, contract: dict[str, Any], cfg, prompt: list[int]
+                  ) -> tuple[list[int], dict[str, Any]]:
+    """`state_hooks` for a serving export: (the prompt, runtime/serve.serve's `resume` / `on_prefill` for
+    prompt 0). The file is the same (per-sequence tensors named by the contract): the slot's KDA rows and the
+    sequence's latent rows map to the contract's `input` pool names."""
+    from .serve import SlotState
+
+    prompt, hooks = state_hooks(save, load, contract, cfg, prompt)
+    out: dict[str, Any] = {}
+    if "start" in hooks:
+        saved = hooks["start"]
+        out["resume"] = {0: SlotState(prompt, {t["input"]: saved[t["output"]][0] for t in contract["tensors"]},
+                                      saved["logits"][0, -1])}
+    if "on_prefill" in hooks:
+        write = hooks["on_prefill"]
+        out["on_prefill"] = lambda i, state: write({"logits": state.logits[None, None], **{
+            t["output"]: state.rows[t["input"]][None] for t in contract["tensors"]}})
+    return prompt, out

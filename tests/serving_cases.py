@@ -29,9 +29,13 @@ def solo(model, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor
 
 def assert_records_match_solo(model, records, prompt_list: list[list[int]], news: list[int], where: str) -> None:
     """Every record (input order): greedy tokens equal to its solo run, logits within the fp32 tolerance."""
-    assert [r.index for r in records] == list(range(len(prompt_list)))
-    for r, p, n in zip(records, prompt_list, news):
-        tokens, logits = solo(model, p, n)
-        assert r.tokens == tokens, f"{where}: prompt {r.index} (length {len(p)})"
+    assert_records_match(records, [solo(model, p, n) for p, n in zip(prompt_list, news)], where)
+
+
+def assert_records_match(records, want: list[tuple[list[int], list[torch.Tensor]]], where: str) -> None:
+    """Every record (input order) against its solo run's (tokens, logits) `want`."""
+    assert [r.index for r in records] == list(range(len(want)))
+    for r, (tokens, logits) in zip(records, want):
+        assert r.tokens == tokens, f"{where}: prompt {r.index}"
         for j, (a, e) in enumerate(zip(r.logits, logits)):
             assert_close(a, e, torch.float32, what=f"{where}: prompt {r.index} token {j}")

@@ -2,10 +2,14 @@
 rank's program takes the packed step inputs and its own pools (KDA rows of its heads; the MLA latent pool
 whole on every rank), experts split as rank programs do. Proof: prompts of different lengths (more than the
 slots, the longest prefilled in chunks, different token counts) through continuous batching under torchrun give the greedy tokens of
-their solo eager runs, logits within the fp32 tolerance; `k3x run --prompts` spawns the ranks itself and
+their solo eager runs, logits within the fp32 tolerance; with the prefix cache, with n-gram speculation and
+with both, the ranks' tokens equal the single-process serving run's, the cache hits where it does in one
+process and drafts are accepted and rejected as there; `k3x run --prompts` spawns the ranks itself and
 prints the same tokens; `k3x inspect --sequences --tp --ep` prints the pools per rank.
 
-One export (module scope, pt2 + ONNX) and two 4-process launches (pt2 under torchrun, ort spawned by k3x).
+The model is the "echo" k3-mini of tests/runtime/test_speculate.py (it mostly repeats, so n-gram drafts are
+sometimes accepted). One export (module scope, pt2 + ONNX) and two 4-process launches (pt2 under torchrun:
+every run in one launch; ort spawned by k3x).
 """
 
 from __future__ import annotations
@@ -17,32 +21,58 @@ from types import SimpleNamespace
 import pytest
 import torch
 from dist_launch import launch
-from serving_cases import assert_records_match_solo, prompts, solo
+from serving_cases import assert_records_match, prompts, solo
 from typer.testing import CliRunner
 
+from k3x.bench.speculate import echo_model
+from k3x.checkpoint.files import save_checkpoint
 from k3x.cli import app
 from k3x.export.options import ExportOptions, Target
 from k3x.export.pipeline import export
 from k3x.folder.artifacts import read_manifest
-from k3x.model import build_model, preset
+from k3x.model import preset
 
 CFG = preset("k3-mini")
-LENGTHS, NEWS, NEW = [1, 37, 4, 12, 2], [3, 1, 4, 2, 3], 3
+R, S = [1, 2, 3, 4, 5] * 5, [7, 8] * 10  # repetitive: n-gram drafts are found, and the echo model often agrees
+PROMPTS = prompts([1, 37, 4, 12, 2], CFG.vocab_size, seed=3) + [R, R + [9, 9, 7], R[:20] + [7, 8] * 3, S, S + [3]]
+NEWS, NEW = [3, 1, 4, 2, 3, 8, 6, 7, 9, 5], 3
 SERVE = {"max_sequences": 2, "block_size": 8, "max_step_tokens": 16}  # 37 tokens: 3 chunks
+RUNS = {"plain": {"serve": SERVE}, "cache": {"serve": {**SERVE, "prefix_cache": True}},
+        "ngram": {"serve": SERVE, "speculate": 3}, "both": {"serve": {**SERVE, "prefix_cache": True}, "speculate": 3}}
 WORKER = Path(__file__).parent.parent / "rank_serving_worker.py"
 cli = CliRunner()
 
 
 @pytest.fixture(scope="module")
 def model():
-    return build_model(CFG, dtype=torch.float32, seed=0).eval()  # the weights export --preset k3-mini cuts up
+    return echo_model("k3-mini", 0.5)  # the weights the rank export cuts up
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("ranks") / "serve"
-    export(ExportOptions((Target.PT2, Target.ONNX), out, preset="k3-mini", tp=2, ep=2, serving=True, block_size=8))
-    return out
+def ranks(tmp_path_factory, model) -> Path:
+    root = tmp_path_factory.mktemp("ranks")
+    save_checkpoint(model, root / "ckpt", expert_format="dense")
+    export(ExportOptions((Target.PT2, Target.ONNX), root / "serve", checkpoint=root / "ckpt", tp=2, ep=2,
+                         serving=True, block_size=8))
+    return root / "serve"
+
+
+@pytest.fixture(scope="module")
+def served(ranks, tmp_path_factory) -> dict[str, list[SimpleNamespace]]:
+    """Every run of RUNS on the pt2 rank programs, in one torchrun launch -> records by run name."""
+    tmp = tmp_path_factory.mktemp("served")
+    (tmp / "spec.json").write_text(json.dumps({"prompts": PROMPTS, "max_new_tokens": NEWS, "backend": "pt2",
+                                               "runs": RUNS}))
+    r = launch([str(ranks), str(tmp / "spec.json"), str(tmp / "out.pt")], torchrun=4, script=WORKER)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    out = torch.load(tmp / "out.pt")
+    return {"agree": out.pop("agree"), **{name: [SimpleNamespace(**d) for d in rs] for name, rs in out.items()}}
+
+
+@pytest.fixture(scope="module")
+def want(model) -> list[tuple[list[int], list[torch.Tensor]]]:
+    """Each prompt's solo eager greedy tokens and logits (one process, one prompt at a time)."""
+    return [solo(model, p, n) for p, n in zip(PROMPTS, NEWS)]
 
 
 def test_each_rank_manifest_records_its_serving_step_and_pools(ranks):
@@ -59,14 +89,24 @@ def test_each_rank_manifest_records_its_serving_step_and_pools(ranks):
         assert m["serving"]["inputs"] == top["serving"]["inputs"] and m["io"] == top["io"]
 
 
-def test_continuous_batching_on_ranks_equals_solo_eager(ranks, model, tmp_path):
-    ps = prompts(LENGTHS, CFG.vocab_size, seed=3)
-    spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"prompts": ps, "max_new_tokens": NEWS, "backend": "pt2", "serve": SERVE}))
-    r = launch([str(ranks), str(spec), str(tmp_path / "out.pt")], torchrun=4, script=WORKER)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    records = [SimpleNamespace(**d) for d in torch.load(tmp_path / "out.pt")]  # index, tokens, logits
-    assert_records_match_solo(model, records, ps, NEWS, "pt2 ranks tp=2 x ep=2")
+def test_continuous_batching_on_ranks_equals_solo_eager(served, want):
+    assert served["agree"], "the ranks' records differ"
+    assert_records_match(served["plain"], want, "pt2 ranks tp=2 x ep=2")
+
+
+def test_prefix_cache_and_speculation_on_ranks_equal_plain_greedy(served, want):
+    """Every rank decides alike from the agreed tokens (the worker checks all ranks' records are equal): the
+    tokens of plain greedy decoding (logits: packed differently, they differ from the plain run's in the last
+    bits), the cache hitting, drafts both accepted and rolled back."""
+    for name in ("cache", "ngram", "both"):
+        assert [r.tokens for r in served[name]] == [tokens for tokens, _ in want], name
+    # R + [9, 9, 7] starts from R's snapshot at 24 (3 blocks), R[:20] + ... and S + [3] from 16 (2 blocks)
+    cached = [0] * 5 + [0, 24, 16, 0, 16]
+    assert [r.cached for r in served["cache"]] == [r.cached for r in served["both"]] == cached
+    assert not any(r.cached for r in served["ngram"]) and not any(r.drafted for r in served["cache"])
+    for name in ("ngram", "both"):
+        drafted, accepted = sum(r.drafted for r in served[name]), sum(r.accepted for r in served[name])
+        assert 0 < accepted < drafted, (name, accepted, drafted)
 
 
 @pytest.mark.slow

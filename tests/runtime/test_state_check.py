@@ -19,36 +19,10 @@ from k3x.model import preset
 from k3x.runtime.runners import ModuleRunner, make_runner
 from k3x.runtime.state_check import check_state
 from onnx_mini_folder import mini_export
+from state_bugs import BUG_LINES, TRANSPOSED_LINE, Corrupts, ReturnsTransposed
 
 CFG = preset("k3-mini")
-KDA_LAYERS = "layers 0, 1, 3"
 cli = CliRunner()
-
-
-class Corrupts:
-    """An honest runner behind one state bug: on the state it is given (`zeroed`, `stale`: the KDA state of
-    its previous call, `transposed`: recurrent key/value axes swapped, `one-layer`: layer 3 zeroed) or on
-    the state it returns (`bf16`: the recurrent state in bf16)."""
-
-    def __init__(self, inner, bug: str) -> None:
-        self.inner, self.bug, self.name, self.previous = inner, bug, f"{inner.name}+{bug}", None
-
-    def infer(self, feeds):
-        kda = [n for n in feeds if n.endswith((".conv", ".recurrent"))]
-        given = feeds
-        if self.bug == "zeroed":
-            feeds = {**feeds, **{n: torch.zeros_like(feeds[n]) for n in kda}}
-        elif self.bug == "one-layer":
-            feeds = {**feeds, **{n: torch.zeros_like(feeds[n]) for n in kda if n.startswith("past.3.")}}
-        elif self.bug == "stale":
-            feeds = {**feeds, **{n: (self.previous or feeds)[n] for n in kda}}
-        elif self.bug == "transposed":
-            feeds = {**feeds, **{n: feeds[n].transpose(-1, -2).contiguous() for n in kda if n.endswith("recurrent")}}
-        self.previous = {n: given[n] for n in kda}
-        out = self.inner.infer(feeds)
-        if self.bug == "bf16":
-            out = {n: v.bfloat16() if n.endswith("recurrent") else v for n, v in out.items()}
-        return out
 
 
 @pytest.fixture(scope="module")
@@ -70,25 +44,11 @@ def test_the_honest_runner_keeps_the_contract(setup):
 
 
 def test_a_runner_returning_a_transposed_state_is_named(setup):
-    class ReturnsTransposed(Corrupts):
-        def infer(self, feeds):
-            out = self.inner.infer(feeds)
-            return {n: v.transpose(-1, -2) if n.endswith("recurrent") else v for n, v in out.items()}
-
-    got = findings(setup, ReturnsTransposed(setup[1], "returns-transposed"))
-    assert "pt2+returns-transposed prefill: layer 1 kda_recurrent: returned a transposed state (axes head, value, " \
-           "key; the contract says head, key, value)" in got, "\n".join(got)
+    got = findings(setup, ReturnsTransposed(setup[1]))
+    assert TRANSPOSED_LINE in got, "\n".join(got)
 
 
-@pytest.mark.parametrize("bug,line", [
-    ("", "state contract: ok"),
-    ("zeroed", f"pt2+zeroed decode 1: logits: decoded from a zeroed KDA state in {KDA_LAYERS},"),
-    ("one-layer", "pt2+one-layer decode 1: logits: decoded from a zeroed KDA state in layer 3,"),
-    ("stale", f"pt2+stale decode 2: logits: decoded from the KDA state of one step earlier (stale) in {KDA_LAYERS},"),
-    ("transposed", "pt2+transposed decode 1: logits: decoded from a transposed KDA recurrent state (key and value "
-                   f"axes swapped) in {KDA_LAYERS},"),
-    ("bf16", "pt2+bf16 prefill: layer 0 kda_recurrent: dtype bf16, the contract says fp32"),
-])
+@pytest.mark.parametrize("bug,line", [("", "state contract: ok"), *BUG_LINES])
 def test_verify_names_each_state_bug_and_exits_1(setup, monkeypatch, tmp_path, bug, line):
     pt2 = setup[1]  # the export's pt2 runner, loaded once for the module
     monkeypatch.setitem(runners.RUNNERS, "pt2", lambda folder, options: Corrupts(pt2, bug) if bug else pt2)

@@ -5,30 +5,20 @@ and a file that does not fit the export is refused in one line."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from safetensors import safe_open
 from typer.testing import CliRunner
 
 from k3x.cli import app
 from onnx_mini_folder import mini_export
+from state_split import split
 
 pytest.importorskip("onnxruntime")
-SPLIT = Path(__file__).parents[1] / "state_split.py"
 cli = CliRunner()
-
-
-def split(mode: str, folder: Path, state: Path, out: Path, new_tokens: int = 6) -> dict[str, torch.Tensor]:
-    r = subprocess.run([sys.executable, str(SPLIT), mode, str(folder), str(state), str(out), str(new_tokens)],
-                       capture_output=True, text=True, timeout=600, env=os.environ.copy())
-    assert r.returncode == 0, r.stderr[-3000:]
-    return load_file(out)
 
 
 def test_prefill_and_decode_in_two_processes_equal_one_process_bit_for_bit(tmp_path):
