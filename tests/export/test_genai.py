@@ -20,7 +20,9 @@ from k3x.model import preset
 from k3x.runtime.runners import RunnerOptions, generate, make_runner
 from k3x.text.sampling import SamplingOptions
 from k3x.text.tokenizer import find_tokenizer
-from onnx_mini_folder import mini_export
+from onnx_mini_folder import SHARES_MINI_EXPORT, mini_export
+
+pytestmark = SHARES_MINI_EXPORT
 
 og = pytest.importorskip("onnxruntime_genai")
 cli = CliRunner()
@@ -73,6 +75,7 @@ def test_genai_config_and_tokenizer(export_dir):
     assert list(og.Tokenizer(og.Model(config)).encode(text)) == tok.encode(text)
 
 
+@pytest.mark.slow
 def test_genai_model_with_external_data(tmp_path):
     m = mini_export()
     cfg = preset("k3-mini")

@@ -14,7 +14,9 @@ from k3x.cli import app
 from k3x.folder.artifacts import ExportFolder
 from k3x.runtime import session as sessions
 from k3x.runtime.runners import RunnerOptions, make_runner
-from onnx_mini_folder import mini_export
+from onnx_mini_folder import SHARES_MINI_EXPORT, mini_export
+
+pytestmark = SHARES_MINI_EXPORT
 
 
 @pytest.fixture()

@@ -17,7 +17,9 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from k3x.cli import app
-from onnx_mini_folder import mini_export
+from onnx_mini_folder import SHARES_MINI_EXPORT, mini_export
+
+pytestmark = SHARES_MINI_EXPORT
 
 pytest.importorskip("onnxruntime")
 SPLIT = Path(__file__).parents[1] / "state_split.py"
