@@ -1,6 +1,7 @@
-"""The serving benches (bench/serving*.py) run end to end at a tiny size on one k3-mini serving export, so
-they cannot rot: each writes its JSON, and its figures hang together (medians inside their spread, the
-profile's split covering the step, the pools predicted by pool_bytes)."""
+"""The serving benches (bench/serving*.py) run end to end at a tiny size on the session's k3-mini serving
+export (tests/conftest.py `serving_export`; they read its ONNX), so they cannot rot: each writes its JSON, and
+its figures hang together (medians inside their spread, the profile's split covering the step, the pools
+predicted by pool_bytes)."""
 
 from __future__ import annotations
 
@@ -14,16 +15,6 @@ from k3x.bench import serving, serving_length, serving_long, serving_prefill
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
-@pytest.fixture(scope="module")
-def mini_serving(tmp_path_factory) -> Path:
-    from k3x.export.options import ExportOptions, Target
-    from k3x.export.pipeline import export
-
-    out = tmp_path_factory.mktemp("serving-bench") / "x"
-    export(ExportOptions((Target.ONNX,), out, preset="k3-mini", serving=True, block_size=8))
-    return out
-
-
 def _run(main, export: Path, tmp_path: Path, *args: str) -> dict:
     out = tmp_path / "r.json"
     r = main(["--export", str(export), "--json", str(out), *args])
@@ -35,8 +26,8 @@ def _spread_ok(s: dict) -> None:
     assert 0 < s["low"] <= s["median"] <= s["high"]
 
 
-def test_capacity_and_batching(mini_serving, tmp_path):
-    r = _run(serving.main, mini_serving, tmp_path, "--small", "256", "--large", "65536", "--batch", "3",
+def test_capacity_and_batching(serving_export, tmp_path):
+    r = _run(serving.main, serving_export, tmp_path, "--small", "256", "--large", "65536", "--batch", "3",
              "--positions", "8", "--rounds", "2", "--repeats", "1")
     for k in ("decode_ms_small_pool", "decode_ms_large_pool", "capacity_ratio", "batching_speedup",
               "tokens_per_s_batch"):
@@ -44,8 +35,8 @@ def test_capacity_and_batching(mini_serving, tmp_path):
     assert r["large_pool_bytes"] > 65536 * 4 * 32  # k3-mini: 3 MLA layers x 32 fp32 latents per position
 
 
-def test_length_split(mini_serving, tmp_path):
-    r = _run(serving_length.main, mini_serving, tmp_path, "--lengths", "16,200", "--rounds", "2", "--repeats", "1")
+def test_length_split(serving_export, tmp_path):
+    r = _run(serving_length.main, serving_export, tmp_path, "--lengths", "16,200", "--rounds", "2", "--repeats", "1")
     assert [x["positions"] for x in r["rows"]] == [16, 200]
     for x in r["rows"]:
         _spread_ok(x["step_ms"])
@@ -53,8 +44,8 @@ def test_length_split(mini_serving, tmp_path):
         assert x["other_ms"] > 0 and (x["kda_layers"], x["mla_layers"]) == (3, 3)
 
 
-def test_prefill_against_gemm_bound(mini_serving, tmp_path):
-    r = _run(serving_prefill.main, mini_serving, tmp_path, "--prompt", "32", "--rounds", "2", "--repeats", "1")
+def test_prefill_against_gemm_bound(serving_export, tmp_path):
+    r = _run(serving_prefill.main, serving_export, tmp_path, "--prompt", "32", "--rounds", "2", "--repeats", "1")
     for k in ("ort_tokens_per_s", "gemm_bound_tokens_per_s", "efficiency", "efficiency_best_bound"):
         _spread_ok(r[k])
     ops = r["top_ops"]
@@ -73,11 +64,11 @@ def test_gemm_shapes_cover_the_model():
     assert (1, 1, cfg.hidden_size, cfg.vocab_size) in shapes  # the head on the one logits row
 
 
-def test_long_prompt_memory(mini_serving, tmp_path):
+def test_long_prompt_memory(serving_export, tmp_path):
     from k3x.model import preset
     from k3x.model.state import pool_bytes
 
-    r = _run(serving_long.main, mini_serving, tmp_path, "--prompt", "300", "--chunk", "64", "--new-tokens", "3")
+    r = _run(serving_long.main, serving_export, tmp_path, "--prompt", "300", "--chunk", "64", "--new-tokens", "3")
     assert (r["new_tokens"], r["steps"], r["positions"]) == (3, 5 + 2, 302)  # 5 chunks, 2 decode steps
     import torch
 
@@ -85,8 +76,8 @@ def test_long_prompt_memory(mini_serving, tmp_path):
     assert r["peak_bytes"] >= r["steady_bytes"] > 0
 
 
-def test_long_prompt_tail(mini_serving, tmp_path):
-    r = _run(serving_long.main, mini_serving, tmp_path, "--prompt", "1000", "--chunk", "100", "--new-tokens", "2",
+def test_long_prompt_tail(serving_export, tmp_path):
+    r = _run(serving_long.main, serving_export, tmp_path, "--prompt", "1000", "--chunk", "100", "--new-tokens", "2",
              "--tail")
     assert (r["tail"], r["steps"], r["positions"]) == (True, 2, 1001)  # the last chunk, one decode step
     assert r["peak_bytes"] >= r["steady_bytes"] >= r["predicted_pool_bytes"] > 0  # the pools' pages are written
