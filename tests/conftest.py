@@ -23,12 +23,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # `from tolerances import ...` in every test folder
 
-from xdist_support import arrange, build_once  # noqa: E402
+from xdist_support import build_once, slow_first  # noqa: E402
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
+@pytest.hookimpl(tryfirst=True)  # before xdist sends the collection to the scheduler
 def pytest_collection_modifyitems(config, items):
-    arrange(config, items)
+    slow_first(config, items)
 
 
 def _poisoned(fn):

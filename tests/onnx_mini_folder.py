@@ -1,8 +1,7 @@
 """A k3-mini export folder (checkpoint, manifest, model.pt2, ONNX flavors), built once per test process.
 
 Shared by the ONNX / runner / verify tests so the costly trace + export happens once; tests that change
-files copy the folder first. Their files carry `pytestmark = SHARES_MINI_EXPORT`, so under pytest-xdist they all
-run on one worker and the folder is built once per run (tests/xdist_support.py).
+files copy the folder first.
 """
 
 from __future__ import annotations
@@ -12,10 +11,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 import torch
-
-SHARES_MINI_EXPORT = pytest.mark.xdist_group("onnx_mini_folder")
 
 
 @dataclass(frozen=True)

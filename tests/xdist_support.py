@@ -1,12 +1,12 @@
-"""The suite on pytest-xdist workers (pyproject addopts: `-n 2 --dist loadgroup --no-loadscope-reorder`;
+"""The suite on pytest-xdist workers (pyproject addopts: `-n 2 --dist loadfile --no-loadscope-reorder`;
 `pytest -n 0` runs it in one process, e.g. with --pdb).
 
-- `arrange` (tests/conftest.py's collection hook): a test that uses a module- or class-scoped fixture joins an
-  xdist_group named for its module, so that fixture is built on one worker only; a test that already names a
-  group keeps it (tests/onnx_mini_folder.py's users share one); every other test is scheduled on its own.
-  Under xdist the test files holding a test marked `slow` are queued first (whole files, so a file's tests stay
-  together): the long units start at once instead of leaving one worker running the last of them while the
-  other idles.
+- `--dist loadfile`: each test file runs whole on one worker, in its own order, so a module-scoped fixture
+  (or a module's own cache) is built once. (`--dist loadgroup` would spread finer, but pytest-xdist 3.8 tags
+  groups through `Item._nodeid`, which pytest 9 no longer reads: under pytest 9 every test is its own unit.)
+- `slow_first` (tests/conftest.py's collection hook): under xdist the files holding a test marked `slow` are
+  queued first (`--no-loadscope-reorder` keeps this order), so the long files start at once instead of
+  leaving one worker running the last of them while the other idles.
 - `build_once`: a session fixture's folder, built by the first worker of the run that needs it, in the run's
   shared temp root under a file lock; the other workers wait for it and read it. Without xdist: the session's
   own temp root.
@@ -21,30 +21,16 @@ from pathlib import Path
 
 import pytest
 
-BUILT_PER_PROCESS = {"module", "class"}  # fixture scopes that each worker would build again
-
 
 def on_worker(config: pytest.Config) -> bool:
     """True in an xdist worker (not in the controller, nor in a plain or `-n 0` run)."""
     return hasattr(config, "workerinput")
 
 
-def _scopes(item: pytest.Item) -> set[str]:
-    info = getattr(item, "_fixtureinfo", None)  # the closure of the fixtures the test uses
-    return {defs[-1].scope for defs in info.name2fixturedefs.values() if defs} if info else set()
-
-
-def _file(item: pytest.Item) -> str:
-    return item.nodeid.split("::")[0]
-
-
-def arrange(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None and _scopes(item) & BUILT_PER_PROCESS:
-            item.add_marker(pytest.mark.xdist_group(_file(item)))
+def slow_first(config: pytest.Config, items: list[pytest.Item]) -> None:
     if on_worker(config):
-        slow = {_file(item) for item in items if item.get_closest_marker("slow")}
-        items.sort(key=lambda item: _file(item) not in slow)  # stable: the same order on every worker
+        slow = {item.path for item in items if item.get_closest_marker("slow")}
+        items.sort(key=lambda item: item.path not in slow)  # stable, whole files: the same order on every worker
 
 
 def build_once(request: pytest.FixtureRequest, name: str, build: Callable[[Path], None]) -> Path:

@@ -20,9 +20,7 @@ from k3x.model import preset
 from k3x.runtime.runners import RunnerOptions, generate, make_runner
 from k3x.text.sampling import SamplingOptions
 from k3x.text.tokenizer import find_tokenizer
-from onnx_mini_folder import SHARES_MINI_EXPORT, mini_export
-
-pytestmark = SHARES_MINI_EXPORT
+from onnx_mini_folder import mini_export
 
 og = pytest.importorskip("onnxruntime_genai")
 cli = CliRunner()

@@ -25,7 +25,6 @@ from k3x.custom_ops.moe_mxfp4.onnx import decode
 from k3x.plan.onnx_node import Body
 
 ort = pytest.importorskip("onnxruntime")
-pytestmark = pytest.mark.xdist_group("mxfp4_export")  # one worker: packed_exports() is built once per process
 
 
 def test_body_decode_is_the_codec_bit_for_bit():

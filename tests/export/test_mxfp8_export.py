@@ -17,7 +17,6 @@ from typer.testing import CliRunner
 from k3x.cli import app
 
 ort = pytest.importorskip("onnxruntime")
-pytestmark = pytest.mark.xdist_group("mxfp8_export")  # one worker: w4a8_export() is built once per process
 
 
 @functools.lru_cache(maxsize=1)

@@ -13,9 +13,7 @@ import torch
 from k3x.custom_ops.registry import families
 from k3x.export.onnx import FLAVOR_FILES, OnnxOptions, export_onnx
 from k3x.model import build_model, empty_state, preset, state_specs
-from onnx_mini_folder import SHARES_MINI_EXPORT, export_folder, mini_export
-
-pytestmark = SHARES_MINI_EXPORT
+from onnx_mini_folder import export_folder, mini_export
 
 NODE_SPECS = {f.onnx.NODE.op_type: f.onnx.NODE for f in families()}
 

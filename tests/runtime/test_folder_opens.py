@@ -14,9 +14,7 @@ from k3x.cli import app
 from k3x.folder.artifacts import ExportFolder
 from k3x.runtime import session as sessions
 from k3x.runtime.runners import RunnerOptions, make_runner
-from onnx_mini_folder import SHARES_MINI_EXPORT, mini_export
-
-pytestmark = SHARES_MINI_EXPORT
+from onnx_mini_folder import mini_export
 
 
 @pytest.fixture()

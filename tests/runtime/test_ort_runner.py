@@ -17,9 +17,7 @@ from k3x.runtime import generate as eager
 from k3x.runtime.ort_runner import OrtRunner, import_onnxruntime, output_shapes
 from k3x.runtime.runners import RunnerError, RunnerOptions, generate, make_runner, next_feeds
 from k3x.text.sampling import SamplingOptions
-from onnx_mini_folder import SHARES_MINI_EXPORT, mini_export
-
-pytestmark = SHARES_MINI_EXPORT
+from onnx_mini_folder import mini_export
 
 ort = pytest.importorskip("onnxruntime")
 CFG = preset("k3-mini")

@@ -18,9 +18,7 @@ from k3x.folder.artifacts import ExportFolder
 from k3x.model import preset
 from k3x.runtime.runners import ModuleRunner, make_runner
 from k3x.runtime.state_check import check_state
-from onnx_mini_folder import SHARES_MINI_EXPORT, mini_export
-
-pytestmark = SHARES_MINI_EXPORT
+from onnx_mini_folder import mini_export
 
 CFG = preset("k3-mini")
 KDA_LAYERS = "layers 0, 1, 3"

@@ -17,9 +17,7 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from k3x.cli import app
-from onnx_mini_folder import SHARES_MINI_EXPORT, mini_export
-
-pytestmark = SHARES_MINI_EXPORT
+from onnx_mini_folder import mini_export
 
 pytest.importorskip("onnxruntime")
 SPLIT = Path(__file__).parents[1] / "state_split.py"

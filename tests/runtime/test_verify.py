@@ -17,9 +17,7 @@ from k3x.cli import app
 from k3x.model import preset
 from k3x.runtime.runners import ModuleRunner
 from k3x.runtime.verify import compare, run_parity
-from onnx_mini_folder import SHARES_MINI_EXPORT, mini_export
-
-pytestmark = SHARES_MINI_EXPORT
+from onnx_mini_folder import mini_export
 
 pytest.importorskip("onnxruntime")
 CFG = preset("k3-mini")
