@@ -1,6 +1,7 @@
 """Test-wide fixtures: a fixed seed per test, NaN-poisoned uninitialised memory, and the k3-mini
-checkpoint and CLI export that several test folders read (built once per session: `mini_cli_export`), and
-the k3-mini serving export the serving tests share (`serving_export`).
+checkpoint and CLI export that several test folders read (built once per run, whatever the number of xdist
+workers: `mini_cli_export`), and the k3-mini serving export the serving tests share (`serving_export`).
+How tests are spread over the xdist workers: tests/xdist_support.py.
 
 `torch.empty`, `torch.empty_like` and `Tensor.new_empty` return NaN-filled floating tensors during
 tests, so code that reads memory it never wrote fails loudly instead of passing by luck (FLA conftest).
@@ -21,6 +22,13 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # `from tolerances import ...` in every test folder
+
+from xdist_support import build_once, slow_first  # noqa: E402
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist sends the collection to the scheduler
+def pytest_collection_modifyitems(config, items):
+    slow_first(config, items)
 
 
 def _poisoned(fn):
@@ -73,29 +81,34 @@ class CliExport:
 
 
 @pytest.fixture(scope="session")
-def mini_cli_export(tmp_path_factory) -> CliExport:
+def mini_cli_export(request) -> CliExport:
     """One k3-mini checkpoint and its pt2 + ONNX export, made through the CLI as a user would, shared by
     every test that only reads them (tests that change files copy them first: tests/hostile/conftest.py)."""
     from typer.testing import CliRunner
 
     from k3x.cli import app
 
-    root = tmp_path_factory.mktemp("mini-cli")
-    cli = CliRunner()
-    r = cli.invoke(app, ["init-checkpoint", "--preset", "k3-mini", "--out", str(root / "ckpt")])
-    assert r.exit_code == 0, r.output
-    r = cli.invoke(app, ["export", "--checkpoint", str(root / "ckpt"), "--target", "pt2", "--target", "onnx",
-                         "--out", str(root / "export")])
-    assert r.exit_code == 0, r.output
-    return CliExport(root / "ckpt", root / "export", r.output)
+    def build(root: Path) -> None:
+        cli = CliRunner()
+        r = cli.invoke(app, ["init-checkpoint", "--preset", "k3-mini", "--out", str(root / "ckpt")])
+        assert r.exit_code == 0, r.output
+        r = cli.invoke(app, ["export", "--checkpoint", str(root / "ckpt"), "--target", "pt2", "--target", "onnx",
+                             "--out", str(root / "export")])
+        assert r.exit_code == 0, r.output
+        (root / "export-output.txt").write_text(r.output)
+
+    root = build_once(request, "mini-cli", build)
+    return CliExport(root / "ckpt", root / "export", (root / "export-output.txt").read_text())
 
 
 @pytest.fixture(scope="session")
-def serving_export(tmp_path_factory) -> Path:
+def serving_export(request) -> Path:
     """k3-mini (random weights, seed 0) exported with --serving, block size 8, pt2 + onnx."""
     from k3x.export.options import ExportOptions, Target
     from k3x.export.pipeline import export
 
-    out = tmp_path_factory.mktemp("serving") / "k3-mini"
-    export(ExportOptions((Target.PT2, Target.ONNX), out, preset="k3-mini", serving=True, block_size=8))
-    return out
+    def build(root: Path) -> None:
+        export(ExportOptions((Target.PT2, Target.ONNX), root / "k3-mini", preset="k3-mini", serving=True,
+                             block_size=8))
+
+    return build_once(request, "serving", build) / "k3-mini"

@@ -1,6 +1,8 @@
-"""The serving benches (bench/serving*.py) run end to end at a tiny size on one k3-mini serving export, so
-they cannot rot: each writes its JSON, and its figures hang together (medians inside their spread, the
-profile's split covering the step, the pools predicted by pool_bytes)."""
+"""The serving benches (bench/serving*.py) run end to end at a tiny size on the session's k3-mini serving
+export (tests/conftest.py `serving_export`; they read its ONNX; the length split reads a flat one of its own), so
+they cannot rot: each writes its JSON, and
+its figures hang together (medians inside their spread, the profile's split covering the step, the pools
+predicted by pool_bytes)."""
 
 from __future__ import annotations
 
@@ -36,8 +38,8 @@ def _spread_ok(s: dict) -> None:
     assert 0 < s["low"] <= s["median"] <= s["high"]
 
 
-def test_capacity_and_batching(mini_serving, tmp_path):
-    r = _run(serving.main, mini_serving, tmp_path, "--small", "256", "--large", "65536", "--batch", "3",
+def test_capacity_and_batching(serving_export, tmp_path):
+    r = _run(serving.main, serving_export, tmp_path, "--small", "256", "--large", "65536", "--batch", "3",
              "--positions", "8", "--rounds", "2", "--repeats", "1")
     for k in ("decode_ms_small_pool", "decode_ms_large_pool", "capacity_ratio", "batching_speedup",
               "tokens_per_s_batch"):
@@ -54,8 +56,8 @@ def test_length_split(mini_serving, tmp_path):
         assert x["other_ms"] > 0 and (x["kda_layers"], x["mla_layers"]) == (3, 3)
 
 
-def test_prefill_against_gemm_bound(mini_serving, tmp_path):
-    r = _run(serving_prefill.main, mini_serving, tmp_path, "--prompt", "32", "--rounds", "2", "--repeats", "1")
+def test_prefill_against_gemm_bound(serving_export, tmp_path):
+    r = _run(serving_prefill.main, serving_export, tmp_path, "--prompt", "32", "--rounds", "2", "--repeats", "1")
     for k in ("ort_tokens_per_s", "gemm_bound_tokens_per_s", "efficiency", "efficiency_best_bound"):
         _spread_ok(r[k])
     ops = r["top_ops"]
@@ -74,11 +76,11 @@ def test_gemm_shapes_cover_the_model():
     assert (1, 1, cfg.hidden_size, cfg.vocab_size) in shapes  # the head on the one logits row
 
 
-def test_long_prompt_memory(mini_serving, tmp_path):
+def test_long_prompt_memory(serving_export, tmp_path):
     from k3x.model import preset
     from k3x.model.state import pool_bytes
 
-    r = _run(serving_long.main, mini_serving, tmp_path, "--prompt", "300", "--chunk", "64", "--new-tokens", "3")
+    r = _run(serving_long.main, serving_export, tmp_path, "--prompt", "300", "--chunk", "64", "--new-tokens", "3")
     assert (r["new_tokens"], r["steps"], r["positions"]) == (3, 5 + 2, 302)  # 5 chunks, 2 decode steps
     import torch
 
@@ -86,8 +88,8 @@ def test_long_prompt_memory(mini_serving, tmp_path):
     assert r["peak_bytes"] >= r["steady_bytes"] > 0
 
 
-def test_long_prompt_tail(mini_serving, tmp_path):
-    r = _run(serving_long.main, mini_serving, tmp_path, "--prompt", "1000", "--chunk", "100", "--new-tokens", "2",
+def test_long_prompt_tail(serving_export, tmp_path):
+    r = _run(serving_long.main, serving_export, tmp_path, "--prompt", "1000", "--chunk", "100", "--new-tokens", "2",
              "--tail")
     assert (r["tail"], r["steps"], r["positions"]) == (True, 2, 1001)  # the last chunk, one decode step
     assert r["peak_bytes"] >= r["steady_bytes"] >= r["predicted_pool_bytes"] > 0  # the pools' pages are written

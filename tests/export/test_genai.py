@@ -73,6 +73,7 @@ def test_genai_config_and_tokenizer(export_dir):
     assert list(og.Tokenizer(og.Model(config)).encode(text)) == tok.encode(text)
 
 
+@pytest.mark.slow
 def test_genai_model_with_external_data(tmp_path):
     m = mini_export()
     cfg = preset("k3-mini")

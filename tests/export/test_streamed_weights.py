@@ -76,6 +76,7 @@ def test_copied_scales_are_still_checked(ckpt, tmp_path):
         list(stream_weights(bad, dtype=torch.bfloat16))
 
 
+@pytest.mark.slow
 def test_pt2_and_onnx_stream_without_loading_the_model(ckpt, tmp_path, monkeypatch):
     import k3x.checkpoint.files as checkpoint
 

@@ -28,9 +28,10 @@ def test_plans_under_interpreter():
     if INTERPRET:
         pytest.skip("this is the child")
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "child"],
-                          cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
-                          timeout=600)
+    # -n 0: one process (pyproject's addopts start xdist workers)
+    proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "child",
+                           "-n", "0"], cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True,
+                          text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert (m := re.search(r"(\d+) passed", out)) and int(m.group(1)) >= 3, out
