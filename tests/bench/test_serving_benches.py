@@ -1,8 +1,7 @@
 """The serving benches (bench/serving*.py) run end to end at a tiny size on the session's k3-mini serving
-export (tests/conftest.py `serving_export`; they read its ONNX; the length split reads a flat one of its own), so
-they cannot rot: each writes its JSON, and
-its figures hang together (medians inside their spread, the profile's split covering the step, the pools
-predicted by pool_bytes)."""
+export (tests/conftest.py `serving_export`; they read its ONNX; the length split reads a flat export of its own),
+so they cannot rot: each writes its JSON, and its figures hang together (medians inside their spread, the
+profile's split covering the step, the pools predicted by pool_bytes)."""
 
 from __future__ import annotations
 
