@@ -1,10 +1,11 @@
 """A long prompt served end to end, its memory against the pool prediction (issue 20: "long context").
 
 `--preset` (default k3-mini) with its context raised to the prompt (+ new tokens) is saved as a checkpoint
-(random weights, seed 0) and exported with `--serving` (ort flavor) into a temp folder (or `--export DIR`, a
-serving export whose context is long enough). One prompt of --prompt random tokens (default 131,072) then goes
-through the serving runtime (runtime/serve.py `serve`: scheduler, chunked prefill of --chunk tokens per step,
-state pools written back in place, ORT with IO binding) and decodes --new-tokens tokens.
+(random weights, seed 0) and exported with `--serving` for `--target` (pt2, the default: the step program in
+this process, whose k3::mla_paged runs key-blocked on CPU; or ort: the ort flavor) into a temp folder (or
+`--export DIR`, a serving export whose context is long enough). One prompt of --prompt random tokens (default
+131,072) then goes through the serving runtime (runtime/serve.py `serve`: scheduler, chunked prefill of --chunk
+tokens per step, state pools written back in place; ORT with IO binding) and decodes --new-tokens tokens.
 
 Memory, from the process's resident set (/proc/self/status; ORT's arena is off, so freed step memory goes back):
   - baseline: after the session is loaded and one short request has run (warm-up), before the pools exist;
@@ -18,7 +19,8 @@ what `k3x inspect --checkpoint CKPT --context N --sequences 1 --dtype fp32` prin
 --tail runs only the prompt's last chunk and the decode, on pools holding (random) state for every earlier
 position: the memory at the full context in minutes, where the whole prefill takes hours on a small CPU.
 
-    python -m k3x.bench.serving_long [--preset k3-mini] [--prompt 131072] [--chunk 512] [--new-tokens 4] [--tail]
+    python -m k3x.bench.serving_long [--target pt2|ort] [--preset k3-mini] [--prompt 131072] [--chunk 512]
+                                     [--new-tokens 4] [--tail]
 """
 
 from __future__ import annotations
@@ -77,8 +79,8 @@ def long_export(a: argparse.Namespace) -> Iterator[Path]:
                                                                a.prompt + a.new_tokens))
     with tempfile.TemporaryDirectory(prefix="k3x-long-") as tmp:
         save_checkpoint(build_model(cfg, seed=0), Path(tmp) / "ckpt", expert_format="dense")
-        export(ExportOptions((Target.ONNX,), Path(tmp) / "x", checkpoint=Path(tmp) / "ckpt", serving=True,
-                             block_size=a.block_size))
+        export(ExportOptions((Target(a.target if a.target == "pt2" else "onnx"),), Path(tmp) / "x",
+                             checkpoint=Path(tmp) / "ckpt", serving=True, block_size=a.block_size))
         yield Path(tmp) / "x"
 
 
@@ -108,7 +110,7 @@ def measure(path: Path, a: argparse.Namespace) -> dict:
     from k3x.text.sampling import SamplingOptions
 
     libc = libc_malloc()
-    runner, cfg, bs = open_serving(path, a.threads)
+    runner, cfg, bs = open_serving(path, a.threads, backend=a.target)
     options = ServeOptions(max_sequences=1, block_size=bs, max_step_tokens=a.chunk)
     greedy = SamplingOptions(max_new_tokens=a.new_tokens, temperature=0.0)
     serve(runner, cfg, [[1] * min(a.chunk, 64)], greedy, options)  # warm-up: lazy allocations of the session
@@ -126,7 +128,7 @@ def measure(path: Path, a: argparse.Namespace) -> dict:
     predicted = pool_bytes(cfg, positions, 1, bs, dtype=torch.float32)
     steady = (max(watched.rss) - base) * 1024
     prefill_steps = -(-a.prompt // a.chunk)
-    return {"preset": cfg.name, "threads": a.threads, "prompt": a.prompt, "chunk": a.chunk,
+    return {"preset": cfg.name, "target": a.target, "threads": a.threads, "prompt": a.prompt, "chunk": a.chunk,
             "new_tokens": len(record.tokens), "positions": positions, "steps": len(watched.seconds),
             "seconds": seconds, "prefill_tokens_per_s": a.prompt / sum(watched.seconds[:prefill_steps]),
             "decode_ms": 1e3 * sum(watched.seconds[prefill_steps:]) / max(1, len(watched.seconds) - prefill_steps),
@@ -147,7 +149,7 @@ def measure_tail(path: Path, a: argparse.Namespace) -> dict:
     from k3x.model.state import pool_bytes
 
     libc = libc_malloc()
-    runner, cfg, bs = open_serving(path, a.threads)
+    runner, cfg, bs = open_serving(path, a.threads, backend=a.target)
     positions = a.prompt + a.new_tokens - 1
     warm = StepCase(cfg, batch=1, positions=a.chunk, capacity=a.chunk, block_size=bs)
     runner.infer(warm.feeds(a.chunk, 0))
@@ -165,7 +167,8 @@ def measure_tail(path: Path, a: argparse.Namespace) -> dict:
     peak = status_kib("VmHWM")
     predicted = pool_bytes(cfg, positions, 1, bs, dtype=torch.float32)
     steady = (max(watched.rss) - base) * 1024
-    return {"preset": cfg.name, "threads": a.threads, "prompt": a.prompt, "chunk": a.chunk, "tail": True,
+    return {"preset": cfg.name, "target": a.target, "threads": a.threads, "prompt": a.prompt, "chunk": a.chunk,
+            "tail": True,
             "new_tokens": a.new_tokens, "positions": positions, "steps": len(steps),
             "seconds": sum(watched.seconds), "prefill_tokens_per_s": a.chunk / watched.seconds[0],
             "decode_ms": 1e3 * statistics.median(watched.seconds[1:] or [float("nan")]),
@@ -190,7 +193,7 @@ def table(r: dict) -> str:
             ("  of which the largest step's temporaries", f"{r['peak_step_temporaries_bytes'] / mib:.1f}")]
     how = ("its last chunk and the decode on pools as the prefill leaves them (--tail)" if r.get("tail")
            else "through serve()")
-    head = f"{r['preset']} (context raised), ORT CPU, {r['threads']} threads, one long prompt, {how}:"
+    head = f"{r['preset']} (context raised), {r['target']} CPU, {r['threads']} threads, one long prompt, {how}:"
     return "\n".join([head] + [f"  {k:<46} {v:>22}" for k, v in rows])
 
 
@@ -203,6 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--chunk", type=int, default=512, help="tokens per step (the prefill's chunks)")
     p.add_argument("--new-tokens", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--target", choices=("pt2", "ort"), default="pt2", help="the serving runner (and export flavor)")
     p.add_argument("--tail", action="store_true", help="only the last chunk and the decode (see measure_tail)")
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)

@@ -47,8 +47,9 @@ def serving_folder(args: argparse.Namespace) -> Iterator[Path]:
         yield out
 
 
-def open_serving(path: Path, threads: int, profile: str | None = None):
-    """(runner, config, block size) of a serving export, through the ORT serving runner."""
+def open_serving(path: Path, threads: int, profile: str | None = None, backend: str = "ort"):
+    """(runner, config, block size) of a serving export, through its `backend` serving runner (ORT by
+    default; "pt2": the step program in this process, torch on `threads` threads)."""
     import torch
 
     from k3x.runtime.runners import RunnerOptions, open_folder
@@ -56,7 +57,7 @@ def open_serving(path: Path, threads: int, profile: str | None = None):
 
     torch.set_num_threads(threads)
     folder = open_folder(path)
-    runner = serving_runner("ort", folder, RunnerOptions(provider="cpu", intra_op_threads=threads, profile=profile))
+    runner = serving_runner(backend, folder, RunnerOptions(provider="cpu", intra_op_threads=threads, profile=profile))
     return runner, folder.config(), int(folder.manifest["serving"]["block_size"])
 
 
