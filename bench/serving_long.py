@@ -12,9 +12,11 @@ Memory, from the process's resident set (/proc/self/status; ORT's arena is off, 
   - steady: the highest RSS seen between steps (step temporaries freed) minus the baseline: what stays while
     the sequence lives = its pools, all pages written by the end of the prompt;
   - peak: the high-water mark (VmHWM, reset at the baseline) minus the baseline = pools + the largest step's
-    temporaries (a prefill chunk's attention over the whole context dominates them), reported apart.
-The prediction is model/state.py `pool_bytes` for one sequence of the served positions in the export's dtype:
-what `k3x inspect --checkpoint CKPT --context N --sequences 1 --dtype fp32` prints. Goal: steady within 10%.
+    temporaries (a prefill chunk's; bounded by the chunk, not the context, since k3::mla_paged works in key
+    blocks), reported apart.
+The prediction is what `k3x inspect --checkpoint CKPT --context N --sequences 1 --dtype fp32 --chunk T` prints:
+model/state.py `pool_bytes` for one sequence of the served positions in the export's dtype (against steady)
+and that plus model/working.py `step_working_bytes` of a --chunk step (against peak). Goal: within 10%.
 
 --tail runs only the prompt's last chunk and the decode, on pools holding (random) state for every earlier
 position: the memory at the full context in minutes, where the whole prefill takes hours on a small CPU.
@@ -105,7 +107,6 @@ class Watched:
 def measure(path: Path, a: argparse.Namespace) -> dict:
     import torch
 
-    from k3x.model.state import pool_bytes
     from k3x.runtime.serve import ServeOptions, serve
     from k3x.text.sampling import SamplingOptions
 
@@ -125,17 +126,31 @@ def measure(path: Path, a: argparse.Namespace) -> dict:
     seconds = time.perf_counter() - t
     peak = status_kib("VmHWM")
     positions = a.prompt + a.new_tokens - 1
-    predicted = pool_bytes(cfg, positions, 1, bs, dtype=torch.float32)
-    steady = (max(watched.rss) - base) * 1024
     prefill_steps = -(-a.prompt // a.chunk)
     return {"preset": cfg.name, "target": a.target, "threads": a.threads, "prompt": a.prompt, "chunk": a.chunk,
             "new_tokens": len(record.tokens), "positions": positions, "steps": len(watched.seconds),
             "seconds": seconds, "prefill_tokens_per_s": a.prompt / sum(watched.seconds[:prefill_steps]),
             "decode_ms": 1e3 * sum(watched.seconds[prefill_steps:]) / max(1, len(watched.seconds) - prefill_steps),
-            "baseline_bytes": base * 1024, "predicted_pool_bytes": predicted["total_bytes"],
-            "steady_bytes": steady, "steady_over_predicted": steady / predicted["total_bytes"],
-            "peak_bytes": (peak - base) * 1024, "peak_step_temporaries_bytes": (peak - base) * 1024 - steady,
-            "inspect": f"k3x inspect --checkpoint CKPT --context {positions} --sequences 1 --dtype fp32"}
+            **memory(cfg, positions, bs, a.chunk, base, peak, watched.rss)}
+
+
+def memory(cfg, positions: int, block_size: int, chunk: int, base: int, peak: int, rss: list[int]) -> dict:
+    """The run's memory (RSS in KiB: baseline, VmHWM, after each step) against what `k3x inspect --chunk`
+    predicts: pools (model/state.py pool_bytes) and a step's working memory (model/working.py)."""
+    import torch
+
+    from k3x.model.state import pool_bytes
+    from k3x.model.working import step_working_bytes
+
+    pools = pool_bytes(cfg, positions, 1, block_size, dtype=torch.float32)["total_bytes"]
+    working = step_working_bytes(cfg, chunk, block_size, torch.float32)["total_bytes"]
+    steady, top = (max(rss) - base) * 1024, (peak - base) * 1024
+    return {"baseline_bytes": base * 1024, "predicted_pool_bytes": pools, "predicted_step_bytes": working,
+            "steady_bytes": steady, "steady_over_predicted": steady / pools,
+            "peak_bytes": top, "peak_step_temporaries_bytes": top - steady,
+            "peak_over_predicted": top / (pools + working),
+            "inspect": f"k3x inspect --checkpoint CKPT --context {positions} --sequences 1 --dtype fp32 "
+                       f"--chunk {chunk}"}
 
 
 def measure_tail(path: Path, a: argparse.Namespace) -> dict:
@@ -143,10 +158,7 @@ def measure_tail(path: Path, a: argparse.Namespace) -> dict:
     last chunk (as a full prefill would leave them: every page written), then the last --chunk tokens of the
     prompt as one step and the decode steps, each written back in place (runtime/pools.py): the steady and
     peak memory at the full context without the hours of the whole prefill on a small CPU."""
-    import torch
-
     from k3x.bench.serving_steps import StepCase
-    from k3x.model.state import pool_bytes
 
     libc = libc_malloc()
     runner, cfg, bs = open_serving(path, a.threads, backend=a.target)
@@ -165,17 +177,11 @@ def measure_tail(path: Path, a: argparse.Namespace) -> dict:
         feeds = case.feeds(tokens, past)
         case.pools.write_back(feeds, watched.infer(feeds))
     peak = status_kib("VmHWM")
-    predicted = pool_bytes(cfg, positions, 1, bs, dtype=torch.float32)
-    steady = (max(watched.rss) - base) * 1024
     return {"preset": cfg.name, "target": a.target, "threads": a.threads, "prompt": a.prompt, "chunk": a.chunk,
-            "tail": True,
-            "new_tokens": a.new_tokens, "positions": positions, "steps": len(steps),
+            "tail": True, "new_tokens": a.new_tokens, "positions": positions, "steps": len(steps),
             "seconds": sum(watched.seconds), "prefill_tokens_per_s": a.chunk / watched.seconds[0],
             "decode_ms": 1e3 * statistics.median(watched.seconds[1:] or [float("nan")]),
-            "baseline_bytes": base * 1024, "predicted_pool_bytes": predicted["total_bytes"],
-            "steady_bytes": steady, "steady_over_predicted": steady / predicted["total_bytes"],
-            "peak_bytes": (peak - base) * 1024, "peak_step_temporaries_bytes": (peak - base) * 1024 - steady,
-            "inspect": f"k3x inspect --checkpoint CKPT --context {positions} --sequences 1 --dtype fp32"}
+            **memory(cfg, positions, bs, a.chunk, base, peak, watched.rss)}
 
 
 def table(r: dict) -> str:
@@ -190,7 +196,9 @@ def table(r: dict) -> str:
             ("steady RSS over baseline (MiB)", f"{r['steady_bytes'] / mib:.1f}"),
             ("steady / predicted (goal within 10%)", f"{r['steady_over_predicted']:.3f}"),
             ("peak RSS over baseline (MiB)", f"{r['peak_bytes'] / mib:.1f}"),
-            ("  of which the largest step's temporaries", f"{r['peak_step_temporaries_bytes'] / mib:.1f}")]
+            ("  of which the largest step's temporaries", f"{r['peak_step_temporaries_bytes'] / mib:.1f}"),
+            ("step working memory predicted (MiB, inspect)", f"{r['predicted_step_bytes'] / mib:.1f}"),
+            ("peak / (pools + step) predicted (goal 10%)", f"{r['peak_over_predicted']:.3f}")]
     how = ("its last chunk and the decode on pools as the prefill leaves them (--tail)" if r.get("tail")
            else "through serve()")
     head = f"{r['preset']} (context raised), {r['target']} CPU, {r['threads']} threads, one long prompt, {how}:"
