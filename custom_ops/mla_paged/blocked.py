@@ -35,15 +35,16 @@ def key_block_for(block_size: int, key_block: int | None = None) -> int:
 def working_bytes(rows: int, heads: int, kv_lora_rank: int, rope_dim: int, block_size: int,
                   key_block: int | None = None, item_bytes: int = 4) -> int:
     """Upper bound of the temporaries `mla_paged` holds at once for one step of `rows` packed rows (the
-    attention of one MLA layer; layers run one after another), from the shapes: the fp32 queries and output
-    [rows, H, C+R] / [rows, H, C], a sequence's state (accumulator [H, T, C], max and sum [H, T] and three
-    [H, T] updates) and one key block's work (scores [H, T, KB] exponentiated in place, its product with the
-    values [H, T, C], the block's keys [KB, C+R] as gathered (`item_bytes`) and widened to fp32, the causal
-    mask [T, KB] bool and index [KB]) with T = rows (one sequence may own the whole step)."""
+    attention of one MLA layer; layers run one after another), from the shapes, with T = rows (one sequence
+    may own the whole step): the fp32 queries [rows, H, C+R] and a sequence's contiguous copy [H, T, C+R], its
+    step latents widened to fp32 [T, C+R], the output [rows, H, C] in fp32 and as cast (`item_bytes`); a
+    sequence's state (accumulator [H, T, C] and a block's product with the values, max and sum [H, T] and
+    three [H, T] updates); one key block's work (scores [H, T, KB] exponentiated in place, its keys [KB, C+R]
+    as gathered (`item_bytes`) and widened, the causal mask [T, KB] bool, its aranges and the block ids)."""
     kb, L, f = key_block_for(block_size, key_block), kv_lora_rank + rope_dim, 4
-    step = rows * heads * (L + kv_lora_rank) * f + rows * heads * kv_lora_rank * item_bytes
+    step = rows * heads * (2 * L + kv_lora_rank) * f + rows * L * f + rows * heads * kv_lora_rank * item_bytes
     state = heads * rows * (2 * kv_lora_rank + 5) * f
-    block = heads * rows * kb * f + kb * L * (item_bytes + f) + rows * kb + kb * 8
+    block = heads * rows * kb * f + kb * L * (item_bytes + f) + rows * kb + (kb + rows) * 8 + kb // block_size * 8
     return step + state + block
 
 
