@@ -80,7 +80,7 @@ class StepCase:
         g = torch.Generator().manual_seed(seed)
         for name, t in self.pools.tensors.items():  # only what the batch owns: a 1M-position pool stays untouched
             part = t[: batch * per] if name.endswith(".latent") else t
-            part.copy_(0.1 * torch.randn(part.shape, generator=g))
+            part.normal_(0.0, 0.1, generator=g)  # in place: no pool-sized temporary (serving_long --tail's peak)
 
     def feeds(self, tokens: int, past: int) -> dict:
         import torch
