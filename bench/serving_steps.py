@@ -49,8 +49,9 @@ def serving_folder(args: argparse.Namespace) -> Iterator[Path]:
         yield out
 
 
-def open_serving(path: Path, threads: int, profile: str | None = None):
-    """(runner, config, block size) of a serving export, through the ORT serving runner."""
+def open_serving(path: Path, threads: int, profile: str | None = None, backend: str = "ort"):
+    """(runner, config, block size) of a serving export, through its `backend` serving runner (ORT by
+    default; "pt2": the step program in this process, torch on `threads` threads)."""
     import torch
 
     from k3x.runtime.runners import RunnerOptions, open_folder
@@ -58,7 +59,7 @@ def open_serving(path: Path, threads: int, profile: str | None = None):
 
     torch.set_num_threads(threads)
     folder = open_folder(path)
-    runner = serving_runner("ort", folder, RunnerOptions(provider="cpu", intra_op_threads=threads, profile=profile))
+    runner = serving_runner(backend, folder, RunnerOptions(provider="cpu", intra_op_threads=threads, profile=profile))
     return runner, folder.config(), int(folder.manifest["serving"]["block_size"])
 
 
@@ -81,7 +82,7 @@ class StepCase:
         g = torch.Generator().manual_seed(seed)
         for name, t in self.pools.tensors.items():  # only what the batch owns: a 1M-position pool stays untouched
             part = t[: batch * per] if name.endswith(".latent") else t
-            part.copy_(0.1 * torch.randn(part.shape, generator=g))
+            part.normal_(0.0, 0.1, generator=g)  # in place: no pool-sized temporary (serving_long --tail's peak)
 
     def feeds(self, tokens: int, past: int) -> dict:
         import torch

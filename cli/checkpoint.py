@@ -9,7 +9,7 @@ from pathlib import Path
 from .app import app
 from .console import debug, echo, timed
 from .options import EP, TP, Checkpoint, FitBatch, FitContext, InitExperts, InitOut, InitPreset, Json, \
-    DType, ExpertFormat, PoolDType, Preset, Sequences, Tokenizer, WeightSeed
+    DType, ExpertFormat, PoolDType, Preset, Sequences, StepChunk, Tokenizer, WeightSeed
 
 
 @app.command("init-checkpoint")
@@ -28,7 +28,7 @@ def init_checkpoint(preset: InitPreset = "k3-mini", out: InitOut = Path("k3-mini
 @app.command()
 def inspect(preset: Preset = None, checkpoint: Checkpoint = None, json_out: Json = False, tp: TP = 1, ep: EP = 1,
             batch: FitBatch = 1, context: FitContext = 131072, sequences: Sequences = None,
-            dtype: PoolDType = DType.BF16) -> None:
+            dtype: PoolDType = DType.BF16, chunk: StepChunk = None) -> None:
     """Layer plan, total/active parameters, cache sizes, bytes by storage format (meta device: no weights);
     with --tp/--ep: per-rank bytes, collective bytes and the fit on H200 / B200 / GB300."""
     from ..checkpoint.config_source import config_of
@@ -40,7 +40,7 @@ def inspect(preset: Preset = None, checkpoint: Checkpoint = None, json_out: Json
     if sequences is not None:  # serving pools (cli/serve.py)
         from .serve import print_pools
 
-        return print_pools(cfg, context, sequences, tp=tp, ep=ep, dtype=dtype.value)
+        return print_pools(cfg, context, sequences, tp=tp, ep=ep, dtype=dtype.value, chunk=chunk)
     with timed("inspect"):
         if tp * ep > 1:
             from ..model.parallel import ParallelPlan

@@ -214,6 +214,9 @@ SpeculateTokens = Annotated[int, typer.Option(min=1, help="--draft: draft tokens
 Sequences = Annotated[Optional[int], typer.Option(
     min=1, help="Serving pools: the memory of this many sequences of --context positions (latents in --dtype, "
                 "block 16; per rank with --tp/--ep).")]
+StepChunk = Annotated[Optional[int], typer.Option(
+    "--chunk", min=1, help="--sequences: also the working memory of one serving step of this many tokens (a prefill "
+                           "chunk, --max-step-tokens) and the peak it implies (pools + step).")]
 Serving = Annotated[bool, typer.Option("--serving", help="Trace the serving step (packed sequences, state pools, "
                                                          "continuous batching) instead of the batch interface.")]
 BlockSize = Annotated[int, typer.Option(min=1, help="--serving: positions per MLA latent block.")]

@@ -142,10 +142,11 @@ def prefix_line(records) -> str:
 
 
 def print_pools(cfg, context: int, sequences: int, block_size: int = 16, tp: int = 1, ep: int = 1,
-                dtype: str = "bf16") -> None:
-    """`k3x inspect --context N --sequences S [--tp T --ep E] [--dtype]`: pool memory of a serving deployment
-    (latents in the model dtype, `dtype`: bf16 | fp32; KDA states are fp32 either way), per rank under a plan
-    (its local config: its KDA heads; the latent whole)."""
+                dtype: str = "bf16", chunk: int | None = None) -> None:
+    """`k3x inspect --context N --sequences S [--tp T --ep E] [--dtype] [--chunk T]`: pool memory of a serving
+    deployment (latents in the model dtype, `dtype`: bf16 | fp32; KDA states are fp32 either way), per rank
+    under a plan (its local config: its KDA heads; the latent whole); with `chunk`, the working memory of a
+    step of that many tokens (model/working.py) and the peak pools + step."""
     import torch
 
     from ..model.parallel import ParallelPlan
@@ -154,4 +155,11 @@ def print_pools(cfg, context: int, sequences: int, block_size: int = 16, tp: int
 
     plan = ParallelPlan(tp, ep)
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-    echo(format_pools(pool_bytes(plan.local_config(cfg), context, sequences, block_size, dtype=torch_dtype), plan))
+    local = plan.local_config(cfg)
+    pools = pool_bytes(local, context, sequences, block_size, dtype=torch_dtype)
+    echo(format_pools(pools, plan))
+    if chunk is not None:
+        from ..model.summary import format_working
+        from ..model.working import step_working_bytes
+
+        echo(format_working(step_working_bytes(local, chunk, block_size, torch_dtype), pools))

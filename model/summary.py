@@ -104,3 +104,11 @@ def format_pools(b: dict, plan=None) -> str:
             f"  MLA latent: {b['mla_bytes_per_token']:,} B per token{per}, {b['blocks']:,} blocks -> "
             f"{b['mla_bytes'] / 2**20:,.1f} MiB\n"
             f"  total{per}: {b['total_bytes'] / 2**30:,.3f} GiB")
+
+
+def format_working(w: dict, pools: dict) -> str:
+    """`k3x inspect ... --chunk T`: model/working.py `step_working_bytes` and the peak it implies over `pools`."""
+    mib = 2 ** 20
+    return (f"  step working memory ({w['rows']:,} tokens, MLA key blocks of {w['key_block']:,}): "
+            f"{w['total_bytes'] / mib:,.1f} MiB (attention {w['attention_bytes'] / mib:,.1f} MiB of it)\n"
+            f"  peak (pools + step): {(pools['total_bytes'] + w['total_bytes']) / mib:,.1f} MiB")

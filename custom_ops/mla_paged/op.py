@@ -9,7 +9,8 @@ sequence's past latents (read from the paged pool through its block table) and t
 The query comes in two parts (the absorbed q_nope in the latent space, the rope part) rather than one
 [N, H, C+R] tensor, so the shape rule gets C from an input's shape; the score is their sum, the same math.
 Node attributes (static dims a plugin sizes its work from): num_heads H, kv_lora_rank C, rope_dim R,
-block_size BS.
+block_size BS. Kernels "reference" run blocked.py (key blocks, online softmax: temporaries bounded by the step's
+rows x heads x key block), checked against reference.py (the simple oracle).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch import Tensor
 
 from ...plan.kernels import Kernels, require_kernels
 from ...plan.signature import KERNELS, Attr, Signature, TensorPort
-from . import reference
+from . import blocked
 from .limits import KERNEL_MAX_LATENT
 
 
@@ -64,7 +65,7 @@ def _mla_paged(q_latent: Tensor, q_rope: Tensor, latent: Tensor, latent_pool: Te
         from . import triton
 
         return triton.mla_paged(*args, scale=scale)
-    return reference.mla_paged(*args, scale=scale)
+    return blocked.mla_paged(*args, scale=scale)
 
 
 def mla_paged(q_latent: Tensor, q_rope: Tensor, latent: Tensor, latent_pool: Tensor, block_table: Tensor,

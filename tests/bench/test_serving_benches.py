@@ -78,18 +78,21 @@ def test_gemm_shapes_cover_the_model():
 def test_long_prompt_memory(serving_export, tmp_path):
     from k3x.model import preset
     from k3x.model.state import pool_bytes
+    from k3x.model.working import step_working_bytes
 
-    r = _run(serving_long.main, serving_export, tmp_path, "--prompt", "300", "--chunk", "64", "--new-tokens", "3")
+    r = _run(serving_long.main, serving_export, tmp_path, "--prompt", "300", "--chunk", "64", "--new-tokens", "3",
+             "--target", "ort")
     assert (r["new_tokens"], r["steps"], r["positions"]) == (3, 5 + 2, 302)  # 5 chunks, 2 decode steps
     import torch
 
     assert r["predicted_pool_bytes"] == pool_bytes(preset("k3-mini"), 302, 1, 8, dtype=torch.float32)["total_bytes"]
+    assert r["predicted_step_bytes"] == step_working_bytes(preset("k3-mini"), 64, 8)["total_bytes"]
     assert r["peak_bytes"] >= r["steady_bytes"] > 0
 
 
 def test_long_prompt_tail(serving_export, tmp_path):
     r = _run(serving_long.main, serving_export, tmp_path, "--prompt", "1000", "--chunk", "100", "--new-tokens", "2",
-             "--tail")
+             "--tail", "--target", "ort")
     assert (r["tail"], r["steps"], r["positions"]) == (True, 2, 1001)  # the last chunk, one decode step
     assert r["peak_bytes"] >= r["steady_bytes"] >= r["predicted_pool_bytes"] > 0  # the pools' pages are written
 
