@@ -119,7 +119,8 @@ TraceModes = Annotated[TraceMode, typer.Option(
 OnnxFunctions = Annotated[bool, typer.Option(
     "--onnx-functions/--no-onnx-functions", help="ONNX: each decoder-layer kind one local function, called once per "
     "layer (smaller files); the flat graph where the layers do not fit. The manifest's onnx `layer_functions` says "
-    "which each flavor file holds.")]
+    "which each flavor file holds. ONNX Runtime inlines the calls when it opens a session (measured on k3-bench: "
+    "about 20 % slower to open); --no-onnx-functions for the fastest session.")]
 
 # build-engine
 EngineExportDir = Annotated[Path, typer.Argument(callback=must_exist, help="Export folder holding model.trt.onnx.")]
