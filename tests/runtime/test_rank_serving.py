@@ -1,15 +1,17 @@
 """The serving step on rank programs (`k3x export --serving --tp 2 --ep 2`, k3-mini, fp32, gloo on CPU): each
 rank's program takes the packed step inputs and its own pools (KDA rows of its heads; the MLA latent pool
 whole on every rank), experts split as rank programs do. Proof: prompts of different lengths (more than the
-slots, the longest prefilled in chunks, different token counts) through continuous batching under torchrun give the greedy tokens of
-their solo eager runs, logits within the fp32 tolerance; with the prefix cache, with n-gram speculation and
-with both, the ranks' tokens equal the single-process serving run's, the cache hits where it does in one
-process and drafts are accepted and rejected as there; `k3x run --prompts` spawns the ranks itself and
-prints the same tokens; `k3x inspect --sequences --tp --ep` prints the pools per rank.
+slots, the longest prefilled in chunks, different token counts) through continuous batching under torchrun
+give the greedy tokens of their solo eager runs, logits within the fp32 tolerance; with the prefix cache, with
+n-gram speculation, with both, and with a draft export (`--draft`: every rank loads it; ranks 1..3 made to
+propose other drafts, so only the agreement on rank 0's drafts keeps them in step), the ranks' tokens equal
+the single-process serving run's, the cache hits where it does in one process and drafts are accepted and
+rejected as there; `k3x run --prompts` spawns the ranks itself and prints the same tokens; `k3x inspect
+--sequences --tp --ep` prints the pools per rank.
 
 The model is the "echo" k3-mini of tests/runtime/test_speculate.py (it mostly repeats, so n-gram drafts are
-sometimes accepted). One export (module scope, pt2 + ONNX) and two 4-process launches (pt2 under torchrun:
-every run in one launch; ort spawned by k3x).
+sometimes accepted). One export (module scope, pt2 + ONNX), the session's draft export (tests/conftest.py)
+and two 4-process launches (pt2 under torchrun: every run in one launch; ort spawned by k3x).
 """
 
 from __future__ import annotations
@@ -58,11 +60,13 @@ def ranks(tmp_path_factory, model) -> Path:
 
 
 @pytest.fixture(scope="module")
-def served(ranks, tmp_path_factory) -> dict[str, list[SimpleNamespace]]:
-    """Every run of RUNS on the pt2 rank programs, in one torchrun launch -> records by run name."""
+def served(ranks, draft_export, tmp_path_factory) -> dict[str, list[SimpleNamespace]]:
+    """Every run of RUNS and a draft-export run on the pt2 rank programs, in one torchrun launch -> records by
+    run name."""
     tmp = tmp_path_factory.mktemp("served")
+    draft = {"serve": SERVE, "draft": {"export": str(draft_export), "tokens": 3, "skew": True}}
     (tmp / "spec.json").write_text(json.dumps({"prompts": PROMPTS, "max_new_tokens": NEWS, "backend": "pt2",
-                                               "runs": RUNS}))
+                                               "runs": {**RUNS, "draft": draft}}))
     r = launch([str(ranks), str(tmp / "spec.json"), str(tmp / "out.pt")], torchrun=4, script=WORKER)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     out = torch.load(tmp / "out.pt")
@@ -107,6 +111,16 @@ def test_prefix_cache_and_speculation_on_ranks_equal_plain_greedy(served, want):
     for name in ("ngram", "both"):
         drafted, accepted = sum(r.drafted for r in served[name]), sum(r.accepted for r in served[name])
         assert 0 < accepted < drafted, (name, accepted, drafted)
+
+
+def test_draft_export_on_ranks_equals_solo_greedy(served, want):
+    """Every rank runs the draft export; ranks 1..3 alter their drafts (the worker's `Skewed`) and take rank
+    0's (speculate.agree_drafts): the tokens of solo greedy decoding, every rank's records (tokens, drafted,
+    accepted) equal, drafts both accepted and rolled back."""
+    assert served["agree"], "the ranks' records differ"
+    assert [r.tokens for r in served["draft"]] == [tokens for tokens, _ in want]
+    drafted, accepted = sum(r.drafted for r in served["draft"]), sum(r.accepted for r in served["draft"])
+    assert 0 < accepted < drafted, (accepted, drafted)
 
 
 @pytest.mark.slow
