@@ -6,7 +6,10 @@ token was chosen from; rank 0 saves the records of every run.
     torchrun --nproc-per-node 4 tests/rank_serving_worker.py EXPORT SPEC.json OUT.pt
 SPEC: {"prompts": [[ids], ...], "max_new_tokens": [n per prompt], "backend": "pt2",
        "runs": {name: {"serve": {ServeOptions fields}, "speculate": K or null,
-                       "draft": {"export": DIR, "tokens": K, "skew": bool} or null}}}.
+                       "draft": {"export": DIR, "tokens": K, "skew": bool} or null,
+                       "prompts", "max_new_tokens", "save_state", "load_state": optional}}}.
+"prompts" / "max_new_tokens" in a run: its own (else SPEC's); "save_state" / "load_state": a state file of
+its first prompt (session.serving_state, as `k3x run --save-state/--load-state`: each rank its own file).
 "draft": every rank loads the draft export as `k3x run --draft DIR --speculate-tokens K` does (cli/serve.make_drafter,
 its ONNX on ort); "skew": the ranks other than 0 alter their drafts after proposing them (`Skewed`: a draft model
 whose argmax is not the same on every rank), so only the agreement on rank 0's drafts keeps the ranks' steps alike.
@@ -63,8 +66,13 @@ def main(export: str, spec_file: str, out: str) -> None:
     for name, run in spec["runs"].items():
         options = ServeOptions(**run["serve"], keep_logits=True)
         drafter = drafter_of(run, s.cfg.vocab_size)
-        records = sessions.serve_prompts(s, spec["backend"], spec["prompts"], SamplingOptions(), options,
-                                         max_new_tokens=spec["max_new_tokens"], drafter=drafter)
+        prompts, state = run.get("prompts", spec["prompts"]), {}
+        if run.get("save_state") or run.get("load_state"):
+            files = [Path(run[k]) if run.get(k) else None for k in ("save_state", "load_state")]
+            one, state = sessions.serving_state(s, *files, prompts[0])
+            prompts = [one]
+        records = sessions.serve_prompts(s, spec["backend"], prompts, SamplingOptions(), options, drafter=drafter,
+                                         max_new_tokens=run.get("max_new_tokens", spec["max_new_tokens"]), **state)
         results[name] = [{"index": r.index, "tokens": r.tokens, "logits": r.logits, "cached": r.cached,
                           "drafted": r.counts.drafted, "accepted": r.counts.accepted} for r in records]
     mine = {n: [(r["tokens"], r["cached"], r["drafted"], r["accepted"]) for r in rs] for n, rs in results.items()}
