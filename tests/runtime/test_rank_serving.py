@@ -25,6 +25,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save
 from dist_launch import launch
 from serving_cases import assert_records_match, prompts, solo
 from typer.testing import CliRunner
@@ -76,9 +78,21 @@ def served(ranks, draft_export, tmp_path_factory) -> dict[str, list[SimpleNamesp
 
 @pytest.fixture(scope="module")
 def resumed(ranks, served, tmp_path_factory) -> dict[str, list[SimpleNamespace]]:
-    """The "prefill" run's sequence decoded from its state files in a second torchrun launch."""
-    return serve_on_ranks(ranks, tmp_path_factory.mktemp("resumed"),
-                          {"decode": {**SPLIT, "load_state": str(served["state"])}})
+    """The "prefill" run's sequence decoded from its state files in a second torchrun launch; "tampered": from
+    a copy whose rank 1 file's saved logits pick another first token (every rank must take rank 0's)."""
+    tmp = tmp_path_factory.mktemp("resumed")
+    for r in range(4):
+        tensors, meta = read_safetensors(shard_path(served["state"], Shard(r, 4)))
+        if r == 1:
+            tensors["logits"] = -tensors["logits"]
+        (tmp / f"tampered.rank{r}of4").write_bytes(save(tensors, metadata=meta))
+    return serve_on_ranks(ranks, tmp, {"decode": {**SPLIT, "load_state": str(served["state"])},
+                                       "tampered": {**SPLIT, "load_state": str(tmp / "tampered")}})
+
+
+def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
 
 
 def serve_on_ranks(ranks: Path, tmp: Path, runs: dict) -> dict[str, list[SimpleNamespace]]:
@@ -149,6 +163,7 @@ def test_state_files_hand_a_sequence_from_one_rank_launch_to_another(served, res
     (one,), (two,) = served["prefill"], resumed["decode"]
     assert two.tokens == one.tokens and len(one.tokens) == 6 and one.tokens[0] == want[1][0][0]
     assert len(two.logits) == 6 and all(torch.equal(a, b) for a, b in zip(one.logits, two.logits))
+    assert resumed["tampered"][0].tokens == one.tokens  # rank 1's own first pick differs: rank 0's is taken
 
 
 def test_a_rank_state_file_is_refused_by_another_rank_plan_or_rank_count(ranks, served, draft_export, tmp_path):
