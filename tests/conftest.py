@@ -108,4 +108,3 @@ def serving_export(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("serving") / "k3-mini"
     export(ExportOptions((Target.PT2, Target.ONNX), out, preset="k3-mini", serving=True, block_size=8))
     return out
-
