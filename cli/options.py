@@ -32,6 +32,15 @@ def must_exist(path: Path | None) -> Path | None:
     return path
 
 
+def state_file_exists(path: Path | None) -> Path | None:
+    """--load-state: the file, or rank 0's file of a state saved by rank programs (FILE.rank0of{W}), exists."""
+    import glob
+
+    if path is not None and not path.exists() and not list(path.parent.glob(glob.escape(path.name) + ".rank0of*")):
+        fail(f"{path}: does not exist")
+    return path
+
+
 def _print_version(value: bool) -> None:
     if value:
         typer.echo(f"k3x {__version__}")
@@ -182,10 +191,12 @@ ReferenceCheckpoint = Annotated[Optional[Path], typer.Option("--checkpoint", cal
 JsonReport = Annotated[Optional[Path], typer.Option("--json", help="Also write the report as JSON.")]
 SaveState = Annotated[Optional[Path], typer.Option(
     "--save-state", help="Write the sequence's state after the prefill to this file (safetensors; --max-new-tokens "
-                         "1 stops there), for --load-state in another process.")]
+                         "1 stops there), for --load-state in another process. Rank programs (a serving export): "
+                         "each rank writes its own, FILE.rank{r}of{W}.")]
 LoadState = Annotated[Optional[Path], typer.Option(
-    "--load-state", callback=must_exist, help="Decode from a state file of --save-state (its sequence; no prompt), "
-                                              "checked against this export's state contract.")]
+    "--load-state", callback=state_file_exists,
+    help="Decode from a state file of --save-state (its sequence; no prompt), checked against this export's state "
+         "contract (rank programs: each rank its own FILE.rank{r}of{W}, of the same plan).")]
 
 # serving (many prompts through one runtime, e.g. `run --prompts FILE`): its flag types go here, its commands in
 # a group module of their own (cli/serve.py, imported in cli/__init__.py)

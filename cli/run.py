@@ -111,7 +111,7 @@ def run(export_dir: ExportDir, backend: RunBackend = Backend.ORT, prompt: Prompt
     from ..folder.artifacts import ExportFolder
     from ..runtime import session as sessions
     from ..runtime.runners import RunnerError
-    from ..runtime.state_file import serving_hooks, state_hooks
+    from ..runtime.state_file import state_hooks
     from ..text.prompt import Sampling, prepare
 
     folder = ExportFolder.open(export_dir)
@@ -119,7 +119,7 @@ def run(export_dir: ExportDir, backend: RunBackend = Backend.ORT, prompt: Prompt
     p = prepare(export_dir, folder.config().vocab_size, prompt, prompt_ids, chat,
                 Sampling(max_new_tokens, temperature, top_k, top_p, seed), folder.tokenizer_files())
     if save_state is not None or load_state is not None:
-        _check_state_flags(export_dir, folder, prompts, load_state is not None and (prompt or prompt_ids),
+        _check_state_flags(export_dir, folder, prompts, load_state, load_state is not None and (prompt or prompt_ids),
                            prefix_cache and load_state is not None)
     if prompts is not None or "serving" in folder.manifest:  # continuous batching (cli/serve.py), any rank count
         from ..runtime.runners import serving_entry
@@ -128,18 +128,12 @@ def run(export_dir: ExportDir, backend: RunBackend = Backend.ORT, prompt: Prompt
 
         block = int(serving_entry(folder)["block_size"])  # refused here, and the prompts read, before ranks spawn
         ids = [p.ids] if prompts is None else read_prompts(prompts, p.tokenizer, folder.config().vocab_size)
-        state = {}
-        if save_state is not None or load_state is not None:  # one sequence (checked above), before any runner
-            try:
-                one, state = serving_hooks(save_state, load_state, folder.state_contract(), folder.config(), p.ids)
-            except RunnerError as e:
-                fail(str(e))
-            ids = [one]
+        files = (save_state, load_state) if save_state is not None or load_state is not None else None
         names, notes = ranks_here(export_dir, [backend.value], default_ort=True)
         return run_prompts(folder, ids, p, (names[0], notes), ServeOptions(
             max_sequences, cache_blocks, block, max_step_tokens, prefix_cache=prefix_cache,
             prefix_cache_bytes=int(prefix_cache_mb * 1e6) if prefix_cache else 0), json_out,
-            runner_options(provider, skip_hash_check), Speculation(speculate, draft, speculate_tokens), state)
+            runner_options(provider, skip_hash_check), Speculation(speculate, draft, speculate_tokens), files)
     if speculate is not None or draft is not None:
         fail("--speculate / --draft: speculative decoding needs a serving export (export --serving)")
     try:  # a state file is checked before any runner loads
@@ -165,14 +159,23 @@ def run(export_dir: ExportDir, backend: RunBackend = Backend.ORT, prompt: Prompt
     close_session(s)
 
 
-def _check_state_flags(export_dir: Path, folder, prompts: Path | None, prompt_given, cached) -> None:
-    """--save-state / --load-state: one sequence of one program (batch interface or serving step)."""
+def _check_state_flags(export_dir: Path, folder, prompts: Path | None, load: Path | None, prompt_given, cached
+                       ) -> None:
+    """--save-state / --load-state: one sequence of one program (batch interface or serving step), or of rank
+    programs of a serving step (one file per rank: every rank's file of --load-state must be there)."""
     from ..runtime import session as sessions
+    from ..runtime.state_file import Shard, shard_path
 
     if prompts is not None:
         fail("--save-state / --load-state: one sequence (--prompt / --prompt-ids), not --prompts")
-    if sessions.parallel_plan(folder).world > 1:
-        fail(f"--save-state / --load-state: {export_dir} holds rank programs; use a one-program export")
+    world = sessions.parallel_plan(folder).world
+    if world > 1 and "serving" not in folder.manifest:
+        fail(f"--save-state / --load-state: {export_dir} holds rank programs of the batch interface; use a serving "
+             "export (export --serving) or a one-program export")
+    missing = [f for r in range(world) if load is not None and not (f := shard_path(load, Shard(r, world))).exists()]
+    if missing:
+        fail(f"--load-state {missing[0]}: does not exist"
+             + (f" (this export runs {world} ranks, each reads its own file)" if world > 1 else ""))
     if prompt_given:
         fail("give --load-state or a prompt, not both: the state file holds its sequence")
     if cached:

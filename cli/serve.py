@@ -5,8 +5,9 @@
   record i of `--json OUT` (input order), whatever order the sequences finished in.
 - A serving export run without --prompts (`--prompt` / `--prompt-ids`) is served as a file of one prompt.
 - A rank serving export (`--serving --tp/--ep`) is served by its ranks (under torchrun, or started by k3x as
-  for every rank export); rank 0 prints and writes `--json`. The prefix cache and speculation work there too
-  (every rank decides alike from rank 0's tokens; each keeps its own pools and snapshots).
+  for every rank export); rank 0 prints and writes `--json`. The prefix cache, speculation and state files work
+  there too (every rank decides alike from rank 0's tokens; each keeps its own pools and snapshots, and writes
+  and reads its own state file, FILE.rank{r}of{W}).
 - `--prefix-cache`: prompts sharing a prefix reuse its cached state; the hit rate and the prefill tokens saved
   are printed, and every --json record has `cached_tokens` (prompt tokens taken from the cache).
 - Speculation (`--speculate ngram:K`, `--draft EXPORT --speculate-tokens K`): greedy only; the tokens are
@@ -80,23 +81,26 @@ def make_drafter(spec: Speculation, backend: str, runner_options, vocab_size: in
 
 def run_prompts(folder, prompts: list[list[int]], prepared, backend: tuple[str, list[str]], options,
                 json_out: Path | None, runner_options, spec: Speculation = Speculation(None, None, 4),
-                state: dict | None = None) -> None:
+                state_files: tuple[Path | None, Path | None] | None = None) -> None:
     """Serve the prompts (ids) with the export's serving step (`options`: runtime/serve.ServeOptions), one
     program or (inside a launcher) this rank's; the speaking rank prints and optionally writes the records.
-    `backend`: (name, notes for the user); `spec`: --speculate / --draft; `state`: serve's `resume` /
-    `on_prefill` (--load-state / --save-state, runtime/state_file.serving_hooks)."""
+    `backend`: (name, notes for the user); `spec`: --speculate / --draft; `state_files`: (--save-state,
+    --load-state) of the one prompt (runtime/session.serving_state; a loaded state replaces the prompt)."""
     import json
 
     from ..runtime import session as sessions
     from ..runtime.runners import RunnerError
 
-    name, notes, tok, s = backend[0], backend[1], prepared.tokenizer, None
+    name, notes, tok, s, state = backend[0], backend[1], prepared.tokenizer, None, {}
     try:
         s = sessions.open_serving(folder, name, runner_options)
+        if state_files is not None:
+            one, state = sessions.serving_state(s, *state_files, prompts[0])
+            prompts = [one]
         for line in notes if s.speaks else ():
             echo(line, err=line.startswith("note:"))
         drafter = make_drafter(spec, name, runner_options, folder.config().vocab_size)
-        records = sessions.serve_prompts(s, name, prompts, prepared.options, options, drafter=drafter, **(state or {}))
+        records = sessions.serve_prompts(s, name, prompts, prepared.options, options, drafter=drafter, **state)
     except (RunnerError, ValueError) as e:
         fail(f"{s.who if s else ''}{e}")
     except Exception as e:  # noqa: BLE001 - one line (per rank), no traceback

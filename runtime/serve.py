@@ -124,8 +124,8 @@ def serve(runner, cfg, prompts: Sequence[Sequence[int]], sampling: SamplingOptio
     run's counters are added to (the prefix cache's figures). `drafter`: speculative decoding
     (runtime/speculate.py; greedy only; on rank programs every rank takes rank 0's drafts and
     tokens), the same tokens in fewer steps. `resume`: prompt i starts from a saved state (its prompt is the
-    state's tokens; its first token is chosen from the saved logits); `on_prefill(i, state)`: called with
-    prompt i's state once its prompt is in (a state file)."""
+    state's tokens; its first token is chosen from the saved logits, on rank programs rank 0's);
+    `on_prefill(i, state)`: called with prompt i's state once its prompt is in (a state file)."""
     if drafter is not None and not sampling.greedy:
         raise ValueError(f"temperature={sampling.temperature}: speculative decoding is greedy only (temperature 0)")
     device = str(device or getattr(runner, "device", None) or "cpu")
@@ -151,7 +151,7 @@ def serve(runner, cfg, prompts: Sequence[Sequence[int]], sampling: SamplingOptio
         raise ValueError("--prefix-cache with --load-state: a resumed sequence starts from its own state")
     for r in requests:
         if r.id in resume:
-            _resume(records[r.id], resume[r.id], samplers[r.id], options.keep_logits)
+            _resume(records[r.id], resume[r.id], samplers[r.id], options.keep_logits, agree)
         if r.id not in resume or not _finished(records[r.id], r, sampling.eos_token_ids):
             sched.add(r, records[r.id].tokens if r.id in resume else None)
     while True:
@@ -192,9 +192,12 @@ def serve(runner, cfg, prompts: Sequence[Sequence[int]], sampling: SamplingOptio
     return records
 
 
-def _resume(record: Record, state: SlotState, sampler: Sampler, keep_logits: bool) -> None:
-    """A resumed prompt's first token, chosen from its saved logits as its prefill step would have."""
+def _resume(record: Record, state: SlotState, sampler: Sampler, keep_logits: bool, agree=None) -> None:
+    """A resumed prompt's first token, chosen from its saved logits as its prefill step would have (rank
+    programs, `agree`: rank 0's, as every step's)."""
     record.tokens = [int(sampler(state.logits.float()[None])[0])]
+    if agree is not None:
+        record.tokens = agree(record.tokens)
     record.logits = [state.logits] if keep_logits else []
 
 

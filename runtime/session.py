@@ -39,7 +39,8 @@ class Session:
     dims: dict[str, Any]  # the traced dynamic dims (manifest `dynamic_dims`)
     plan: ParallelPlan  # 1 x 1 for one program
     rank: int = 0
-    contract: dict[str, Any] = field(default_factory=dict)  # the folder's state contract (model/state_contract.py)
+    contract: dict[str, Any] = field(default_factory=dict)  # the folder's state contract (model/state_contract.py;
+    # a serving session on rank programs: this rank's, as its pools)
     runners: dict[str, Runner] = field(default_factory=dict)  # whole-state runners by backend
     pool_cfg: K3Config | None = None  # a serving session on rank programs: this rank's config (its pools)
     notes: list[str] = field(default_factory=list)  # lines for the user (printed by the speaking rank)
@@ -172,7 +173,7 @@ def open_serving(export_dir: Folder, backend: str, options: RunnerOptions = Runn
     from . import dist_run
 
     own, _ = _own_folder(s, found[0])
-    s.pool_cfg = own.config()
+    s.pool_cfg, s.contract = own.config(), own.state_contract()
     s.runners = {backend: dist_run.rank_serving_runner(own, s.rank, options, backend)}
     return s
 
@@ -191,6 +192,16 @@ def serve_prompts(s: Session, backend: str, prompts: list[list[int]], sampling, 
         from .dist_run import agree_tokens as agree
     return serve(s.runners[backend], s.cfg, prompts, sampling, options, max_new_tokens=max_new_tokens, dtype=s.dtype,
                  pool_cfg=s.pool_cfg, agree=agree, drafter=drafter, **state)
+
+
+def serving_state(s: Session, save: Path | None, load: Path | None, prompt: list[int]):
+    """runtime/state_file.serving_hooks for this program of a serving session: (the prompt, serve's `resume` /
+    `on_prefill`); rank programs: this rank's file (`FILE.rank{r}of{W}`) under its contract (its pools), the
+    whole model's config hash and vocabulary (the logits are whole on every rank)."""
+    from .state_file import Shard, serving_hooks
+
+    shard = Shard(s.rank, s.plan.world, f"tp={s.plan.tp} ep={s.plan.ep}")
+    return serving_hooks(save, load, s.contract, s.cfg, prompt, shard)
 
 
 def check(s: Session, *, batch: int, prompt_len: int, new_tokens: int, backends: list[str]) -> None:

@@ -11,7 +11,11 @@ per-sequence form (model/state_contract.py: the batch / slot axis dropped), inte
   runner returned;
 - `tokens` int64 [T]: the sequence the state holds (T = positions); `logits` fp32 [vocab]: its last
   position's logits, from which the next token is chosen;
-- metadata: `format` (k3x-state), `version`, `config_hash`, and the state `contract` of the export that wrote it.
+- metadata: `format` (k3x-state), `version`, `config_hash`, the state `contract` of the export that wrote it,
+  and the `rank`, `world` and `plan` of the program that wrote it (`Shard`; one program: rank 0 of 1).
+Rank programs (a `--serving --tp/--ep` export): every rank writes and reads its own file, `FILE.rank{r}of{W}`
+(`shard_path`), holding its pools' rows under its own contract (its KDA heads, the replicated latent); a file
+is refused by a program of another rank, rank count or plan.
 Loading checks the file against the loading export's contract (layer, kind, shape per sequence, axes, dtype)
 and config hash before any tensor is used: every problem is a `StateFileError`, one line naming the file and
 the tensor or field. A serving export (`serving_hooks`) writes and reads the same file: its slot's KDA rows and
@@ -37,6 +41,25 @@ FORMAT, VERSION = "k3x-state", "1"
 _SAME = ("layer", "kind", "shape", "axes", "dtype")  # what a state must agree on, whatever the interface
 
 
+@dataclass(frozen=True)
+class Shard:
+    """Which program of an export writes or reads a state file (one program: rank 0 of 1)."""
+    rank: int = 0
+    world: int = 1
+    plan: str = "tp=1 ep=1"
+
+    def meta(self) -> dict[str, str]:
+        return {"rank": str(self.rank), "world": str(self.world), "plan": self.plan}
+
+    def describe(self, meta: dict[str, str]) -> str:
+        return f"rank {meta['rank'][:8]} of {meta['world'][:8]} ({meta['plan'][:24]})"
+
+
+def shard_path(path: Path, shard: Shard) -> Path:
+    """The file of `shard` for the state file `path` the user named (one program: `path` itself)."""
+    return Path(path) if shard.world == 1 else Path(f"{path}.rank{shard.rank}of{shard.world}")
+
+
 class StateFileError(RunnerError):
     """A state file cannot be written or does not fit the export that loads it; one line naming the file."""
 
@@ -55,7 +78,8 @@ def _per_sequence(t: dict[str, Any], x: Tensor) -> Tensor:
     return x if t["kind"] == "length" else x[0]  # the static cache's length is one scalar for the batch
 
 
-def save_state(path: Path, contract: dict[str, Any], config_hash: str, outputs: Feeds, tokens: list[int]) -> None:
+def save_state(path: Path, contract: dict[str, Any], config_hash: str, outputs: Feeds, tokens: list[int],
+               shard: Shard = Shard()) -> None:
     """Write the state of a batch of one (`outputs` of the step that consumed `tokens`) to `path`, renamed into
     place once complete."""
     from safetensors.torch import save
@@ -63,7 +87,8 @@ def save_state(path: Path, contract: dict[str, Any], config_hash: str, outputs: 
     tensors = {_key(t): _per_sequence(t, outputs[t["output"]]).detach().cpu().contiguous() for t in contract["tensors"]}
     tensors["tokens"] = torch.tensor(tokens, dtype=torch.int64)
     tensors["logits"] = outputs["logits"][0, -1].detach().float().cpu().contiguous()
-    meta = {"format": FORMAT, "version": VERSION, "config_hash": config_hash, "contract": json.dumps(contract)}
+    meta = {"format": FORMAT, "version": VERSION, "config_hash": config_hash, "contract": json.dumps(contract),
+            **shard.meta()}
     try:
         atomic_write_bytes(Path(path), save(tensors, metadata=meta))
     except OSError as e:
@@ -106,13 +131,17 @@ def _tensor_problem(t: dict[str, Any], x: Tensor | None, positions: int) -> str 
     return None
 
 
-def load_state(path: Path, contract: dict[str, Any], config_hash: str, vocab_size: int) -> SavedState:
-    """The state in `path`, checked against the loading export's `contract` and config hash, as the outputs a
-    runner would have returned (batch of one)."""
+def load_state(path: Path, contract: dict[str, Any], config_hash: str, vocab_size: int,
+               shard: Shard = Shard()) -> SavedState:
+    """The state in `path`, checked against the loading program's `shard`, `contract` and config hash, as the
+    outputs a runner would have returned (batch of one)."""
     tensors, meta = _read(Path(path))
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise StateFileError(f"{path}: not a k3x state file (format {str(meta.get('format'))[:40]!r}, version "
                              f"{str(meta.get('version'))[:10]!r}; this k3x reads {FORMAT!r} {VERSION})")
+    theirs = {k: str(meta.get(k, v)) for k, v in Shard().meta().items()}
+    if theirs != shard.meta():
+        raise StateFileError(f"{path}: saved by {shard.describe(theirs)}, loaded by {shard.describe(shard.meta())}")
     if meta.get("config_hash") != config_hash:
         raise StateFileError(f"{path}: saved by an export of another model (config_hash "
                              f"{str(meta.get('config_hash'))[:16]}, this export's {config_hash[:16]})")
@@ -138,31 +167,31 @@ def load_state(path: Path, contract: dict[str, Any], config_hash: str, vocab_siz
     return SavedState(tokens.tolist(), outputs)
 
 
-def state_hooks(save: Path | None, load: Path | None, contract: dict[str, Any], cfg, prompt: list[int]
-                ) -> tuple[list[int], dict[str, Any]]:
+def state_hooks(save: Path | None, load: Path | None, contract: dict[str, Any], cfg, prompt: list[int],
+                shard: Shard = Shard()) -> tuple[list[int], dict[str, Any]]:
     """(the sequence to decode, runners.generate's `start` / `on_prefill`) of `k3x run --save-state / --load-state`:
     decode from the state in `load` (its tokens replace `prompt`), and/or write the state after the prefill
-    to `save`."""
+    to `save` (rank programs: this rank's files of them, `shard_path`)."""
     hooks: dict[str, Any] = {}
     if load is not None:
-        saved = load_state(load, contract, cfg.hash(), cfg.vocab_size)
+        saved = load_state(shard_path(load, shard), contract, cfg.hash(), cfg.vocab_size, shard)
         prompt, hooks["start"] = saved.tokens, saved.outputs
     if save is not None:
         if not Path(save).parent.is_dir() or Path(save).is_dir():
             raise StateFileError(f"--save-state {save}: not a file in an existing folder")
-        tokens = list(prompt)
-        hooks["on_prefill"] = lambda outputs: save_state(save, contract, cfg.hash(), outputs, tokens)
+        tokens, file = list(prompt), shard_path(save, shard)
+        hooks["on_prefill"] = lambda outputs: save_state(file, contract, cfg.hash(), outputs, tokens, shard)
     return prompt, hooks
 
 
-def serving_hooks(save: Path | None, load: Path | None, contract: dict[str, Any], cfg, prompt: list[int]
-                  ) -> tuple[list[int], dict[str, Any]]:
+def serving_hooks(save: Path | None, load: Path | None, contract: dict[str, Any], cfg, prompt: list[int],
+                  shard: Shard = Shard()) -> tuple[list[int], dict[str, Any]]:
     """`state_hooks` for a serving export: (the prompt, runtime/serve.serve's `resume` / `on_prefill` for
     prompt 0). The file is the same (per-sequence tensors named by the contract): the slot's KDA rows and the
     sequence's latent rows map to the contract's `input` pool names."""
     from .serve import SlotState
 
-    prompt, hooks = state_hooks(save, load, contract, cfg, prompt)
+    prompt, hooks = state_hooks(save, load, contract, cfg, prompt, shard)
     out: dict[str, Any] = {}
     if "start" in hooks:
         saved = hooks["start"]

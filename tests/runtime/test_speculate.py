@@ -38,8 +38,8 @@ def target(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def draft(tmp_path_factory):
-    return export_echo("k3-mini", 0.7, tmp_path_factory.mktemp("draft"), seed=1, block_size=4)
+def draft(draft_export):
+    return draft_export  # tests/conftest.py: one draft export per session
 
 
 @pytest.fixture(scope="module")
