@@ -74,12 +74,15 @@ def _seed():
 
 
 @pytest.fixture(scope="session")
-def draft_export(tmp_path_factory) -> Path:
+def draft_export(request) -> Path:
     """A small draft model for speculation (tests/runtime/test_speculate.py, test_rank_serving.py): an "echo"
     k3-mini (bench/speculate.py; seed 1, block outputs scaled by 0.7) exported with --serving, block size 4, ONNX."""
     from k3x.bench.speculate import export_echo
 
-    return export_echo("k3-mini", 0.7, tmp_path_factory.mktemp("draft"), seed=1, block_size=4)
+    def build(root: Path) -> None:
+        export_echo("k3-mini", 0.7, root, seed=1, block_size=4)  # writes root/ckpt and root/export
+
+    return build_once(request, "draft", build) / "export"
 
 
 @dataclass(frozen=True)
