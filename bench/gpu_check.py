@@ -23,7 +23,9 @@ fla-core is installed (it travels as a wheel and may be absent: those rows are s
 
 Benchmarks (`triton.testing.do_bench`, warm-up 50 ms, 300 ms of repeats, as in anchors.md): the copy and
 GEMM ceilings, KDA prefill (H=64 and K3's H=96, T=4096 and 32768) and decode (B=1, 64) vs fla, AttnRes
-vs the copy ceiling, MoE expert GEMMs vs `torch._grouped_mm` at K3's expert shape.
+vs the copy ceiling, MoE expert GEMMs vs `torch._grouped_mm` at K3's expert shape, and the W4A8 expert GEMMs
+(MXFP4 × MXFP8, bench/gpu_check_w4a8.py: parity at decode and prefill shapes, and timing at decode batches of
+1, 16, 64 tokens and a 4096-token prefill beside the bf16-activation MXFP4 GEMMs and `torch._grouped_mm`).
 
 Extension point: `CHECKS` is the list of check functions run in order; each takes a `Context` and returns
 a list of `Result`.  Add one with `@check` (e.g. a TensorRT-plugin check that launches the AOT-compiled
@@ -42,15 +44,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from gpu_check_timing import FLA_AUTOTUNE_CONFIGS, device_time, limit_fla_autotune  # noqa: E402,F401 (bench/)
+from gpu_check_timing import (  # noqa: E402,F401 (bench/)
+    FLA_AUTOTUNE_CONFIGS, device_time, device_time_within, limit_fla_autotune)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 # seconds per section (a section stops starting new cases once its budget is spent); --quick scales by QUICK
-BUDGETS_S = {"parity_kda": 45, "parity_attn_res": 20, "parity_moe": 45, "bench_ceilings": 15, "bench_kda": 75,
-             "bench_attn_res": 15, "bench_moe": 45, "bench_decode_graph": 90, "plugin_aot_kernels": 50,
-             "parity_model_end_to_end": 30}
+BUDGETS_S = {"parity_kda": 45, "parity_attn_res": 20, "parity_moe": 45, "parity_moe_w4a8": 20, "bench_ceilings": 15,
+             "bench_kda": 75, "bench_attn_res": 15, "bench_moe": 45, "bench_moe_w4a8": 40, "bench_decode_graph": 90,
+             "plugin_aot_kernels": 50, "parity_model_end_to_end": 30}
 DEFAULT_BUDGET_S, QUICK_BUDGET_S, QUICK = 285.0, 180.0, 0.6
 
 
@@ -248,7 +251,10 @@ def parity_moe(ctx: Context) -> list[Result]:
     return out
 
 
+W4A8 = __import__("gpu_check_w4a8")  # MXFP4 experts x MXFP8 activations: parity, then timing after bench_moe
+CHECKS.append(W4A8.parity_moe_w4a8)
 CHECKS.extend(__import__("gpu_check_bench").BENCHMARKS)  # kernel benchmarks against the anchors
+CHECKS.insert([fn.__name__ for fn in CHECKS].index("bench_moe") + 1, W4A8.bench_moe_w4a8)
 CHECKS.append(__import__("gpu_check_plugins").plugin_aot_kernels)  # TensorRT plugins' AOT cubins via libcuda
 
 

@@ -12,13 +12,15 @@ def imports() -> dict:
     from k3x.custom_ops.attn_res import triton as attn_res
     from k3x.custom_ops.kda import triton as kda
     from k3x.custom_ops.moe import triton as moe
+    from k3x.custom_ops.moe_mxfp4 import reference as moe_mxfp4_reference, triton as moe_mxfp4
     from k3x.export import trace
     from k3x.model import build_model, preset
     from k3x.model.options import BuildOptions
     from k3x.plan.kernels import Kernels
     from k3x.runtime import cuda_graph, runners
 
-    return {"kda": kda, "attn_res": attn_res, "moe": moe, "Kernels": Kernels, "cuda_graph": cuda_graph,
+    return {"kda": kda, "attn_res": attn_res, "moe": moe, "moe_mxfp4": moe_mxfp4,
+            "moe_mxfp4_reference": moe_mxfp4_reference, "Kernels": Kernels, "cuda_graph": cuda_graph,
             "runners": runners, "trace": trace, "build_model": build_model, "preset": preset,
             "BuildOptions": BuildOptions}
 
@@ -137,26 +139,51 @@ def bench_attn_res(ctx) -> list:
     return out
 
 
-def moe_steps(kern, z, ids, wts, w1, w3, w2, sm: int) -> dict:
+def moe_steps(kern, z, ids, wts, weights: dict, sm: int, activations: str | None = None) -> dict:
     """The plan's own steps for fixed routing (ids [N, k], weights [N, k] fp32): align once, then closures that
-    run GEMM1, GEMM2 and everything after routing (align, both GEMMs, slot sum) with the plan's tiles and grids."""
+    run GEMM1, GEMM2 and everything after routing (align, both GEMMs, slot sum) with the plan's tiles and grids.
+    `weights`: w1, w3, w2 (dense, for custom_ops/moe) or with w1_scale, w3_scale, w2_scale (MXFP4-packed, for
+    custom_ops/moe_mxfp4, whose `activations` is "bf16" or "mxfp8")."""
     import torch
 
     from k3x.plan.dtypes import dtype_name
     from k3x.plan.launch import run
 
-    N, k = ids.shape
-    E, I, L = w1.shape
+    (N, k), (E, I), L = ids.shape, weights["w1"].shape[:2], z.shape[1]
     d = {"N": N, "d": 16, "L": L, "E": E, "I": I}
     t = dtype_name(z.dtype)
     attrs = {"top_k": k, "activation": "situ", "situ_beta": 4.0, "situ_linear_beta": 25.0, "sm": sm}
-    plan = kern.plan(d, [t, t, t, "fp32", t, t, t, "int32", t], attrs)  # ports ..., w2, expert_offset, u
-    env = {"z": z, "w1": w1, "w3": w3, "w2": w2, "ids": ids.reshape(-1).contiguous(),
-           "wts": wts.reshape(-1).float().contiguous(), "u": torch.empty_like(z)}
-    env = run(plan, env, d, only=kern.ALIGN + ("_moe_gemm1_kernel", "_moe_gemm2_kernel"))  # every buffer, once
-    steps = {"gemm1": ("_moe_gemm1_kernel",), "gemm2": ("_moe_gemm2_kernel",),
-             "experts": kern.ALIGN + ("_moe_gemm1_kernel", "_moe_gemm2_kernel", "_moe_sum_kernel")}
+    if activations is not None:
+        attrs["activations"] = activations
+    w_t = [dtype_name(w.dtype) for w in weights.values()]
+    plan = kern.plan(d, [t, t, t, "fp32", *w_t, "int32", t], attrs)  # ports ..., weights, expert_offset, u
+    names = [x.kernel_name for x in plan.select(d).launches]
+    align, (g1,), (g2,), (sum_,) = ([n for n in names if part in n] for part in ("align", "gemm1", "gemm2", "sum"))
+    env = weights | {"z": z, "ids": ids.reshape(-1).contiguous(), "wts": wts.reshape(-1).float().contiguous(),
+                     "u": torch.empty_like(z)}
+    env = run(plan, env, d, only=(*align, g1, g2))  # every buffer, once
+    steps = {"gemm1": (g1,), "gemm2": (g2,), "experts": (*align, g1, g2, sum_)}
     return {name: (lambda only=only: run(plan, env, d, only=only)) for name, only in steps.items()} | {"env": env}
+
+
+def grouped_mm_anchor(time_ms, z, ids, w1, w2) -> tuple[dict, str]:
+    """torch._grouped_mm (bf16 grouped GEMM) on the routed rows of z [N, L] by ids [N, k] against the dense experts
+    w1 [E, I, L] (gate and up: two calls of this size) and w2 [E, L, I]: ({metric: ms}, note why not, if not)."""
+    import torch
+
+    if not hasattr(torch, "_grouped_mm"):
+        return {}, "torch._grouped_mm not available"
+    k, E = ids.shape[1], w1.shape[0]
+    try:
+        order = ids.reshape(-1).argsort()
+        a = z[(order // k)]  # [NK, L] rows grouped by expert
+        offs = torch.bincount(ids.reshape(-1), minlength=E).cumsum(0).to(torch.int32)
+        t_up = time_ms(lambda: torch._grouped_mm(a, w1.transpose(1, 2), offs=offs))  # one of gate/up
+        a2 = torch.randn(a.shape[0], w1.shape[1], device=z.device, dtype=z.dtype)
+        t_dn = time_ms(lambda: torch._grouped_mm(a2, w2.transpose(1, 2), offs=offs))
+    except Exception as exc:  # noqa: BLE001 - an anchor that fails is reported, not fatal
+        return {}, f"torch._grouped_mm failed: {type(exc).__name__}: {exc}"
+    return {"grouped_mm_gate_up_ms": 2 * t_up, "grouped_mm_down_ms": t_dn}, ""
 
 
 def bench_moe(ctx) -> list:
@@ -176,7 +203,7 @@ def bench_moe(ctx) -> list:
     w2 = torch.empty(E, L, I, device=dev, dtype=bf).normal_(std=I ** -0.5)
     ids = torch.rand(N, E, device=dev).topk(k, dim=-1).indices  # ~uniform load
     wts = torch.rand(N, k, device=dev)
-    steps = moe_steps(kern, z, ids, wts, w1, w3, w2, device_sm(z.device))
+    steps = moe_steps(kern, z, ids, wts, {"w1": w1, "w3": w3, "w2": w2}, device_sm(z.device))
     NK = N * k
     m = {"gemm1_ms": gc._bench(steps["gemm1"], ctx), "gemm2_ms": gc._bench(steps["gemm2"], ctx),
          "experts_op_ms": gc._bench(steps["experts"], ctx)}
@@ -184,22 +211,10 @@ def bench_moe(ctx) -> list:
     m["gemm2_TFLOP/s"] = 2 * NK * I * L / m["gemm2_ms"] / 1e9
     m["gemms_TFLOP/s"] = 2 * NK * L * 3 * I / (m["gemm1_ms"] + m["gemm2_ms"]) / 1e9
     m["op_over_gemms"] = m["experts_op_ms"] / (m["gemm1_ms"] + m["gemm2_ms"])
-    note = ""
-    if hasattr(torch, "_grouped_mm"):
-        try:
-            order = ids.reshape(-1).argsort()
-            a = z[(order // k)]  # [NK, L] rows grouped by expert
-            offs = torch.bincount(ids.reshape(-1), minlength=E).cumsum(0).to(torch.int32)
-            t_up = gc._bench(lambda: torch._grouped_mm(a, w1.transpose(1, 2), offs=offs), ctx)  # one of gate/up
-            a2 = torch.randn(N * k, I, device=dev, dtype=bf)
-            t_dn = gc._bench(lambda: torch._grouped_mm(a2, w2.transpose(1, 2), offs=offs), ctx)
-            m["grouped_mm_gate_up_ms"] = 2 * t_up  # gate and up as two calls of the same size
-            m["grouped_mm_down_ms"] = t_dn
-            m["grouped_mm_TFLOP/s"] = 2 * NK * L * 3 * I / (2 * t_up + t_dn) / 1e9
-        except Exception as exc:
-            note = f"torch._grouped_mm failed: {type(exc).__name__}: {exc}"
-    else:
-        note = "torch._grouped_mm not available"
+    anchor, note = grouped_mm_anchor(lambda fn: gc._bench(fn, ctx), z, ids, w1, w2)
+    m |= anchor
+    if anchor:
+        m["grouped_mm_TFLOP/s"] = 2 * NK * L * 3 * I / sum(anchor.values()) / 1e9
     return [gc.Result(f"moe experts N{N}-k{k}-E{E}-L{L}-I{I}", "bench", None, m, note)]
 
 

@@ -46,6 +46,20 @@ def device_time(fn, launches: int = 200) -> tuple[float, str]:
     return start.elapsed_time(end) / launches, how
 
 
+def device_time_within(fn, target_ms: float = 25.0, most: int = 200) -> tuple[float, str]:
+    """`device_time` with as many launches per graph as fill about `target_ms` (2 .. `most`), from one call timed
+    with events: for kernels from microseconds (decode) to tens of milliseconds (prefill) in one section."""
+    import torch
+
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return device_time(fn, max(2, min(most, int(target_ms / max(start.elapsed_time(end), 1e-3)))))
+
+
 FLA_AUTOTUNE_CONFIGS = 2
 
 

@@ -45,10 +45,10 @@ def test_blocker_really_blocks():
 
 
 def test_every_section_imports_without_onnx():
-    proc = _child("import gpu_check, gpu_check_bench, gpu_check_plugins\n"
+    proc = _child("import gpu_check, gpu_check_bench, gpu_check_plugins, gpu_check_w4a8\n"
                   "gpu_check._make_k3x_importable()\n"
                   "gpu_check_bench.imports(); specs = gpu_check_plugins.launch_specs()\n"
-                  "import k3x.model, k3x.runtime.tolerances\n"
+                  "import k3x.model, k3x.runtime.tolerances, k3x.plan.launch\n"
                   "bad = sorted(m for m in sys.modules if m.split('.')[0] in BLOCKED)\n"
                   "assert not bad, bad\n"
                   "print(sorted(specs))\n")
@@ -66,8 +66,25 @@ def test_cpu_selftest_without_onnx(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     parity = [r for r in report["results"] if r["kind"] == "parity"]
     assert report["failed"] == 0 and report["selftest"] and report["complete"], out
-    assert {r["name"].split()[0] for r in parity} >= {"kda_chunked", "kda_recurrent_", "attn_res", "moe"}, out
+    assert {r["name"].split()[0] for r in parity} >= {"kda_chunked", "kda_recurrent_", "attn_res", "moe", "moe_w4a8",
+                                                       "moe_w4a16"}, out
     assert all(r["ok"] for r in parity), out
+    w4a8 = [r for r in parity if r["name"].startswith("moe_w4a8 ")]  # MXFP8 activations, decode and prefill tiles
+    assert {r["name"].split()[2] for r in w4a8} == {"decode", "prefill"}, out
+    assert all(r["metrics"]["rmse_ratio"] < 0.5 * r["metrics"]["rmse_ratio_vs_bf16_activations"] for r in w4a8), out
+
+
+def test_every_section_has_a_budget_within_the_unchanged_total():
+    """Each section of CHECKS has its own budget (none falls back to the default), the W4A8 ones run right after
+    their bf16 counterparts, and the run's total stays what the device machine allows (< 5 min)."""
+    sys.path.insert(0, str(BENCH))
+    import gpu_check as gc
+
+    names = [fn.__name__ for fn in gc.CHECKS]
+    assert set(names) == set(gc.BUDGETS_S), set(names) ^ set(gc.BUDGETS_S)
+    assert names.index("parity_moe_w4a8") == names.index("parity_moe") + 1
+    assert names.index("bench_moe_w4a8") == names.index("bench_moe") + 1
+    assert gc.DEFAULT_BUDGET_S < 300 and gc.QUICK_BUDGET_S < 240
 
 
 def test_plugin_port_tables_match_the_plugin_specs():

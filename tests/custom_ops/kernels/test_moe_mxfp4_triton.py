@@ -226,3 +226,26 @@ def test_fp8_dot_is_the_quantizer(swap, device):
     want = fake_quantize(h)
     assert torch.equal(y.isnan(), want.isnan())
     assert torch.equal(y.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize("activations", ["mxfp8", "bf16"])
+def test_gpu_check_w4a8_steps_run_the_plan(activations, device):
+    """bench/gpu_check's W4A8 timing runs the packed plan's own steps (align, GEMM1, GEMM2, sum) on fixed routing
+    (sm_90: FP8 dots with MXFP8 activations): what it times computes the routed packed experts, on the weights
+    its parity section draws (O(1) outputs)."""
+    from k3x.bench.gpu_check_bench import moe_steps
+    from k3x.bench.gpu_check_w4a8 import packed_experts
+    from k3x.custom_ops.moe_mxfp4.codec import dequantize
+    from k3x.custom_ops.moe_mxfp4.mxfp8 import fake_quantize
+
+    N, L, I, E, k = 9, 64, 64, 4, 2
+    z = torch.randn(N, L, generator=torch.Generator().manual_seed(0)).to(device)
+    w = packed_experts(E, I, L, device, torch.Generator(device).manual_seed(1))
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(N)]).to(device)
+    wts = torch.rand(N, k, device=device)
+    u = moe_steps(kernels, z, ids, wts, w, sm=90, activations=activations)["experts"]()["u"]
+    want = reference.routed_experts(
+        z, ids, wts, E, lambda e: tuple(dequantize(w[n][e], w[f"{n}_scale"][e]) for n in ("w1", "w3", "w2")),
+        "situ", 4.0, 25.0, fake_quantize if activations == "mxfp8" else None)
+    assert_close(u, want, torch.float32, what=f"u {activations}")
+    assert 0.05 < want.pow(2).mean().sqrt() < 20

@@ -165,7 +165,7 @@ def test_gpu_check_moe_steps_run_the_plan(device):
     _, z, _, _, w1, w3, w2 = _inputs(N, 16, L, I, E, device=device)
     ids = torch.stack([torch.randperm(E)[:k] for _ in range(N)]).to(device)
     wts = torch.rand(N, k, device=device)
-    steps = moe_steps(kernels, z, ids, wts, w1, w3, w2, sm=90)
+    steps = moe_steps(kernels, z, ids, wts, {"w1": w1, "w3": w3, "w2": w2}, sm=90)
     env = steps["experts"]()
     want = reference.routed_experts(z, ids, wts, E, lambda e: (w1[e], w3[e], w2[e]), "situ", 4.0, 25.0)
     assert_close(env["u"], want, torch.float32, what="u")
