@@ -1,7 +1,7 @@
 """The working memory of one serving step: what a step holds on top of the pools while it runs (issue 20,
 "long context": peak = pools + this), derived from the shapes, not calibrated.
 
-    step_working_bytes(cfg, rows=512, block_size=16) -> {"step_bytes", "attention_bytes", "kda_bytes", "total_bytes", ...}
+    step_working_bytes(cfg, rows=512, block_size=16) -> {"attention_bytes", "kda_bytes", "total_bytes", ...}
 
 The serving step (model/serving.py) runs on the meta device (no weights, no data) for one sequence of `rows`
 tokens whose past fills at least one key block, under `LiveBytes`: every op's new outputs are counted while

@@ -33,4 +33,5 @@ def working_bytes(rows: int, sources: int, width: int, item_bytes: int = 4) -> i
     weighted sources), five [rows, N+1] (mean, its sum and rsqrt, scores, softmax) and the mixed output
     [rows, d] in fp32 and as cast."""
     f, n = 4, rows * sources
-    return n * width * (item_bytes + (f if item_bytes != f else 0) + 2 * f) + 5 * n * f + rows * width * (f + item_bytes)
+    stacked = n * width * (item_bytes + (f if item_bytes != f else 0) + 2 * f)
+    return stacked + 5 * n * f + rows * width * (f + item_bytes)
