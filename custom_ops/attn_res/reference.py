@@ -24,3 +24,14 @@ def attn_res(prefix: Tensor, bank: Tensor, norm_weight: Tensor, proj_weight: Ten
     query = norm_weight.to(acc) * proj_weight.to(acc).reshape(-1)  # effective query [d]
     p = torch.softmax(K @ query, dim=-1)  # [..., N+1]
     return (p.unsqueeze(-1) * V).sum(-2).to(prefix.dtype)
+
+
+def working_bytes(rows: int, sources: int, width: int, item_bytes: int = 4) -> int:
+    """Upper bound of what `attn_res` holds at once (its output included) for `rows` rows mixing `sources`
+    = N + 1 sources of `width` d, from the shapes (fp32 work f): the stacked sources V [rows, N+1, d] (as
+    concatenated, `item_bytes`, and widened), two more [rows, N+1, d] at once (V^2 then the keys K, then the
+    weighted sources), five [rows, N+1] (mean, its sum and rsqrt, scores, softmax) and the mixed output
+    [rows, d] in fp32 and as cast."""
+    f, n = 4, rows * sources
+    stacked = n * width * (item_bytes + (f if item_bytes != f else 0) + 2 * f)
+    return stacked + 5 * n * f + rows * width * (f + item_bytes)

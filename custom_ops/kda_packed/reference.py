@@ -44,3 +44,32 @@ def kda_packed(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_p
         finals.append(sb[0])
     final = torch.stack(finals) if finals else state_pool.new_zeros((0, *state_pool.shape[1:]), dtype=acc)
     return o, final
+
+
+def working_bytes(rows: int, heads: int, head_dim: int, value_dim: int, sequences: int = 1,
+                  chunk_size: int = 64, item_bytes: int = 4) -> int:
+    """Upper bound of what `kda_packed` holds at once (its outputs included) for a step of `rows` packed rows,
+    from the shapes, with T = rows (one sequence may own the whole step; sequences run one after another)
+    through k3::kda's `kda_chunked`; when every sequence is one row (rows == sequences, a decode step) through
+    `kda_recurrent`: the outputs, then three [H, K, V] (the state, its outer-product update and the sum)
+    and eight [H, K+V] (q * scale, the decay, the products, the output rows). fp32 work (f),
+    C = chunk_size, Tp = T rounded up to whole chunks:
+      outputs: o [N, H, V] (`item_bytes`), the finals and their stack 2 x [B, H, K, V];
+      rows: q * scale [T, H, K], the fp32 casts of q, k, v, g, beta when `item_bytes` is not 4, their padded
+        copies [Tp, H, 3K+V+1] when T is not whole chunks, the cumulative gate G [Tp, H, K], the chunked
+        output [Tp, H, V], its transposed copy [T, H, V] (and its cast back);
+      one chunk: four [H, C, C, K] (the pairwise decay D and its exp E, with either `where`'s fill and masked
+        copy or the einsum's broadcast product and its contiguous copy), eight [H, C, C] (A_kk, A_qk, their
+        masked products, I + L, diag(beta), the triangular solve, a previous chunk's still bound), six
+        [H, C, K+V] (W, U, V', the decayed q and k and their products, a previous chunk's still bound) and
+        six [H, K, V] (the state, its decayed copy and update, the state it replaces), the masks and eye [C, C]."""
+    T, H, K, V, C, f = rows, heads, head_dim, value_dim, chunk_size, 4
+    Tp = -(-T // C) * C
+    outputs = T * H * V * item_bytes + 2 * sequences * H * K * V * f
+    if rows == sequences:
+        return outputs + 3 * H * K * V * f + 8 * H * (K + V) * f
+    casts = T * H * (3 * K + V + 1) * f if item_bytes != f else 0
+    padded = Tp * H * (3 * K + V + 1) * f if Tp != T else 0
+    per_row = T * H * (K + V) * f + Tp * H * (K + V) * f + (T * H * V * item_bytes if item_bytes != f else 0)
+    chunk = H * C * C * (4 * K + 8) * f + 6 * H * C * (K + V) * f + 6 * H * K * V * f + C * C * (f + 2)
+    return outputs + casts + padded + per_row + chunk
