@@ -10,7 +10,8 @@
   ort-flavor ONNX whose collective nodes are onnxruntime-extensions Python ops calling torch.distributed,
   runtime/ort_collectives.py), fed and answering in the rank's own state layout. `WholeStateRunner`: takes
   and returns the single-GPU state (split for this rank, gathered from the TP group and merged), so the
-  parity harness (runtime/verify.run_parity) compares every state with the eager model unchanged.
+  parity harness (runtime/verify.run_parity) compares every state with the eager model unchanged; its
+  `share` / `with_share` cut a whole state to the rank's and back (the rank state checks, runtime/rank_state.py).
 - Serving (`--serving` rank exports): `rank_serving_runner` is this rank's step over its own pools (its KDA
   heads' rows, a replica of the latent); `agree_tokens` gives every rank rank 0's tokens each step, so the
   identical schedulers of all ranks make identical steps (runtime/session.serve_prompts).

@@ -8,8 +8,9 @@ entry and gives whole-state runners either way, so `run`, `logits` and `verify` 
   ones of a single program. Rank 0 speaks (`Session.speaks`).
 - `open_serving` / `serve_prompts`: the serving step of a `--serving` export of any rank count and
   continuous batching over it (`k3x run --prompts`); on rank programs every rank schedules alike.
-- `verify_session`: parity of every backend against the eager model (runtime/verify.run_parity); for rank
-  programs also the greedy tokens, which catch a wrong rank layout the first steps might hide.
+- `verify_session`: parity of every backend against the eager model (runtime/verify.run_parity) and the state
+  checks (runtime/state_check.py; rank programs: each rank's share, runtime/rank_state.py); for rank programs
+  also the greedy tokens, which catch a wrong rank layout the first steps might hide.
 """
 
 from __future__ import annotations
