@@ -1,6 +1,6 @@
 """`k3x verify`: parity of every backend of an export against the eager reference over a prefill and decode
-steps (any rank count), and (one program) each backend's state against the export's state contract
-(runtime/state_check.py); prints the table and the state verdict, optionally writes them as JSON, exits 1 on
+steps (any rank count), and each backend's state against the export's state contract (runtime/state_check.py;
+rank programs: each rank's share against its folder's, runtime/rank_state.py); prints the table and the state verdict, optionally writes them as JSON, exits 1 on
 any failure."""
 
 from __future__ import annotations

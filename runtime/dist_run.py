@@ -10,7 +10,8 @@
   ort-flavor ONNX whose collective nodes are onnxruntime-extensions Python ops calling torch.distributed,
   runtime/ort_collectives.py), fed and answering in the rank's own state layout. `WholeStateRunner`: takes
   and returns the single-GPU state (split for this rank, gathered from the TP group and merged), so the
-  parity harness (runtime/verify.run_parity) compares every state with the eager model unchanged.
+  parity harness (runtime/verify.run_parity) compares every state with the eager model unchanged; its
+  `share` / `with_share` cut a whole state to the rank's and back (the rank state checks, runtime/rank_state.py).
 - Serving (`--serving` rank exports): `rank_serving_runner` is this rank's step over its own pools (its KDA
   heads' rows, a replica of the latent); `agree_tokens` gives every rank rank 0's tokens each step, so the
   identical schedulers of all ranks make identical steps (runtime/session.serve_prompts).
@@ -144,11 +145,23 @@ class WholeStateRunner:
         self.runner, self.cfg, self.plan, self.tp_pg = runner, full_cfg, plan, tp_pg
         self.tp_rank, self.specs, self.local_specs = plan.tp_rank(rank), state_specs(full_cfg), state_specs(local_cfg)
 
+    def share(self, whole: Feeds, side: str = "input_name") -> Feeds:
+        """This rank's share of the whole-state inputs (`side="output_name"`: outputs) `whole`: its KDA heads,
+        the latent whole; the other entries (input ids, logits) as they are."""
+        local = split_states(self.cfg, self.plan, [whole[getattr(s, side)] for s in self.specs], self.tp_rank)
+        return {**whole, **{getattr(s, side): t for s, t in zip(self.local_specs, local)}}
+
+    def with_share(self, whole: Feeds, share: Feeds) -> Feeds:
+        """The whole-state inputs `whole` with this rank's share taken from `share` (the other ranks' kept)."""
+        full = [whole[s.input_name] for s in self.specs]
+        per_rank = [split_states(self.cfg, self.plan, full, r) for r in range(self.plan.tp)]
+        per_rank[self.tp_rank] = [share[s.input_name] for s in self.local_specs]
+        merged = merge_states(self.cfg, self.plan, per_rank)
+        return {**whole, **{s.input_name: t for s, t in zip(self.specs, merged)}}
+
     def infer(self, feeds: Feeds) -> Feeds:
-        full = [feeds[s.input_name] for s in self.specs]
-        local = split_states(self.cfg, self.plan, full, self.tp_rank)
-        out = self.runner.infer({"input_ids": feeds["input_ids"],
-                                 **{s.input_name: t for s, t in zip(self.local_specs, local)}})
+        out = self.runner.infer(self.share({"input_ids": feeds["input_ids"],
+                                            **{s.input_name: feeds[s.input_name] for s in self.specs}}))
         mine = [out[s.output_name] for s in self.local_specs]
         per_rank = [mine]
         if self.plan.tp > 1:

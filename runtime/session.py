@@ -8,8 +8,9 @@ entry and gives whole-state runners either way, so `run`, `logits` and `verify` 
   ones of a single program. Rank 0 speaks (`Session.speaks`).
 - `open_serving` / `serve_prompts`: the serving step of a `--serving` export of any rank count and
   continuous batching over it (`k3x run --prompts`); on rank programs every rank schedules alike.
-- `verify_session`: parity of every backend against the eager model (runtime/verify.run_parity); for rank
-  programs also the greedy tokens, which catch a wrong rank layout the first steps might hide.
+- `verify_session`: parity of every backend against the eager model (runtime/verify.run_parity) and the state
+  checks (runtime/state_check.py; rank programs: each rank's share, runtime/rank_state.py); for rank programs
+  also the greedy tokens, which catch a wrong rank layout the first steps might hide.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class Session:
     plan: ParallelPlan  # 1 x 1 for one program
     rank: int = 0
     contract: dict[str, Any] = field(default_factory=dict)  # the folder's state contract (model/state_contract.py;
-    # a serving session on rank programs: this rank's, as its pools)
+    # rank programs: this rank's, its KDA heads; a serving session's: as its pools)
     runners: dict[str, Runner] = field(default_factory=dict)  # whole-state runners by backend
     pool_cfg: K3Config | None = None  # a serving session on rank programs: this rank's config (its pools)
     notes: list[str] = field(default_factory=list)  # lines for the user (printed by the speaking rank)
@@ -144,7 +145,7 @@ def _open_ranks(s: Session, data: dict, backends: list[str], options: RunnerOpti
     from . import dist_run
 
     own, tp_pg = _own_folder(s, data)
-    local = own.config()
+    local, s.contract = own.config(), own.state_contract()
     for b in backends:
         mine = dist_run.rank_runner(own, s.rank, options, b)
         s.runners[b] = dist_run.WholeStateRunner(mine, s.cfg, local, s.plan, s.rank, tp_pg, b)
@@ -223,7 +224,7 @@ def decode(s: Session, backend: str, prompt: torch.Tensor, sampling, on_token=No
 class Verdict:
     report: VerifyReport
     greedy: dict[str, Any] | None = None  # rank programs: {"identical", "tokens", "got"}
-    state: list[StateFinding] | None = None  # one program: the state checks (runtime/state_check.py)
+    state: list[StateFinding] | None = None  # the state checks (runtime/state_check.py; ranks: rank_state.py)
 
     @property
     def ok(self) -> bool:
@@ -255,30 +256,37 @@ class Verdict:
 
 def verify_session(s: Session, reference: Runner, backends: list[str], *, steps: int, batch: int, prompt_len: int,
                    seed: int) -> Verdict:
-    """Parity of `backends` against `reference` over a prefill and `steps` decode steps; rank programs add
-    their greedy tokens against the reference's."""
+    """Parity of `backends` against `reference` over a prefill and `steps` decode steps, then the state checks;
+    rank programs add their greedy tokens against the reference's."""
     from ..text.sampling import SamplingOptions
 
     runners = [s.runners[b] for b in backends]
     report = run_parity(reference, runners, s.cfg, steps=steps, batch=batch, prompt_len=prompt_len, dtype=s.dtype,
                         seed=seed, cache=s.cache)
     if s.plan.world == 1:
-        return Verdict(report, state=_state_findings(s, reference, runners, prompt_len, seed))
+        return Verdict(report, state=_state_findings(s, reference, backends, prompt_len, seed))
     prompt = torch.randint(0, s.cfg.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(seed))
     greedy = SamplingOptions(steps + 1)
     want = generate(reference, s.cfg, prompt, greedy, dtype=s.dtype, cache=s.cache).tokens
     gots = [generate(r, s.cfg, prompt, greedy, dtype=s.dtype, cache=s.cache).tokens for r in runners]
     got = next((g for g in gots if not torch.equal(want, g)), want)
-    return Verdict(report, {"identical": torch.equal(got, want), "tokens": want.tolist(), "got": got.tolist()})
+    return Verdict(report, {"identical": torch.equal(got, want), "tokens": want.tolist(), "got": got.tolist()},
+                   _state_findings(s, reference, backends, prompt_len, seed))
 
 
-def _state_findings(s: Session, reference: Runner, runners: list[Runner], prompt_len: int,
+def _state_findings(s: Session, reference: Runner, backends: list[str], prompt_len: int,
                     seed: int) -> list[StateFinding]:
-    """Every runner handed the reference's true state, judged against the folder's state contract."""
+    """Every runner handed the reference's true state, judged against the folder's state contract (rank
+    programs: each rank's program its share, against its folder's; runtime/rank_state.py)."""
     prompt = torch.randint(0, s.cfg.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(seed))
     run = reference_steps(reference, s.cfg, prompt, STATE_STEPS, s.dtype, s.cache)
-    return [f for r in runners for f in check_state(reference, r, s.cfg, s.contract, prompt=prompt, dtype=s.dtype,
-                                                    cache=s.cache, run=run)]
+    if s.plan.world > 1:
+        from .rank_state import rank_state_findings
+
+        return rank_state_findings(reference, {b: s.runners[b] for b in backends}, s.contract, run, rank=s.rank,
+                                   prompt=prompt, dtype=s.dtype)
+    return [f for b in backends for f in check_state(reference, s.runners[b], s.cfg, s.contract, prompt=prompt,
+                                                     dtype=s.dtype, cache=s.cache, run=run)]
 
 
 def peak_rss_line(s: Session) -> str | None:

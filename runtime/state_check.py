@@ -19,7 +19,8 @@ in, a slot's new rows out) are built by runtime/serving_check.py and judged by t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
+from functools import partial
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -33,6 +34,7 @@ from .runners import next_feeds, start_feeds
 from .verify import compare
 
 STATE_STEPS = 3  # decode steps after the prefill: a stale state (one step earlier) shows from the second on
+Rerun = Callable[[int, Feeds], Feeds]  # the reference's outputs at step i from feeds made wrong (their logits)
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,7 @@ def _candidates(contract: dict[str, Any], feeds: Feeds, before: Feeds | None) ->
                 yield kind, chosen, {**feeds, **changed}
 
 
-def _logits_problem(reference: Runner, contract: dict[str, Any], got: Tensor, expected: Tensor, feeds: Feeds,
+def _logits_problem(rerun: Callable[[Feeds], Feeds], contract: dict[str, Any], got: Tensor, expected: Tensor, feeds: Feeds,
                     before: Feeds | None, dtype: torch.dtype, seen: list[tuple[str, list[int]]]) -> str | None:
     """Why the runner's logits are not the reference's; `seen`: candidates that explained earlier steps,
     tried first (and the one that explains this step is added)."""
@@ -140,7 +142,7 @@ def _logits_problem(reference: Runner, contract: dict[str, Any], got: Tensor, ex
         return None
     candidates = sorted(_candidates(contract, feeds, before), key=lambda c: (c[0], c[1]) not in seen)
     for kind, layers, wrong in candidates:  # the reference from each wrong input: one eager step each
-        if _close(got, reference.infer(wrong)["logits"].cpu(), dtype):
+        if _close(got, rerun(wrong)["logits"].cpu(), dtype):
             seen.append((kind, layers))
             where = "layer" + ("s " if len(layers) > 1 else " ") + ", ".join(map(str, layers))
             return f"decoded from {WRONG_STATES[kind]} in {where}, not from the state it was given"
@@ -150,10 +152,12 @@ def _logits_problem(reference: Runner, contract: dict[str, Any], got: Tensor, ex
 
 def check_state(reference: Runner, runner: Runner, cfg: K3Config, contract: dict[str, Any], *, prompt: Tensor,
                 dtype: torch.dtype, cache: CacheOptions | None = None, steps: int = STATE_STEPS,
-                run: list[tuple[Feeds, Feeds]] | None = None) -> list[StateFinding]:
+                run: list[tuple[Feeds, Feeds]] | None = None, rerun: Rerun | None = None) -> list[StateFinding]:
     """Findings of `runner` handed the reference's true state at every step (empty: it keeps the contract).
-    `run`: the reference's steps when already computed (`reference_steps`)."""
+    `run`: the reference's steps when already computed (`reference_steps`); `rerun`: the reference at a step
+    from wrong feeds, when `run` is not the reference's own interface (a rank's share, runtime/rank_state.py)."""
     run = run or reference_steps(reference, cfg, prompt, steps, dtype, cache)
+    rerun = rerun or (lambda _step, wrong: reference.infer(wrong))
     findings: list[StateFinding] = []
     seen: list[tuple[str, list[int]]] = []
     for step, (feeds, expected) in enumerate(run):
@@ -163,7 +167,8 @@ def check_state(reference: Runner, runner: Runner, cfg: K3Config, contract: dict
         except Exception as e:  # noqa: BLE001 - a crash is a finding, named
             findings.append(StateFinding(runner.name, step, "<run>", f"{type(e).__name__}: {str(e)[:200]}"))
             break
-        logits = _logits_problem(reference, contract, got["logits"], expected["logits"], feeds, before, dtype, seen)
+        logits = _logits_problem(partial(rerun, step), contract, got["logits"], expected["logits"], feeds,
+                                 before, dtype, seen)
         for t in contract["tensors"]:
             out, want = got.get(t["output"]), expected[t["output"]]
             problem = _contract_problem(t, out, want) or _state_problem(

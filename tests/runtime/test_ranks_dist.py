@@ -70,8 +70,10 @@ def _verify(export: Path, tmp: Path, torchrun: int | None, backends: tuple[str, 
     r = launch(["verify", str(export), "--steps", "8", "--json", str(report)], torchrun=torchrun)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     assert "PASS" in r.stdout and "greedy tokens (9): identical" in r.stdout, r.stdout[-2000:]
+    assert "state contract: ok" in r.stdout, r.stdout[-2000:]  # every rank's state share, every backend
     data = json.loads(report.read_text())
     assert data["ok"] and data["greedy_identical"] and len(data["steps"]) == 9 * len(backends)
+    assert data["state_ok"] and data["state_findings"] == []
     outputs = data["steps"][-1]["outputs"]
     assert "logits" in outputs and sum(k.startswith("present.") for k in outputs) == 9  # every state compared
     assert data["backends"] == list(backends)  # verify checks every backend the rank folders hold
@@ -143,6 +145,30 @@ def test_parity_tp2_x_ep2_four_processes_spawned_without_a_launcher(tp2ep2, tmp_
 @pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)])
 def test_parity_under_torchrun(export_of, tmp_path, tp, ep):
     _verify(export_of(tp, ep), tmp_path, torchrun=tp * ep)
+
+
+WORKER = Path(__file__).parent.parent / "rank_verify_worker.py"
+DECODED = "logits: decoded from {} in layers 0, 1, 3, not from the state it was given"  # k3-mini's KDA layers
+
+
+@pytest.mark.parametrize("bug,rank,step,source", [
+    ("zeroed", 1, 1, "a zeroed KDA state"),
+    pytest.param("stale", 0, 2, "the KDA state of one step earlier (stale)", marks=pytest.mark.slow),
+    pytest.param("transposed", 1, 1, "a transposed KDA recurrent state (key and value axes swapped)",
+                 marks=pytest.mark.slow)])
+def test_verify_names_the_rank_whose_state_is_wrong(export_of, tmp_path, bug, rank, step, source):
+    """`k3x verify` at TP=2 with one state bug in ONE rank's program (tests/state_bugs.py): the state checks hand
+    every rank its share of the true state and name that rank, the bug and its layers; exit 1. The honest
+    rank, whose logits and later layers only follow from the other's bug, is not blamed from then on."""
+    report = tmp_path / "verify.json"
+    r = launch([bug, str(rank), str(export_of(2, 1)), "--steps", "1", "--json", str(report)], torchrun=2,
+               script=WORKER)
+    assert r.returncode == 1, (r.stdout + r.stderr)[-4000:]
+    assert "state contract: FAIL" in r.stdout and "Traceback" not in r.stdout, r.stdout[-3000:]
+    assert f"  pt2 rank {rank} decode {step}: {DECODED.format(source)}" in r.stdout, r.stdout[-3000:]
+    findings = json.loads(report.read_text())["state_findings"]
+    assert {f["backend"] for f in findings if f["step"] >= step} == {f"pt2 rank {rank}"}, findings
+    assert all(f["problem"].startswith("decoded from") for f in findings if f["step"] >= step), findings
 
 
 @pytest.mark.slow
