@@ -4,9 +4,10 @@
   function bodies are attached (TensorRT must resolve the nodes as plugins). Collective nodes of a rank
   program stay plugin nodes; in `ort` they become onnxruntime-extensions Python ops (onnx_collectives.py).
 - `ort`: attaches one FunctionProto per k3 op type the model uses — the family's `onnx.function` body
-  (custom_ops/<family>/onnx.py) — so ONNX Runtime inlines them and needs no extra library; the model's own
-  nodes get the rewrites of export/ort_rewrites.py (RMSNorm in the form ONNX Runtime fuses).
-Neither pass names an op family: both go through the registry.
+  (custom_ops/<family>/onnx.py) — so ONNX Runtime inlines them and needs no extra library.
+Neither pass names an op family: both go through the registry. Both must leave the model's own nodes as they
+found them: a rank program's converted model goes through trt and ort once per rank (rewrites of those nodes
+are made once, at conversion: export/onnx_rewrites.py).
 
 Byte tensors (packed weights, scale bytes) feeding k3 nodes are UINT8 in the `ort` flavor and INT8 (the same
 bytes) in the `trt` flavor: TensorRT plugins take no UINT8 formats and its ONNX parser widens UINT8
@@ -22,7 +23,6 @@ import onnx_ir as ir
 from ..custom_ops.registry import by_onnx_op
 from ..plan.onnx_node import COMMON_ATTRIBUTES, DOMAIN
 from . import onnx_collectives
-from .ort_rewrites import rsqrt_as_div
 
 
 def k3_nodes(model: ir.Model) -> list[ir.Node]:
@@ -66,8 +66,7 @@ def trt_pass(model: ir.Model) -> ir.Model:
 
 
 def ort_pass(model: ir.Model) -> ir.Model:
-    """Attach the ONNX Runtime function body of every k3 op type the model uses; byte tensors UINT8; the
-    model's rsqrt products as Div (export/ort_rewrites.py: ONNX Runtime then fuses its RMSNorms)."""
+    """Attach the ONNX Runtime function body of every k3 op type the model uses; byte tensors UINT8."""
     nodes = k3_nodes(model)
     _check_attributes(nodes)
     retype_bytes(model, ir.DataType.UINT8)
@@ -75,7 +74,6 @@ def ort_pass(model: ir.Model) -> ir.Model:
     opset = model.opset_imports[""]
     if opset < 18:
         raise ValueError(f"ort flavor needs ai.onnx opset >= 18 (ReduceMean axes as input), model has {opset}")
-    rsqrt_as_div(model)
     for op_type in sorted({n.op_type for n in nodes}):
         proto, opsets = by_onnx_op(op_type).onnx.function(opset, [n for n in nodes if n.op_type == op_type])
         fn = ir.serde.deserialize_function(proto)

@@ -32,10 +32,11 @@ def assert_records_match_solo(model, records, prompt_list: list[list[int]], news
     assert_records_match(records, [solo(model, p, n) for p, n in zip(prompt_list, news)], where)
 
 
-def assert_records_match(records, want: list[tuple[list[int], list[torch.Tensor]]], where: str) -> None:
-    """Every record (input order) against its solo run's (tokens, logits) `want`."""
+def assert_records_match(records, want: list[tuple[list[int], list[torch.Tensor]]], where: str,
+                         scaled: bool = False) -> None:
+    """Every record (input order) against its solo run's (tokens, logits) `want` (`scaled`: tests/tolerances.py)."""
     assert [r.index for r in records] == list(range(len(want)))
     for r, (tokens, logits) in zip(records, want):
         assert r.tokens == tokens, f"{where}: prompt {r.index}"
         for j, (a, e) in enumerate(zip(r.logits, logits)):
-            assert_close(a, e, torch.float32, what=f"{where}: prompt {r.index} token {j}")
+            assert_close(a, e, torch.float32, what=f"{where}: prompt {r.index} token {j}", scaled=scaled)

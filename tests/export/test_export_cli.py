@@ -136,7 +136,7 @@ def tiny_ep():
 def test_failing_stage_leaves_nothing_half_written(tmp_path, monkeypatch):
     import k3x.export.trace as trace_mod
 
-    def broken_save(ep, path):
+    def broken_save(ep, path, **_):  # save_pt2's keywords (the save function to use)
         path.write_bytes(b"half a program")
         raise RuntimeError("injected: disk full")
 

@@ -127,7 +127,8 @@ def test_each_rank_manifest_records_its_serving_step_and_pools(ranks):
 
 def test_continuous_batching_on_ranks_equals_solo_eager(served, want):
     assert served["agree"], "the ranks' records differ"
-    assert_records_match(served["plain"], want, "pt2 ranks tp=2 x ep=2")
+    # the echo model's logits have rms ~8: the fp32 atol is scaled to them (TP sums partials in another order)
+    assert_records_match(served["plain"], want, "pt2 ranks tp=2 x ep=2", scaled=True)
 
 
 def test_prefix_cache_and_speculation_on_ranks_equal_plain_greedy(served, want):

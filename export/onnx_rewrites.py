@@ -1,5 +1,6 @@
-"""Rewrites of an exported model's own nodes (not the k3 function bodies) for the `ort` flavor: standard ops
-in a form ONNX Runtime's graph optimizer fuses.
+"""Rewrites of the converted model's own nodes (not the k3 function bodies), made once in export/onnx.py
+`to_onnx_ir` so every flavor file (and every rank, which reuses the converted model) holds the same graph:
+standard ops in a form ONNX Runtime's graph optimizer fuses; TensorRT gets the same math.
 
 - `rsqrt_as_div`: `x * Reciprocal(Sqrt(a))` (how torch.onnx writes `x * torch.rsqrt(a)`) becomes
   `Div(x, Sqrt(a))`. RMSNorm (`model/layers.py rms_norm`) is then Pow -> ReduceMean -> Add -> Sqrt -> Div ->
