@@ -115,7 +115,7 @@ def step_working_bytes(cfg: K3Config, rows: int, block_size: int = 16,
     with torch.no_grad(), LiveBytes(known, inner_bytes()) as m:
         step(**feeds, pools=pools)
     attn = blocked.working_bytes(rows, cfg.mla.num_heads, cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim,
-                                 block_size, item_bytes=torch.empty((), dtype=dtype).element_size())
+                                 block_size, item_bytes=dtype.itemsize)
     kda = kda_packed_ref.working_bytes(rows, cfg.kda.num_heads, cfg.kda.head_dim, cfg.kda.head_dim,
-                                       item_bytes=torch.empty((), dtype=dtype).element_size())
+                                       item_bytes=dtype.itemsize)
     return {"rows": rows, "key_block": past, "attention_bytes": attn, "kda_bytes": kda, "total_bytes": m.peak}

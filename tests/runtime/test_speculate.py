@@ -38,11 +38,6 @@ def target(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def draft(draft_export):
-    return draft_export  # tests/conftest.py: one draft export per session
-
-
-@pytest.fixture(scope="module")
 def plain(target):
     """Plain greedy tokens of a backend (run once, when first asked for)."""
     cache = {}
@@ -90,16 +85,16 @@ def test_ngram_speculation_equals_greedy(target, plain, backend):
 
 
 @pytest.mark.parametrize("backend", ["pt2", "ort"])
-def test_draft_export_speculation_equals_greedy(target, draft, plain, backend):
+def test_draft_export_speculation_equals_greedy(target, draft_export, plain, backend):
     want = plain(backend)
-    records = run(target, backend, ModelDrafter(serving_runner("ort", draft), CFG, 3, block_size=4))
+    records = run(target, backend, ModelDrafter(serving_runner("ort", draft_export), CFG, 3, block_size=4))
     assert [r.tokens for r in records] == want
     counts = [r.counts for r in records]
     assert 0 < sum(c.accepted for c in counts) < sum(c.drafted for c in counts)
     if backend == "pt2":
         return  # EOS mid-draft once (pt2 steps are slow on the CPU); n-gram checks it on both
     eos = eos_of(want)
-    stopped = run(target, backend, ModelDrafter(serving_runner("ort", draft), CFG, 3, block_size=4), eos=(eos,))
+    stopped = run(target, backend, ModelDrafter(serving_runner("ort", draft_export), CFG, 3, block_size=4), eos=(eos,))
     assert [r.tokens for r in stopped] == [cut(t, eos) for t in want]
 
 
@@ -109,7 +104,7 @@ def test_a_rollback_that_keeps_rejected_rows_is_caught(target, plain, monkeypatc
     assert [r.tokens for r in records] != plain("ort")
 
 
-def test_draft_model_proposes_its_own_greedy_continuation(target, draft, monkeypatch):
+def test_draft_model_proposes_its_own_greedy_continuation(target, draft_export, monkeypatch):
     """Every proposal equals the draft model's plain greedy continuation of the committed tokens (a draft
     state left holding rejected drafts, e.g. without the restore, proposes something else)."""
     seen = []
@@ -120,7 +115,7 @@ def test_draft_model_proposes_its_own_greedy_continuation(target, draft, monkeyp
         seen.extend([([*s.request.prompt, *s.tokens], list(s.draft)) for s in sched.running.values() if s.draft])
 
     monkeypatch.setattr(speculate.ModelDrafter, "propose", spy)
-    drunner = serving_runner("ort", draft)
+    drunner = serving_runner("ort", draft_export)
     run(target, "ort", ModelDrafter(drunner, CFG, 3, block_size=4))
     sample = seen[:: max(1, len(seen) // 12)]
     fresh = serve(drunner, CFG, [c for c, _ in sample], SamplingOptions(), ServeOptions(block_size=4),
@@ -128,11 +123,11 @@ def test_draft_model_proposes_its_own_greedy_continuation(target, draft, monkeyp
     assert [r.tokens for r in fresh] == [d for _, d in sample]
 
 
-def test_cli_speculates_with_the_same_tokens(target, draft, tmp_path):
+def test_cli_speculates_with_the_same_tokens(target, draft_export, tmp_path):
     (tmp_path / "p.txt").write_text("".join(",".join(map(str, p)) + "\n" for p in PROMPTS[:4]))
     got = {}
     for name, flags in (("plain", []), ("ngram", ["--speculate", "ngram:3"]),
-                        ("draft", ["--draft", str(draft), "--speculate-tokens", "2"])):
+                        ("draft", ["--draft", str(draft_export), "--speculate-tokens", "2"])):
         out = tmp_path / f"{name}.json"
         r = cli.invoke(app, ["run", str(target), "--backend", "ort", "--prompts", str(tmp_path / "p.txt"),
                              "--max-new-tokens", "9", "--json", str(out), *flags])
@@ -150,9 +145,9 @@ def test_cli_speculates_with_the_same_tokens(target, draft, tmp_path):
     (["--speculate", "bigram:2"], "--speculate 'bigram:2': expected ngram:K"),
     (["--speculate", "ngram:2", "--draft", "DRAFT"], "--speculate and --draft: give one of them"),
 ])
-def test_cli_refuses_bad_speculation_in_one_line(target, draft, tmp_path, flags, message):
+def test_cli_refuses_bad_speculation_in_one_line(target, draft_export, tmp_path, flags, message):
     (tmp_path / "p.txt").write_text("1,2,3\n")
-    flags = [str(draft) if f == "DRAFT" else f for f in flags]
+    flags = [str(draft_export) if f == "DRAFT" else f for f in flags]
     r = cli.invoke(app, ["run", str(target), "--backend", "ort", "--prompts", str(tmp_path / "p.txt"),
                          "--json", str(tmp_path / "o.json"), *flags])
     assert r.exit_code == 1 and message in r.output and "Traceback" not in r.output, r.output
@@ -165,7 +160,7 @@ PREFIXED = [SHARED[:n] + p for n, p in zip([50, 50, 40, 24, 8, 50, 16, 0, 40, 50
 
 
 @pytest.mark.parametrize("backend", ["pt2", "ort"])
-def test_prefix_cache_and_speculation_together_equal_greedy(target, draft, backend):
+def test_prefix_cache_and_speculation_together_equal_greedy(target, draft_export, backend):
     """12 prompts sharing prefixes of different lengths: greedy tokens with the prefix cache, with n-gram
     drafts, with a draft export, and with the cache and each drafter at once, all equal plain greedy."""
     def tokens(drafter, cache: bool):
@@ -181,7 +176,8 @@ def test_prefix_cache_and_speculation_together_equal_greedy(target, draft, backe
     cases = [("prefix cache", None, True), ("ngram + prefix cache", NgramDrafter(4), True)]
     if backend == "ort":  # the draft export alone and with the cache (pt2 steps are slow on the CPU)
         cases += [("ngram", NgramDrafter(4), False),
-                  ("draft + prefix cache", ModelDrafter(serving_runner("ort", draft), CFG, 3, block_size=4), True)]
+                  ("draft + prefix cache", ModelDrafter(serving_runner("ort", draft_export), CFG, 3, block_size=4),
+                   True)]
     for name, drafter, cache in cases:
         got, records = tokens(drafter, cache)
         assert got == want, name
