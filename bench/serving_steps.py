@@ -3,7 +3,7 @@
 - `serving_folder`: the serving export timed: `--export DIR` (an existing `k3x export --serving` folder with
   the ort flavor) or the `--preset` exported into a temp folder (random fp32 weights);
 - `StepCase`: pools for one case (slots, latent blocks) with random state (timing does not depend on the
-  values) and the feeds of a step of `batch` sequences, `tokens` each, at `past` positions;
+  values; the tokens, which pick the experts, come from a seeded generator) and the feeds of a step of `batch` sequences, `tokens` each, at `past` positions;
 - `timed_rounds`: cases interleaved (each first in turn), repeated in rounds -> median and the spread (lowest
   and highest round median) of each case, and of ratios taken round by round;
 - `profile_runs`: an ONNX Runtime profile (RunnerOptions.profile) -> per run, microseconds by layer kind
@@ -79,6 +79,7 @@ class StepCase:
         blocks = max(blocks_for(capacity, block_size), batch * per)
         self.pools = StatePools(cfg, slots=batch, blocks=blocks, block_size=block_size)
         self.table = torch.arange(batch * per, dtype=torch.int32).view(batch, per)
+        self.ids = torch.Generator().manual_seed(seed + 1)  # the tokens fed: MoE routing (and its path) repeatable
         g = torch.Generator().manual_seed(seed)
         for name, t in self.pools.tensors.items():  # only what the batch owns: a 1M-position pool stays untouched
             part = t[: batch * per] if name.endswith(".latent") else t
@@ -90,7 +91,7 @@ class StepCase:
         from k3x.model.state import blocks_for
 
         b, i32 = self.batch, torch.int32
-        return {"input_ids": torch.randint(0, self.cfg.vocab_size, (b * tokens,)),
+        return {"input_ids": torch.randint(0, self.cfg.vocab_size, (b * tokens,), generator=self.ids),
                 "cu_seqlens": torch.arange(b + 1, dtype=i32) * tokens,
                 "past_lens": torch.full((b,), past, dtype=i32), "slots": torch.arange(b, dtype=i32),
                 "block_table": self.table[:, : blocks_for(past + tokens, self.block_size)].contiguous(),
