@@ -98,11 +98,17 @@ class StepCase:
                 "logits_index": torch.arange(1, b + 1) * tokens - 1, **self.pools.tensors}
 
     def timer(self, runner, tokens: int, past: int) -> Callable[[], float]:
-        """A function timing (seconds) one step of `tokens` per sequence at `past` positions (state kept)."""
+        """A function timing (seconds) one step of `tokens` per sequence at `past` positions as `serve` runs
+        it: the outputs written where runtime/step_outputs.py puts them (the KDA rows in place: the slots
+        are consecutive), then the write-back of what is left (the latents)."""
+        from k3x.runtime.step_outputs import StepOutputs, infer_step
+
+        outputs = StepOutputs(self.pools)
+
         def one() -> float:
             feeds = self.feeds(tokens, past)
             t = time.perf_counter()
-            runner.infer(feeds)
+            self.pools.write_back(feeds, infer_step(runner, feeds, outputs))
             return time.perf_counter() - t
         return one
 

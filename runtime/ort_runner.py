@@ -121,6 +121,7 @@ class OrtRunner:
     """ONNX Runtime through IO binding; state tensors stay on the session's device between steps."""
 
     name = "ort"
+    binds_outputs = True  # infer(feeds, out=...) writes into the caller's tensors (runtime/step_outputs.py)
 
     def __init__(self, path: Path, *, provider: str = "auto", intra_op_threads: int = 0,
                  collectives: bool = False, profile: str | None = None,
@@ -163,14 +164,20 @@ class OrtRunner:
                     isinstance(d, int) and d != s for d, s in zip(shape, t.shape)):
                 raise RunnerError(f"{self.path}: input {name!r} wants {want} {shape}, got {t.dtype} {list(t.shape)}")
 
-    def infer(self, feeds: Feeds) -> Feeds:
+    def infer(self, feeds: Feeds, out: Feeds | None = None) -> Feeds:
+        """Outputs by name; `out`: tensors to write named outputs into (each used when its shape, dtype and
+        device are the output's and it is contiguous; otherwise the output gets a new tensor)."""
         self.check_feeds(feeds)
         binding = self.session.io_binding()
         live = {n: t.to(self.device).contiguous() for n, t in feeds.items()}  # no copy when already there
         for name, t in live.items():
             self._bind(binding, name, t)
-        outs = {n: torch.empty(s, dtype=_ORT_TYPES[self.outputs[n].type][1], device=self.device)
-                for n, s in output_shapes(self.dims, feeds).items()}
+        outs = {}
+        for n, s in output_shapes(self.dims, feeds).items():
+            dtype, given = _ORT_TYPES[self.outputs[n].type][1], (out or {}).get(n)
+            fits = given is not None and tuple(given.shape) == s and given.dtype == dtype and \
+                given.device == self.device and given.is_contiguous()
+            outs[n] = given if fits else torch.empty(s, dtype=dtype, device=self.device)
         for name, t in outs.items():
             self._bind(binding, name, t, output=True)
         binding.synchronize_inputs()

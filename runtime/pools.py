@@ -167,8 +167,9 @@ class StatePools:
     def write_back(self, feeds: dict[str, Tensor], outputs: dict[str, Tensor], keep: list[bool] | None = None
                    ) -> None:
         """conv/recurrent pool[slots[b]] = new[b] (only where keep[b], when given: a speculating sequence
-        whose drafts were rejected keeps its pre-step KDA rows); the latent row of token (b, t) goes to
-        position past_lens[b] + t of sequence b. Index writes of B rows and N rows, in place."""
+        whose drafts were rejected keeps its pre-step KDA rows), nothing when `new` is already those pool
+        rows (runtime/step_outputs.py, in place); the latent row of token (b, t) goes to position
+        past_lens[b] + t of sequence b. Index writes of B rows and N rows, in place."""
         cu = feeds["cu_seqlens"].long().cpu()
         lens = cu[1:] - cu[:-1]
         seq_of_row = torch.repeat_interleave(torch.arange(len(lens)), lens)  # [N]
@@ -181,6 +182,9 @@ class StatePools:
             pool, new = self.tensors[pool_name], outputs[new_name]
             if pool_name.endswith(".latent"):
                 pool[blocks.to(pool.device), rows.to(pool.device)] = new.to(pool.device, pool.dtype)
+            elif new.data_ptr() == pool[int(slots[0])].data_ptr():  # written in place by the step
+                if keep is not None and not all(keep):
+                    raise ValueError(f"{new_name}: written in place, yet a sequence must keep its pre-step rows")
             else:
                 pool[slots[kept].to(pool.device)] = new[kept].to(pool.device, pool.dtype)
 

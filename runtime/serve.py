@@ -5,7 +5,8 @@
 
 The scheduler (runtime/scheduler.py) packs each step; the pools (runtime/pools.py) are fed to the runner by
 name every step (the same tensors: a runner that binds them does not copy) and the step's new rows are
-written back in place. Tokens are chosen by the shared sampler (text/sampling.py), one `Sampler` per prompt
+written back in place; a runner that binds outputs writes the KDA rows into the pools itself when it can
+(runtime/step_outputs.py). Tokens are chosen by the shared sampler (text/sampling.py), one `Sampler` per prompt
 (seeded `seed + index`), so a prompt's tokens do not depend on what it was batched with.
 `ServeOptions.prefix_cache`: prompts sharing a prefix start from its KDA snapshot and shared latent blocks
 (runtime/prefix_cache.py); `Record.cached` says how many prompt tokens each took from the cache.
@@ -26,6 +27,7 @@ from .pools import CacheAllocator, StatePools
 from .prefix_cache import PrefixCache
 from .scheduler import Request, Scheduler
 from .speculate import Counts, agree_drafts, choose
+from .step_outputs import StepOutputs, infer_step
 
 Feeds = dict[str, Tensor]
 
@@ -137,6 +139,7 @@ def serve(runner, cfg, prompts: Sequence[Sequence[int]], sampling: SamplingOptio
     alloc = CacheAllocator(options.max_sequences, blocks, options.block_size)
     pools = StatePools(pool_cfg or cfg, slots=options.max_sequences, blocks=blocks, block_size=options.block_size,
                        dtype=dtype, device=device)
+    outputs = StepOutputs(pools)
     prefix = PrefixCache(alloc, pools, options.prefix_cache_bytes) if options.prefix_cache else None
     sched = Scheduler(alloc, max_sequences=options.max_sequences, max_step_tokens=options.max_step_tokens,
                       eos_token_ids=sampling.eos_token_ids, prefix=prefix)
@@ -171,7 +174,7 @@ def serve(runner, cfg, prompts: Sequence[Sequence[int]], sampling: SamplingOptio
             else:
                 prefix.start(rid, alloc.slot_of[rid])
         feeds = {**step.feeds, **pools.tensors}
-        out = runner.infer(feeds)
+        out = infer_step(runner, feeds, outputs, in_place=not any(step.drafts))
         chosen, rows = choose(step, out["logits"], samplers, agree)
         pools.write_back(feeds, out, step.advances(chosen))
         for rid in (r for r in step.due if on_prefill is not None and not sched.sequence(r).tokens):
