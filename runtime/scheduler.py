@@ -150,6 +150,9 @@ class Scheduler:
         return plan
 
     def _step(self, plan: list[tuple[Sequence, list[int]]], admitted: tuple[int, ...]) -> Step:
+        # packed in slot order: a step of sequences in consecutive slots writes its KDA rows in place
+        # (runtime/step_outputs.py); which rows a step takes is decided above, in admission order
+        plan = sorted(plan, key=lambda p: p[0].slot)
         ends = [s.fed + len(t) for s, t in plan]
         due = [b for b, (s, _) in enumerate(plan) if ends[b] >= s.length]
         drafts = [tuple(plan[b][0].draft[: ends[b] - plan[b][0].length]) for b in due]  # a chunk may cut it

@@ -96,3 +96,14 @@ def test_admission_waits_for_blocks_and_refuses_the_impossible():
         sched.add(Request(6, (1,), 1))
         sched.commit(sched.next_step(), {})
     assert torch.is_tensor(steps[0].feeds["input_ids"])
+
+
+def test_steps_pack_their_sequences_in_slot_order():
+    # request 0 finishes first and frees slot 0; request 3 takes it while 1 and 2 decode: every later step
+    # packs slot 0 first, so an all-decode step's slots are consecutive (its KDA rows are written in place)
+    reqs = [Request(0, (1, 2), 1), Request(1, (3,), 6), Request(2, (4,), 6), Request(3, (5, 6, 7), 4)]
+    sched = Scheduler(CacheAllocator(slots=3, blocks=12, block_size=4), max_sequences=3, max_step_tokens=8)
+    _, steps = _drive(sched, reqs)
+    slots = [s.feeds["slots"].tolist() for s in steps]
+    assert all(s == sorted(s) for s in slots)
+    assert [0, 1, 2] in slots[2:] and 3 in [r for s in steps[1:] for r in s.admitted]
