@@ -62,11 +62,12 @@ def test_write_back_refuses_in_place_rows_a_sequence_must_keep():
         pools.write_back(feeds, out, keep=[True, False])
 
 
-@pytest.mark.parametrize("slots", [[1, 2, 3], [3, 0, 2]], ids=["in-place", "scratch"])
+@pytest.mark.parametrize("slots", [[1, 2, 3], [0, 1, 2, 3], [3, 0, 2]], ids=["in-place", "whole-pool", "scratch"])
 def test_ort_step_into_given_outputs_equals_a_copying_step(serving_export, slots):
     runner = serving_runner("ort", serving_export)
-    feeds_of = lambda p: {**_feeds(slots, [1, 7, 2], [5, 0, 9]), **p.tensors}  # noqa: E731
-    copying, binding = (StatePools(CFG, slots=4, blocks=9, block_size=8) for _ in range(2))
+    lens, past = [1, 7, 2, 1][: len(slots)], [5, 0, 9, 3][: len(slots)]
+    feeds_of = lambda p: {**_feeds(slots, lens, past), **p.tensors}  # noqa: E731
+    copying, binding = (StatePools(CFG, slots=4, blocks=12, block_size=8) for _ in range(2))
     gen = torch.Generator().manual_seed(0)
     for name, t in copying.tensors.items():
         t.normal_(0.0, 0.5, generator=gen)
@@ -75,8 +76,8 @@ def test_ort_step_into_given_outputs_equals_a_copying_step(serving_export, slots
     copying.write_back(feeds_of(copying), expect)
     outputs = StepOutputs(binding)
     got = infer_step(runner, feeds_of(binding), outputs)
-    in_place = got["new.0.recurrent"].data_ptr() == binding.tensors["pool.0.recurrent"][1].data_ptr()
-    assert in_place == (slots == [1, 2, 3])
+    in_place = got["new.0.recurrent"].data_ptr() == binding.tensors["pool.0.recurrent"][slots[0]].data_ptr()
+    assert in_place == (slots != [3, 0, 2])
     binding.write_back(feeds_of(binding), got)
     assert torch.equal(got["logits"], expect["logits"])
     for name, t in copying.tensors.items():
