@@ -5,7 +5,8 @@ binding: a runner with `binds_outputs`).
   `new.{i}.recurrent` are the pool rows `pool[s0:s0+B]` themselves. The graph reads a pool only by gathering
   the step's rows before it computes the state it writes (model/serving.py: the pools are read-only inputs),
   so writing the result over them is safe, and `StatePools.write_back` has nothing left to copy for them.
-  Not for a step with drafts: a sequence whose drafts are rejected keeps its pre-step rows.
+  Not for a step with drafts: a sequence whose drafts are rejected keeps its pre-step rows. The runner is
+  then also given those rows as the pools (`narrowed`), so the graph reads them where they are.
 - Scratch: otherwise, and for the step's latents, buffers kept across steps (grown when a step needs more).
   A fresh tensor per step is fresh memory, and first touching it costs page faults: on k3-bench, 32
   sequences' KDA state is 150 MB a step, and the ORT decode step took 192 ms with fresh outputs against
@@ -67,7 +68,18 @@ class StepOutputs:
 
 def infer_step(runner, feeds: Feeds, outputs: StepOutputs | None, in_place: bool = True) -> Feeds:
     """One serving step through `runner`, into `outputs`' tensors when the runner binds outputs (else the
-    runner's own)."""
+    runner's own). In place, the runner is given the step's KDA rows as the pools (`narrowed`)."""
     if outputs is None or not getattr(runner, "binds_outputs", False):
         return runner.infer(feeds)
-    return runner.infer(feeds, out=outputs.for_step(feeds, in_place))
+    out = outputs.for_step(feeds, in_place)
+    first = consecutive_start(feeds["slots"]) if in_place else None
+    return runner.infer(feeds if first is None else narrowed(feeds, outputs.pools, first), out=out)
+
+
+def narrowed(feeds: Feeds, pools: StatePools, first: int) -> Feeds:
+    """The same step over the KDA pools cut to its consecutive slots first..first+B-1 (views, no copy), its
+    slots renumbered 0..B-1: the step then holds every slot of the pools it is given in order, which the ORT
+    body of k3::KDAPacked reads where they are instead of gathering a copy (custom_ops/kda_packed/onnx.py)."""
+    rows = feeds["slots"].shape[0]
+    cut = {name: pools.tensors[name][first: first + rows] for name, _ in pools.names if not name.endswith(".latent")}
+    return {**feeds, **cut, "slots": torch.arange(rows, dtype=feeds["slots"].dtype)}

@@ -39,9 +39,8 @@ def linear_attention(b: Body, q: str, k: str, v: str, g: str, beta: str, s0: str
     """The recurrence as nodes of `b` (also k3::KDAPacked's body): q, k, g [B, T, H, K], v [B, T, H, V],
     beta [B, T, H], s0 [B, H, K, V], any float dtype -> (o [B, T, H*V] fp32, final state fp32). The calling
     node's attributes `num_heads` and `scale` are referenced, so the node must have them."""
-    packed = b.ints(0, 0, -1)  # [B, T, H, D] -> [B, T, H*D]
-    q, k, v, g = (b.op("Reshape", b.op("Cast", x, to=onnx.TensorProto.FLOAT), packed) for x in (q, k, v, g))
-    beta, s0 = (b.op("Cast", x, to=onnx.TensorProto.FLOAT) for x in (beta, s0))
+    q, k, v, g, beta = packed_inputs(b, q, k, v, g, beta)
+    s0 = b.op("Cast", s0, to=onnx.TensorProto.FLOAT)
     b.step = "recurrence"
     o, state = b.op("LinearAttention", q, k, v, s0, g, beta, outputs=2, domain=MS_DOMAIN, update_rule="gated_delta")
     la = b.nodes[-1]
@@ -49,3 +48,17 @@ def linear_attention(b: Body, q: str, k: str, v: str, g: str, beta: str, s0: str
         la.attribute.append(onnx.AttributeProto(name=attr, ref_attr_name=ref, type=onnx.AttributeProto.INT))
     la.attribute.append(onnx.AttributeProto(name="scale", ref_attr_name="scale", type=onnx.AttributeProto.FLOAT))
     return o, state
+
+
+def packed_inputs(b: Body, q: str, k: str, v: str, g: str, beta: str) -> tuple[str, ...]:
+    """LinearAttention's fp32 inputs: q, k, v, g [B, T, H, D] -> [B, T, H*D]; beta [B, T, H]."""
+    packed = b.ints(0, 0, -1)
+    q, k, v, g = (b.op("Reshape", b.op("Cast", x, to=onnx.TensorProto.FLOAT), packed) for x in (q, k, v, g))
+    return q, k, v, g, b.op("Cast", beta, to=onnx.TensorProto.FLOAT)
+
+
+def recurrence_node(inputs: list[str], outputs: list[str], name: str, heads: int, scale: float) -> onnx.NodeProto:
+    """A LinearAttention node with its attributes as values (a subgraph cannot reference the calling node's
+    attributes): inputs q, k, v, s0, g, beta as `packed_inputs` gives them."""
+    return onnx.helper.make_node("LinearAttention", inputs, outputs, name=name, domain=MS_DOMAIN,
+                                 update_rule="gated_delta", q_num_heads=heads, kv_num_heads=heads, scale=scale)

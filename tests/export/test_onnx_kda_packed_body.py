@@ -5,6 +5,9 @@ and run by onnxruntime, equals the packed reference for steps of other N and B t
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import onnx
 import onnx_ir as ir
 import pytest
@@ -29,7 +32,7 @@ class Packed(torch.nn.Module):
 
 
 @pytest.fixture(scope="module")
-def session():
+def proto():
     from torch.export import Dim
 
     N, B = Dim("N", min=1, max=4096), Dim("B", min=1, max=S)
@@ -41,7 +44,12 @@ def session():
     assert [n.op_type for n in prog.model.graph] == ["KDAPacked"]
     proto = ir.serde.serialize_model(ort_pass(prog.model))
     onnx.checker.check_model(proto, full_check=True)
-    return ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    return proto.SerializeToString()
+
+
+@pytest.fixture(scope="module")
+def session(proto):
+    return ort.InferenceSession(proto, providers=["CPUExecutionProvider"])
 
 
 @pytest.mark.parametrize("lens", [
@@ -56,6 +64,26 @@ def test_body_matches_reference(session, lens):
     ro, rs = kda_packed(*args, scale=K ** -0.5)
     assert_close(torch.from_numpy(o), ro, torch.float32, f"{lens}: o")
     assert_close(torch.from_numpy(s), rs, torch.float32, f"{lens}: final_state")
+
+
+@pytest.mark.parametrize("lens, in_order, branch", [
+    pytest.param([1, 1, 1, 1], True, "whole_pool", id="full-decode"),
+    pytest.param([3, 1, 70, 2], True, "whole_pool", id="full-mixed"),
+    pytest.param([1, 1, 1, 1], False, "gathered", id="full-permuted"),
+])
+def test_a_step_holding_every_slot_in_order_reads_the_pool_itself(proto, tmp_path, lens, in_order, branch):
+    args = list(kda_step(lens, H=H, K=K, V=V, S=len(lens), seed=3))
+    args[7] = torch.arange(len(lens), dtype=torch.int32) if in_order else torch.tensor([1, 0, 2, 3], dtype=torch.int32)
+    opts = ort.SessionOptions()
+    opts.enable_profiling, opts.profile_file_prefix = True, str(tmp_path / "p")
+    sess = ort.InferenceSession(proto, opts, providers=["CPUExecutionProvider"])
+    o, s = sess.run(None, {n: x.numpy() for n, x in zip(NAMES, args)})
+    ro, rs = kda_packed(*args, scale=K ** -0.5)
+    assert_close(torch.from_numpy(o), ro, torch.float32, f"{lens}: o")
+    assert_close(torch.from_numpy(s), rs, torch.float32, f"{lens}: final_state")
+    ran = {e["name"] for e in json.loads(Path(sess.end_profiling()).read_text()) if e.get("cat") == "Node"}
+    assert any(branch in n for n in ran) and not any(other in n for n in ran
+                                                     for other in {"whole_pool", "gathered"} - {branch})
 
 
 def test_packed_layer_runs_in_onnxruntime():

@@ -11,7 +11,7 @@ import torch
 from k3x.model.config import preset
 from k3x.runtime.pools import StatePools
 from k3x.runtime.serve import serving_runner
-from k3x.runtime.step_outputs import StepOutputs, consecutive_start, infer_step
+from k3x.runtime.step_outputs import StepOutputs, consecutive_start, infer_step, narrowed
 
 CFG = preset("k3-mini")
 
@@ -82,3 +82,15 @@ def test_ort_step_into_given_outputs_equals_a_copying_step(serving_export, slots
     assert torch.equal(got["logits"], expect["logits"])
     for name, t in copying.tensors.items():
         assert torch.equal(binding.tensors[name], t), name
+
+
+def test_narrowed_gives_the_step_rows_as_the_pools():
+    pools = StatePools(CFG, slots=5, blocks=6, block_size=8)
+    feeds = {**_feeds([2, 3], [1, 1], [4, 4]), **pools.tensors}
+    cut = narrowed(feeds, pools, 2)
+    assert cut["slots"].tolist() == [0, 1] and cut["slots"].dtype == torch.int32
+    for name, t in pools.tensors.items():
+        if name.endswith(".latent"):
+            assert cut[name] is t
+        else:
+            assert cut[name].shape[0] == 2 and cut[name].data_ptr() == t[2].data_ptr()
