@@ -58,13 +58,13 @@ def _holds_every_slot(b: Body, zero: str, one: str) -> str:
 def _recurrence(name: str, inputs: tuple[str, ...], pool: str | None, heads: int, scale: float) -> onnx.GraphProto:
     """A branch running LinearAttention from `pool` itself (read where it is: the recurrence sits inside the
     branch, so If returns its outputs without copying a pool) or, `pool` None, from Gather(state_pool, slots)."""
-    nodes = []
+    nodes, node = [], f"KDAPacked/recurrence/{{}}_{name}"  # named as the body's nodes: profiles attribute them
     if pool is None:
         pool = f"{name}_s0"
-        nodes.append(helper.make_node("Gather", ["state_pool", "slots"], [pool], name=f"{name}/Gather", axis=0))
+        nodes.append(helper.make_node("Gather", ["state_pool", "slots"], [pool], name=node.format("Gather"), axis=0))
     q, k, v, g, beta = inputs
     outs = [f"{name}_o", f"{name}_state"]
-    nodes.append(recurrence_node([q, k, v, pool, g, beta], outs, f"{name}/LinearAttention", heads, scale))
+    nodes.append(recurrence_node([q, k, v, pool, g, beta], outs, node.format("LinearAttention"), heads, scale))
     return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs])
 
 
