@@ -4,7 +4,10 @@ Through the ORT serving runner (IO binding: the pools are bound by pointer every
 export of `--preset` (default k3-bench, random fp32 weights; or `--export DIR`), one decode step each of:
   - small: one sequence with --positions positions in its state, pools for --small positions;
   - large: the same with a latent pool for --large positions (default 1,048,576);
-  - many:  --batch sequences decoding together (each at --positions), pools for what they hold.
+  - many:  --batch sequences decoding together (each at --positions), pools for what they hold, in
+           consecutive slots (their KDA rows are read and written in place, runtime/step_outputs.py);
+  - scattered: the same in slots that are not consecutive (scratch outputs, then the write-back), timed
+    after the others, interleaved with `small` alone.
 The cases are interleaved (each first in turn), --repeats per round, --rounds rounds; the figures are the
 median over rounds and the spread (lowest-highest round). Capacity ratio = large / small, batching speedup
 = batch x small / many, both taken round by round. Prints a table and writes JSON (--json).
@@ -27,6 +30,10 @@ def measure(path: Path, a: argparse.Namespace) -> dict:
              "large": StepCase(cfg, batch=1, capacity=a.large, **kw),
              "many": StepCase(cfg, batch=a.batch, capacity=a.small, **kw)}
     ms = timed_rounds({k: c.timer(runner, 1, a.positions) for k, c in cases.items()}, a.rounds, a.repeats)
+    # apart, against its own one-sequence steps: a fourth case's memory in the same rounds would evict theirs
+    cases["scattered"] = StepCase(cfg, batch=a.batch, capacity=a.small, scattered=True, **kw)
+    apart = timed_rounds({k: cases[k].timer(runner, 1, a.positions) for k in ("small", "scattered")}, a.rounds,
+                         a.repeats)
     rounds = range(a.rounds)
     return {"preset": cfg.name, "threads": a.threads, "positions": a.positions, "small_pool": a.small,
             "large_pool": a.large, "large_pool_bytes": cases["large"].pools.nbytes, "batch": a.batch,
@@ -36,7 +43,10 @@ def measure(path: Path, a: argparse.Namespace) -> dict:
             "step_ms_batch": summary(ms["many"]),
             "tokens_per_s_1": summary([1e3 / x for x in ms["small"]]),
             "tokens_per_s_batch": summary([a.batch * 1e3 / x for x in ms["many"]]),
-            "batching_speedup": summary([a.batch * ms["small"][i] / ms["many"][i] for i in rounds])}
+            "batching_speedup": summary([a.batch * ms["small"][i] / ms["many"][i] for i in rounds]),
+            "step_ms_batch_scattered": summary(apart["scattered"]),
+            "batching_speedup_scattered": summary([a.batch * apart["small"][i] / apart["scattered"][i]
+                                                   for i in rounds])}
 
 
 def table(r: dict) -> str:
@@ -48,7 +58,9 @@ def table(r: dict) -> str:
         (f"{b} sequences together: step (ms)", fmt(r["step_ms_batch"])),
         ("1 sequence alone: tokens/s", fmt(r["tokens_per_s_1"], 1)),
         (f"{b} sequences together: tokens/s", fmt(r["tokens_per_s_batch"], 1)),
-        ("batching speedup (goal >= 10)", fmt(r["batching_speedup"]))]
+        ("batching speedup (goal >= 10)", fmt(r["batching_speedup"])),
+        (f"{b} sequences in scattered slots: step (ms)", fmt(r["step_ms_batch_scattered"])),
+        ("batching speedup, scattered slots", fmt(r["batching_speedup_scattered"]))]
     head = (f"{r['preset']}, ORT CPU, {r['threads']} threads, decode steps at {r['positions']} positions "
             f"(median [lowest-highest] of {r['rounds']} rounds x {r['repeats']}):")
     return "\n".join([head] + [f"  {k:<46} {v:>28}" for k, v in rows])

@@ -65,16 +65,20 @@ def open_serving(path: Path, threads: int, profile: str | None = None, backend: 
 
 class StepCase:
     """`batch` sequences with room for `positions` each, in pools for `capacity` positions (at least what
-    the batch holds); sequence b owns slot b and blocks b*per .. (b+1)*per-1. The state is random: a step's
-    time does not depend on its values."""
+    the batch holds); sequence b owns slot b (`scattered`: slot batch-1-b, so no step's slots are consecutive
+    and its KDA rows go through scratch and the write-back, runtime/step_outputs.py) and blocks b*per ..
+    (b+1)*per-1. The state is random: a step's time does not depend on its values."""
 
-    def __init__(self, cfg, *, batch: int, positions: int, capacity: int, block_size: int, seed: int = 0) -> None:
+    def __init__(self, cfg, *, batch: int, positions: int, capacity: int, block_size: int, seed: int = 0,
+                 scattered: bool = False) -> None:
         import torch
 
         from k3x.model.state import blocks_for
         from k3x.runtime.pools import StatePools
 
         self.cfg, self.batch, self.block_size = cfg, batch, block_size
+        self.slots = torch.arange(batch, dtype=torch.int32)
+        self.slots = self.slots.flip(0) if scattered else self.slots
         per = blocks_for(positions, block_size)
         blocks = max(blocks_for(capacity, block_size), batch * per)
         self.pools = StatePools(cfg, slots=batch, blocks=blocks, block_size=block_size)
@@ -93,7 +97,7 @@ class StepCase:
         b, i32 = self.batch, torch.int32
         return {"input_ids": torch.randint(0, self.cfg.vocab_size, (b * tokens,), generator=self.ids),
                 "cu_seqlens": torch.arange(b + 1, dtype=i32) * tokens,
-                "past_lens": torch.full((b,), past, dtype=i32), "slots": torch.arange(b, dtype=i32),
+                "past_lens": torch.full((b,), past, dtype=i32), "slots": self.slots,
                 "block_table": self.table[:, : blocks_for(past + tokens, self.block_size)].contiguous(),
                 "logits_index": torch.arange(1, b + 1) * tokens - 1, **self.pools.tensors}
 

@@ -41,7 +41,7 @@ def test_capacity_and_batching(serving_export, tmp_path):
     r = _run(serving.main, serving_export, tmp_path, "--small", "256", "--large", "65536", "--batch", "3",
              "--positions", "8", "--rounds", "2", "--repeats", "1")
     for k in ("decode_ms_small_pool", "decode_ms_large_pool", "capacity_ratio", "batching_speedup",
-              "tokens_per_s_batch"):
+              "tokens_per_s_batch", "batching_speedup_scattered"):
         _spread_ok(r[k])
     assert r["large_pool_bytes"] > 65536 * 4 * 32  # k3-mini: 3 MLA layers x 32 fp32 latents per position
 
