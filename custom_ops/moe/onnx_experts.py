@@ -95,7 +95,7 @@ def use_padded(b: Body, p: Pairs) -> tuple[str, str]:
 
 def padded_experts(name: str, p: Pairs, c: str, glu: Glu) -> onnx.GraphProto:
     """Branch: every local expert on its pairs padded to C rows, batched over experts -> (Y [E·C, L], each
-    sorted pair's row of Y; a sentinel pair's row is clamped to 0 and masked in `combine`)."""
+    sorted pair's row of Y; a sentinel pair's row is clamped to 0, a real row, and weighted 0 in `combine`)."""
     b = Body(name, "padded")
     local = b.op("Less", p.sorted_ids, p.e_local)
     slot = b.op("Add", b.op("Mul", p.sorted_ids, c), _positions(b, p))  # [M]
@@ -166,12 +166,13 @@ def looped_branch(name: str, p: Pairs, glu: Glu, expert_weights: ExpertWeights) 
 
 def combine(b: Body, p: Pairs, y: str, slots: str) -> str:
     """u [N, L] fp32: pair j of token n takes row slots[sorted position of j] of Y, weighted by its pair
-    weight (0 where its expert is another rank's), summed over the top_k slots."""
+    weight, summed over the top_k slots. A pair of another rank's expert weighs 0: the mask is on the [M]
+    weights, not the [M, L] rows (its row of Y is a real, finite one: the zero row, or a padded expert
+    output), so 0 · row = 0 exactly as a masked row."""
     by_pair = b.op("ScatterElements", b.op("ConstantOfShape", b.op("Shape", slots), value=helper.make_tensor(
         "zero", INT64, [1], [0])), p.order, slots, axis=0)  # [M] in (token, slot) order
-    rows = b.op("Mul", b.op("Gather", y, by_pair, axis=0), b.op("Unsqueeze", p.pair_w, b.ints(1)))  # [M, L]
-    local = b.op("Unsqueeze", b.op("Less", p.pair_ids, p.e_local), b.ints(1))
-    rows = b.op("Where", local, rows, b.op("Constant", value_float=0.0))
+    w = b.op("Where", b.op("Less", p.pair_ids, p.e_local), p.pair_w, b.op("Constant", value_float=0.0))  # [M]
+    rows = b.op("Mul", b.op("Gather", y, by_pair, axis=0), b.op("Unsqueeze", w, b.ints(1)))  # [M, L]
     shape = b.op("Concat", b.ints(-1), p.k, b.op("Slice", b.op("Shape", p.z), b.ints(1), b.ints(2)), axis=0)
     return b.op("ReduceSum", b.op("Reshape", rows, shape), b.ints(1), keepdims=0)
 

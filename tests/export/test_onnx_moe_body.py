@@ -70,16 +70,22 @@ class MoESession:
             so.enable_profiling, so.profile_file_prefix = True, profile
         self.sess = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
+    def nodes_run(self) -> list[dict]:
+        """The node events of a profiled session (ends its profile)."""
+        return [e for e in json.loads(Path(self.sess.end_profiling()).read_text()) if e.get("cat") == "Node"]
+
     def steps_run(self) -> set[str]:
         """The body steps whose nodes ran (profiled sessions): `padded` (If's batch) or `expert` (Loop body)."""
-        events = json.loads(Path(self.sess.end_profiling()).read_text())
-        return {m.group(1) for e in events if e.get("cat") == "Node"
-                for m in [re.search(r"_inlfunc_MoE_MoE/(\w+)/", e["name"])] if m}
+        return body_steps(self.nodes_run())
 
     def check(self, x: torch.Tensor, z: torch.Tensor, what: str) -> torch.Tensor:
         (u,) = self.sess.run(None, {"x": x.numpy(), "z": z.numpy()})
         assert_close(torch.from_numpy(u), moe(x, z, *self.w.values(), *self.args, self.offset), torch.float32, what)
         return torch.from_numpy(u)
+
+
+def body_steps(events: list[dict]) -> set[str]:
+    return {m.group(1) for e in events for m in [re.search(r"_inlfunc_MoE_MoE/(\w+)/", e["name"])] if m}
 
 
 def tokens(N: int, d: int, L: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,3 +197,21 @@ def test_expert_parallel_ranks_compute_their_share(ep):
         local = {**w, **{name: w[name][r * n:(r + 1) * n] for name in ("w1", "w3", "w2")}}
         parts.append(MoESession(local, k, offset=r * n).check(x, z, f"rank {r} of {ep}"))
     assert_close(sum(parts), moe(x, z, *w.values(), k, 1.0, True, "situ", 4.0, 25.0), torch.float32, "sum of ranks")
+
+
+def test_another_ranks_pairs_weigh_zero_without_masking_rows(tmp_path):
+    """Expert parallelism: a pair routed to another rank's expert gets weight 0 on the [M] pair weights; no
+    Where runs over the [M, L] pair rows (a full pass over them, ~1.5% of a k3-bench prefill). Both paths
+    (padded batch and loop) stay equal to the reference's partial sum of the rank."""
+    E, k, d, L, I = 16, 4, 24, 16, 12
+    w = weights(E, d, L, I)
+    w["gate_bias"] *= 0.2  # balanced routing: N = 64 takes the padded batch, N = 1 the loop
+    local = {**w, **{name: w[name][8:] for name in ("w1", "w3", "w2")}}
+    s = MoESession(local, k, offset=8, profile=str(tmp_path / "ort"))
+    for N in (1, 64):
+        s.check(*tokens(N, d, L, seed=N), f"rank 1 of 2, N={N}")
+    events = s.nodes_run()
+    wide = [e["name"] for e in events if e["args"].get("op_name") == "Where"
+            and any(list(t.values())[0][-1:] == [L] for t in e["args"].get("input_type_shape", []))]
+    assert {"padded", "expert"} <= body_steps(events)
+    assert not wide, wide
