@@ -7,8 +7,9 @@ each sequence's last row with g = 0 and beta = 0: the delta rule leaves the stat
 (S·exp(0) + k·0), so final_state is exact, and their outputs are never gathered back. Why not an ONNX Loop
 over the sequences: one fused LinearAttention call, no subgraph, and exact O(N) work for the common steps
 (decode only: L = 1; one prefill: B = 1); the price is B·L rows when a long prefill shares a step with many
-decode rows. Unpacking finds each row's sequence by an [N, B] comparison; the pool is only read
-(Gather of B rows), never copied whole.
+decode rows. Those common steps have every sequence L rows (B·L = N): an If takes them to Reshapes of the
+packed rows, no padding Gather in or out. Else unpacking finds each row's sequence by an [N, B] comparison;
+the pool is only read (Gather of B rows), never copied whole.
 """
 
 from __future__ import annotations
@@ -36,8 +37,57 @@ def _scalar(b: Body, value: int) -> str:
     return b.op("Constant", value=helper.make_tensor("", TensorProto.INT64, [], [value]))
 
 
+INPUTS = ("q", "k", "v", "g", "beta")
+
+
+def _branch(b: Body, outs: list[str]) -> onnx.GraphProto:
+    """An If branch (no inputs) returning `outs` under names of its own."""
+    names = [f"{b.name}_{b.step}_out_{i}" for i in range(len(outs))]
+    for src, dst in zip(outs, names):
+        b.out("Identity", [src], [dst])
+    return helper.make_graph(b.nodes, f"{b.name}_{b.step}", [],
+                             [onnx.ValueInfoProto(name=n) for n in names])  # types: the inputs' (any float dtype)
+
+
+def _even(grid: str) -> onnx.GraphProto:
+    """Branch, every sequence L rows (one prefill, decode rows only): the packed rows ARE the [B, L] grid,
+    each input a Reshape (no copy, no padding to mask)."""
+    b = Body("KDAPacked", "even")
+    return _branch(b, [b.op("Reshape", x, b.op("Concat", grid, b.op("Shape", x, start=1), axis=0)) for x in INPUTS])
+
+
+def _ragged(starts: str, lens: str, t: str, zero: str) -> onnx.GraphProto:
+    """Branch, sequences of other lengths: each padded to L rows by a Gather of its packed rows, the padding
+    rows with g = 0 (no decay) and beta = 0 (no write)."""
+    b = Body("KDAPacked", "ragged")
+    valid = b.op("Less", t, b.op("Unsqueeze", lens, b.ints(1)))  # [B, L]: a real row of sequence b
+    rows = b.op("Where", valid, b.op("Add", b.op("Unsqueeze", starts, b.ints(1)), t), zero)  # [B, L] packed row
+    q, k, v, g, beta = (b.op("Gather", x, rows, axis=0) for x in INPUTS)  # [B, L, ...]
+    real = b.op("Cast", valid, to=TensorProto.FLOAT)
+    g = b.op("Mul", g, b.op("Unsqueeze", real, b.ints(2, 3)))
+    beta = b.op("Mul", beta, b.op("Unsqueeze", real, b.ints(2)))
+    return _branch(b, [q, k, v, g, beta])
+
+
+def _unpack(starts: str, ends: str, L: str, o: str, zero: str, one: str) -> onnx.GraphProto:
+    """Branch, ragged: packed row n = row (its sequence, n - its start) of o [B*L, H*V]."""
+    b = Body("KDAPacked", "repack")  # a step name of its own: value names stay unique across the scopes
+    n = b.op("Range", zero, b.op("Squeeze", b.op("Shape", "q", start=0, end=1)), one)  # [N]
+    ended = b.op("GreaterOrEqual", b.op("Unsqueeze", n, b.ints(1)), b.op("Unsqueeze", ends, b.ints(0)))  # [N, B]
+    seq = b.op("ReduceSum", b.op("Cast", ended, to=TensorProto.INT64), b.ints(1), keepdims=0)  # [N] row's sequence
+    local = b.op("Sub", n, b.op("Gather", starts, seq, axis=0))
+    return _branch(b, [b.op("Gather", o, b.op("Add", b.op("Mul", seq, L), local), axis=0)])  # [N, H*V]
+
+
+def _as_is(o: str) -> onnx.GraphProto:
+    b = Body("KDAPacked", "as_is")
+    return _branch(b, [o])
+
+
 def function(opset_version: int, nodes: list) -> tuple[onnx.FunctionProto, dict[str, int]]:
-    """The ONNX Runtime body and the extra opsets it imports."""
+    """The ONNX Runtime body and the extra opsets it imports. An If takes a step whose sequences all have
+    the longest one's L rows (B·L = N: one prefill, or decode rows only) to Reshapes of the packed rows
+    (in and out), any other to the padding Gathers."""
     b = Body("KDAPacked", "pad")
     cu = b.op("Cast", "cu_seqlens", to=TensorProto.INT64)
     starts = b.op("Slice", cu, b.ints(0), b.ints(-1))  # [B]
@@ -46,21 +96,15 @@ def function(opset_version: int, nodes: list) -> tuple[onnx.FunctionProto, dict[
     L = b.op("ReduceMax", lens, keepdims=1)  # [1]: the longest sequence of the step
     zero, one = _scalar(b, 0), _scalar(b, 1)
     t = b.op("Unsqueeze", b.op("Range", zero, b.op("Squeeze", L), one), b.ints(0))  # [1, L]
-    valid = b.op("Less", t, b.op("Unsqueeze", lens, b.ints(1)))  # [B, L]: a real row of sequence b
-    rows = b.op("Where", valid, b.op("Add", b.op("Unsqueeze", starts, b.ints(1)), t), zero)  # [B, L] packed row
-    q, k, v, g, beta = (b.op("Gather", x, rows, axis=0) for x in ("q", "k", "v", "g", "beta"))  # [B, L, ...]
-    real = b.op("Cast", valid, to=TensorProto.FLOAT)
-    g = b.op("Mul", g, b.op("Unsqueeze", real, b.ints(2, 3)))  # padding: g = 0 (no decay) ...
-    beta = b.op("Mul", beta, b.op("Unsqueeze", real, b.ints(2)))  # ... and beta = 0 (no write)
+    grid = b.op("Concat", b.op("Shape", lens), L, axis=0)  # [2] = (B, L)
+    even = b.op("Equal", b.op("ReduceProd", grid, keepdims=0), b.op("Squeeze", b.op("Shape", "q", start=0, end=1)))
+    q, k, v, g, beta = b.op("If", even, outputs=5, then_branch=_even(grid),
+                            else_branch=_ragged(starts, lens, t, zero))  # [B, L, ...]
     s0 = b.op("Gather", "state_pool", "slots", axis=0)  # [B, H, K, V]
     o, state = linear_attention(b, q, k, v, g, beta, s0)  # o [B, L, H*V] fp32
     b.step = "unpack"
-    n = b.op("Range", zero, b.op("Squeeze", b.op("Shape", "q", start=0, end=1)), one)  # [N]
-    ended = b.op("GreaterOrEqual", b.op("Unsqueeze", n, b.ints(1)), b.op("Unsqueeze", ends, b.ints(0)))  # [N, B]
-    seq = b.op("ReduceSum", b.op("Cast", ended, to=TensorProto.INT64), b.ints(1), keepdims=0)  # [N] row's sequence
-    local = b.op("Sub", n, b.op("Gather", starts, seq, axis=0))
-    flat = b.op("Add", b.op("Mul", seq, L), local)  # [N] row of o [B*L, H*V]
-    o = b.op("Gather", b.op("Flatten", o, axis=2), flat, axis=0)  # [N, H*V]
+    o = b.op("Flatten", o, axis=2)  # [B*L, H*V]
+    o = b.op("If", even, then_branch=_as_is(o), else_branch=_unpack(starts, ends, L, o, zero, one))  # [N, H*V]
     b.out("CastLike", [b.op("Reshape", o, b.op("Shape", "v")), "v"], ["o"])
     b.out("Identity", [state], ["final_state"])
     return b.function(NODE, {"": opset_version, MS_DOMAIN: 1}), {MS_DOMAIN: 1}

@@ -5,6 +5,11 @@ and run by onnxruntime, equals the packed reference for steps of other N and B t
 
 from __future__ import annotations
 
+import functools
+import json
+import re
+from pathlib import Path
+
 import onnx
 import onnx_ir as ir
 import pytest
@@ -28,8 +33,8 @@ class Packed(torch.nn.Module):
         return torch.ops.k3.kda_packed(q, k, v, g, beta, state_pool, cu_seqlens, slots, K ** -0.5, "reference", -5.0)
 
 
-@pytest.fixture(scope="module")
-def session():
+@functools.cache
+def body_proto() -> bytes:
     from torch.export import Dim
 
     N, B = Dim("N", min=1, max=4096), Dim("B", min=1, max=S)
@@ -41,7 +46,12 @@ def session():
     assert [n.op_type for n in prog.model.graph] == ["KDAPacked"]
     proto = ir.serde.serialize_model(ort_pass(prog.model))
     onnx.checker.check_model(proto, full_check=True)
-    return ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    return proto.SerializeToString()
+
+
+@pytest.fixture(scope="module")
+def session():
+    return ort.InferenceSession(body_proto(), providers=["CPUExecutionProvider"])
 
 
 @pytest.mark.parametrize("lens", [
@@ -56,6 +66,33 @@ def test_body_matches_reference(session, lens):
     ro, rs = kda_packed(*args, scale=K ** -0.5)
     assert_close(torch.from_numpy(o), ro, torch.float32, f"{lens}: o")
     assert_close(torch.from_numpy(s), rs, torch.float32, f"{lens}: final_state")
+
+
+@pytest.mark.parametrize("lens,branch", [
+    pytest.param([70], "even", id="one-prefill:even"),
+    pytest.param([1, 1, 1], "even", id="decode-B3:even"),
+    pytest.param([2, 65, 1], "ragged", id="mixed:ragged"),
+])
+def test_even_steps_reshape_the_packed_rows(lens, branch, tmp_path):
+    """A step whose sequences all have the same length (one prefill, decode rows only) takes the If's
+    `even` branch: the packed rows are the [B, L] grid, no padding Gather of q, k, v, g, beta, no masking Mul,
+    no unpacking Gather of o; other steps the `ragged` one. Both equal the reference."""
+    so = ort.SessionOptions()
+    so.enable_profiling, so.profile_file_prefix = True, str(tmp_path / "ort")
+    sess = ort.InferenceSession(body_proto(), so, providers=["CPUExecutionProvider"])
+    args = kda_step(lens, H=H, K=K, V=V, S=S, seed=3)
+    o, s = sess.run(None, {n: x.numpy() for n, x in zip(NAMES, args)})
+    ro, rs = kda_packed(*args, scale=K ** -0.5)
+    assert_close(torch.from_numpy(o), ro, torch.float32, f"{lens}: o")
+    assert_close(torch.from_numpy(s), rs, torch.float32, f"{lens}: final_state")
+    events = [e for e in json.loads(Path(sess.end_profiling()).read_text()) if e.get("cat") == "Node"]
+    ran = {(m.group(1), e["args"]["op_name"]) for e in events
+           for m in [re.search(r"KDAPacked/(\w+)/", e["name"])] if m and e["name"].endswith("_kernel_time")}
+    steps = {step for step, _ in ran}
+    assert branch in steps and not ({"even", "ragged"} - {branch}) & steps, steps
+    gathers = {step for step, op in ran if op == "Gather"}  # pad: the pool's B rows
+    assert gathers == ({"pad"} if branch == "even" else {"pad", "ragged", "repack"}), ran
+    assert (branch == "ragged") == any(op == "Mul" for step, op in ran if step != "recurrence"), ran
 
 
 def test_packed_layer_runs_in_onnxruntime():
