@@ -40,20 +40,11 @@ def _scalar(b: Body, value: int) -> str:
 INPUTS = ("q", "k", "v", "g", "beta")
 
 
-def _branch(b: Body, outs: list[str]) -> onnx.GraphProto:
-    """An If branch (no inputs) returning `outs` under names of its own."""
-    names = [f"{b.name}_{b.step}_out_{i}" for i in range(len(outs))]
-    for src, dst in zip(outs, names):
-        b.out("Identity", [src], [dst])
-    return helper.make_graph(b.nodes, f"{b.name}_{b.step}", [],
-                             [onnx.ValueInfoProto(name=n) for n in names])  # types: the inputs' (any float dtype)
-
-
 def _even(grid: str) -> onnx.GraphProto:
     """Branch, every sequence L rows (one prefill, decode rows only): the packed rows ARE the [B, L] grid,
     each input a Reshape (no copy, no padding to mask)."""
     b = Body("KDAPacked", "even")
-    return _branch(b, [b.op("Reshape", x, b.op("Concat", grid, b.op("Shape", x, start=1), axis=0)) for x in INPUTS])
+    return b.branch([b.op("Reshape", x, b.op("Concat", grid, b.op("Shape", x, start=1), axis=0)) for x in INPUTS])
 
 
 def _ragged(starts: str, lens: str, t: str, zero: str) -> onnx.GraphProto:
@@ -66,7 +57,7 @@ def _ragged(starts: str, lens: str, t: str, zero: str) -> onnx.GraphProto:
     real = b.op("Cast", valid, to=TensorProto.FLOAT)
     g = b.op("Mul", g, b.op("Unsqueeze", real, b.ints(2, 3)))
     beta = b.op("Mul", beta, b.op("Unsqueeze", real, b.ints(2)))
-    return _branch(b, [q, k, v, g, beta])
+    return b.branch([q, k, v, g, beta])
 
 
 def _unpack(starts: str, ends: str, L: str, o: str, zero: str, one: str) -> onnx.GraphProto:
@@ -76,12 +67,12 @@ def _unpack(starts: str, ends: str, L: str, o: str, zero: str, one: str) -> onnx
     ended = b.op("GreaterOrEqual", b.op("Unsqueeze", n, b.ints(1)), b.op("Unsqueeze", ends, b.ints(0)))  # [N, B]
     seq = b.op("ReduceSum", b.op("Cast", ended, to=TensorProto.INT64), b.ints(1), keepdims=0)  # [N] row's sequence
     local = b.op("Sub", n, b.op("Gather", starts, seq, axis=0))
-    return _branch(b, [b.op("Gather", o, b.op("Add", b.op("Mul", seq, L), local), axis=0)])  # [N, H*V]
+    return b.branch([b.op("Gather", o, b.op("Add", b.op("Mul", seq, L), local), axis=0)])  # [N, H*V]
 
 
 def _as_is(o: str) -> onnx.GraphProto:
     b = Body("KDAPacked", "as_is")
-    return _branch(b, [o])
+    return b.branch([o])
 
 
 def function(opset_version: int, nodes: list) -> tuple[onnx.FunctionProto, dict[str, int]]:

@@ -85,18 +85,11 @@ def _mix(b: Body, p: str, keys: str, C: str) -> str:
     return b.op("MatMul", p, b.op("Slice", keys, b.ints(0), C, b.ints(-1)))
 
 
-def _branch(b: Body, o: str) -> onnx.GraphProto:
-    out = f"{b.name}_{b.step}_o"
-    b.out("Identity", [o], [out])
-    return onnx.helper.make_graph(b.nodes, f"{b.name}_{b.step}", [],
-                                  [onnx.helper.make_tensor_value_info(out, FLOAT, None)])
-
-
 def _step_only(s_step: str, step: str, C: str) -> onnx.GraphProto:
     """If branch, no sequence has a past (a prefill step): softmax over this step's keys only (no empty past
     block concatenated to the scores and split off again)."""
     b = Body("MLAPaged", "prefill")
-    return _branch(b, _mix(b, b.op("Softmax", s_step, axis=-1), step, C))
+    return b.branch([_mix(b, b.op("Softmax", s_step, axis=-1), step, C)])
 
 
 def _past_and_step(q: str, past: str, seen: str, s_step: str, step: str, C: str, tmax: str,
@@ -106,7 +99,7 @@ def _past_and_step(q: str, past: str, seen: str, s_step: str, step: str, C: str,
     p = b.op("Softmax", b.op("Concat", _scores(b, q, past, seen, scale), s_step, axis=-1), axis=-1)
     p_past, p_step = b.op("Split", p, b.op("Concat", b.op("Shape", past, start=2, end=3),
                                             b.op("Unsqueeze", tmax, b.ints(0)), axis=0), axis=-1, outputs=2)
-    return _branch(b, b.op("Add", _mix(b, p_past, past, C), _mix(b, p_step, step, C)))
+    return b.branch([b.op("Add", _mix(b, p_past, past, C), _mix(b, p_step, step, C))])
 
 
 def function(opset_version: int, nodes: list) -> tuple[onnx.FunctionProto, dict[str, int]]:

@@ -60,14 +60,6 @@ class Pairs:
     hit: str
 
 
-def _graph(b: Body, name: str, y: str, slots: str) -> onnx.GraphProto:
-    """A branch subgraph (no inputs) returning (Y fp32, slots int64) under names of its own."""
-    outs = [(f"{name}_y", FLOAT, y), (f"{name}_slots", INT64, slots)]
-    for dst, _, src in outs:
-        b.out("Identity", [src], [dst])
-    return helper.make_graph(b.nodes, name, [], [helper.make_tensor_value_info(n, t, None) for n, t, _ in outs])
-
-
 def _positions(b: Body, p: Pairs) -> str:
     """Each sorted pair's rank inside its expert's segment [M]."""
     arange = b.op("Range", b.op("Constant", value_int=0), b.op("Size", p.sorted_ids), b.op("Constant", value_int=1))
@@ -115,7 +107,7 @@ def padded_experts(name: str, p: Pairs, c: str, glu: Glu) -> onnx.GraphProto:
                                                       axis=0)), perm=[0, 2, 1])  # [E, L, C]
     g = glu(b, b.op("MatMul", "w1", zt), b.op("MatMul", "w3", zt))  # [E, I, C]
     y = b.op("Transpose", b.op("MatMul", "w2", g), perm=[0, 2, 1])  # [E, C, L]
-    return _graph(b, f"{name}_padded", b.op("Reshape", y, b.op("Concat", b.ints(-1), width, axis=0)), slot)
+    return b.branch([b.op("Reshape", y, b.op("Concat", b.ints(-1), width, axis=0)), slot])
 
 
 def _expert_loop_body(name: str, p: Pairs, ends: str, glu: Glu, expert_weights: ExpertWeights,
@@ -161,7 +153,7 @@ def looped_experts(b: Body, p: Pairs, glu: Glu, expert_weights: ExpertWeights, q
 
 def looped_branch(name: str, p: Pairs, glu: Glu, expert_weights: ExpertWeights) -> onnx.GraphProto:
     b = Body(name, "loop")
-    return _graph(b, f"{name}_loop", *looped_experts(b, p, glu, expert_weights))
+    return b.branch(list(looped_experts(b, p, glu, expert_weights)))
 
 
 def combine(b: Body, p: Pairs, y: str, slots: str) -> str:
