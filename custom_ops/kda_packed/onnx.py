@@ -5,11 +5,12 @@ Body: pad each sequence to the step's longest, L rows, then k3::KDA's own body (
 `kda.onnx.linear_attention`) over [B, L] from the pool rows Gather(state_pool, slots). Padding rows sit after
 each sequence's last row with g = 0 and beta = 0: the delta rule leaves the state unchanged on them
 (S·exp(0) + k·0), so final_state is exact, and their outputs are never gathered back. Why not an ONNX Loop
-over the sequences: one fused LinearAttention call, no subgraph, and exact O(N) work for the common steps
+over the sequences: one fused LinearAttention call per step, and exact O(N) work for the common steps
 (decode only: L = 1; one prefill: B = 1); the price is B·L rows when a long prefill shares a step with many
 decode rows. Those common steps have every sequence L rows (B·L = N): an If takes them to Reshapes of the
-packed rows, no padding Gather in or out. Else unpacking finds each row's sequence by an [N, B] comparison;
-the pool is only read (Gather of B rows), never copied whole.
+packed rows, no padding Gather in or out (the recurrence runs inside each branch). Otherwise unpacking
+finds each row's sequence by an [N, B] comparison; the pool is only read (Gather of B rows), never copied
+whole.
 """
 
 from __future__ import annotations
@@ -40,62 +41,53 @@ def _scalar(b: Body, value: int) -> str:
 INPUTS = ("q", "k", "v", "g", "beta")
 
 
-def _even(grid: str) -> onnx.GraphProto:
-    """Branch, every sequence L rows (one prefill, decode rows only): the packed rows ARE the [B, L] grid,
-    each input a Reshape (no copy, no padding to mask)."""
+def _even(grid: str, s0: str) -> onnx.GraphProto:
+    """Branch, every sequence L rows (one prefill, decode rows only): the packed rows ARE the [B, L] grid, each
+    input a Reshape (no copy, no padding to mask); o [B, L, H*V] as the recurrence writes it."""
     b = Body("KDAPacked", "even")
-    return b.branch([b.op("Reshape", x, b.op("Concat", grid, b.op("Shape", x, start=1), axis=0)) for x in INPUTS])
+    xs = [b.op("Reshape", x, b.op("Concat", grid, b.op("Shape", x, start=1), axis=0)) for x in INPUTS]
+    return b.branch(list(linear_attention(b, *xs, s0)))
 
 
-def _ragged(starts: str, lens: str, t: str, zero: str) -> onnx.GraphProto:
+def _ragged(starts: str, ends: str, lens: str, t: str, L: str, s0: str) -> onnx.GraphProto:
     """Branch, sequences of other lengths: each padded to L rows by a Gather of its packed rows, the padding
-    rows with g = 0 (no decay) and beta = 0 (no write)."""
+    rows with g = 0 (no decay) and beta = 0 (no write); o [N, H*V]: packed row n = row (its sequence, n - its
+    start) of the padded output."""
     b = Body("KDAPacked", "ragged")
+    zero, one = _scalar(b, 0), _scalar(b, 1)
     valid = b.op("Less", t, b.op("Unsqueeze", lens, b.ints(1)))  # [B, L]: a real row of sequence b
     rows = b.op("Where", valid, b.op("Add", b.op("Unsqueeze", starts, b.ints(1)), t), zero)  # [B, L] packed row
     q, k, v, g, beta = (b.op("Gather", x, rows, axis=0) for x in INPUTS)  # [B, L, ...]
     real = b.op("Cast", valid, to=TensorProto.FLOAT)
     g = b.op("Mul", g, b.op("Unsqueeze", real, b.ints(2, 3)))
     beta = b.op("Mul", beta, b.op("Unsqueeze", real, b.ints(2)))
-    return b.branch([q, k, v, g, beta])
-
-
-def _unpack(starts: str, ends: str, L: str, o: str, zero: str, one: str) -> onnx.GraphProto:
-    """Branch, ragged: packed row n = row (its sequence, n - its start) of o [B*L, H*V]."""
-    b = Body("KDAPacked", "repack")  # a step name of its own: value names stay unique across the scopes
+    o, state = linear_attention(b, q, k, v, g, beta, s0)  # o [B, L, H*V]
+    b.step = "unpack"
     n = b.op("Range", zero, b.op("Squeeze", b.op("Shape", "q", start=0, end=1)), one)  # [N]
     ended = b.op("GreaterOrEqual", b.op("Unsqueeze", n, b.ints(1)), b.op("Unsqueeze", ends, b.ints(0)))  # [N, B]
     seq = b.op("ReduceSum", b.op("Cast", ended, to=TensorProto.INT64), b.ints(1), keepdims=0)  # [N] row's sequence
     local = b.op("Sub", n, b.op("Gather", starts, seq, axis=0))
-    return b.branch([b.op("Gather", o, b.op("Add", b.op("Mul", seq, L), local), axis=0)])  # [N, H*V]
-
-
-def _as_is(o: str) -> onnx.GraphProto:
-    b = Body("KDAPacked", "as_is")
-    return b.branch([o])
+    o = b.op("Gather", b.op("Flatten", o, axis=2), b.op("Add", b.op("Mul", seq, L), local), axis=0)  # [N, H*V]
+    return b.branch([o, state])
 
 
 def function(opset_version: int, nodes: list) -> tuple[onnx.FunctionProto, dict[str, int]]:
     """The ONNX Runtime body and the extra opsets it imports. An If takes a step whose sequences all have
     the longest one's L rows (B·L = N: one prefill, or decode rows only) to Reshapes of the packed rows
-    (in and out), any other to the padding Gathers."""
+    (in and out), any other to the padding Gathers. Each branch runs the recurrence itself and returns what
+    it writes: a branch returning a Reshape of an input would copy it into the If's output."""
     b = Body("KDAPacked", "pad")
     cu = b.op("Cast", "cu_seqlens", to=TensorProto.INT64)
     starts = b.op("Slice", cu, b.ints(0), b.ints(-1))  # [B]
     ends = b.op("Slice", cu, b.ints(1), b.ints(2 ** 62))  # [B]
     lens = b.op("Sub", ends, starts)
     L = b.op("ReduceMax", lens, keepdims=1)  # [1]: the longest sequence of the step
-    zero, one = _scalar(b, 0), _scalar(b, 1)
-    t = b.op("Unsqueeze", b.op("Range", zero, b.op("Squeeze", L), one), b.ints(0))  # [1, L]
+    t = b.op("Unsqueeze", b.op("Range", _scalar(b, 0), b.op("Squeeze", L), _scalar(b, 1)), b.ints(0))  # [1, L]
     grid = b.op("Concat", b.op("Shape", lens), L, axis=0)  # [2] = (B, L)
     even = b.op("Equal", b.op("ReduceProd", grid, keepdims=0), b.op("Squeeze", b.op("Shape", "q", start=0, end=1)))
-    q, k, v, g, beta = b.op("If", even, outputs=5, then_branch=_even(grid),
-                            else_branch=_ragged(starts, lens, t, zero))  # [B, L, ...]
     s0 = b.op("Gather", "state_pool", "slots", axis=0)  # [B, H, K, V]
-    o, state = linear_attention(b, q, k, v, g, beta, s0)  # o [B, L, H*V] fp32
-    b.step = "unpack"
-    o = b.op("Flatten", o, axis=2)  # [B*L, H*V]
-    o = b.op("If", even, then_branch=_as_is(o), else_branch=_unpack(starts, ends, L, o, zero, one))  # [N, H*V]
+    o, state = b.op("If", even, outputs=2, then_branch=_even(grid, s0),
+                    else_branch=_ragged(starts, ends, lens, t, L, s0))  # o [B, L, H*V] or [N, H*V]
     b.out("CastLike", [b.op("Reshape", o, b.op("Shape", "v")), "v"], ["o"])
     b.out("Identity", [state], ["final_state"])
     return b.function(NODE, {"": opset_version, MS_DOMAIN: 1}), {MS_DOMAIN: 1}

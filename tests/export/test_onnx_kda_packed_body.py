@@ -91,8 +91,23 @@ def test_even_steps_reshape_the_packed_rows(lens, branch, tmp_path):
     steps = {step for step, _ in ran}
     assert branch in steps and not ({"even", "ragged"} - {branch}) & steps, steps
     gathers = {step for step, op in ran if op == "Gather"}  # pad: the pool's B rows
-    assert gathers == ({"pad"} if branch == "even" else {"pad", "ragged", "repack"}), ran
+    assert gathers == ({"pad"} if branch == "even" else {"pad", "ragged", "unpack"}), ran
     assert (branch == "ragged") == any(op == "Mul" for step, op in ran if step != "recurrence"), ran
+
+
+def test_both_branches_hand_out_what_the_recurrence_writes():
+    """The If's branches each run the recurrence and return its outputs (the even one o as written, [B, L,
+    H*V]): a branch output made by a Reshape or Identity of a step-sized input would be copied into the If's
+    output, a pass over the rows the even branch exists to avoid."""
+    from k3x.custom_ops.kda_packed.onnx import function
+
+    fn, _ = function(20, [])
+    (node,) = [n for n in fn.node if n.op_type == "If"]
+    for attr in node.attribute:
+        made = {o: n for n in attr.g.node for o in n.output}
+        sources = [made[made[out.name].input[0]].op_type for out in attr.g.output]  # each output's Identity input
+        assert sources == (["LinearAttention"] * 2 if attr.name == "then_branch" else ["Gather", "LinearAttention"]), \
+            (attr.name, sources)
 
 
 def test_packed_layer_runs_in_onnxruntime():
