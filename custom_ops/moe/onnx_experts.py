@@ -86,8 +86,10 @@ def use_padded(b: Body, p: Pairs) -> tuple[str, str]:
 
 
 def padded_experts(name: str, p: Pairs, c: str, glu: Glu) -> onnx.GraphProto:
-    """Branch: every local expert on its pairs padded to C rows, batched over experts -> (Y [E·C, L], each
-    sorted pair's row of Y; a sentinel pair's row is clamped to 0, a real row, and weighted 0 in `combine`)."""
+    """Branch: every local expert on its pairs padded to C rows, batched over experts -> (Y [E, C, L] as the
+    last Transpose writes it (a Reshape as the branch's output would be copied into the If's output:
+    `routed_experts` flattens it), each sorted pair's row of Y [E·C, L]; a sentinel pair's row is clamped to
+    0, a real row, and weighted 0 in `combine`)."""
     b = Body(name, "padded")
     local = b.op("Less", p.sorted_ids, p.e_local)
     slot = b.op("Add", b.op("Mul", p.sorted_ids, c), _positions(b, p))  # [M]
@@ -107,7 +109,7 @@ def padded_experts(name: str, p: Pairs, c: str, glu: Glu) -> onnx.GraphProto:
                                                       axis=0)), perm=[0, 2, 1])  # [E, L, C]
     g = glu(b, b.op("MatMul", "w1", zt), b.op("MatMul", "w3", zt))  # [E, I, C]
     y = b.op("Transpose", b.op("MatMul", "w2", g), perm=[0, 2, 1])  # [E, C, L]
-    return b.branch([b.op("Reshape", y, b.op("Concat", b.ints(-1), width, axis=0)), slot])
+    return b.branch([y, slot])
 
 
 def _expert_loop_body(name: str, p: Pairs, ends: str, glu: Glu, expert_weights: ExpertWeights,
@@ -183,4 +185,5 @@ def routed_experts(b: Body, p: Pairs, glu: Glu, expert_weights: ExpertWeights, p
     cond, c = use_padded(b, p)
     y, slots = b.op("If", cond, outputs=2, then_branch=padded_experts(b.name, p, c, glu),
                     else_branch=looped_branch(b.name, p, glu, expert_weights))
-    return combine(b, p, y, slots)
+    width = b.op("Slice", b.op("Shape", p.z), b.ints(1), b.ints(2))
+    return combine(b, p, b.op("Reshape", y, b.op("Concat", b.ints(-1), width, axis=0)), slots)  # [E·C or 1+M, L]

@@ -171,6 +171,19 @@ def test_padded_batch_reads_stacked_fp32_weights_in_place_and_only_for_fp32():
     assert not [n for n in fn.node if n.op_type == "If"] and [n for n in fn.node if n.op_type == "Loop"]
 
 
+def test_branches_hand_out_what_their_last_ops_write():
+    """The If's branches return Y as written by their last op (the batch's Transpose, the loop's
+    ConcatFromSequence): a Reshape as a branch output would be copied into the If's output, a pass over
+    the [E·C, L] rows."""
+    inputs = [ir.Value(name=n) for n in ("x", "z", "gate_weight", "gate_bias")] + weight_values(ir.DataType.FLOAT)
+    fn, _ = moe_function(20, [ir.node("MoE", inputs, {"activation": "situ"}, domain=onnx_node.DOMAIN)])
+    (node,) = [n for n in fn.node if n.op_type == "If"]
+    for attr in node.attribute:
+        made = {o: n for n in attr.g.node for o in n.output}
+        sources = [made[made[out.name].input[0]].op_type for out in attr.g.output]  # each output's Identity input
+        assert sources == ["Transpose" if attr.name == "then_branch" else "ConcatFromSequence", "Where"], sources
+
+
 def test_expert_weights_are_only_gathered_per_hit_expert():
     """Weights of unknown type: no batch; outside the Loop nothing reads w1/w3/w2; inside, only a Gather of one
     expert does."""
