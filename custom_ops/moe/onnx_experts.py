@@ -5,8 +5,9 @@ rank's experts sorts last). Output: u [N, L] fp32 = Σ_j w[n, j] · E_{ids[n, j]
 O(work actually routed), chosen per call by an If where the stacked weights are fp32:
 
 - padded (`padded_experts`): every local expert's pairs in a [E, C, L] block, C = the largest expert's pair
-  count (padding rows are zeros); three batched MatMuls read the stacked weights in place, the weights as
-  the A operand (w1 [E, I, L] @ Zᵀ [E, L, C]), so nothing copies or transposes them. Taken when the padding
+  count (padding rows are zeros); three batched MatMuls read the stacked weights in place as the transposed
+  operand (com.microsoft FusedMatMul transB: Z [E, C, L] @ w1ᵀ), so nothing copies or transposes them, nor
+  the activations (the output comes out [E, C, L], rows as combined). Taken when the padding
   waste is bounded, E_local·C <= PADDED_WASTE · M_local, and at least half the local experts are hit (the
   batch reads every expert's weights). At K3 scale (896 experts, top-16) a decode step has E·C / M = 56:
   the loop; a balanced prefill is within 2x: padded. Only for fp32 weights (bf16 would be cast whole; MXFP4
@@ -28,7 +29,7 @@ from typing import Callable
 import onnx
 from onnx import TensorProto, helper
 
-from ...plan.onnx_node import Body
+from ...plan.onnx_node import MS_DOMAIN, Body
 
 FLOAT, INT64, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
 PADDED_WASTE = 2  # padded rows per routed row above which the loop is taken (K3 decode: 56)
@@ -87,7 +88,7 @@ def use_padded(b: Body, p: Pairs) -> tuple[str, str]:
 
 def padded_experts(name: str, p: Pairs, c: str, glu: Glu) -> onnx.GraphProto:
     """Branch: every local expert on its pairs padded to C rows, batched over experts -> (Y [E, C, L] as the
-    last Transpose writes it (a Reshape as the branch's output would be copied into the If's output:
+    last MatMul writes it (a Reshape as the branch's output would be copied into the If's output:
     `routed_experts` flattens it), each sorted pair's row of Y [E·C, L]; a sentinel pair's row is clamped to
     0, a real row, and weighted 0 in `combine`)."""
     b = Body(name, "padded")
@@ -105,11 +106,14 @@ def padded_experts(name: str, p: Pairs, c: str, glu: Glu) -> onnx.GraphProto:
                                                     b.op("Constant", value_int=1)), axis=0)  # [E·C], unique slots
     z0 = b.op("Concat", b.op("ConstantOfShape", b.op("Concat", b.ints(1), width, axis=0)), p.z, axis=0)
     zp = b.op("Gather", z0, src, axis=0)  # [E·C, L]
-    zt = b.op("Transpose", b.op("Reshape", zp, b.op("Concat", p.e_local, b.op("Unsqueeze", c, first), width,
-                                                      axis=0)), perm=[0, 2, 1])  # [E, L, C]
-    g = glu(b, b.op("MatMul", "w1", zt), b.op("MatMul", "w3", zt))  # [E, I, C]
-    y = b.op("Transpose", b.op("MatMul", "w2", g), perm=[0, 2, 1])  # [E, C, L]
-    return b.branch([y, slot])
+    zp = b.op("Reshape", zp, b.op("Concat", p.e_local, b.op("Unsqueeze", c, first), width, axis=0))  # [E, C, L]
+    g = glu(b, _times_t(b, zp, "w1"), _times_t(b, zp, "w3"))  # [E, C, I]
+    return b.branch([_times_t(b, g, "w2"), slot])  # [E, C, L]
+
+
+def _times_t(b: Body, x: str, w: str) -> str:
+    """x [E, C, K] @ w[e]ᵀ per expert, w [E, O, K] read in place as the transposed operand -> [E, C, O]."""
+    return b.op("FusedMatMul", x, w, domain=MS_DOMAIN, transB=1)
 
 
 def _expert_loop_body(name: str, p: Pairs, ends: str, glu: Glu, expert_weights: ExpertWeights,

@@ -152,7 +152,7 @@ def weight_values(dtype: ir.DataType) -> list[ir.Value]:
 
 
 def test_padded_batch_reads_stacked_fp32_weights_in_place_and_only_for_fp32():
-    """fp32 experts: the If's batch reads w1/w3/w2 only as MatMul operands (no copy, no cast of all experts),
+    """fp32 experts: the If's batch reads w1/w3/w2 only as FusedMatMul operands (transB: no copy, no cast),
     its loop only through a Gather of one expert; bf16 experts get no batch at all (it would cast them whole)."""
     def moe_node(dtype):
         inputs = [ir.Value(name=n) for n in ("x", "z", "gate_weight", "gate_bias")] + weight_values(dtype)
@@ -163,7 +163,9 @@ def test_padded_batch_reads_stacked_fp32_weights_in_place_and_only_for_fp32():
     assert not [n.op_type for n in fn.node if set(n.input) & experts]
     (branch,) = [n for n in fn.node if n.op_type == "If"]
     g = {a.name: helper.get_attribute_value(a) for a in branch.attribute}
-    assert {n.op_type for n in g["then_branch"].node if set(n.input) & experts} == {"MatMul"}
+    readers = [n for n in g["then_branch"].node if set(n.input) & experts]
+    assert {(n.op_type, n.input[1], helper.get_attribute_value(n.attribute[0])) for n in readers} == {
+        ("FusedMatMul", w, 1) for w in experts}  # the weights as the transposed operand, read in place
     (loop,) = [n for n in g["else_branch"].node if n.op_type == "Loop"]
     body = helper.get_attribute_value(loop.attribute[0])
     assert {n.op_type for n in body.node if set(n.input) & experts} == {"Gather"}
@@ -172,7 +174,7 @@ def test_padded_batch_reads_stacked_fp32_weights_in_place_and_only_for_fp32():
 
 
 def test_branches_hand_out_what_their_last_ops_write():
-    """The If's branches return Y as written by their last op (the batch's Transpose, the loop's
+    """The If's branches return Y as written by their last op (the batch's MatMul, the loop's
     ConcatFromSequence): a Reshape as a branch output would be copied into the If's output, a pass over
     the [E·C, L] rows."""
     inputs = [ir.Value(name=n) for n in ("x", "z", "gate_weight", "gate_bias")] + weight_values(ir.DataType.FLOAT)
@@ -181,7 +183,7 @@ def test_branches_hand_out_what_their_last_ops_write():
     for attr in node.attribute:
         made = {o: n for n in attr.g.node for o in n.output}
         sources = [made[made[out.name].input[0]].op_type for out in attr.g.output]  # each output's Identity input
-        assert sources == ["Transpose" if attr.name == "then_branch" else "ConcatFromSequence", "Where"], sources
+        assert sources == ["FusedMatMul" if attr.name == "then_branch" else "ConcatFromSequence", "Where"], sources
 
 
 def test_expert_weights_are_only_gathered_per_hit_expert():
