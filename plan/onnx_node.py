@@ -111,6 +111,16 @@ class Body:
     def ints(self, *values: int) -> str:
         return self.op("Constant", value_ints=list(values))
 
+    def branch(self, outs: list[str], tag: str = "") -> onnx.GraphProto:
+        """These nodes as a subgraph with no inputs (an If branch, reading the outer scope) returning `outs`
+        under names of its own (`tag` tells sibling branches of one step apart), their types left to
+        inference (any dtype)."""
+        names = [f"{self.name}_{self.step}{tag}_out_{i}" for i in range(len(outs))]
+        for src, dst in zip(outs, names):
+            self.out("Identity", [src], [dst])
+        return helper.make_graph(self.nodes, f"{self.name}_{self.step}{tag}", [],
+                                 [onnx.ValueInfoProto(name=n) for n in names])
+
     def function(self, spec: NodeSpec, opsets: dict[str, int]) -> onnx.FunctionProto:
         return helper.make_function(DOMAIN, spec.op_type, [n for n, _ in spec.inputs], [n for n, _ in spec.outputs],
                                     self.nodes, [helper.make_opsetid(d, v) for d, v in sorted(opsets.items())],

@@ -40,14 +40,7 @@ def linear_attention(b: Body, q: str, k: str, v: str, g: str, beta: str, s0: str
     beta [B, T, H], s0 [B, H, K, V], any float dtype -> (o [B, T, H*V] fp32, final state fp32). The calling
     node's attributes `num_heads` and `scale` are referenced, so the node must have them."""
     q, k, v, g, beta = packed_inputs(b, q, k, v, g, beta)
-    s0 = b.op("Cast", s0, to=onnx.TensorProto.FLOAT)
-    b.step = "recurrence"
-    o, state = b.op("LinearAttention", q, k, v, s0, g, beta, outputs=2, domain=MS_DOMAIN, update_rule="gated_delta")
-    la = b.nodes[-1]
-    for attr, ref in (("q_num_heads", "num_heads"), ("kv_num_heads", "num_heads")):
-        la.attribute.append(onnx.AttributeProto(name=attr, ref_attr_name=ref, type=onnx.AttributeProto.INT))
-    la.attribute.append(onnx.AttributeProto(name="scale", ref_attr_name="scale", type=onnx.AttributeProto.FLOAT))
-    return o, state
+    return recurrence(b, q, k, v, g, beta, b.op("Cast", s0, to=onnx.TensorProto.FLOAT))
 
 
 def packed_inputs(b: Body, q: str, k: str, v: str, g: str, beta: str) -> tuple[str, ...]:
@@ -57,8 +50,12 @@ def packed_inputs(b: Body, q: str, k: str, v: str, g: str, beta: str) -> tuple[s
     return q, k, v, g, b.op("Cast", beta, to=onnx.TensorProto.FLOAT)
 
 
-def recurrence_node(inputs: list[str], outputs: list[str], name: str, heads: int, scale: float) -> onnx.NodeProto:
-    """A LinearAttention node with its attributes as values (a subgraph cannot reference the calling node's
-    attributes): inputs q, k, v, s0, g, beta as `packed_inputs` gives them."""
-    return onnx.helper.make_node("LinearAttention", inputs, outputs, name=name, domain=MS_DOMAIN,
-                                 update_rule="gated_delta", q_num_heads=heads, kv_num_heads=heads, scale=scale)
+def recurrence(b: Body, q: str, k: str, v: str, g: str, beta: str, s0: str) -> tuple[str, str]:
+    """The LinearAttention node on `packed_inputs` and an fp32 state s0 -> (o [B, T, H*V], final state)."""
+    b.step = "recurrence"
+    o, state = b.op("LinearAttention", q, k, v, s0, g, beta, outputs=2, domain=MS_DOMAIN, update_rule="gated_delta")
+    la = b.nodes[-1]
+    for attr, ref in (("q_num_heads", "num_heads"), ("kv_num_heads", "num_heads")):
+        la.attribute.append(onnx.AttributeProto(name=attr, ref_attr_name=ref, type=onnx.AttributeProto.INT))
+    la.attribute.append(onnx.AttributeProto(name="scale", ref_attr_name="scale", type=onnx.AttributeProto.FLOAT))
+    return o, state

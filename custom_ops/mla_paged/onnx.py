@@ -7,7 +7,10 @@
    [B, MBp*BS, L] -- only blocks holding past positions (a prefill reads none: MBp = 0), so nothing here
    grows with the pool, nor with this step's own rows;
 3. scores over [past | step] (two MatMuls, no concatenated keys): past key j visible iff j < past_lens[b],
-   step key s iff s <= t; one Softmax over both; o = p_past @ past[:C] + p_step @ step[:C];
+   step key s iff s <= t (additive 0 / -inf masks built on the index grids, [B, 1, 1, P] and [Tmax, Tmax],
+   added to the scores: no Where over [B, H, Tmax, keys]); one Softmax over both; o = p_past @ past[:C] +
+   p_step @ step[:C]. An If takes a step with no past (a prefill: P = 0) to one Softmax over the step's
+   scores and one MatMul, without concatenating an empty past block and splitting it off again;
 4. unpad: packed row n = grid cell (b, n - cu_seqlens[b]) with b = #{b' : cu_seqlens[b'+1] <= n}.
 """
 
@@ -73,6 +76,32 @@ def _past_blocks(b: Body) -> str:
     return b.op("Div", b.op("Add", most, b.op("Sub", bs, b.ints(1))), bs)
 
 
+def _scores(b: Body, q: str, keys: str, mask: str, scale: str) -> str:
+    """(q . keys) * scale + mask (0 / -inf, broadcast): the masked scores [B, H, Tmax, keys]."""
+    return b.op("Add", b.op("Mul", b.op("MatMul", q, b.op("Transpose", keys, perm=[0, 1, 3, 2])), scale), mask)
+
+
+def _mix(b: Body, p: str, keys: str, C: str) -> str:
+    return b.op("MatMul", p, b.op("Slice", keys, b.ints(0), C, b.ints(-1)))
+
+
+def _step_only(s_step: str, step: str, C: str) -> onnx.GraphProto:
+    """If branch, no sequence has a past (a prefill step): softmax over this step's keys only (no empty past
+    block concatenated to the scores and split off again)."""
+    b = Body("MLAPaged", "prefill")
+    return b.branch([_mix(b, b.op("Softmax", s_step, axis=-1), step, C)])
+
+
+def _past_and_step(q: str, past: str, seen: str, s_step: str, step: str, C: str, tmax: str,
+                   scale: str) -> onnx.GraphProto:
+    """If branch, some past: one softmax over [past | step] scores, each part mixing its own keys."""
+    b = Body("MLAPaged", "past")
+    p = b.op("Softmax", b.op("Concat", _scores(b, q, past, seen, scale), s_step, axis=-1), axis=-1)
+    p_past, p_step = b.op("Split", p, b.op("Concat", b.op("Shape", past, start=2, end=3),
+                                            b.op("Unsqueeze", tmax, b.ints(0)), axis=0), axis=-1, outputs=2)
+    return b.branch([b.op("Add", _mix(b, p_past, past, C), _mix(b, p_step, step, C))])
+
+
 def function(opset_version: int, nodes: list) -> tuple[onnx.FunctionProto, dict[str, int]]:
     """The ONNX Runtime body and the extra opsets it imports (none)."""
     b = Body("MLAPaged", "pad")
@@ -87,23 +116,18 @@ def function(opset_version: int, nodes: list) -> tuple[onnx.FunctionProto, dict[
     past = b.op("Cast", past, to=FLOAT)  # [B, 1, MB*BS, L]
     b.step = "scores"
     scale = b.ref("scale", onnx.AttributeProto.FLOAT, "value_float")
-    ninf = b.op("Constant", value_float=float("-inf"))
+    zero, ninf = b.op("Constant", value_float=0.0), b.op("Constant", value_float=float("-inf"))
     j = _range(b, _dim(b, past, 2))
     past_lens = b.op("Cast", "past_lens", to=INT64)
     seen = b.op("Less", b.op("Unsqueeze", j, b.ints(0)), b.op("Unsqueeze", past_lens, b.ints(1)))  # [B, P]
-    seen = b.op("Unsqueeze", seen, b.ints(1, 2))  # [B, 1, 1, P]
+    seen = b.op("Where", b.op("Unsqueeze", seen, b.ints(1, 2)), zero, ninf)  # [B, 1, 1, P] additive mask
     causal = b.op("LessOrEqual", b.op("Unsqueeze", t, b.ints(0)), b.op("Unsqueeze", t, b.ints(1)))  # [t, s]
-    scores = []
-    for keys, mask in ((past, seen), (step, causal)):
-        s = b.op("Mul", b.op("MatMul", q, b.op("Transpose", keys, perm=[0, 1, 3, 2])), scale)
-        scores.append(b.op("Where", mask, s, ninf))
-    p = b.op("Softmax", b.op("Concat", *scores, axis=-1), axis=-1)  # [B, H, Tmax, P + Tmax]
-    b.step = "mix"
+    causal = b.op("Where", causal, zero, ninf)  # [Tmax, Tmax] additive mask
+    s_step = _scores(b, q, step, causal, scale)  # [B, H, Tmax, Tmax]
     C = b.op("Shape", "q_latent", start=2, end=3)
-    p_past, p_step = b.op("Split", p, b.op("Concat", b.op("Shape", past, start=2, end=3),
-                                            b.op("Unsqueeze", tmax, b.ints(0)), axis=0), axis=-1, outputs=2)
-    o = b.op("Add", *(b.op("MatMul", pk, b.op("Slice", keys, b.ints(0), C, b.ints(-1)))
-                      for pk, keys in ((p_past, past), (p_step, step))))  # [B, H, Tmax, C]
+    no_past = b.op("Equal", _dim(b, past, 2), b.op("Constant", value_int=0))
+    o = b.op("If", no_past, then_branch=_step_only(s_step, step, C),
+             else_branch=_past_and_step(q, past, seen, s_step, step, C, tmax, scale))  # [B, H, Tmax, C]
     b.step = "unpad"
     b.out("CastLike", [_unpad(b, o, starts, tmax), "q_latent"], ["o"])
     return b.function(NODE, {"": opset_version}), {}

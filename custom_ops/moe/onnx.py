@@ -16,7 +16,7 @@ import onnx
 import onnx_ir
 from onnx import TensorProto, helper
 
-from ...plan.onnx_node import COMMON_ATTRIBUTES, Body, NodeSpec, opset, static
+from ...plan.onnx_node import COMMON_ATTRIBUTES, MS_DOMAIN, Body, NodeSpec, opset, static
 from .onnx_experts import ExpertWeights, Pairs, Quantize, routed_experts
 from .op import SIGNATURE
 
@@ -139,4 +139,5 @@ def moe_function(spec: NodeSpec, opset_version: int, nodes: list, expert_weights
     pairs = Pairs(z, k, e_local, pair_ids, pair_w, order, sorted_ids, rows, experts, counts, inverse, starts, hit)
     u = routed_experts(b, pairs, lambda b, a, u: _glu(b, a, u, betas), expert_weights, padded, quantize)
     b.out("CastLike", [u, "z"], ["u"])
-    return b.function(spec, {"": opset_version}), {}
+    extra = {MS_DOMAIN: 1} if padded else {}  # the padded batch's FusedMatMul
+    return b.function(spec, {"": opset_version, **extra}), extra

@@ -5,8 +5,9 @@ rank's experts sorts last). Output: u [N, L] fp32 = Σ_j w[n, j] · E_{ids[n, j]
 O(work actually routed), chosen per call by an If where the stacked weights are fp32:
 
 - padded (`padded_experts`): every local expert's pairs in a [E, C, L] block, C = the largest expert's pair
-  count (padding rows are zeros); three batched MatMuls read the stacked weights in place, the weights as
-  the A operand (w1 [E, I, L] @ Zᵀ [E, L, C]), so nothing copies or transposes them. Taken when the padding
+  count (padding rows are zeros); three batched MatMuls read the stacked weights in place as the transposed
+  operand (com.microsoft FusedMatMul transB: Z [E, C, L] @ w1ᵀ), so nothing copies or transposes them, nor
+  the activations (the output comes out [E, C, L], rows as combined). Taken when the padding
   waste is bounded, E_local·C <= PADDED_WASTE · M_local, and at least half the local experts are hit (the
   batch reads every expert's weights). At K3 scale (896 experts, top-16) a decode step has E·C / M = 56:
   the loop; a balanced prefill is within 2x: padded. Only for fp32 weights (bf16 would be cast whole; MXFP4
@@ -28,7 +29,7 @@ from typing import Callable
 import onnx
 from onnx import TensorProto, helper
 
-from ...plan.onnx_node import Body
+from ...plan.onnx_node import MS_DOMAIN, Body
 
 FLOAT, INT64, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
 PADDED_WASTE = 2  # padded rows per routed row above which the loop is taken (K3 decode: 56)
@@ -60,14 +61,6 @@ class Pairs:
     hit: str
 
 
-def _graph(b: Body, name: str, y: str, slots: str) -> onnx.GraphProto:
-    """A branch subgraph (no inputs) returning (Y fp32, slots int64) under names of its own."""
-    outs = [(f"{name}_y", FLOAT, y), (f"{name}_slots", INT64, slots)]
-    for dst, _, src in outs:
-        b.out("Identity", [src], [dst])
-    return helper.make_graph(b.nodes, name, [], [helper.make_tensor_value_info(n, t, None) for n, t, _ in outs])
-
-
 def _positions(b: Body, p: Pairs) -> str:
     """Each sorted pair's rank inside its expert's segment [M]."""
     arange = b.op("Range", b.op("Constant", value_int=0), b.op("Size", p.sorted_ids), b.op("Constant", value_int=1))
@@ -94,8 +87,10 @@ def use_padded(b: Body, p: Pairs) -> tuple[str, str]:
 
 
 def padded_experts(name: str, p: Pairs, c: str, glu: Glu) -> onnx.GraphProto:
-    """Branch: every local expert on its pairs padded to C rows, batched over experts -> (Y [E·C, L], each
-    sorted pair's row of Y; a sentinel pair's row is clamped to 0 and masked in `combine`)."""
+    """Branch: every local expert on its pairs padded to C rows, batched over experts -> (Y [E, C, L] as the
+    last MatMul writes it (a Reshape as the branch's output would be copied into the If's output:
+    `routed_experts` flattens it), each sorted pair's row of Y [E·C, L]; a sentinel pair's row is clamped to
+    0, a real row, and weighted 0 in `combine`)."""
     b = Body(name, "padded")
     local = b.op("Less", p.sorted_ids, p.e_local)
     slot = b.op("Add", b.op("Mul", p.sorted_ids, c), _positions(b, p))  # [M]
@@ -111,11 +106,14 @@ def padded_experts(name: str, p: Pairs, c: str, glu: Glu) -> onnx.GraphProto:
                                                     b.op("Constant", value_int=1)), axis=0)  # [E·C], unique slots
     z0 = b.op("Concat", b.op("ConstantOfShape", b.op("Concat", b.ints(1), width, axis=0)), p.z, axis=0)
     zp = b.op("Gather", z0, src, axis=0)  # [E·C, L]
-    zt = b.op("Transpose", b.op("Reshape", zp, b.op("Concat", p.e_local, b.op("Unsqueeze", c, first), width,
-                                                      axis=0)), perm=[0, 2, 1])  # [E, L, C]
-    g = glu(b, b.op("MatMul", "w1", zt), b.op("MatMul", "w3", zt))  # [E, I, C]
-    y = b.op("Transpose", b.op("MatMul", "w2", g), perm=[0, 2, 1])  # [E, C, L]
-    return _graph(b, f"{name}_padded", b.op("Reshape", y, b.op("Concat", b.ints(-1), width, axis=0)), slot)
+    zp = b.op("Reshape", zp, b.op("Concat", p.e_local, b.op("Unsqueeze", c, first), width, axis=0))  # [E, C, L]
+    g = glu(b, _times_t(b, zp, "w1"), _times_t(b, zp, "w3"))  # [E, C, I]
+    return b.branch([_times_t(b, g, "w2"), slot])  # [E, C, L]
+
+
+def _times_t(b: Body, x: str, w: str) -> str:
+    """x [E, C, K] @ w[e]ᵀ per expert, w [E, O, K] read in place as the transposed operand -> [E, C, O]."""
+    return b.op("FusedMatMul", x, w, domain=MS_DOMAIN, transB=1)
 
 
 def _expert_loop_body(name: str, p: Pairs, ends: str, glu: Glu, expert_weights: ExpertWeights,
@@ -161,19 +159,22 @@ def looped_experts(b: Body, p: Pairs, glu: Glu, expert_weights: ExpertWeights, q
 
 def looped_branch(name: str, p: Pairs, glu: Glu, expert_weights: ExpertWeights) -> onnx.GraphProto:
     b = Body(name, "loop")
-    return _graph(b, f"{name}_loop", *looped_experts(b, p, glu, expert_weights))
+    return b.branch(list(looped_experts(b, p, glu, expert_weights)))
 
 
 def combine(b: Body, p: Pairs, y: str, slots: str) -> str:
     """u [N, L] fp32: pair j of token n takes row slots[sorted position of j] of Y, weighted by its pair
-    weight (0 where its expert is another rank's), summed over the top_k slots."""
+    weight, summed over the top_k slots ([1, k] @ [k, L] per token, one batched MatMul: half the time of a
+    Mul and a ReduceSum over the [M, L] rows). A pair of another rank's expert weighs 0: the mask is on the [M]
+    weights, not the [M, L] rows (its row of Y is a real, finite one: the zero row, or a padded expert
+    output), so 0 · row = 0 exactly as a masked row."""
     by_pair = b.op("ScatterElements", b.op("ConstantOfShape", b.op("Shape", slots), value=helper.make_tensor(
         "zero", INT64, [1], [0])), p.order, slots, axis=0)  # [M] in (token, slot) order
-    rows = b.op("Mul", b.op("Gather", y, by_pair, axis=0), b.op("Unsqueeze", p.pair_w, b.ints(1)))  # [M, L]
-    local = b.op("Unsqueeze", b.op("Less", p.pair_ids, p.e_local), b.ints(1))
-    rows = b.op("Where", local, rows, b.op("Constant", value_float=0.0))
+    w = b.op("Where", b.op("Less", p.pair_ids, p.e_local), p.pair_w, b.op("Constant", value_float=0.0))  # [M]
+    w = b.op("Reshape", w, b.op("Concat", b.ints(-1, 1), p.k, axis=0))  # [N, 1, k]
     shape = b.op("Concat", b.ints(-1), p.k, b.op("Slice", b.op("Shape", p.z), b.ints(1), b.ints(2)), axis=0)
-    return b.op("ReduceSum", b.op("Reshape", rows, shape), b.ints(1), keepdims=0)
+    rows = b.op("Reshape", b.op("Gather", y, by_pair, axis=0), shape)  # [N, k, L]
+    return b.op("Squeeze", b.op("MatMul", w, rows), b.ints(1))  # weighted sum of a token's k rows: one MatMul
 
 
 def routed_experts(b: Body, p: Pairs, glu: Glu, expert_weights: ExpertWeights, padded: bool,
@@ -188,4 +189,5 @@ def routed_experts(b: Body, p: Pairs, glu: Glu, expert_weights: ExpertWeights, p
     cond, c = use_padded(b, p)
     y, slots = b.op("If", cond, outputs=2, then_branch=padded_experts(b.name, p, c, glu),
                     else_branch=looped_branch(b.name, p, glu, expert_weights))
-    return combine(b, p, y, slots)
+    width = b.op("Slice", b.op("Shape", p.z), b.ints(1), b.ints(2))
+    return combine(b, p, b.op("Reshape", y, b.op("Concat", b.ints(-1), width, axis=0)), slots)  # [E·C or 1+M, L]

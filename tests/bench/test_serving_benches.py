@@ -55,8 +55,24 @@ def test_length_split(mini_serving, tmp_path):
         assert x["other_ms"] > 0 and (x["kda_layers"], x["mla_layers"]) == (3, 3)
 
 
-def test_prefill_against_gemm_bound(serving_export, tmp_path):
+def test_prefill_against_gemm_bound(serving_export, tmp_path, monkeypatch):
+    """The figures, and the top ops of the profile: from a second, profiled session opened after the timed
+    rounds, which run on a session without the profiler (its per-node cost would be in the timed figure)."""
+    opened, open_at_timing = [], []
+    real_open, real_rounds = serving_prefill.open_serving, serving_prefill.timed_rounds
+
+    def open_serving(path, threads, profile=None):
+        opened.append(profile)
+        return real_open(path, threads, profile=profile)
+
+    def timed_rounds(*args):
+        open_at_timing.extend(opened)
+        return real_rounds(*args)
+
+    monkeypatch.setattr(serving_prefill, "open_serving", open_serving)
+    monkeypatch.setattr(serving_prefill, "timed_rounds", timed_rounds)
     r = _run(serving_prefill.main, serving_export, tmp_path, "--prompt", "32", "--rounds", "2", "--repeats", "1")
+    assert open_at_timing == [None] and len(opened) == 2 and opened[1] is not None, (open_at_timing, opened)
     for k in ("ort_tokens_per_s", "gemm_bound_tokens_per_s", "efficiency", "efficiency_best_bound"):
         _spread_ok(r[k])
     ops = r["top_ops"]

@@ -6,6 +6,9 @@ body reads the pool only through a Gather of the step's block table; the `trt` p
 from __future__ import annotations
 
 import functools
+import json
+import re
+from pathlib import Path
 
 import onnx
 import onnx_ir as ir
@@ -67,6 +70,7 @@ def session():
     pytest.param([(5, 1)], id="decode-1"),
     pytest.param([(9, 1), (0, 1), (4, 1), (16, 1)], id="decode-B4"),
     pytest.param([(0, 11)], id="prefill"),
+    pytest.param([(0, 5), (0, 11), (0, 1)], id="prefill-B3"),
     pytest.param([(31, 1), (0, 1), (16, 3), (1, 1), (8, 8), (15, 2), (2, 13)], id="mixed-B7"),
 ])
 def test_ort_body_matches_reference(session, seqs):
@@ -94,9 +98,29 @@ def test_body_reads_the_pool_only_through_the_block_table(session):
 def test_body_gathers_only_the_blocks_holding_past_positions(seqs, blocks, tmp_path):
     """ORT's profile of the pool Gather: [B, ceil(max past / BS), BS, L], not the table's MB blocks (which also
     cover this step's rows): a prefill chunk with no past reads nothing from the pool."""
-    import json
-    from pathlib import Path
+    shapes = [e["args"]["output_type_shape"][0]["float"] for e in profiled_nodes(seqs, tmp_path)
+              if "MLAPaged/gather/Gather" in e["name"]]
+    assert shapes == [[len(seqs), blocks, BS, C + R]], shapes
 
+
+@pytest.mark.parametrize("seqs,branch", [
+    pytest.param([(0, 5), (0, 11)], "prefill", id="no-past:prefill"),
+    pytest.param([(0, 5), (3, 2)], "past", id="some-past:past"),
+])
+def test_step_without_past_softmaxes_its_own_scores_only(seqs, branch, tmp_path):
+    """A step where no sequence has a past takes the If's `prefill` branch (no empty past block concatenated
+    to the scores and split off again), any other the `past` one; the masks are additive: no Where runs
+    over the [B, H, Tmax, keys] scores."""
+    events = profiled_nodes(seqs, tmp_path)
+    steps = {m.group(1) for e in events for m in [re.search(r"MLAPaged/(\w+)/", e["name"])] if m}
+    assert branch in steps and not ({"prefill", "past"} - {branch}) & steps, steps
+    wide = [e["name"] for e in events if e["args"]["op_name"] == "Where" and any(
+        len(s) == 4 and s[1] == H for t in e["args"]["input_type_shape"] for s in t.values())]
+    assert not wide, wide
+
+
+def profiled_nodes(seqs, tmp_path) -> list[dict]:
+    """The kernel events of one ORT run of the body on `seqs` (checked against the reference)."""
     so = ort.SessionOptions()
     so.enable_profiling, so.profile_file_prefix = True, str(tmp_path / "ort")
     sess = ort.InferenceSession(session_proto(), so, providers=["CPUExecutionProvider"])
@@ -104,9 +128,7 @@ def test_body_gathers_only_the_blocks_holding_past_positions(seqs, blocks, tmp_p
     (o,) = sess.run(None, {i.name: a.numpy() for i, a in zip(sess.get_inputs(), args)})
     assert_close(torch.from_numpy(o), reference(*args, 0.3), torch.float32, f"{seqs}")
     events = json.loads(Path(sess.end_profiling()).read_text())
-    shapes = [e["args"]["output_type_shape"][0]["float"] for e in events if e.get("cat") == "Node"
-              and "MLAPaged/gather/Gather" in e["name"] and e["name"].endswith("_kernel_time")]
-    assert shapes == [[len(seqs), blocks, BS, C + R]], shapes
+    return [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
 
 
 def test_trt_pass_keeps_the_bare_node_with_its_fields():

@@ -5,7 +5,9 @@ and run by onnxruntime, equals the packed reference for steps of other N and B t
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from pathlib import Path
 
 import onnx
@@ -31,8 +33,8 @@ class Packed(torch.nn.Module):
         return torch.ops.k3.kda_packed(q, k, v, g, beta, state_pool, cu_seqlens, slots, K ** -0.5, "reference", -5.0)
 
 
-@pytest.fixture(scope="module")
-def proto():
+@functools.cache
+def body_proto() -> bytes:
     from torch.export import Dim
 
     N, B = Dim("N", min=1, max=4096), Dim("B", min=1, max=S)
@@ -48,8 +50,8 @@ def proto():
 
 
 @pytest.fixture(scope="module")
-def session(proto):
-    return ort.InferenceSession(proto, providers=["CPUExecutionProvider"])
+def session():
+    return ort.InferenceSession(body_proto(), providers=["CPUExecutionProvider"])
 
 
 @pytest.mark.parametrize("lens", [
@@ -66,24 +68,77 @@ def test_body_matches_reference(session, lens):
     assert_close(torch.from_numpy(s), rs, torch.float32, f"{lens}: final_state")
 
 
-@pytest.mark.parametrize("lens, in_order, branch", [
-    pytest.param([1, 1, 1, 1], True, "whole_pool", id="full-decode"),
-    pytest.param([3, 1, 70, 2], True, "whole_pool", id="full-mixed"),
-    pytest.param([1, 1, 1, 1], False, "gathered", id="full-permuted"),
+@pytest.mark.parametrize("lens,branch", [
+    pytest.param([70], "even", id="one-prefill:even"),
+    pytest.param([1, 1, 1], "even", id="decode-B3:even"),
+    pytest.param([2, 65, 1], "ragged", id="mixed:ragged"),
 ])
-def test_a_step_holding_every_slot_in_order_reads_the_pool_itself(proto, tmp_path, lens, in_order, branch):
-    args = list(kda_step(lens, H=H, K=K, V=V, S=len(lens), seed=3))
-    args[7] = torch.arange(len(lens), dtype=torch.int32) if in_order else torch.tensor([1, 0, 2, 3], dtype=torch.int32)
-    opts = ort.SessionOptions()
-    opts.enable_profiling, opts.profile_file_prefix = True, str(tmp_path / "p")
-    sess = ort.InferenceSession(proto, opts, providers=["CPUExecutionProvider"])
+def test_even_steps_reshape_the_packed_rows(lens, branch, tmp_path):
+    """A step whose sequences all have the same length (one prefill, decode rows only) takes the If's
+    `even` branch: the packed rows are the [B, L] grid, no padding Gather of q, k, v, g, beta, no masking Mul,
+    no unpacking Gather of o; other steps the `ragged` one. Both equal the reference."""
+    so = ort.SessionOptions()
+    so.enable_profiling, so.profile_file_prefix = True, str(tmp_path / "ort")
+    sess = ort.InferenceSession(body_proto(), so, providers=["CPUExecutionProvider"])
+    args = kda_step(lens, H=H, K=K, V=V, S=S, seed=3)
     o, s = sess.run(None, {n: x.numpy() for n, x in zip(NAMES, args)})
     ro, rs = kda_packed(*args, scale=K ** -0.5)
     assert_close(torch.from_numpy(o), ro, torch.float32, f"{lens}: o")
     assert_close(torch.from_numpy(s), rs, torch.float32, f"{lens}: final_state")
-    ran = {e["name"] for e in json.loads(Path(sess.end_profiling()).read_text()) if e.get("cat") == "Node"}
-    assert any(branch in n for n in ran) and not any(other in n for n in ran
-                                                     for other in {"whole_pool", "gathered"} - {branch})
+    events = [e for e in json.loads(Path(sess.end_profiling()).read_text()) if e.get("cat") == "Node"]
+    ran = {(m.group(1), e["args"]["op_name"]) for e in events
+           for m in [re.search(r"KDAPacked/(\w+)/", e["name"])] if m and e["name"].endswith("_kernel_time")}
+    steps = {step for step, _ in ran}
+    assert branch in steps and not ({"even", "ragged"} - {branch}) & steps, steps
+    gathers = {step for step, op in ran if op == "Gather"}  # pad: the pool's B rows
+    assert gathers == ({"pad"} if branch == "even" else {"pad", "ragged", "unpack"}), ran
+    assert (branch == "ragged") == any(op == "Mul" for step, op in ran if step != "recurrence"), ran
+
+
+def test_both_branches_hand_out_what_the_recurrence_writes():
+    """The Ifs' branches each run the recurrence and return its outputs (the even one o as written, [B, L,
+    H*V]): a branch output made by a Reshape or Identity of a step-sized input (or of the pool) would be
+    copied into the If's output, a pass over the rows the branches exist to avoid. The inner If of each
+    branch reads the pool itself (then) or a Gather of its rows (else)."""
+    from k3x.custom_ops.kda_packed.onnx import function
+
+    fn, _ = function(20, [])
+    (node,) = [n for n in fn.node if n.op_type == "If"]
+
+    def sources(g: onnx.GraphProto) -> list[str]:  # each output's producer, through the branch's Identity
+        made = {o: n for n in g.node for o in n.output}
+        return [made[made[out.name].input[0]] for out in g.output]
+
+    for attr in node.attribute:
+        outs = sources(attr.g)
+        assert [n.op_type for n in outs] == (["If", "If"] if attr.name == "then_branch" else ["Gather", "If"])
+        for inner in outs[-1].attribute:
+            las = sources(inner.g)
+            assert [n.op_type for n in las] == ["LinearAttention"] * 2, (attr.name, inner.name)
+            pool = las[0].input[3]
+            assert (pool == "state_pool") == (inner.name == "then_branch"), (attr.name, inner.name, pool)
+
+
+@pytest.mark.parametrize("lens, in_order, gathers", [
+    pytest.param([1, 1, 1, 1], True, set(), id="full-decode"),
+    pytest.param([3, 1, 70, 2], True, {"ragged", "unpack"}, id="full-mixed"),
+    pytest.param([1, 1, 1, 1], False, {"pad"}, id="full-permuted"),
+])
+def test_a_step_holding_every_slot_in_order_reads_the_pool_itself(tmp_path, lens, in_order, gathers):
+    """B = S and slots 0..S-1: no Gather of the pool's rows (the `pad` step's), the recurrence reads the pool."""
+    args = list(kda_step(lens, H=H, K=K, V=V, S=len(lens), seed=3))
+    args[7] = torch.arange(len(lens), dtype=torch.int32) if in_order else torch.tensor([1, 0, 2, 3], dtype=torch.int32)
+    so = ort.SessionOptions()
+    so.enable_profiling, so.profile_file_prefix = True, str(tmp_path / "p")
+    sess = ort.InferenceSession(body_proto(), so, providers=["CPUExecutionProvider"])
+    o, s = sess.run(None, {n: x.numpy() for n, x in zip(NAMES, args)})
+    ro, rs = kda_packed(*args, scale=K ** -0.5)
+    assert_close(torch.from_numpy(o), ro, torch.float32, f"{lens}: o")
+    assert_close(torch.from_numpy(s), rs, torch.float32, f"{lens}: final_state")
+    events = [e for e in json.loads(Path(sess.end_profiling()).read_text()) if e.get("cat") == "Node"]
+    ran = {(m.group(1), e["args"]["op_name"]) for e in events
+           for m in [re.search(r"KDAPacked/(\w+)/", e["name"])] if m and e["name"].endswith("_kernel_time")}
+    assert {step for step, op in ran if op == "Gather"} == gathers, ran
 
 
 def test_packed_layer_runs_in_onnxruntime():

@@ -70,16 +70,22 @@ class MoESession:
             so.enable_profiling, so.profile_file_prefix = True, profile
         self.sess = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
+    def nodes_run(self) -> list[dict]:
+        """The node events of a profiled session (ends its profile)."""
+        return [e for e in json.loads(Path(self.sess.end_profiling()).read_text()) if e.get("cat") == "Node"]
+
     def steps_run(self) -> set[str]:
         """The body steps whose nodes ran (profiled sessions): `padded` (If's batch) or `expert` (Loop body)."""
-        events = json.loads(Path(self.sess.end_profiling()).read_text())
-        return {m.group(1) for e in events if e.get("cat") == "Node"
-                for m in [re.search(r"_inlfunc_MoE_MoE/(\w+)/", e["name"])] if m}
+        return body_steps(self.nodes_run())
 
     def check(self, x: torch.Tensor, z: torch.Tensor, what: str) -> torch.Tensor:
         (u,) = self.sess.run(None, {"x": x.numpy(), "z": z.numpy()})
         assert_close(torch.from_numpy(u), moe(x, z, *self.w.values(), *self.args, self.offset), torch.float32, what)
         return torch.from_numpy(u)
+
+
+def body_steps(events: list[dict]) -> set[str]:
+    return {m.group(1) for e in events for m in [re.search(r"_inlfunc_MoE_MoE/(\w+)/", e["name"])] if m}
 
 
 def tokens(N: int, d: int, L: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,7 +152,7 @@ def weight_values(dtype: ir.DataType) -> list[ir.Value]:
 
 
 def test_padded_batch_reads_stacked_fp32_weights_in_place_and_only_for_fp32():
-    """fp32 experts: the If's batch reads w1/w3/w2 only as MatMul operands (no copy, no cast of all experts),
+    """fp32 experts: the If's batch reads w1/w3/w2 only as FusedMatMul operands (transB: no copy, no cast),
     its loop only through a Gather of one expert; bf16 experts get no batch at all (it would cast them whole)."""
     def moe_node(dtype):
         inputs = [ir.Value(name=n) for n in ("x", "z", "gate_weight", "gate_bias")] + weight_values(dtype)
@@ -157,12 +163,27 @@ def test_padded_batch_reads_stacked_fp32_weights_in_place_and_only_for_fp32():
     assert not [n.op_type for n in fn.node if set(n.input) & experts]
     (branch,) = [n for n in fn.node if n.op_type == "If"]
     g = {a.name: helper.get_attribute_value(a) for a in branch.attribute}
-    assert {n.op_type for n in g["then_branch"].node if set(n.input) & experts} == {"MatMul"}
+    readers = [n for n in g["then_branch"].node if set(n.input) & experts]
+    assert {(n.op_type, n.input[1], helper.get_attribute_value(n.attribute[0])) for n in readers} == {
+        ("FusedMatMul", w, 1) for w in experts}  # the weights as the transposed operand, read in place
     (loop,) = [n for n in g["else_branch"].node if n.op_type == "Loop"]
     body = helper.get_attribute_value(loop.attribute[0])
     assert {n.op_type for n in body.node if set(n.input) & experts} == {"Gather"}
     fn, _ = moe_function(20, [moe_node(ir.DataType.BFLOAT16)])
     assert not [n for n in fn.node if n.op_type == "If"] and [n for n in fn.node if n.op_type == "Loop"]
+
+
+def test_branches_hand_out_what_their_last_ops_write():
+    """The If's branches return Y as written by their last op (the batch's MatMul, the loop's
+    ConcatFromSequence): a Reshape as a branch output would be copied into the If's output, a pass over
+    the [E·C, L] rows."""
+    inputs = [ir.Value(name=n) for n in ("x", "z", "gate_weight", "gate_bias")] + weight_values(ir.DataType.FLOAT)
+    fn, _ = moe_function(20, [ir.node("MoE", inputs, {"activation": "situ"}, domain=onnx_node.DOMAIN)])
+    (node,) = [n for n in fn.node if n.op_type == "If"]
+    for attr in node.attribute:
+        made = {o: n for n in attr.g.node for o in n.output}
+        sources = [made[made[out.name].input[0]].op_type for out in attr.g.output]  # each output's Identity input
+        assert sources == ["FusedMatMul" if attr.name == "then_branch" else "ConcatFromSequence", "Where"], sources
 
 
 def test_expert_weights_are_only_gathered_per_hit_expert():
@@ -191,3 +212,22 @@ def test_expert_parallel_ranks_compute_their_share(ep):
         local = {**w, **{name: w[name][r * n:(r + 1) * n] for name in ("w1", "w3", "w2")}}
         parts.append(MoESession(local, k, offset=r * n).check(x, z, f"rank {r} of {ep}"))
     assert_close(sum(parts), moe(x, z, *w.values(), k, 1.0, True, "situ", 4.0, 25.0), torch.float32, "sum of ranks")
+
+
+def test_combine_weighs_and_sums_the_pair_rows_in_one_matmul(tmp_path):
+    """Expert parallelism: a pair routed to another rank's expert gets weight 0 on the [M] pair weights; the
+    combine reads the [M, L] pair rows only by a Gather and one MatMul (weights [N, 1, k] @ rows [N, k, L]):
+    no Where masking them, no Mul and ReduceSum over them (each a pass, together ~3% of a k3-bench prefill).
+    Both paths (padded batch and loop) stay equal to the reference's partial sum of the rank."""
+    E, k, d, L, I = 16, 4, 24, 16, 12
+    w = weights(E, d, L, I)
+    w["gate_bias"] *= 0.2  # balanced routing: N = 64 takes the padded batch, N = 1 the loop
+    local = {**w, **{name: w[name][8:] for name in ("w1", "w3", "w2")}}
+    s = MoESession(local, k, offset=8, profile=str(tmp_path / "ort"))
+    for N in (1, 64):
+        s.check(*tokens(N, d, L, seed=N), f"rank 1 of 2, N={N}")
+    events = s.nodes_run()
+    assert {"padded", "expert"} <= body_steps(events)
+    wide = {e["args"]["op_name"] for e in events if "MoE/experts/" in e["name"]
+            and any(list(t.values())[0][-1:] == [L] for t in e["args"].get("input_type_shape", []))}
+    assert "MatMul" in wide and wide <= {"Shape", "Gather", "Reshape", "MatMul", "Squeeze"}, wide
