@@ -119,6 +119,14 @@ def test_step_without_past_softmaxes_its_own_scores_only(seqs, branch, tmp_path)
     assert not wide, wide
 
 
+def test_a_step_with_past_cuts_its_output_not_the_past_keys(tmp_path):
+    """The past branch mixes the whole keys (C + R wide) and slices the [B, H, Tmax, C + R] sum to C: no
+    Slice copies the past keys ([B, 1, P, C + R], P = the sequences' whole past) every step."""
+    events = profiled_nodes([(40, 1), (3, 1), (17, 1)], tmp_path)
+    sliced = [t for e in events if "MLAPaged/past/Slice" in e["name"] for t in e["args"]["input_type_shape"][:1]]
+    assert sliced == [{"float": [3, H, 1, C + R]}], sliced
+
+
 def profiled_nodes(seqs, tmp_path) -> list[dict]:
     """The kernel events of one ORT run of the body on `seqs` (checked against the reference)."""
     so = ort.SessionOptions()
