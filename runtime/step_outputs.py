@@ -10,7 +10,8 @@ binding: a runner with `binds_outputs`).
 - Scratch: otherwise, and for the step's latents, buffers kept across steps (grown when a step needs more).
   A fresh tensor per step is fresh memory, and first touching it costs page faults: on k3-bench, 32
   sequences' KDA state is 150 MB a step, and the ORT decode step took 192 ms with fresh outputs against
-  134 ms with reused ones (bench/serving.py, CPU, 2 threads).
+  134 ms when freed memory stayed mapped (glibc MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_, same code;
+  bench/serving.py, CPU, 2 threads). With this module and the pool read in place the step is 121-130 ms.
 
 Logits are not given: callers keep them (records' logits), so they are fresh each step. Scratch outputs are
 valid until the next step.
