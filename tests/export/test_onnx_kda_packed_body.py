@@ -77,17 +77,7 @@ def test_even_steps_reshape_the_packed_rows(lens, branch, tmp_path):
     """A step whose sequences all have the same length (one prefill, decode rows only) takes the If's
     `even` branch: the packed rows are the [B, L] grid, no padding Gather of q, k, v, g, beta, no masking Mul,
     no unpacking Gather of o; other steps the `ragged` one. Both equal the reference."""
-    so = ort.SessionOptions()
-    so.enable_profiling, so.profile_file_prefix = True, str(tmp_path / "ort")
-    sess = ort.InferenceSession(body_proto(), so, providers=["CPUExecutionProvider"])
-    args = kda_step(lens, H=H, K=K, V=V, S=S, seed=3)
-    o, s = sess.run(None, {n: x.numpy() for n, x in zip(NAMES, args)})
-    ro, rs = kda_packed(*args, scale=K ** -0.5)
-    assert_close(torch.from_numpy(o), ro, torch.float32, f"{lens}: o")
-    assert_close(torch.from_numpy(s), rs, torch.float32, f"{lens}: final_state")
-    events = [e for e in json.loads(Path(sess.end_profiling()).read_text()) if e.get("cat") == "Node"]
-    ran = {(m.group(1), e["args"]["op_name"]) for e in events
-           for m in [re.search(r"KDAPacked/(\w+)/", e["name"])] if m and e["name"].endswith("_kernel_time")}
+    ran = profiled_steps(kda_step(lens, H=H, K=K, V=V, S=S, seed=3), tmp_path)
     steps = {step for step, _ in ran}
     assert branch in steps and not ({"even", "ragged"} - {branch}) & steps, steps
     gathers = {step for step, op in ran if op == "Gather"}  # pad: the pool's B rows
@@ -128,17 +118,24 @@ def test_a_step_holding_every_slot_in_order_reads_the_pool_itself(tmp_path, lens
     """B = S and slots 0..S-1: no Gather of the pool's rows (the `pad` step's), the recurrence reads the pool."""
     args = list(kda_step(lens, H=H, K=K, V=V, S=len(lens), seed=3))
     args[7] = torch.arange(len(lens), dtype=torch.int32) if in_order else torch.tensor([1, 0, 2, 3], dtype=torch.int32)
+    ran = profiled_steps(args, tmp_path)
+    assert {step for step, op in ran if op == "Gather"} == gathers, ran
+
+
+def profiled_steps(args, tmp_path) -> set[tuple[str, str]]:
+    """One profiled ORT run of the body on `args` (checked against the reference) -> the (body step, op type)
+    of every node kernel that ran."""
     so = ort.SessionOptions()
-    so.enable_profiling, so.profile_file_prefix = True, str(tmp_path / "p")
+    so.enable_profiling, so.profile_file_prefix = True, str(tmp_path / "ort")
     sess = ort.InferenceSession(body_proto(), so, providers=["CPUExecutionProvider"])
     o, s = sess.run(None, {n: x.numpy() for n, x in zip(NAMES, args)})
     ro, rs = kda_packed(*args, scale=K ** -0.5)
+    lens = (args[6][1:] - args[6][:-1]).tolist()
     assert_close(torch.from_numpy(o), ro, torch.float32, f"{lens}: o")
     assert_close(torch.from_numpy(s), rs, torch.float32, f"{lens}: final_state")
     events = [e for e in json.loads(Path(sess.end_profiling()).read_text()) if e.get("cat") == "Node"]
-    ran = {(m.group(1), e["args"]["op_name"]) for e in events
-           for m in [re.search(r"KDAPacked/(\w+)/", e["name"])] if m and e["name"].endswith("_kernel_time")}
-    assert {step for step, op in ran if op == "Gather"} == gathers, ran
+    return {(m.group(1), e["args"]["op_name"]) for e in events
+            for m in [re.search(r"KDAPacked/(\w+)/", e["name"])] if m and e["name"].endswith("_kernel_time")}
 
 
 def test_packed_layer_runs_in_onnxruntime():
