@@ -3,7 +3,8 @@
 - `serving_folder`: the serving export timed: `--export DIR` (an existing `k3x export --serving` folder with
   the ort flavor) or the `--preset` exported into a temp folder (random fp32 weights);
 - `StepCase`: pools for one case (slots, latent blocks) with random state (timing does not depend on the
-  values; the tokens, which pick the experts, come from a seeded generator) and the feeds of a step of `batch` sequences, `tokens` each, at `past` positions;
+  values; the tokens, which pick the experts, come from a seeded generator) and the feeds of a step of
+  `batch` sequences, `tokens` each, at `past` positions;
 - `timed_rounds`: cases interleaved (each first in turn), repeated in rounds -> median and the spread (lowest
   and highest round median) of each case, and of ratios taken round by round;
 - `profile_runs`: an ONNX Runtime profile (RunnerOptions.profile) -> per run, microseconds by layer kind
@@ -77,8 +78,7 @@ class StepCase:
         from k3x.runtime.pools import StatePools
 
         self.cfg, self.batch, self.block_size = cfg, batch, block_size
-        self.slots = torch.arange(batch, dtype=torch.int32)
-        self.slots = self.slots.flip(0) if scattered else self.slots
+        self.slots = (torch.arange(batch - 1, -1, -1) if scattered else torch.arange(batch)).to(torch.int32)
         per = blocks_for(positions, block_size)
         blocks = max(blocks_for(capacity, block_size), batch * per)
         self.pools = StatePools(cfg, slots=batch, blocks=blocks, block_size=block_size)

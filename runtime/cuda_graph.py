@@ -31,11 +31,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-from torch import Tensor
 
-from .base import RunnerError
-
-Feeds = dict[str, Tensor]
+from .base import Feeds, RunnerError
 
 
 @dataclass

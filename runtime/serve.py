@@ -23,13 +23,13 @@ from torch import Tensor
 from ..model.serving import STEP_INPUTS
 from ..model.state import state_bytes
 from ..text.sampling import Sampler, SamplingOptions
+from .base import Feeds
 from .pools import CacheAllocator, StatePools
 from .prefix_cache import PrefixCache
 from .scheduler import Request, Scheduler
 from .speculate import Counts, agree_drafts, choose
 from .step_outputs import StepOutputs, infer_step
 
-Feeds = dict[str, Tensor]
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,8 @@ import math
 import torch
 from torch import Tensor
 
+from .base import Feeds
 from .pools import StatePools
-
-Feeds = dict[str, Tensor]
 
 
 def consecutive_start(slots: Tensor) -> int | None:
@@ -42,12 +41,10 @@ class StepOutputs:
         self.pools = pools
         self._scratch: dict[str, Tensor] = {}
 
-    def for_step(self, feeds: Feeds, in_place: bool = True) -> Feeds:
-        """`new.*` tensors for the step of `feeds`: KDA rows in place when `in_place` and the slots are
-        consecutive, else scratch; latents [N, kv_lora + rope] scratch."""
-        slots = feeds["slots"]
-        first = consecutive_start(slots) if in_place else None
-        rows, tokens = slots.shape[0], feeds["input_ids"].shape[0]
+    def for_step(self, feeds: Feeds, first: int | None) -> Feeds:
+        """`new.*` tensors for the step of `feeds`: KDA rows in place, `pool[first:first+B]`, when `first` is
+        given (the step's slots are first, first+1, ...), else scratch; latents [N, kv_lora + rope] scratch."""
+        rows, tokens = feeds["slots"].shape[0], feeds["input_ids"].shape[0]
         out = {}
         for pool_name, new_name in self.pools.names:
             pool = self.pools.tensors[pool_name]
@@ -72,8 +69,8 @@ def infer_step(runner, feeds: Feeds, outputs: StepOutputs | None, in_place: bool
     runner's own). In place, the runner is given the step's KDA rows as the pools (`narrowed`)."""
     if outputs is None or not getattr(runner, "binds_outputs", False):
         return runner.infer(feeds)
-    out = outputs.for_step(feeds, in_place)
     first = consecutive_start(feeds["slots"]) if in_place else None
+    out = outputs.for_step(feeds, first)
     return runner.infer(feeds if first is None else narrowed(feeds, outputs.pools, first), out=out)
 
 

@@ -1,17 +1,17 @@
 """`k3::KDAPacked` in ONNX: the node spec (= the TensorRT plugin's fields), the torch.onnx translation of
 `torch.ops.k3.kda_packed`, and the ONNX Runtime function body.
 
-Body: pad each sequence to the step's longest, L rows, then k3::KDA's own body (com.microsoft::LinearAttention,
-`kda.onnx.linear_attention`) over [B, L] from the pool rows Gather(state_pool, slots). Padding rows sit after
-each sequence's last row with g = 0 and beta = 0: the delta rule leaves the state unchanged on them
-(S·exp(0) + k·0), so final_state is exact, and their outputs are never gathered back. Why not an ONNX Loop
-over the sequences: one fused LinearAttention call per step, and exact O(N) work for the common steps
-(decode only: L = 1; one prefill: B = 1); the price is B·L rows when a long prefill shares a step with many
-decode rows. Those common steps have every sequence L rows (B·L = N): an If takes them to Reshapes of the
-packed rows, no padding Gather in or out (the recurrence runs inside each branch). Otherwise unpacking
-finds each row's sequence by an [N, B] comparison. The pool is only read (Gather of B rows), never copied
-whole, and not copied at all when the step holds every slot in order (`_holds_every_slot`: LinearAttention
-reads the pool where it is; 16.7 MB a layer at 32 sequences on k3-bench).
+Body: pad each sequence to the step's longest, L rows, then k3::KDA's recurrence (com.microsoft::LinearAttention,
+`kda.onnx.packed_inputs` and `recurrence`) over [B, L] from the pool rows Gather(state_pool, slots). Padding rows
+sit after each sequence's last row with g = 0 and beta = 0: the delta rule leaves the state unchanged on them
+(S·exp(0) + k·0), so final_state is exact, and their outputs are never gathered back. Why not an ONNX Loop over
+the sequences: one fused LinearAttention call per step, and exact O(N) work for the common steps (decode only: L
+= 1; one prefill: B = 1); the price is B·L rows when a long prefill shares a step with many decode rows. Those
+common steps have every sequence L rows (B·L = N): an If takes them to Reshapes of the packed rows, no padding
+Gather in or out (the recurrence runs inside each branch). Otherwise unpacking finds each row's sequence by an
+[N, B] comparison. The pool is only read (Gather of B rows), never copied whole, and not copied at all when the
+step holds every slot in order (`_holds_every_slot`: LinearAttention reads the pool where it is; 16.7 MB a layer
+at 32 sequences on k3-bench).
 """
 
 from __future__ import annotations

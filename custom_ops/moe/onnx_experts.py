@@ -61,6 +61,11 @@ class Pairs:
     hit: str
 
 
+def _width(b: Body, p: Pairs) -> str:
+    """[1]: L, the width of z's rows."""
+    return b.op("Slice", b.op("Shape", p.z), b.ints(1), b.ints(2))
+
+
 def _positions(b: Body, p: Pairs) -> str:
     """Each sorted pair's rank inside its expert's segment [M]."""
     arange = b.op("Range", b.op("Constant", value_int=0), b.op("Size", p.sorted_ids), b.op("Constant", value_int=1))
@@ -99,7 +104,7 @@ def padded_experts(name: str, p: Pairs, c: str, glu: Glu) -> onnx.GraphProto:
     first = b.ints(0)
     m1 = b.op("Unsqueeze", m, first)
     e_rows = b.op("Mul", p.e_local, b.op("Unsqueeze", c, first))  # [1] = E·C
-    width = b.op("Slice", b.op("Shape", p.z), b.ints(1), b.ints(2))
+    width = _width(b, p)
     # source row of z per padded row, 0 = a zero row prepended to z (one int scatter, one row Gather)
     src = b.op("ScatterElements", b.op("ConstantOfShape", e_rows, value=helper.make_tensor("zero", INT64, [1], [0])),
                b.op("Slice", slot, first, m1), b.op("Add", b.op("Slice", p.rows, first, m1),
@@ -146,8 +151,7 @@ def looped_experts(b: Body, p: Pairs, glu: Glu, expert_weights: ExpertWeights, q
     """Loop over the hit experts -> (Y [1 + M_local, L]: a zero row, then the pairs' outputs in sorted
     order; each sorted pair's row of Y, sentinels on the zero row)."""
     ends = b.op("CumSum", p.counts, b.ints(0))
-    zero = b.op("ConstantOfShape", b.op("Concat", b.ints(1), b.op("Slice", b.op("Shape", p.z), b.ints(1), b.ints(2)),
-                                        axis=0))  # [1, L]
+    zero = b.op("ConstantOfShape", b.op("Concat", b.ints(1), _width(b, p), axis=0))  # [1, L]
     seq = b.op("SequenceConstruct", zero)
     body = _expert_loop_body(b.name, p, ends, glu, expert_weights, quantize)
     y = b.op("ConcatFromSequence", b.op("Loop", p.hit, "", seq, body=body), axis=0)
@@ -172,7 +176,7 @@ def combine(b: Body, p: Pairs, y: str, slots: str) -> str:
         "zero", INT64, [1], [0])), p.order, slots, axis=0)  # [M] in (token, slot) order
     w = b.op("Where", b.op("Less", p.pair_ids, p.e_local), p.pair_w, b.op("Constant", value_float=0.0))  # [M]
     w = b.op("Reshape", w, b.op("Concat", b.ints(-1, 1), p.k, axis=0))  # [N, 1, k]
-    shape = b.op("Concat", b.ints(-1), p.k, b.op("Slice", b.op("Shape", p.z), b.ints(1), b.ints(2)), axis=0)
+    shape = b.op("Concat", b.ints(-1), p.k, _width(b, p), axis=0)
     rows = b.op("Reshape", b.op("Gather", y, by_pair, axis=0), shape)  # [N, k, L]
     return b.op("Squeeze", b.op("MatMul", w, rows), b.ints(1))  # weighted sum of a token's k rows: one MatMul
 
@@ -189,5 +193,5 @@ def routed_experts(b: Body, p: Pairs, glu: Glu, expert_weights: ExpertWeights, p
     cond, c = use_padded(b, p)
     y, slots = b.op("If", cond, outputs=2, then_branch=padded_experts(b.name, p, c, glu),
                     else_branch=looped_branch(b.name, p, glu, expert_weights))
-    width = b.op("Slice", b.op("Shape", p.z), b.ints(1), b.ints(2))
-    return combine(b, p, b.op("Reshape", y, b.op("Concat", b.ints(-1), width, axis=0)), slots)  # [E·C or 1+M, L]
+    y = b.op("Reshape", y, b.op("Concat", b.ints(-1), _width(b, p), axis=0))  # [E·C or 1 + M, L]
+    return combine(b, p, y, slots)

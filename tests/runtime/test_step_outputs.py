@@ -33,29 +33,29 @@ def test_consecutive_start():
 def test_in_place_rows_and_reused_scratch():
     pools = StatePools(CFG, slots=4, blocks=6, block_size=8)
     outputs = StepOutputs(pools)
-    out = outputs.for_step(_feeds([1, 2], [3, 1], [0, 5]))
+    out = outputs.for_step(_feeds([1, 2], [3, 1], [0, 5]), consecutive_start(torch.tensor([1, 2])))
     for pool_name, new_name in pools.names:
         pool, new = pools.tensors[pool_name], out[new_name]
         if pool_name.endswith(".latent"):
             assert new.shape == (4, pool.shape[-1]) and new.untyped_storage().data_ptr() != pool.data_ptr()
         else:
             assert new.data_ptr() == pool[1].data_ptr() and new.shape == (2, *pool.shape[1:])
-    scattered = outputs.for_step(_feeds([2, 0], [1, 1], [4, 4]))
-    not_in_place = outputs.for_step(_feeds([1, 2], [1, 1], [4, 4]), in_place=False)
+    scattered = outputs.for_step(_feeds([2, 0], [1, 1], [4, 4]), consecutive_start(torch.tensor([2, 0])))
+    not_in_place = outputs.for_step(_feeds([1, 2], [1, 1], [4, 4]), None)
     for pool_name, new_name in pools.names:
         if not pool_name.endswith(".latent"):
             # scratch, the same memory step after step (no fresh allocation to fault in)
             assert scattered[new_name].data_ptr() != pools.tensors[pool_name][2].data_ptr()
             assert scattered[new_name].data_ptr() == not_in_place[new_name].data_ptr()
     assert scattered["new.2.latent"].data_ptr() == out["new.2.latent"].data_ptr()
-    grown = outputs.for_step(_feeds([3], [40], [0]))  # more latent rows than any step before: a bigger buffer
+    grown = outputs.for_step(_feeds([3], [40], [0]), None)  # more latent rows than any step before: a bigger buffer
     assert grown["new.2.latent"].shape[0] == 40
 
 
 def test_write_back_refuses_in_place_rows_a_sequence_must_keep():
     pools = StatePools(CFG, slots=2, blocks=4, block_size=8)
     feeds = _feeds([0, 1], [1, 1], [2, 2])
-    out = {n: t.fill_(1.0) for n, t in StepOutputs(pools).for_step(feeds).items()}
+    out = {n: t.fill_(1.0) for n, t in StepOutputs(pools).for_step(feeds, 0).items()}
     pools.write_back(feeds, out, keep=[True, True])  # in place: nothing to copy
     assert torch.all(pools.tensors["pool.0.recurrent"] == 1)
     with pytest.raises(ValueError, match="in place, yet a sequence must keep"):
