@@ -17,7 +17,7 @@ import onnx_ir
 from onnx import TensorProto, helper
 
 from ...plan.onnx_node import COMMON_ATTRIBUTES, MS_DOMAIN, Body, NodeSpec, opset, static
-from .onnx_experts import ExpertWeights, Pairs, Quantize, routed_experts
+from .onnx_experts import UNROLL_MAX, ExpertWeights, Pairs, Quantize, routed_experts
 from .op import SIGNATURE
 
 FLOAT, INT64, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
@@ -77,12 +77,28 @@ def fp32_experts(nodes: list) -> bool:
                                                              for v in n.inputs[4:7]) for n in nodes)
 
 
+def per_expert_count(nodes: list) -> int:
+    """The local expert count every MoE node shares (w1's first dim, else the num_experts attribute) when it is
+    at most UNROLL_MAX, else 0 (unknown, differing, or too many for one copy of the step per expert)."""
+    def count(n) -> int | None:
+        w1 = n.inputs[4] if len(n.inputs) > 4 else None
+        if w1 is not None and w1.shape is not None and isinstance(w1.shape[0], int):
+            return w1.shape[0]
+        attr = n.attributes.get("num_experts")
+        return attr.as_int() if attr is not None else None
+    counts = {count(n) for n in nodes}
+    e = counts.pop() if len(counts) == 1 else None
+    return e if e is not None and 0 < e <= UNROLL_MAX else 0
+
+
 def function(opset_version: int, nodes: list) -> tuple[onnx.FunctionProto, dict[str, int]]:
-    return moe_function(NODE, opset_version, nodes, dense_weights, padded=fp32_experts(nodes))
+    padded = fp32_experts(nodes)
+    return moe_function(NODE, opset_version, nodes, dense_weights, padded=padded,
+                        per_expert=per_expert_count(nodes) if padded else 0)
 
 
 def moe_function(spec: NodeSpec, opset_version: int, nodes: list, expert_weights: ExpertWeights,
-                 quantize: Quantize | None = None, *, padded: bool = False
+                 quantize: Quantize | None = None, *, padded: bool = False, per_expert: int = 0
                  ) -> tuple[onnx.FunctionProto, dict[str, int]]:
     """k3::MoE, exact (custom_ops/moe/reference.py), O(M·I·L) FLOPs for the M = N·top_k routed pairs.
 
@@ -92,9 +108,11 @@ def moe_function(spec: NodeSpec, opset_version: int, nodes: list, expert_weights
        (row = pair // k, weight); Unique gives the hit experts, ascending, and their counts.
        Expert parallelism: ids become local (id - expert_offset); pairs of another rank's experts get the
        sentinel E_local, which sorts last, so the Loop's trip count (local hit experts) never reaches them.
-    3. The experts (onnx_experts.routed_experts): `padded` (fp32 stacked weights, `fp32_experts`) adds an If
-       that runs every local expert on its pairs padded to the largest count as batched MatMuls reading the
-       weights in place, while padding stays <= 2x the routed rows and at least half the experts are hit;
+    3. The experts (onnx_experts.routed_experts), fp32 stacked weights (`fp32_experts`): with `per_expert` =
+       E_local (<= UNROLL_MAX, `per_expert_count`) one copy of the step per expert on exactly its own pairs,
+       its weights folded to constants at load; with more experts an If that runs every local expert on its
+       pairs padded to the largest count as batched MatMuls reading the weights in place, while padding
+       stays <= 2x the routed rows and at least half the experts are hit;
        otherwise (and always for bf16 / MXFP4 weights) a Loop over the hit experts only (<= min(E, M)
        iterations) builds each one's fp32 weights with `expert_weights` (a Gather, then Cast: bf16 weights
        are never all cast; transient memory is one expert's fp32 weights) and appends its rows to a
@@ -137,7 +155,8 @@ def moe_function(spec: NodeSpec, opset_version: int, nodes: list, expert_weights
     hit = b.op("ReduceSum", b.op("Cast", b.op("Less", experts, e_local), to=INT64), keepdims=0)  # local hits
     b.step = "experts"
     pairs = Pairs(z, k, e_local, pair_ids, pair_w, order, sorted_ids, rows, experts, counts, inverse, starts, hit)
-    u = routed_experts(b, pairs, lambda b, a, u: _glu(b, a, u, betas), expert_weights, padded, quantize)
+    u = routed_experts(b, pairs, lambda b, a, u: _glu(b, a, u, betas), expert_weights, padded, quantize,
+                       per_expert)
     b.out("CastLike", [u, "z"], ["u"])
     extra = {MS_DOMAIN: 1} if padded else {}  # the padded batch's FusedMatMul
     return b.function(spec, {"": opset_version, **extra}), extra

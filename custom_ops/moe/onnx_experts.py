@@ -1,17 +1,24 @@
 """The expert-compute part of the `k3::MoE` ONNX Runtime body (custom_ops/moe/onnx.py `moe_function`).
 
 Input: the M = N·top_k routed pairs sorted by local expert id (`Pairs`: the sentinel E_local of another
-rank's experts sorts last). Output: u [N, L] fp32 = Σ_j w[n, j] · E_{ids[n, j]}(z[n]). Two ways, both
-O(work actually routed), chosen per call by an If where the stacked weights are fp32:
+rank's experts sorts last). Output: u [N, L] fp32 = Σ_j w[n, j] · E_{ids[n, j]}(z[n]). Three ways, each
+O(work actually routed); which one is fixed at export by the weights' dtype and the local expert count:
 
-- padded (`padded_experts`): every local expert's pairs in a [E, C, L] block, C = the largest expert's pair
-  count (padding rows are zeros); three batched MatMuls read the stacked weights in place as the transposed
-  operand (com.microsoft FusedMatMul transB: Z [E, C, L] @ w1ᵀ), so nothing copies or transposes them, nor
-  the activations (the output comes out [E, C, L], rows as combined). Taken when the padding
-  waste is bounded, E_local·C <= PADDED_WASTE · M_local, and at least half the local experts are hit (the
-  batch reads every expert's weights). At K3 scale (896 experts, top-16) a decode step has E·C / M = 56:
-  the loop; a balanced prefill is within 2x: padded. Only for fp32 weights (bf16 would be cast whole; MXFP4
-  would be decoded whole: those keep the loop, one expert's fp32 weights at a time).
+- per expert (`per_expert_rows`; fp32 stacked weights, at most UNROLL_MAX local experts, every call): one
+  copy of the expert step per local expert e (the graph grows with E), each on exactly its own segment of
+  the sorted pairs (no padding; an expert without pairs runs on zero rows), its weights a Gather of the
+  stacked initializer at the constant e. ONNX Runtime folds those into per-expert constants at load and
+  prepacks them for the Gemms; nothing else reads the stacked weights, so they are dropped (memory as
+  before) and no call copies an expert's weights.
+- padded (`padded_experts`; fp32, more local experts; an If with the loop, per call): every local expert's
+  pairs in a [E, C, L] block, C = the largest expert's pair count (padding rows are zeros); three batched
+  MatMuls read the stacked weights in place as the transposed operand (com.microsoft FusedMatMul transB:
+  Z [E, C, L] @ w1ᵀ), so nothing copies or transposes them, nor the activations (the output comes out
+  [E, C, L], rows as combined). Taken when the padding waste is bounded, E_local·C <= PADDED_WASTE ·
+  M_local, and at least half the local experts are hit (the batch reads every expert's weights). At K3
+  scale (896 experts, top-16) a decode step has E·C / M = 56: the loop; a balanced prefill is within 2x:
+  padded. Neither batch takes bf16 weights (they would be cast whole) or MXFP4 ones (decoded whole):
+  those keep the loop, one expert's fp32 weights at a time.
 - loop (`looped_experts`): a Loop over the hit experts only, each expert's weights built by
   `expert_weights` (a Gather of one expert; MXFP4 decodes there), its outputs appended to a sequence, so no
   pass copies an [N, L] accumulator (the old ScatterND-add did: N·L per expert, 117 MB per pass at K3
@@ -33,6 +40,7 @@ from ...plan.onnx_node import MS_DOMAIN, Body
 
 FLOAT, INT64, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
 PADDED_WASTE = 2  # padded rows per routed row above which the loop is taken (K3 decode: 56)
+UNROLL_MAX = 64  # local experts up to which each has its own copy of the step (`per_expert_rows`)
 
 Glu = Callable[[Body, str, str], str]
 ExpertWeights = Callable[[Body, str], dict[str, str]]
@@ -121,6 +129,42 @@ def _times_t(b: Body, x: str, w: str) -> str:
     return b.op("FusedMatMul", x, w, domain=MS_DOMAIN, transB=1)
 
 
+def per_expert_rows(b: Body, p: Pairs, experts: int, glu: Glu) -> tuple[str, str]:
+    """Each of the `experts` local experts on exactly its own pairs -> (Y [1 + M_local, L]: a zero row, then
+    every local pair's output in sorted order; each sorted pair's row of Y, sentinels on the zero row), as
+    `looped_experts` returns them. The sorted pairs' rows of z are split into the experts' segments (one
+    Split by the segment sizes; an expert without pairs gets zero rows); expert e's three GEMMs are Gemms
+    against Gather(w, e) at the constant e, which ONNX Runtime folds into per-expert constants at load (the
+    stacked weights are then unused and dropped) and prepacks; the GLU runs once over all pairs. Three Gemms
+    per expert, the rest once per call: a node per expert per op would cost more than it saves."""
+    first = b.ints(0)
+    # bounds[e]: sorted pairs with id < e, e = 0..E (the sentinel E_local sorts after every local id)
+    ids = b.op("Unsqueeze", p.sorted_ids, b.ints(1))  # [M, 1]
+    bounds = b.op("ReduceSum", b.op("Cast", b.op("Less", ids, b.ints(*range(experts + 1))), to=INT64), first,
+                  keepdims=0)  # [E + 1]
+    ends = b.op("Concat", b.op("Slice", bounds, b.ints(1), b.ints(experts + 1)),
+                b.op("Unsqueeze", b.op("Size", p.sorted_ids), first), axis=0)
+    sizes = b.op("Sub", ends, bounds)  # [E + 1]: each expert's pairs, then the sentinels'
+    zs = b.op("Split", b.op("Gather", p.z, p.rows, axis=0), sizes, outputs=experts + 1, axis=0)
+
+    def gemms(x: list[str], w: str) -> list[str]:  # expert e's rows @ w[e]ᵀ, w[e] a constant after folding
+        return [b.op("Gemm", x[e], b.op("Gather", w, b.op("Constant", value_int=e), axis=0), transB=1)
+                for e in range(experts)]
+    a, u = (b.op("Concat", *gemms(zs, w), axis=0) for w in ("w1", "w3"))  # [M_local, I]
+    g = b.op("Split", glu(b, a, u), b.op("Slice", sizes, first, b.ints(experts)), outputs=experts, axis=0)
+    zero = b.op("ConstantOfShape", b.op("Concat", b.ints(1), _width(b, p), axis=0))  # [1, L]
+    return b.op("Concat", zero, *gemms(g, "w2"), axis=0), _sorted_slots(b, p)
+
+
+def _sorted_slots(b: Body, p: Pairs) -> str:
+    """[M]: sorted pair i's row of a Y that holds a zero row, then the local pairs in sorted order (i + 1);
+    a sentinel pair's row is the zero row."""
+    arange = b.op("Range", b.op("Constant", value_int=1), b.op("Add", b.op("Size", p.sorted_ids),
+                                                                b.op("Constant", value_int=1)),
+                  b.op("Constant", value_int=1))
+    return b.op("Where", b.op("Less", p.sorted_ids, p.e_local), arange, b.op("Constant", value_int=0))
+
+
 def _expert_loop_body(name: str, p: Pairs, ends: str, glu: Glu, expert_weights: ExpertWeights,
                       quantize: Quantize | None) -> onnx.GraphProto:
     """Iteration i: expert experts[i] on its segment [starts[i], ends[i]) of the sorted pairs, its
@@ -155,10 +199,7 @@ def looped_experts(b: Body, p: Pairs, glu: Glu, expert_weights: ExpertWeights, q
     seq = b.op("SequenceConstruct", zero)
     body = _expert_loop_body(b.name, p, ends, glu, expert_weights, quantize)
     y = b.op("ConcatFromSequence", b.op("Loop", p.hit, "", seq, body=body), axis=0)
-    arange = b.op("Range", b.op("Constant", value_int=1), b.op("Add", b.op("Size", p.sorted_ids),
-                                                                b.op("Constant", value_int=1)),
-                  b.op("Constant", value_int=1))
-    return y, b.op("Where", b.op("Less", p.sorted_ids, p.e_local), arange, b.op("Constant", value_int=0))
+    return y, _sorted_slots(b, p)
 
 
 def looped_branch(name: str, p: Pairs, glu: Glu, expert_weights: ExpertWeights) -> onnx.GraphProto:
@@ -182,14 +223,22 @@ def combine(b: Body, p: Pairs, y: str, slots: str) -> str:
 
 
 def routed_experts(b: Body, p: Pairs, glu: Glu, expert_weights: ExpertWeights, padded: bool,
-                   quantize: Quantize | None = None) -> str:
-    """u [N, L] fp32 of the routed pairs: the loop, or (`padded`: fp32 stacked weights w1/w3/w2) an If
-    between the padded batch and the loop on the waste rule. `quantize` (MXFP8 activations, MXFP4 experts
-    only) runs in the loop; the padded batch never takes it."""
+                   quantize: Quantize | None = None, per_expert: int = 0) -> str:
+    """u [N, L] fp32 of the routed pairs. fp32 stacked weights w1/w3/w2 (`padded`): with `per_expert` local
+    experts (at most UNROLL_MAX) `per_expert_rows`, for every call; with more, an If between the padded
+    batch (on the waste rule) and the loop. Other weights: the loop. `quantize` (MXFP8 activations, MXFP4
+    experts only) runs in the loop; the batches never take it."""
     if padded and quantize is not None:
         raise ValueError("MXFP8 activations run in the expert loop only (MXFP4 experts), not the padded batch")
     if not padded:
         return combine(b, p, *looped_experts(b, p, glu, expert_weights, quantize))
+    if not 0 <= per_expert <= UNROLL_MAX:
+        raise ValueError(f"per_expert={per_expert}: at most {UNROLL_MAX} experts get one copy of the step each")
+    if per_expert:
+        step, b.step = b.step, "per_expert"
+        y, slots = per_expert_rows(b, p, per_expert, glu)
+        b.step = step
+        return combine(b, p, y, slots)
     cond, c = use_padded(b, p)
     y, slots = b.op("If", cond, outputs=2, then_branch=padded_experts(b.name, p, c, glu),
                     else_branch=looped_branch(b.name, p, glu, expert_weights))
