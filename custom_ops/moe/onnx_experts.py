@@ -132,8 +132,9 @@ def _times_t(b: Body, x: str, w: str) -> str:
 def per_expert_rows(b: Body, p: Pairs, experts: int, glu: Glu) -> tuple[str, str]:
     """Each of the `experts` local experts on exactly its own pairs -> (Y [1 + M_local, L]: a zero row, then
     every local pair's output in sorted order; each sorted pair's row of Y, sentinels on the zero row), as
-    `looped_experts` returns them. The sorted pairs' rows of z are split into the experts' segments (one
-    Split by the segment sizes; an expert without pairs gets zero rows); expert e's three GEMMs are Gemms
+    `looped_experts` returns them. The sorted pairs' row indices are split into the experts' segments (one
+    Split by the segment sizes; an expert without pairs gets none) and each expert gathers its rows of z
+    (a gather of all rows and a Split of them copied the [M, L] rows twice); expert e's three GEMMs are Gemms
     against Gather(w, e) at the constant e, which ONNX Runtime folds into per-expert constants at load (the
     stacked weights are then unused and dropped) and prepacks; the GLU runs once over all pairs. Three Gemms
     per expert, the rest once per call: a node per expert per op would cost more than it saves."""
@@ -145,7 +146,8 @@ def per_expert_rows(b: Body, p: Pairs, experts: int, glu: Glu) -> tuple[str, str
     ends = b.op("Concat", b.op("Slice", bounds, b.ints(1), b.ints(experts + 1)),
                 b.op("Unsqueeze", b.op("Size", p.sorted_ids), first), axis=0)
     sizes = b.op("Sub", ends, bounds)  # [E + 1]: each expert's pairs, then the sentinels'
-    zs = b.op("Split", b.op("Gather", p.z, p.rows, axis=0), sizes, outputs=experts + 1, axis=0)
+    rows = b.op("Split", p.rows, sizes, outputs=experts + 1, axis=0)  # each expert's rows of z
+    zs = [b.op("Gather", p.z, rows[e], axis=0) for e in range(experts)]  # [n_e, L]
 
     def gemms(x: list[str], w: str) -> list[str]:  # expert e's rows @ w[e]ᵀ, w[e] a constant after folding
         return [b.op("Gemm", x[e], b.op("Gather", w, b.op("Constant", value_int=e), axis=0), transB=1)
