@@ -110,7 +110,7 @@ def release_freed_heap() -> None:
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc (musl): its allocator returns memory itself
+        except (OSError, AttributeError):  # no glibc (no libc.so.6 or no malloc_trim): nothing to hand back
             pass
 
 

@@ -64,10 +64,10 @@ class StepOutputs:
         return buf[:n].view(shape)
 
 
-def infer_step(runner, feeds: Feeds, outputs: StepOutputs | None, in_place: bool = True) -> Feeds:
+def infer_step(runner, feeds: Feeds, outputs: StepOutputs, in_place: bool = True) -> Feeds:
     """One serving step through `runner`, into `outputs`' tensors when the runner binds outputs (else the
     runner's own). In place, the runner is given the step's KDA rows as the pools (`narrowed`)."""
-    if outputs is None or not getattr(runner, "binds_outputs", False):
+    if not getattr(runner, "binds_outputs", False):
         return runner.infer(feeds)
     first = consecutive_start(feeds["slots"]) if in_place else None
     out = outputs.for_step(feeds, first)

@@ -3,8 +3,8 @@
 
 Body: standard ops, exact, O(N·top_k) expert work: sigmoid router, TopK on biased scores, GatherElements of
 unbiased scores, renormalise; the routed (token, slot) pairs sorted by expert, then the experts' work
-(onnx_experts.py: a padded batch over fp32 stacked experts when little of it is padding, else a Loop over
-the hit experts only), each pair's output weighted and summed per token, in fp32. ORT's
+(onnx_experts.py: fp32 stacked experts, up to 64 of them, each on its own rows; more fp32 experts, a padded
+batch when little of it is padding, else a Loop over the hit experts only; other weights, the Loop), each pair's output weighted and summed per token, in fp32. ORT's
 com.microsoft::MoE routes with softmax, not K3's sigmoid + biased top-k + unbiased renormalised weights, so
 it is not used. Numeric hyper-parameters are read from the node attributes (attribute references); the
 activation is a string, so it is baked into the body and all MoE nodes of a model must share it.
@@ -71,8 +71,8 @@ def dense_weights(b: Body, e: str) -> dict[str, str]:
 
 
 def fp32_experts(nodes: list) -> bool:
-    """Whether every MoE node's stacked expert weights (w1, w3, w2) are known fp32 (the padded batch reads
-    them in place; bf16 ones would be cast whole, so those models keep the loop)."""
+    """Whether every MoE node's stacked expert weights (w1, w3, w2) are known fp32 (the batches read them
+    whole, in place or folded per expert; bf16 ones would be cast whole, so those models keep the loop)."""
     return bool(nodes) and all(len(n.inputs) > 6 and all(v is not None and v.dtype == onnx_ir.DataType.FLOAT
                                                              for v in n.inputs[4:7]) for n in nodes)
 
@@ -92,13 +92,13 @@ def per_expert_count(nodes: list) -> int:
 
 
 def function(opset_version: int, nodes: list) -> tuple[onnx.FunctionProto, dict[str, int]]:
-    padded = fp32_experts(nodes)
-    return moe_function(NODE, opset_version, nodes, dense_weights, padded=padded,
-                        per_expert=per_expert_count(nodes) if padded else 0)
+    batched = fp32_experts(nodes)
+    return moe_function(NODE, opset_version, nodes, dense_weights, batched=batched,
+                        per_expert=per_expert_count(nodes) if batched else 0)
 
 
 def moe_function(spec: NodeSpec, opset_version: int, nodes: list, expert_weights: ExpertWeights,
-                 quantize: Quantize | None = None, *, padded: bool = False, per_expert: int = 0
+                 quantize: Quantize | None = None, *, batched: bool = False, per_expert: int = 0
                  ) -> tuple[onnx.FunctionProto, dict[str, int]]:
     """k3::MoE, exact (custom_ops/moe/reference.py), O(M·I·L) FLOPs for the M = N·top_k routed pairs.
 
@@ -155,8 +155,8 @@ def moe_function(spec: NodeSpec, opset_version: int, nodes: list, expert_weights
     hit = b.op("ReduceSum", b.op("Cast", b.op("Less", experts, e_local), to=INT64), keepdims=0)  # local hits
     b.step = "experts"
     pairs = Pairs(z, k, e_local, pair_ids, pair_w, order, sorted_ids, rows, experts, counts, inverse, starts, hit)
-    u = routed_experts(b, pairs, lambda b, a, u: _glu(b, a, u, betas), expert_weights, padded, quantize,
+    u = routed_experts(b, pairs, lambda b, a, u: _glu(b, a, u, betas), expert_weights, batched, quantize,
                        per_expert)
     b.out("CastLike", [u, "z"], ["u"])
-    extra = {MS_DOMAIN: 1} if padded else {}  # the padded batch's FusedMatMul
+    extra = {MS_DOMAIN: 1} if batched and not per_expert else {}  # the padded batch's FusedMatMul
     return b.function(spec, {"": opset_version, **extra}), extra

@@ -224,15 +224,15 @@ def combine(b: Body, p: Pairs, y: str, slots: str) -> str:
     return b.op("Squeeze", b.op("MatMul", w, rows), b.ints(1))  # weighted sum of a token's k rows: one MatMul
 
 
-def routed_experts(b: Body, p: Pairs, glu: Glu, expert_weights: ExpertWeights, padded: bool,
+def routed_experts(b: Body, p: Pairs, glu: Glu, expert_weights: ExpertWeights, batched: bool,
                    quantize: Quantize | None = None, per_expert: int = 0) -> str:
-    """u [N, L] fp32 of the routed pairs. fp32 stacked weights w1/w3/w2 (`padded`): with `per_expert` local
+    """u [N, L] fp32 of the routed pairs. fp32 stacked weights w1/w3/w2 (`batched`): with `per_expert` local
     experts (at most UNROLL_MAX) `per_expert_rows`, for every call; with more, an If between the padded
     batch (on the waste rule) and the loop. Other weights: the loop. `quantize` (MXFP8 activations, MXFP4
     experts only) runs in the loop; the batches never take it."""
-    if padded and quantize is not None:
-        raise ValueError("MXFP8 activations run in the expert loop only (MXFP4 experts), not the padded batch")
-    if not padded:
+    if batched and quantize is not None:
+        raise ValueError("MXFP8 activations run in the expert loop only (MXFP4 experts), not the batches")
+    if not batched:
         return combine(b, p, *looped_experts(b, p, glu, expert_weights, quantize))
     if not 0 <= per_expert <= UNROLL_MAX:
         raise ValueError(f"per_expert={per_expert}: at most {UNROLL_MAX} experts get one copy of the step each")
