@@ -7,7 +7,8 @@ export of `--preset` (default k3-bench, random fp32 weights; or `--export DIR`),
   - many:  --batch sequences decoding together (each at --positions), pools for what they hold, in
            consecutive slots (their KDA rows are read and written in place, runtime/step_outputs.py);
   - scattered: the same in slots that are not consecutive (scratch outputs, then the write-back), timed
-    after the others, interleaved with `small` alone.
+    after the others, interleaved with `small` alone: the fallback path. serve() keeps its running
+    sequences in consecutive slots (runtime/scheduler.py `compact`), so its steps take it only with drafts.
 The cases are interleaved (each first in turn), --repeats per round, --rounds rounds; the figures are the
 median over rounds and the spread (lowest-highest round). Capacity ratio = large / small, batching speedup
 = batch x small / many, both taken round by round. Prints a table and writes JSON (--json).

@@ -99,6 +99,18 @@ class CacheAllocator:
         self.slots.give([self.slot_of.pop(seq)])
         self.drop(self.table_of.pop(seq))
 
+    def compact(self, order: list[int]) -> list[tuple[int, int]]:
+        """Slots 0..n-1 to the sequences `order` (every admitted id, in that order) -> (old slot, new slot) of
+        each that moved, whose KDA rows the pools must then move (StatePools.move_slots)."""
+        if sorted(order) != sorted(self.slot_of):
+            raise ValueError(f"compact: order {sorted(order)} is not the admitted sequences {sorted(self.slot_of)}")
+        moves = [(self.slot_of[seq], i) for i, seq in enumerate(order) if self.slot_of[seq] != i]
+        if moves:
+            self.slot_of.update({seq: i for i, seq in enumerate(order)})
+            self.slots = FreeList(self.slots.capacity)
+            self.slots.take(len(order))
+        return moves
+
     def table_row(self, seq: int, width: int) -> list[int]:
         """The first `width` block ids of `seq`'s table, padded with block 0 (a valid id, never read)."""
         t = self.table_of[seq][:width]
@@ -143,6 +155,16 @@ class StatePools:
         """The KDA state of `slot` = a snapshot taken by `save_slot`."""
         for n, row in rows.items():
             self.tensors[n][slot].copy_(row)
+
+    def move_slots(self, moves: list[tuple[int, int]]) -> None:
+        """The KDA rows of slot `old` to slot `new` for every (old, new) of `moves` (CacheAllocator.compact), all
+        read before any is written (one gather, one index write), so any permutation is safe."""
+        if not moves:
+            return
+        old, new = (torch.tensor(x) for x in zip(*moves))
+        for name, t in self.tensors.items():
+            if not name.endswith(".latent"):
+                t[new.to(t.device)] = t[old.to(t.device)]
 
     def _positions(self, table: list[int], n: int) -> tuple[Tensor, Tensor]:
         """(block, row) of positions 0..n-1 of the sequence whose block table is `table`."""

@@ -183,7 +183,8 @@ def serve(runner, cfg, prompts: Sequence[Sequence[int]], sampling: SamplingOptio
                                       rows[rid][0].cpu()))
         if prefix is not None:
             prefix.record(step, sched.running, alloc.table_of)
-        sched.commit(step, chosen)
+        if sched.commit(step, chosen):  # sequences finished: the others close the gap (consecutive slots)
+            pools.move_slots(sched.compact())
         for rid, draft in zip(step.due, step.drafts):
             rec = records[rid]
             new = sched.sequence(rid).tokens[len(rec.tokens):]

@@ -78,6 +78,30 @@ def test_write_back_touches_only_the_step_rows():
         assert torch.equal(p, old), pool_name  # nothing else changed
 
 
+def test_compact_gives_slots_in_order_and_moves_the_rows():
+    a = CacheAllocator(slots=4, blocks=8, block_size=4)
+    for seq in (10, 11, 12, 13):
+        a.admit(seq, positions=4)
+    a.release(11)
+    assert a.compact([10, 12, 13]) == [(2, 1), (3, 2)]  # slot 0 stays; the others close the gap
+    assert a.slot_of == {10: 0, 12: 1, 13: 2} and a.slots.take(1) == [3] and a.slots.available == 0
+    assert a.compact([10, 12, 13]) == []  # already in order: nothing moves
+    with pytest.raises(ValueError, match=r"not the admitted sequences \[10, 12, 13\]"):
+        a.compact([10, 12])
+
+    pools = StatePools(CFG, slots=4, blocks=2, block_size=4)
+    for t in pools.tensors.values():
+        t.copy_(torch.arange(t.shape[0], dtype=t.dtype).view(-1, *[1] * (t.dim() - 1)).expand_as(t))
+    latents = {n: t.clone() for n, t in pools.tensors.items() if n.endswith(".latent")}
+    pools.move_slots([(0, 1), (1, 0), (3, 2)])  # a swap reads both rows before writing either
+    for n, t in pools.tensors.items():
+        if n.endswith(".latent"):
+            assert torch.equal(t, latents[n])  # blocks are not slots: untouched
+        else:
+            assert [int(t[s].flatten()[0]) for s in range(4)] == [1, 0, 3, 3], n
+            assert all(torch.all(t[s] == t[s].flatten()[0]) for s in range(4))
+
+
 def test_reset_slot_zeroes_kda_state_only():
     pools = StatePools(CFG, slots=2, blocks=2, block_size=4)
     for t in pools.tensors.values():

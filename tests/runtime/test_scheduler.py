@@ -16,8 +16,9 @@ def _token(rid: int, n: int) -> int:  # a clock-free stand-in for the model: a f
     return EOS if (rid, n) == (3, 1) else 10 * rid + n
 
 
-def _drive(sched: Scheduler, requests: list[Request]) -> tuple[dict[int, list[int]], list]:
-    """Run the scheduler to the end, checking each step's feeds; -> tokens fed per request, the steps."""
+def _drive(sched: Scheduler, requests: list[Request], compact: bool = False) -> tuple[dict[int, list[int]], list]:
+    """Run the scheduler to the end, checking each step's feeds; -> tokens fed per request, the steps.
+    `compact`: as serve() runs it, the running sequences close the gaps after every commit that finished one."""
     for r in requests:
         sched.add(r)
     fed: dict[int, list[int]] = {r.id: [] for r in requests}
@@ -39,7 +40,11 @@ def _drive(sched: Scheduler, requests: list[Request]) -> tuple[dict[int, list[in
         rows = f["logits_index"].tolist()
         assert [step.seqs[cu.index(r + 1) - 1] for r in rows][: len(step.due)] == list(step.due)
         steps.append(step)
-        sched.commit(step, {rid: _token(rid, len(sched.running[rid].tokens)) for rid in step.due})
+        if sched.commit(step, {rid: _token(rid, len(sched.running[rid].tokens)) for rid in step.due}) and compact:
+            moves = sched.compact()
+            assert [s.slot for s in sched.running.values()] == list(range(len(sched.running)))  # admission order
+            assert all(sched.alloc.slot_of[rid] == s.slot for rid, s in sched.running.items()) and all(
+                old != new for old, new in moves)
     return fed, steps
 
 
@@ -107,3 +112,24 @@ def test_steps_pack_their_sequences_in_slot_order():
     slots = [s.feeds["slots"].tolist() for s in steps]
     assert all(s == sorted(s) for s in slots)
     assert [0, 1, 2] in slots[2:] and 3 in [r for s in steps[1:] for r in s.admitted]
+
+
+@pytest.mark.parametrize("budget", [5, 8, 64])
+def test_compaction_keeps_every_step_in_consecutive_slots(budget):
+    # sequences finish in another order than they came (different lengths and token counts): without
+    # compaction their slots leave holes and some steps' slots are not consecutive (the step then gathers its
+    # KDA rows and writes them back); with it every step's are, and every token is still fed once in order
+    lens = [3, 17, 1, 9, 30, 2, 5, 12, 1, 8]
+    news = [6, 1, 9, 2, 3, 8, 1, 4, 7, 2]
+    reqs = [Request(i, tuple(range(100 + i, 100 + i + n)), m) for i, (n, m) in enumerate(zip(lens, news))]
+
+    def consecutive(compact: bool) -> list[bool]:
+        sched = Scheduler(CacheAllocator(slots=4, blocks=64, block_size=4), max_sequences=4, max_step_tokens=budget)
+        fed, steps = _drive(sched, reqs, compact=compact)
+        for r in reqs:
+            assert fed[r.id] == list(r.prompt) + sched.finished[r.id].tokens[:-1]
+        assert sched.alloc.slots.available == 4 and not sched.alloc.slot_of
+        return [(s := st.feeds["slots"].tolist()) == list(range(s[0], s[0] + len(s))) for st in steps]
+
+    assert not all(consecutive(compact=False))
+    assert all(consecutive(compact=True))

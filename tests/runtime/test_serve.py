@@ -36,6 +36,21 @@ def test_continuous_batching_equals_solo(model, max_step_tokens):
     assert_records_match_solo(model, records, ps, NEW, "eager step")
 
 
+def test_finished_sequences_leave_no_gap_and_moved_states_stay_exact(model):
+    # the first sequences finish early while later ones run on: the survivors move down to close the gap
+    # (their KDA rows copied, runtime/pools.py move_slots), so every step's slots are consecutive, and the
+    # moved sequences' tokens and logits still equal their solo runs
+    ps, news = prompts([2, 3, 11, 6, 1, 9], CFG.vocab_size, seed=5), [1, 2, 7, 5, 6, 3]
+    runner, slots = eager_runner(model), []
+    infer = runner.infer
+    runner.infer = lambda feeds, **kw: slots.append(feeds["slots"].tolist()) or infer(feeds, **kw)
+    opts = ServeOptions(max_sequences=4, block_size=4, max_step_tokens=8, keep_logits=True)
+    records = serve(runner, CFG, ps, SamplingOptions(), opts, max_new_tokens=news)
+    assert_records_match_solo(model, records, ps, news, "eager step, compacted slots")
+    assert all(s == list(range(s[0], s[0] + len(s))) for s in slots), slots
+    assert any(s[0] == 0 and len(s) > 1 for s in slots[3:])  # slot 0 reused by a moved sequence
+
+
 def test_eos_frees_the_slot_early(model):
     ps = prompts([4, 6, 3], CFG.vocab_size, seed=1)
     first, _ = solo(model, ps[0], 3)
