@@ -6,10 +6,12 @@ Body: pad each sequence to the step's longest, L rows, then k3::KDA's recurrence
 sit after each sequence's last row with g = 0 and beta = 0: the delta rule leaves the state unchanged on them
 (S·exp(0) + k·0), so final_state is exact, and their outputs are never gathered back. Why not an ONNX Loop over
 the sequences: one fused LinearAttention call per step, and exact O(N) work for the common steps (decode only: L
-= 1; one prefill: B = 1); the price is B·L rows when a long prefill shares a step with many decode rows. Those
-common steps have every sequence L rows (B·L = N): an If takes them to Reshapes of the packed rows, no padding
-Gather in or out (the recurrence runs inside each branch). Otherwise unpacking finds each row's sequence by an
-[N, B] comparison. The pool is only read (Gather of B rows), never copied whole, and not copied at all when the
+= 1; one prefill: B = 1). Those have every sequence L rows (B·L = N): an If takes them to Reshapes of the
+packed rows, no padding Gather in or out (the recurrence runs inside each branch). A step of decode rows
+beside prompt chunks (continuous batching) runs two calls (`_split`): the one-row sequences as [Bd, 1], the
+others padded to their own longest, so the decode rows are never padded to a chunk (k3-bench, 31 decode rows
+and a 230-token chunk: the step 2.6-4.0 s -> 0.46-0.55 s with the same split in k3::MLAPaged). Any other step
+pads every sequence to the longest. Unpacking finds each row's sequence by an [N, B] comparison. The pool is only read (Gather of B rows), never copied whole, and not copied at all when the
 step holds every slot in order (`_holds_every_slot`: LinearAttention reads the pool where it is; 16.7 MB a layer
 at 32 sequences on k3-bench).
 """
@@ -94,6 +96,49 @@ def _ragged(starts: str, ends: str, lens: str, t: str, L: str, full: str) -> onn
     return b.branch([o, state])
 
 
+def _split(starts: str, ends: str, lens: str) -> onnx.GraphProto:
+    """Branch, one-row sequences (decode rows) beside longer ones (prompt chunks): two recurrences, the
+    one-row sequences as [Bd, 1] (no padding) and the others padded to their own longest, Lp rows; o [N, H*V]
+    and the states back in the step's order. Padding every sequence to the step's longest made a 230-token
+    chunk beside 31 decode rows run 7,360 rows (k3-bench, ORT CPU: the step took 2.6-4.0 s)."""
+    b = Body("KDAPacked", "split")
+    zero, one_ = _scalar(b, 0), _scalar(b, 1)
+    one = b.op("Equal", lens, one_)  # [B]: a one-row sequence
+    D = b.op("Reshape", b.op("NonZero", one), b.ints(-1))  # [Bd] (in step order)
+    P = b.op("Reshape", b.op("NonZero", b.op("Not", one)), b.ints(-1))  # [Bp]
+    pool_rows = (b.op("Gather", "state_pool", b.op("Gather", "slots", g, axis=0), axis=0) for g in (D, P))
+    xd = [b.op("Unsqueeze", b.op("Gather", x, b.op("Gather", starts, D, axis=0), axis=0), b.ints(1)) for x in INPUTS]
+    od, sd = recurrence(b, *packed_inputs(b, *xd), next(pool_rows))  # [Bd, 1, H*V]
+    b.step = "split"
+    sp, lp = (b.op("Gather", x, P, axis=0) for x in (starts, lens))
+    Lp = b.op("ReduceMax", lp, keepdims=1)  # [1]
+    t = b.op("Unsqueeze", b.op("Range", zero, b.op("Squeeze", Lp), one_), b.ints(0))  # [1, Lp]
+    valid = b.op("Less", t, b.op("Unsqueeze", lp, b.ints(1)))  # [Bp, Lp]
+    rows = b.op("Where", valid, b.op("Add", b.op("Unsqueeze", sp, b.ints(1)), t), zero)
+    q, k, v, g, beta = (b.op("Gather", x, rows, axis=0) for x in INPUTS)  # [Bp, Lp, ...]
+    real = b.op("Cast", valid, to=TensorProto.FLOAT)
+    g = b.op("Mul", g, b.op("Unsqueeze", real, b.ints(2, 3)))
+    beta = b.op("Mul", beta, b.op("Unsqueeze", real, b.ints(2)))
+    op, sp_state = recurrence(b, *packed_inputs(b, q, k, v, g, beta), next(pool_rows))  # [Bp, Lp, H*V]
+    b.step = "unpack"
+    hv = b.op("Shape", od, start=2)
+    every = b.op("Concat", b.op("Reshape", od, b.op("Concat", b.ints(-1), hv, axis=0)),
+                 b.op("Reshape", op, b.op("Concat", b.ints(-1), hv, axis=0)), axis=0)  # [Bd + Bp*Lp, H*V]
+    bd = b.op("Shape", D)  # [1]
+    pos_d, pos_p = (b.op("Sub", b.op("CumSum", b.op("Cast", m, to=TensorProto.INT64), zero), one_)
+                    for m in (one, b.op("Not", one)))  # [B]: a sequence's index in its group
+    n = b.op("Range", zero, b.op("Squeeze", b.op("Shape", "q", start=0, end=1)), one_)  # [N]
+    ended = b.op("GreaterOrEqual", b.op("Unsqueeze", n, b.ints(1)), b.op("Unsqueeze", ends, b.ints(0)))  # [N, B]
+    seq = b.op("ReduceSum", b.op("Cast", ended, to=TensorProto.INT64), b.ints(1), keepdims=0)  # [N]
+    local = b.op("Sub", n, b.op("Gather", starts, seq, axis=0))
+    padded = b.op("Add", bd, b.op("Add", b.op("Mul", b.op("Gather", pos_p, seq, axis=0), Lp), local))
+    o = b.op("Gather", every, b.op("Where", b.op("Gather", one, seq, axis=0), b.op("Gather", pos_d, seq, axis=0),
+                                   padded), axis=0)  # [N, H*V]
+    state = b.op("Gather", b.op("Concat", sd, sp_state, axis=0), b.op("Where", one, pos_d, b.op("Add", bd, pos_p)),
+                 axis=0)  # [B, H, K, V] in step order
+    return b.branch([o, state])
+
+
 def function(opset_version: int, nodes: list) -> tuple[onnx.FunctionProto, dict[str, int]]:
     """The ONNX Runtime body and the extra opsets it imports. An If takes a step whose sequences all have
     the longest one's L rows (B·L = N: one prefill, or decode rows only) to Reshapes of the packed rows
@@ -109,8 +154,13 @@ def function(opset_version: int, nodes: list) -> tuple[onnx.FunctionProto, dict[
     grid = b.op("Concat", b.op("Shape", lens), L, axis=0)  # [2] = (B, L)
     even = b.op("Equal", b.op("ReduceProd", grid, keepdims=0), b.op("Squeeze", b.op("Shape", "q", start=0, end=1)))
     full = _holds_every_slot(b)
-    o, state = b.op("If", even, outputs=2, then_branch=_even(grid, full),
-                    else_branch=_ragged(starts, ends, lens, t, L, full))  # o [B, L, H*V] or [N, H*V]
+    ones = b.op("ReduceSum", b.op("Cast", b.op("Equal", lens, _scalar(b, 1)), to=TensorProto.INT64), keepdims=0)
+    mixed = b.op("And", b.op("Greater", ones, _scalar(b, 0)),
+                 b.op("Less", ones, b.op("Squeeze", b.op("Shape", lens))))  # decode rows beside longer sequences
+    uneven = Body("KDAPacked", "uneven")
+    uneven = uneven.branch(uneven.op("If", mixed, outputs=2, then_branch=_split(starts, ends, lens),
+                                     else_branch=_ragged(starts, ends, lens, t, L, full)))
+    o, state = b.op("If", even, outputs=2, then_branch=_even(grid, full), else_branch=uneven)  # o [B, L, H*V] | [N, H*V]
     b.out("CastLike", [b.op("Reshape", o, b.op("Shape", "v")), "v"], ["o"])
     b.out("Identity", [state], ["final_state"])
     return b.function(NODE, {"": opset_version, MS_DOMAIN: 1}), {MS_DOMAIN: 1}

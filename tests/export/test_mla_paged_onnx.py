@@ -72,6 +72,8 @@ def session():
     pytest.param([(0, 11)], id="prefill"),
     pytest.param([(0, 5), (0, 11), (0, 1)], id="prefill-B3"),
     pytest.param([(31, 1), (0, 1), (16, 3), (1, 1), (8, 8), (15, 2), (2, 13)], id="mixed-B7"),
+    pytest.param([(5, 1), (9, 1), (0, 20)], id="decode-rows-and-a-first-chunk"),
+    pytest.param([(0, 1), (0, 1), (7, 4)], id="first-tokens-and-a-chunk-with-past"),
 ])
 def test_ort_body_matches_reference(session, seqs):
     _, sess = session
@@ -84,11 +86,27 @@ def test_ort_body_matches_reference(session, seqs):
 def test_body_reads_the_pool_only_through_the_block_table(session):
     proto, _ = session
     (fn,) = [f for f in proto.functions if f.name == NODE.op_type]
-    readers = [n.op_type for n in fn.node if "latent_pool" in n.input]
-    assert sorted(readers) == ["Gather", "Shape", "Shape"], readers
-    gather = next(n for n in fn.node if n.op_type == "Gather" and "latent_pool" in n.input)
-    (table,) = [n for n in fn.node if gather.input[1] in n.output]
-    assert table.op_type == "Slice" and table.input[0] == "block_table"  # the table's first blocks only
+
+    def nodes(graph_nodes) -> list:  # every node, If branches included
+        return [m for n in graph_nodes for m in [n, *(x for a in n.attribute if a.g.node for x in nodes(a.g.node))]]
+
+    every = nodes(fn.node)
+    readers = [n.op_type for n in every if "latent_pool" in n.input]
+    assert sorted(readers) == ["Gather"] * 3 + ["Shape"] * 6, readers  # the whole step, or each group of a split
+    made = {o: n for n in every for o in n.output}
+    for gather in (n for n in every if n.op_type == "Gather" and "latent_pool" in n.input):
+        table = made[gather.input[1]]
+        assert table.op_type == "Slice"  # the table's first blocks only: the step's or its group's rows of it
+        assert table.input[0] == "block_table" or made[table.input[0]].input[0] == "block_table"
+
+
+def test_decode_rows_beside_a_chunk_are_not_padded_to_it(tmp_path):
+    """One-row sequences beside a longer one attend as their own group: no tensor of the run has the whole
+    step's sequences padded to the chunk ([4, H, 20, ...]); the chunk's group is [1, H, 20, ...]."""
+    events = profiled_nodes([(5, 1), (9, 1), (3, 1), (0, 20)], tmp_path)
+    assert any("MLAPaged/split/" in e["name"] for e in events)
+    shapes = [s for e in events for t in e["args"]["input_type_shape"] for s in t.values()]
+    assert [1, H, 20, C + R] in shapes and not [s for s in shapes if len(s) == 4 and s[0] == 4 and s[2] == 20]
 
 
 @pytest.mark.parametrize("seqs,blocks", [

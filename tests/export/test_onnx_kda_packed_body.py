@@ -71,18 +71,21 @@ def test_body_matches_reference(session, lens):
 @pytest.mark.parametrize("lens,branch", [
     pytest.param([70], "even", id="one-prefill:even"),
     pytest.param([1, 1, 1], "even", id="decode-B3:even"),
-    pytest.param([2, 65, 1], "ragged", id="mixed:ragged"),
+    pytest.param([2, 65, 1], "split", id="decode-rows-and-chunks:split"),
+    pytest.param([1, 1, 1, 1, 1, 40], "split", id="decode-B5-and-a-chunk:split"),
+    pytest.param([2, 65, 3], "ragged", id="chunks:ragged"),
 ])
-def test_even_steps_reshape_the_packed_rows(lens, branch, tmp_path):
+def test_each_step_takes_its_branch(lens, branch, tmp_path):
     """A step whose sequences all have the same length (one prefill, decode rows only) takes the If's
     `even` branch: the packed rows are the [B, L] grid, no padding Gather of q, k, v, g, beta, no masking Mul,
-    no unpacking Gather of o; other steps the `ragged` one. Both equal the reference."""
+    no unpacking Gather of o; one-row sequences beside longer ones the `split` one (two recurrences, only the
+    longer sequences padded); other steps the `ragged` one. All equal the reference."""
     ran = profiled_steps(kda_step(lens, H=H, K=K, V=V, S=S, seed=3), tmp_path)
     steps = {step for step, _ in ran}
-    assert branch in steps and not ({"even", "ragged"} - {branch}) & steps, steps
+    assert branch in steps and not ({"even", "split", "ragged"} - {branch}) & steps, steps
     gathers = {step for step, op in ran if op == "Gather"}  # pad: the pool's B rows
-    assert gathers == ({"pad"} if branch == "even" else {"pad", "ragged", "unpack"}), ran
-    assert (branch == "ragged") == any(op == "Mul" for step, op in ran if step != "recurrence"), ran
+    assert gathers == {"even": {"pad"}, "split": {"split", "unpack"}, "ragged": {"pad", "ragged", "unpack"}}[branch], ran
+    assert (branch != "even") == any(op == "Mul" for step, op in ran if step != "recurrence"), ran
 
 
 def test_both_branches_hand_out_what_the_recurrence_writes():
@@ -99,19 +102,29 @@ def test_both_branches_hand_out_what_the_recurrence_writes():
         made = {o: n for n in g.node for o in n.output}
         return [made[made[out.name].input[0]] for out in g.output]
 
-    for attr in node.attribute:
-        outs = sources(attr.g)
-        assert [n.op_type for n in outs] == (["If", "If"] if attr.name == "then_branch" else ["Gather", "If"])
+    def check(branch: onnx.GraphProto, name: str) -> None:  # the even or ragged branch
+        outs = sources(branch)
+        assert [n.op_type for n in outs] == (["If", "If"] if name == "even" else ["Gather", "If"])
         for inner in outs[-1].attribute:
             las = sources(inner.g)
-            assert [n.op_type for n in las] == ["LinearAttention"] * 2, (attr.name, inner.name)
+            assert [n.op_type for n in las] == ["LinearAttention"] * 2, (name, inner.name)
             pool = las[0].input[3]
-            assert (pool == "state_pool") == (inner.name == "then_branch"), (attr.name, inner.name, pool)
+            assert (pool == "state_pool") == (inner.name == "then_branch"), (name, inner.name, pool)
+
+    branches = {attr.name: attr.g for attr in node.attribute}
+    even, uneven = branches["then_branch"], branches["else_branch"]
+    check(even, "even")
+    (mixed,) = [n for n in uneven.node if n.op_type == "If"]
+    split, ragged = ({a.name: a.g for a in mixed.attribute}[k] for k in ("then_branch", "else_branch"))
+    check(ragged, "ragged")
+    assert [n.op_type for n in sources(split)] == ["Gather", "Gather"]  # o and the states put back in step order
+    assert sum(n.op_type == "LinearAttention" for n in split.node) == 2
 
 
 @pytest.mark.parametrize("lens, in_order, gathers", [
     pytest.param([1, 1, 1, 1], True, set(), id="full-decode"),
-    pytest.param([3, 1, 70, 2], True, {"ragged", "unpack"}, id="full-mixed"),
+    pytest.param([3, 4, 70, 2], True, {"ragged", "unpack"}, id="full-ragged"),
+    pytest.param([3, 1, 70, 2], True, {"split", "unpack"}, id="full-split"),  # each group's rows gathered
     pytest.param([1, 1, 1, 1], False, {"pad"}, id="full-permuted"),
 ])
 def test_a_step_holding_every_slot_in_order_reads_the_pool_itself(tmp_path, lens, in_order, gathers):
