@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from k3x.bench import serving, serving_length, serving_long, serving_prefill
+from k3x.bench import serving, serving_length, serving_long, serving_mixed, serving_prefill
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -44,6 +44,18 @@ def test_capacity_and_batching(serving_export, tmp_path):
               "tokens_per_s_batch", "batching_speedup_scattered"):
         _spread_ok(r[k])
     assert r["large_pool_bytes"] > 65536 * 4 * 32  # k3-mini: 3 MLA layers x 32 fp32 latents per position
+
+
+def test_mixed_workload(serving_export, tmp_path):
+    """Every kind of step occurs (decode rows only, chunks only, both), all in consecutive slots (serve()
+    closes the gaps finished sequences leave), and both rounds give the same tokens (else it raises)."""
+    r = _run(serving_mixed.main, serving_export, tmp_path, "--prompts", "10", "--max-prompt", "40", "--max-new", "12",
+             "--sequences", "4", "--step-tokens", "24", "--rounds", "2")
+    _spread_ok(r["seconds"])
+    _spread_ok(r["new_tokens_per_s"])
+    assert all(r["steps_by_kind"][k] > 0 for k in ("decode", "prefill", "mixed")), r["steps_by_kind"]
+    assert sum(r["steps_by_kind"].values()) == r["steps"] and r["consecutive_share"] == 1.0
+    assert 10 * 8 <= r["new_tokens"] <= 10 * 12
 
 
 def test_length_split(mini_serving, tmp_path):
