@@ -11,9 +11,9 @@ packed rows, no padding Gather in or out (the recurrence runs inside each branch
 beside prompt chunks (continuous batching) runs two calls (`_split`): the one-row sequences as [Bd, 1], the
 others padded to their own longest, so the decode rows are never padded to a chunk (k3-bench, 31 decode rows
 and a 230-token chunk: the step 2.6-4.0 s -> 0.46-0.55 s with the same split in k3::MLAPaged). Any other step
-pads every sequence to the longest. Unpacking finds each row's sequence by an [N, B] comparison. The pool is only read (Gather of B rows), never copied whole, and not copied at all when the
-step holds every slot in order (`_holds_every_slot`: LinearAttention reads the pool where it is; 16.7 MB a layer
-at 32 sequences on k3-bench).
+pads every sequence to the longest. Unpacking finds each row's sequence by an [N, B] comparison. The pool is
+only read (Gather of B rows), never copied whole, and not copied at all when the step holds every slot in order
+(`_holds_every_slot`: LinearAttention reads the pool where it is; 16.7 MB a layer at 32 sequences on k3-bench).
 """
 
 from __future__ import annotations
@@ -74,19 +74,24 @@ def _even(grid: str, full: str) -> onnx.GraphProto:
     return b.branch(_from_pool(b, xs, full))
 
 
+def _padded(b: Body, starts: str, lens: str, t: str) -> list[str]:
+    """q, k, v, g, beta [B, L, ...] of the sequences starting at packed rows `starts` with `lens` rows, each
+    padded to L rows (t [1, L] = 0..L-1) with g = 0 (no decay) and beta = 0 (no write)."""
+    valid = b.op("Less", t, b.op("Unsqueeze", lens, b.ints(1)))  # [B, L]: a real row of sequence b
+    rows = b.op("Where", valid, b.op("Add", b.op("Unsqueeze", starts, b.ints(1)), t), _scalar(b, 0))  # packed row
+    q, k, v, g, beta = (b.op("Gather", x, rows, axis=0) for x in INPUTS)
+    real = b.op("Cast", valid, to=TensorProto.FLOAT)
+    return [q, k, v, b.op("Mul", g, b.op("Unsqueeze", real, b.ints(2, 3))),
+            b.op("Mul", beta, b.op("Unsqueeze", real, b.ints(2)))]
+
+
 def _ragged(starts: str, ends: str, lens: str, t: str, L: str, full: str) -> onnx.GraphProto:
     """Branch, sequences of other lengths: each padded to L rows by a Gather of its packed rows, the padding
     rows with g = 0 (no decay) and beta = 0 (no write); o [N, H*V]: packed row n = row (its sequence, n - its
     start) of the padded output."""
     b = Body("KDAPacked", "ragged")
     zero, one = _scalar(b, 0), _scalar(b, 1)
-    valid = b.op("Less", t, b.op("Unsqueeze", lens, b.ints(1)))  # [B, L]: a real row of sequence b
-    rows = b.op("Where", valid, b.op("Add", b.op("Unsqueeze", starts, b.ints(1)), t), zero)  # [B, L] packed row
-    q, k, v, g, beta = (b.op("Gather", x, rows, axis=0) for x in INPUTS)  # [B, L, ...]
-    real = b.op("Cast", valid, to=TensorProto.FLOAT)
-    g = b.op("Mul", g, b.op("Unsqueeze", real, b.ints(2, 3)))
-    beta = b.op("Mul", beta, b.op("Unsqueeze", real, b.ints(2)))
-    o, state = _from_pool(b, [q, k, v, g, beta], full)  # o [B, L, H*V]
+    o, state = _from_pool(b, _padded(b, starts, lens, t), full)  # o [B, L, H*V]
     b.step = "unpack"
     n = b.op("Range", zero, b.op("Squeeze", b.op("Shape", "q", start=0, end=1)), one)  # [N]
     ended = b.op("GreaterOrEqual", b.op("Unsqueeze", n, b.ints(1)), b.op("Unsqueeze", ends, b.ints(0)))  # [N, B]
@@ -106,20 +111,14 @@ def _split(starts: str, ends: str, lens: str) -> onnx.GraphProto:
     one = b.op("Equal", lens, one_)  # [B]: a one-row sequence
     D = b.op("Reshape", b.op("NonZero", one), b.ints(-1))  # [Bd] (in step order)
     P = b.op("Reshape", b.op("NonZero", b.op("Not", one)), b.ints(-1))  # [Bp]
-    pool_rows = (b.op("Gather", "state_pool", b.op("Gather", "slots", g, axis=0), axis=0) for g in (D, P))
+    pool_d, pool_p = (b.op("Gather", "state_pool", b.op("Gather", "slots", x, axis=0), axis=0) for x in (D, P))
     xd = [b.op("Unsqueeze", b.op("Gather", x, b.op("Gather", starts, D, axis=0), axis=0), b.ints(1)) for x in INPUTS]
-    od, sd = recurrence(b, *packed_inputs(b, *xd), next(pool_rows))  # [Bd, 1, H*V]
-    b.step = "split"
     sp, lp = (b.op("Gather", x, P, axis=0) for x in (starts, lens))
     Lp = b.op("ReduceMax", lp, keepdims=1)  # [1]
     t = b.op("Unsqueeze", b.op("Range", zero, b.op("Squeeze", Lp), one_), b.ints(0))  # [1, Lp]
-    valid = b.op("Less", t, b.op("Unsqueeze", lp, b.ints(1)))  # [Bp, Lp]
-    rows = b.op("Where", valid, b.op("Add", b.op("Unsqueeze", sp, b.ints(1)), t), zero)
-    q, k, v, g, beta = (b.op("Gather", x, rows, axis=0) for x in INPUTS)  # [Bp, Lp, ...]
-    real = b.op("Cast", valid, to=TensorProto.FLOAT)
-    g = b.op("Mul", g, b.op("Unsqueeze", real, b.ints(2, 3)))
-    beta = b.op("Mul", beta, b.op("Unsqueeze", real, b.ints(2)))
-    op, sp_state = recurrence(b, *packed_inputs(b, q, k, v, g, beta), next(pool_rows))  # [Bp, Lp, H*V]
+    xp = _padded(b, sp, lp, t)  # [Bp, Lp, ...]
+    od, sd = recurrence(b, *packed_inputs(b, *xd), pool_d)  # [Bd, 1, H*V]
+    op, sp_state = recurrence(b, *packed_inputs(b, *xp), pool_p)  # [Bp, Lp, H*V]
     b.step = "unpack"
     hv = b.op("Shape", od, start=2)
     every = b.op("Concat", b.op("Reshape", od, b.op("Concat", b.ints(-1), hv, axis=0)),
@@ -142,8 +141,9 @@ def _split(starts: str, ends: str, lens: str) -> onnx.GraphProto:
 def function(opset_version: int, nodes: list) -> tuple[onnx.FunctionProto, dict[str, int]]:
     """The ONNX Runtime body and the extra opsets it imports. An If takes a step whose sequences all have
     the longest one's L rows (B·L = N: one prefill, or decode rows only) to Reshapes of the packed rows
-    (in and out), any other to the padding Gathers. Each branch runs the recurrence itself and returns what
-    it writes: a branch returning a Reshape of an input would copy it into the If's output."""
+    (in and out), one with one-row sequences beside longer ones to `_split`, any other to the padding Gathers.
+    Each branch runs the recurrence itself and returns what it writes: a branch returning a Reshape of an
+    input would copy it into the If's output."""
     b = Body("KDAPacked", "pad")
     cu = b.op("Cast", "cu_seqlens", to=TensorProto.INT64)
     starts = b.op("Slice", cu, b.ints(0), b.ints(-1))  # [B]
@@ -160,7 +160,7 @@ def function(opset_version: int, nodes: list) -> tuple[onnx.FunctionProto, dict[
     uneven = Body("KDAPacked", "uneven")
     uneven = uneven.branch(uneven.op("If", mixed, outputs=2, then_branch=_split(starts, ends, lens),
                                      else_branch=_ragged(starts, ends, lens, t, L, full)))
-    o, state = b.op("If", even, outputs=2, then_branch=_even(grid, full), else_branch=uneven)  # o [B, L, H*V] | [N, H*V]
+    o, state = b.op("If", even, outputs=2, then_branch=_even(grid, full), else_branch=uneven)  # [B, L, H*V] or [N, H*V]
     b.out("CastLike", [b.op("Reshape", o, b.op("Shape", "v")), "v"], ["o"])
     b.out("Identity", [state], ["final_state"])
     return b.function(NODE, {"": opset_version, MS_DOMAIN: 1}), {MS_DOMAIN: 1}

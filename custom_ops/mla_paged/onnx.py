@@ -173,9 +173,8 @@ def _split(x: dict[str, str], scale: str) -> onnx.GraphProto:
         b.step = "split"
     (one_mask, o_one), (long_mask, o_long) = groups
     # packed row n's row in [o_one | o_long]: its index among the rows of its group (+ the one-row count)
-    rank = (b.op("Sub", b.op("CumSum", b.op("Cast", b.op("Gather", m, seq), to=INT64), zero), one_)
-            for m in (one_mask, long_mask))
-    in_one, in_long = rank
+    in_one, in_long = (b.op("Sub", b.op("CumSum", b.op("Cast", b.op("Gather", m, seq), to=INT64), zero), one_)
+                       for m in (one_mask, long_mask))
     ones = b.op("Squeeze", b.op("Shape", o_one, start=0, end=1), b.ints(0))
     where = b.op("Where", b.op("Gather", one_mask, seq), in_one, b.op("Add", in_long, ones))
     return b.branch([b.op("Gather", b.op("Concat", o_one, o_long, axis=0), where)])

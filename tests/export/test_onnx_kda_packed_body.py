@@ -84,7 +84,8 @@ def test_each_step_takes_its_branch(lens, branch, tmp_path):
     steps = {step for step, _ in ran}
     assert branch in steps and not ({"even", "split", "ragged"} - {branch}) & steps, steps
     gathers = {step for step, op in ran if op == "Gather"}  # pad: the pool's B rows
-    assert gathers == {"even": {"pad"}, "split": {"split", "unpack"}, "ragged": {"pad", "ragged", "unpack"}}[branch], ran
+    want = {"even": {"pad"}, "split": {"split", "unpack"}, "ragged": {"pad", "ragged", "unpack"}}[branch]
+    assert gathers == want, ran
     assert (branch != "even") == any(op == "Mul" for step, op in ran if step != "recurrence"), ran
 
 
