@@ -155,8 +155,9 @@ def function(opset_version: int, nodes: list) -> tuple[onnx.FunctionProto, dict[
     even = b.op("Equal", b.op("ReduceProd", grid, keepdims=0), b.op("Squeeze", b.op("Shape", "q", start=0, end=1)))
     full = _holds_every_slot(b)
     ones = b.op("ReduceSum", b.op("Cast", b.op("Equal", lens, _scalar(b, 1)), to=TensorProto.INT64), keepdims=0)
-    mixed = b.op("And", b.op("Greater", ones, _scalar(b, 0)),
-                 b.op("Less", ones, b.op("Squeeze", b.op("Shape", lens))))  # decode rows beside longer sequences
+    mixed = b.op("And", b.op("And", b.op("Greater", ones, _scalar(b, 0)),  # decode rows beside longer sequences
+                             b.op("Less", ones, b.op("Squeeze", b.op("Shape", lens)))),
+                 b.op("Greater", b.op("ReduceMin", lens, keepdims=0), _scalar(b, 0)))  # (a row-less one: ragged)
     uneven = Body("KDAPacked", "uneven")
     uneven = uneven.branch(uneven.op("If", mixed, outputs=2, then_branch=_split(starts, ends, lens),
                                      else_branch=_ragged(starts, ends, lens, t, L, full)))

@@ -74,6 +74,7 @@ def session():
     pytest.param([(31, 1), (0, 1), (16, 3), (1, 1), (8, 8), (15, 2), (2, 13)], id="mixed-B7"),
     pytest.param([(5, 1), (9, 1), (0, 20)], id="decode-rows-and-a-first-chunk"),
     pytest.param([(0, 1), (0, 1), (7, 4)], id="first-tokens-and-a-chunk-with-past"),
+    pytest.param([(5, 1), (3, 0), (2, 6)], id="a-row-less-sequence"),  # (a broken rollback's step)
 ])
 def test_ort_body_matches_reference(session, seqs):
     _, sess = session

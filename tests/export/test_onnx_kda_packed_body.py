@@ -74,6 +74,7 @@ def test_body_matches_reference(session, lens):
     pytest.param([2, 65, 1], "split", id="decode-rows-and-chunks:split"),
     pytest.param([1, 1, 1, 1, 1, 40], "split", id="decode-B5-and-a-chunk:split"),
     pytest.param([2, 65, 3], "ragged", id="chunks:ragged"),
+    pytest.param([1, 0, 5], "ragged", id="a-row-less-sequence:ragged"),  # (a broken rollback's step)
 ])
 def test_each_step_takes_its_branch(lens, branch, tmp_path):
     """A step whose sequences all have the same length (one prefill, decode rows only) takes the If's
