@@ -6,7 +6,7 @@ through runtime/serve.py `serve()` on --sequences slots and --step-tokens tokens
 one session. Each step is timed and sorted by what it holds: decode rows only, prompt chunks only, or both
 (mixed: the KDA and MLA bodies then run the decode rows apart from the chunks, custom_ops/*/onnx.py
 `_split`), and whether its slots were consecutive (in place, runtime/step_outputs.py; serve() keeps them
-so). The records of every round must be the same tokens.
+so); the step figures are the last round's. The records of every round must be the same tokens.
 
     python -m k3x.bench.serving_mixed [--export DIR] [--prompts 96] [--sequences 32] [--json out.json]
 """

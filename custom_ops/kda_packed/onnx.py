@@ -85,18 +85,23 @@ def _padded(b: Body, starts: str, lens: str, t: str) -> list[str]:
             b.op("Mul", beta, b.op("Unsqueeze", real, b.ints(2)))]
 
 
+def _row_sequences(b: Body, starts: str, ends: str) -> tuple[str, str]:
+    """(seq [N]: each packed row's sequence, by an [N, B] comparison with the sequences' ends; local [N]: the
+    row's index within its sequence)."""
+    n = b.op("Range", _scalar(b, 0), b.op("Squeeze", b.op("Shape", "q", start=0, end=1)), _scalar(b, 1))  # [N]
+    ended = b.op("GreaterOrEqual", b.op("Unsqueeze", n, b.ints(1)), b.op("Unsqueeze", ends, b.ints(0)))  # [N, B]
+    seq = b.op("ReduceSum", b.op("Cast", ended, to=TensorProto.INT64), b.ints(1), keepdims=0)
+    return seq, b.op("Sub", n, b.op("Gather", starts, seq, axis=0))
+
+
 def _ragged(starts: str, ends: str, lens: str, t: str, L: str, full: str) -> onnx.GraphProto:
     """Branch, sequences of other lengths: each padded to L rows by a Gather of its packed rows, the padding
     rows with g = 0 (no decay) and beta = 0 (no write); o [N, H*V]: packed row n = row (its sequence, n - its
     start) of the padded output."""
     b = Body("KDAPacked", "ragged")
-    zero, one = _scalar(b, 0), _scalar(b, 1)
     o, state = _from_pool(b, _padded(b, starts, lens, t), full)  # o [B, L, H*V]
     b.step = "unpack"
-    n = b.op("Range", zero, b.op("Squeeze", b.op("Shape", "q", start=0, end=1)), one)  # [N]
-    ended = b.op("GreaterOrEqual", b.op("Unsqueeze", n, b.ints(1)), b.op("Unsqueeze", ends, b.ints(0)))  # [N, B]
-    seq = b.op("ReduceSum", b.op("Cast", ended, to=TensorProto.INT64), b.ints(1), keepdims=0)  # [N] row's sequence
-    local = b.op("Sub", n, b.op("Gather", starts, seq, axis=0))
+    seq, local = _row_sequences(b, starts, ends)
     o = b.op("Gather", b.op("Flatten", o, axis=2), b.op("Add", b.op("Mul", seq, L), local), axis=0)  # [N, H*V]
     return b.branch([o, state])
 
@@ -126,10 +131,7 @@ def _split(starts: str, ends: str, lens: str) -> onnx.GraphProto:
     bd = b.op("Shape", D)  # [1]
     pos_d, pos_p = (b.op("Sub", b.op("CumSum", b.op("Cast", m, to=TensorProto.INT64), zero), one_)
                     for m in (one, b.op("Not", one)))  # [B]: a sequence's index in its group
-    n = b.op("Range", zero, b.op("Squeeze", b.op("Shape", "q", start=0, end=1)), one_)  # [N]
-    ended = b.op("GreaterOrEqual", b.op("Unsqueeze", n, b.ints(1)), b.op("Unsqueeze", ends, b.ints(0)))  # [N, B]
-    seq = b.op("ReduceSum", b.op("Cast", ended, to=TensorProto.INT64), b.ints(1), keepdims=0)  # [N]
-    local = b.op("Sub", n, b.op("Gather", starts, seq, axis=0))
+    seq, local = _row_sequences(b, starts, ends)
     padded = b.op("Add", bd, b.op("Add", b.op("Mul", b.op("Gather", pos_p, seq, axis=0), Lp), local))
     o = b.op("Gather", every, b.op("Where", b.op("Gather", one, seq, axis=0), b.op("Gather", pos_d, seq, axis=0),
                                    padded), axis=0)  # [N, H*V]

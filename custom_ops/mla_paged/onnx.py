@@ -59,12 +59,17 @@ def _pad(b: Body, cu_seqlens: str) -> tuple[str, str, str, str]:
     return grid, starts, t, tmax
 
 
+def _row_sequences(b: Body, q_latent: str, cu: str) -> tuple[str, str]:
+    """(n [N] = 0..N-1, seq [N]: each packed row's sequence, #{b : cu[b+1] <= n}) for int64 cu_seqlens `cu`."""
+    n = _range(b, _dim(b, q_latent, 0))
+    ends = b.op("Slice", cu, b.ints(1), b.ints(2 ** 62))
+    before = b.op("LessOrEqual", b.op("Unsqueeze", ends, b.ints(0)), b.op("Unsqueeze", n, b.ints(1)))  # [N, B]
+    return n, b.op("ReduceSum", b.op("Cast", before, to=INT64), b.ints(1), keepdims=0)
+
+
 def _unpad(b: Body, o: str, starts: str, tmax: str, x: dict[str, str]) -> str:
     """o [B, H, Tmax, C] -> [N, H, C] in packed row order."""
-    n = _range(b, _dim(b, x["q_latent"], 0))
-    ends = b.op("Cast", b.op("Slice", x["cu_seqlens"], b.ints(1), b.ints(2 ** 62)), to=INT64)
-    before = b.op("LessOrEqual", b.op("Unsqueeze", ends, b.ints(0)), b.op("Unsqueeze", n, b.ints(1)))  # [N, B]
-    seq = b.op("ReduceSum", b.op("Cast", before, to=INT64), b.ints(1), keepdims=0)  # [N]
+    n, seq = _row_sequences(b, x["q_latent"], b.op("Cast", x["cu_seqlens"], to=INT64))
     cell = b.op("Add", b.op("Mul", seq, tmax), b.op("Sub", n, b.op("Gather", starts, seq)))
     rows = b.op("Reshape", b.op("Transpose", o, perm=[0, 2, 1, 3]),
                 b.op("Concat", b.ints(-1), b.op("Shape", o, start=1, end=2), b.op("Shape", o, start=3), axis=0))
@@ -155,11 +160,7 @@ def _split(x: dict[str, str], scale: str) -> onnx.GraphProto:
     b = Body("MLAPaged", "split")
     zero, one_ = b.op("Constant", value_int=0), b.op("Constant", value_int=1)
     cu, lens, one = _lens(b)  # from the inputs again: ORT rewrites an outer Cast's name badly in subgraphs
-    starts = b.op("Slice", cu, b.ints(0), b.ints(-1))
-    n = _range(b, _dim(b, x["q_latent"], 0))
-    ends = b.op("Slice", cu, b.ints(1), b.ints(2 ** 62))
-    seq = b.op("ReduceSum", b.op("Cast", b.op("LessOrEqual", b.op("Unsqueeze", ends, b.ints(0)),
-                                             b.op("Unsqueeze", n, b.ints(1))), to=INT64), b.ints(1), keepdims=0)
+    _, seq = _row_sequences(b, x["q_latent"], cu)
     groups = []
     for tag, member in (("_one", one), ("_long", b.op("Not", one))):
         idx = b.op("Reshape", b.op("NonZero", member), b.ints(-1))  # [Bg]: the group's sequences in step order

@@ -11,6 +11,7 @@ from serving_cases import assert_records_match_solo, prompts, solo
 from k3x.model import build_model, preset
 from k3x.model.serving import K3ServingStep
 from k3x.runtime.serve import ServeOptions, StepModuleRunner, serve
+from k3x.runtime.step_outputs import consecutive_start
 from k3x.text.sampling import SamplingOptions
 
 CFG = preset("k3-mini")
@@ -43,12 +44,12 @@ def test_finished_sequences_leave_no_gap_and_moved_states_stay_exact(model):
     ps, news = prompts([2, 3, 11, 6, 1, 9], CFG.vocab_size, seed=5), [1, 2, 7, 5, 6, 3]
     runner, slots = eager_runner(model), []
     infer = runner.infer
-    runner.infer = lambda feeds, **kw: slots.append(feeds["slots"].tolist()) or infer(feeds, **kw)
+    runner.infer = lambda feeds, **kw: slots.append(feeds["slots"]) or infer(feeds, **kw)
     opts = ServeOptions(max_sequences=4, block_size=4, max_step_tokens=8, keep_logits=True)
     records = serve(runner, CFG, ps, SamplingOptions(), opts, max_new_tokens=news)
     assert_records_match_solo(model, records, ps, news, "eager step, compacted slots")
-    assert all(s == list(range(s[0], s[0] + len(s))) for s in slots), slots
-    assert any(s[0] == 0 and len(s) > 1 for s in slots[3:])  # slot 0 reused by a moved sequence
+    assert all(consecutive_start(s) is not None for s in slots), slots
+    assert any(s[0] == 0 and len(s) > 1 for s in slots[3:])  # slot 0 still in use after the first finished
 
 
 def test_eos_frees_the_slot_early(model):
