@@ -105,21 +105,29 @@ class StepCase:
         """A function timing (seconds) one step of `tokens` per sequence at `past` positions as `serve` runs
         it: the outputs written where runtime/step_outputs.py puts them (the KDA rows in place: the slots
         are consecutive), then the write-back of what is left (the latents)."""
+        from k3x.runtime.base import torch_threads_for
         from k3x.runtime.step_outputs import StepOutputs, infer_step
 
         outputs = StepOutputs(self.pools)
 
         def one() -> float:
-            feeds = self.feeds(tokens, past)
-            t = time.perf_counter()
-            self.pools.write_back(feeds, infer_step(runner, feeds, outputs))
-            return time.perf_counter() - t
+            with torch_threads_for(runner):  # as serve() drives it
+                feeds = self.feeds(tokens, past)
+                t = time.perf_counter()
+                self.pools.write_back(feeds, infer_step(runner, feeds, outputs))
+                return time.perf_counter() - t
         return one
+
+
+SETTLE_S = 0.1  # idle time before each timed call (timed_rounds)
 
 
 def timed_rounds(steps: dict[str, Callable[[], float]], rounds: int, repeats: int) -> dict[str, list[float]]:
     """Per case, its median ms in each round; within a round the cases are interleaved, each first in turn
-    (machine noise hits them alike). One untimed call of each first (lazy inits)."""
+    (machine noise hits them alike). One untimed call of each first (lazy inits). Each call starts after
+    SETTLE_S of idle time: the threads of the case before (torch's OpenMP workers, ONNX Runtime's pool)
+    spin for a while after their work, and a call started among them loses cores to them (the ORT prefill
+    after a torch GEMM pass ran 5-10 % slower), which is the order of the cases, not their cost."""
     for f in steps.values():
         f()
     names, out = list(steps), {k: [] for k in steps}
@@ -127,6 +135,7 @@ def timed_rounds(steps: dict[str, Callable[[], float]], rounds: int, repeats: in
         times: dict[str, list[float]] = {k: [] for k in names}
         for i in range(repeats):
             for k in names[i % len(names):] + names[: i % len(names)]:
+                time.sleep(SETTLE_S)
                 times[k].append(steps[k]())
         for k in names:
             out[k].append(statistics.median(times[k]) * 1e3)

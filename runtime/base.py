@@ -4,10 +4,12 @@ engine_runner.py and cuda_graph.py implement or wrap them)."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Iterator, Protocol
 
+import torch
 from torch import Tensor
 
 Feeds = dict[str, Tensor]
@@ -21,6 +23,29 @@ class Runner(Protocol):
     name: str
 
     def infer(self, feeds: Feeds) -> Feeds: ...
+
+
+@contextlib.contextmanager
+def torch_threads_for(runner) -> Iterator[None]:
+    """torch on one thread while a loop drives `runner`, when the runner computes outside torch (its
+    `torch_threads = 1`: ONNX Runtime, TensorRT); other runners keep torch's threads.
+
+    What torch does around such a runner is bookkeeping (feeds, pool rows, sampling), but any of it on more
+    than one thread leaves torch's OpenMP workers spinning after it (tens of ms by default), on the cores the
+    runner's own threads need. Measured (2-core CPU, k3-bench ORT serving export): one 128-token prefill as a
+    serving step, 3 processes each way alternating, 240-253 ms with torch on 2 threads, 219-230 ms on one
+    (222-225 ms with OMP_WAIT_POLICY=PASSIVE: the same cause); serve() on 32 short prompts x 64 new tokens, 32
+    slots, alternating in one process, 189-197 -> 199-208 tokens/s (a prefill-heavy mix: within its noise)."""
+    threads = getattr(runner, "torch_threads", None)
+    if threads is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @dataclass(frozen=True)

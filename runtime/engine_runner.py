@@ -30,6 +30,7 @@ from .base import RunnerError
 class TrtRunner:
     name = "trt"
     device = "cuda"  # where its feeds live: serve() puts the pools here, so they are bound without a copy
+    torch_threads = 1  # torch's bookkeeping around it on one thread (base.torch_threads_for)
 
     def __init__(self, export_dir: Path, *, runtime: str = "trt") -> None:
         if not torch.cuda.is_available():

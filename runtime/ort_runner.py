@@ -139,6 +139,7 @@ class OrtRunner:
 
     name = "ort"
     binds_outputs = True  # infer(feeds, out=...) writes into the caller's tensors (runtime/step_outputs.py)
+    torch_threads = 1  # torch's bookkeeping around it on one thread (base.torch_threads_for)
 
     def __init__(self, path: Path, *, provider: str = "auto", intra_op_threads: int = 0,
                  collectives: bool = False, profile: str | None = None,

@@ -25,7 +25,7 @@ from ..folder.artifacts import ExportFolder, ManifestError
 from ..model.options import CacheOptions
 from ..model.state import state_specs
 from ..text.sampling import Generation, SamplingOptions, decode_loop
-from .base import Feeds, Runner, RunnerError, RunnerOptions
+from .base import Feeds, Runner, RunnerError, RunnerOptions, torch_threads_for
 from .cuda_graph import require_cuda_graph
 from .engine_runner import TrtRunner  # TensorRT 11 + GPU; imports tensorrt only when a runner is built
 from .ort_runner import OrtRunner  # imports onnxruntime only when a runner is built
@@ -283,7 +283,8 @@ def generate(runner: Runner, cfg, prompt: Tensor, options: SamplingOptions, *, d
         out = runner.infer(next_feeds(cfg, out, ids, cache))
         return out["logits"][:, -1]
 
-    return decode_loop(prefill, step, prompt, options, on_token)
+    with torch_threads_for(runner):
+        return decode_loop(prefill, step, prompt, options, on_token)
 
 
 def prefill_logits(runner: Runner, cfg, ids: Tensor, *, dtype: torch.dtype = torch.float32,

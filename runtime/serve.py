@@ -23,7 +23,7 @@ from torch import Tensor
 from ..model.serving import STEP_INPUTS
 from ..model.state import state_bytes
 from ..text.sampling import Sampler, SamplingOptions
-from .base import Feeds
+from .base import Feeds, torch_threads_for
 from .pools import CacheAllocator, StatePools
 from .prefix_cache import PrefixCache
 from .scheduler import Request, Scheduler
@@ -157,40 +157,41 @@ def serve(runner, cfg, prompts: Sequence[Sequence[int]], sampling: SamplingOptio
             _resume(records[r.id], resume[r.id], samplers[r.id], options.keep_logits, agree)
         if r.id not in resume or not _finished(records[r.id], r, sampling.eos_token_ids):
             sched.add(r, records[r.id].tokens if r.id in resume else None)
-    while True:
-        if drafter is not None:
-            drafter.propose(sched)  # drafts on the decoding sequences, verified by this step
-            if agree is not None:
-                agree_drafts(sched, drafter.k, agree)
-        if (step := sched.next_step()) is None:
-            break
-        for rid in step.admitted:
-            if rid in resume:
-                pools.load_sequence(alloc.slot_of[rid], alloc.table_of[rid], resume[rid].rows)
-                continue
-            records[rid].cached = sched.running[rid].fed
-            if prefix is None:
-                pools.reset_slot(alloc.slot_of[rid])
-            else:
-                prefix.start(rid, alloc.slot_of[rid])
-        feeds = {**step.feeds, **pools.tensors}
-        out = infer_step(runner, feeds, outputs, in_place=not any(step.drafts))
-        chosen, rows = choose(step, out["logits"], samplers, agree)
-        pools.write_back(feeds, out, step.advances(chosen))
-        for rid in (r for r in step.due if on_prefill is not None and not sched.sequence(r).tokens):
-            prompt = list(sched.running[rid].request.prompt)
-            on_prefill(rid, SlotState(prompt, pools.save_sequence(alloc.slot_of[rid], alloc.table_of[rid], len(prompt)),
-                                      rows[rid][0].cpu()))
-        if prefix is not None:
-            prefix.record(step, sched.running, alloc.table_of)
-        if sched.commit(step, chosen):  # sequences finished: the others close the gap (consecutive slots)
-            pools.move_slots(sched.compact())
-        for rid, draft in zip(step.due, step.drafts):
-            rec = records[rid]
-            new = sched.sequence(rid).tokens[len(rec.tokens):]
-            rec.tokens += new
-            rec.logits += [r.cpu() for r in rows[rid][: len(new)]] if options.keep_logits else []
-            rec.counts.add(Counts(len(draft), len(rows[rid]) - 1, len(new), 1))
+    with torch_threads_for(runner):
+        while True:
+            if drafter is not None:
+                drafter.propose(sched)  # drafts on the decoding sequences, verified by this step
+                if agree is not None:
+                    agree_drafts(sched, drafter.k, agree)
+            if (step := sched.next_step()) is None:
+                break
+            for rid in step.admitted:
+                if rid in resume:
+                    pools.load_sequence(alloc.slot_of[rid], alloc.table_of[rid], resume[rid].rows)
+                    continue
+                records[rid].cached = sched.running[rid].fed
+                if prefix is None:
+                    pools.reset_slot(alloc.slot_of[rid])
+                else:
+                    prefix.start(rid, alloc.slot_of[rid])
+            feeds = {**step.feeds, **pools.tensors}
+            out = infer_step(runner, feeds, outputs, in_place=not any(step.drafts))
+            chosen, rows = choose(step, out["logits"], samplers, agree)
+            pools.write_back(feeds, out, step.advances(chosen))
+            for rid in (r for r in step.due if on_prefill is not None and not sched.sequence(r).tokens):
+                prompt = list(sched.running[rid].request.prompt)
+                rows_in = pools.save_sequence(alloc.slot_of[rid], alloc.table_of[rid], len(prompt))
+                on_prefill(rid, SlotState(prompt, rows_in, rows[rid][0].cpu()))
+            if prefix is not None:
+                prefix.record(step, sched.running, alloc.table_of)
+            if sched.commit(step, chosen):  # sequences finished: the others close the gap (consecutive slots)
+                pools.move_slots(sched.compact())
+            for rid, draft in zip(step.due, step.drafts):
+                rec = records[rid]
+                new = sched.sequence(rid).tokens[len(rec.tokens):]
+                rec.tokens += new
+                rec.logits += [r.cpu() for r in rows[rid][: len(new)]] if options.keep_logits else []
+                rec.counts.add(Counts(len(draft), len(rows[rid]) - 1, len(new), 1))
     if stats is not None and prefix is not None:
         stats.update(prefix.figures())
     return records

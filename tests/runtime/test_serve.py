@@ -76,3 +76,29 @@ def test_seeded_sampling_does_not_depend_on_the_batching(model):
     many = serve(eager_runner(model), CFG, ps, sampling, ServeOptions(max_sequences=4, block_size=4, max_step_tokens=6))
     assert [r.tokens for r in one] == [r.tokens for r in many]
     assert len({tuple(r.tokens) for r in one}) > 1  # really sampled, per prompt
+
+
+def test_torch_runs_on_one_thread_around_a_runner_that_computes_outside_it(model):
+    """A runner with `torch_threads = 1` (ONNX Runtime, TensorRT) is driven with torch on one thread (its
+    OpenMP workers would spin on the runner's cores, runtime/base.py); the caller's setting comes back after,
+    also when the loop fails; other runners keep torch's threads."""
+    from k3x.runtime.base import torch_threads_for
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runner, seen = eager_runner(model), []
+        infer = runner.infer
+        runner.infer = lambda feeds, **kw: seen.append(torch.get_num_threads()) or infer(feeds, **kw)
+        ps = prompts([3, 5], CFG.vocab_size, seed=2)
+        serve(runner, CFG, ps, SamplingOptions(max_new_tokens=2), ServeOptions(max_sequences=2, block_size=4))
+        assert seen and set(seen) == {2}
+        runner.torch_threads, seen[:] = 1, []
+        serve(runner, CFG, ps, SamplingOptions(max_new_tokens=2), ServeOptions(max_sequences=2, block_size=4))
+        assert seen and set(seen) == {1} and torch.get_num_threads() == 2
+        with pytest.raises(ZeroDivisionError), torch_threads_for(runner):
+            assert torch.get_num_threads() == 1
+            1 / 0
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
