@@ -126,8 +126,9 @@ def timed_rounds(steps: dict[str, Callable[[], float]], rounds: int, repeats: in
     """Per case, its median ms in each round; within a round the cases are interleaved, each first in turn
     (machine noise hits them alike). One untimed call of each first (lazy inits). Each call starts after
     SETTLE_S of idle time: the threads of the case before (torch's OpenMP workers, ONNX Runtime's pool)
-    spin for a while after their work, and a call started among them loses cores to them (the ORT prefill
-    after a torch GEMM pass ran 5-10 % slower), which is the order of the cases, not their cost."""
+    spin for a while after their work, and a call started among them loses cores to them: the order of the
+    cases, not their cost (serving_prefill, k3-bench, two runs each way: with the pause the torch GEMM pass
+    ran 7-11 % faster, the ORT prefill 0-5 %)."""
     for f in steps.values():
         f()
     names, out = list(steps), {k: [] for k in steps}
