@@ -8,7 +8,8 @@ routed rows (balanced). bound tokens/s = prompt / (time of those matmuls); effic
 (goal >= 80%). The matmuls run three ways, each with its own distinct weights: torch on the bench's threads,
 torch on one thread (on an oversubscribed machine OpenMP's barriers can make N threads slower than one), and
 ONNX Runtime Gemm nodes with their weights as initializers (its MLAS kernels on prepacked weights, as the
-model's own Gemms run: on x86 it outpaces torch's at these shapes). The fastest is the honest bound
+model's own Gemms run; on the 2-core development machine 4-5 % faster than torch's at k3-bench's shapes,
+although its pass also hands every product back to Python). The fastest is the honest bound
 (`efficiency_best_bound`); `efficiency` keeps the torch figure of earlier runs. All cases are interleaved in
 rounds (median and spread), each call after an idle pause (serving_steps.timed_rounds), ORT on a session
 without the profiler; ONNX Runtime's node profile of a second, profiled session's prefills after the timed
