@@ -96,6 +96,14 @@ def test_torch_runs_on_one_thread_around_a_runner_that_computes_outside_it(model
         runner.torch_threads, seen[:] = 1, []
         serve(runner, CFG, ps, SamplingOptions(max_new_tokens=2), ServeOptions(max_sequences=2, block_size=4))
         assert seen and set(seen) == {1} and torch.get_num_threads() == 2
+        # a model drafter running in torch keeps torch's threads for itself (and so for the step)
+        from k3x.runtime.speculate import ModelDrafter
+
+        seen[:] = []
+        drafter = ModelDrafter(eager_runner(model), CFG, 2, block_size=4)
+        serve(runner, CFG, ps, SamplingOptions(max_new_tokens=3), ServeOptions(max_sequences=2, block_size=4),
+              drafter=drafter)
+        assert seen and set(seen) == {2}
         with pytest.raises(ZeroDivisionError), torch_threads_for(runner):
             assert torch.get_num_threads() == 1
             1 / 0
