@@ -26,9 +26,10 @@ class Runner(Protocol):
 
 
 @contextlib.contextmanager
-def torch_threads_for(runner) -> Iterator[None]:
-    """torch on one thread while a loop drives `runner`, when the runner computes outside torch (its
-    `torch_threads = 1`: ONNX Runtime, TensorRT); other runners keep torch's threads.
+def torch_threads_for(*runners) -> Iterator[None]:
+    """torch on one thread while a loop drives `runners` (None entries ignored), when every one of them
+    computes outside torch (its `torch_threads = 1`: ONNX Runtime, TensorRT); if any computes in torch (eager,
+    pt2, a model drafter on pt2) torch keeps its threads.
 
     What torch does around such a runner is bookkeeping (feeds, pool rows, sampling), but any of it on more
     than one thread leaves torch's OpenMP workers spinning after it (tens of ms by default), on the cores the
@@ -36,12 +37,12 @@ def torch_threads_for(runner) -> Iterator[None]:
     serving step, 3 processes each way alternating, 240-253 ms with torch on 2 threads, 219-230 ms on one
     (222-225 ms with OMP_WAIT_POLICY=PASSIVE: the same cause); serve() on 32 short prompts x 64 new tokens, 32
     slots, alternating in one process, 189-197 -> 199-208 tokens/s (a prefill-heavy mix: within its noise)."""
-    threads = getattr(runner, "torch_threads", None)
-    if threads is None:
+    wanted = [getattr(r, "torch_threads", None) for r in runners if r is not None]
+    if not wanted or None in wanted:
         yield
         return
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(min(wanted))
     try:
         yield
     finally:

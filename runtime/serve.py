@@ -157,7 +157,7 @@ def serve(runner, cfg, prompts: Sequence[Sequence[int]], sampling: SamplingOptio
             _resume(records[r.id], resume[r.id], samplers[r.id], options.keep_logits, agree)
         if r.id not in resume or not _finished(records[r.id], r, sampling.eos_token_ids):
             sched.add(r, records[r.id].tokens if r.id in resume else None)
-    with torch_threads_for(runner if _drafts_outside_torch(drafter) else None):
+    with torch_threads_for(runner, getattr(drafter, "runner", None)):  # a model drafter has its own runner
         while True:
             if drafter is not None:
                 drafter.propose(sched)  # drafts on the decoding sequences, verified by this step
@@ -180,8 +180,8 @@ def serve(runner, cfg, prompts: Sequence[Sequence[int]], sampling: SamplingOptio
             pools.write_back(feeds, out, step.advances(chosen))
             for rid in (r for r in step.due if on_prefill is not None and not sched.sequence(r).tokens):
                 prompt = list(sched.running[rid].request.prompt)
-                rows_in = pools.save_sequence(alloc.slot_of[rid], alloc.table_of[rid], len(prompt))
-                on_prefill(rid, SlotState(prompt, rows_in, rows[rid][0].cpu()))
+                saved = pools.save_sequence(alloc.slot_of[rid], alloc.table_of[rid], len(prompt))
+                on_prefill(rid, SlotState(prompt, saved, rows[rid][0].cpu()))
             if prefix is not None:
                 prefix.record(step, sched.running, alloc.table_of)
             if sched.commit(step, chosen):  # sequences finished: the others close the gap (consecutive slots)
@@ -195,13 +195,6 @@ def serve(runner, cfg, prompts: Sequence[Sequence[int]], sampling: SamplingOptio
     if stats is not None and prefix is not None:
         stats.update(prefix.figures())
     return records
-
-
-def _drafts_outside_torch(drafter) -> bool:
-    """Whether the drafter (if any) leaves torch's threads free for a runner that computes outside torch: the
-    n-gram drafter computes nothing, a model drafter only when its own runner computes outside torch too."""
-    draft = getattr(drafter, "runner", None)
-    return draft is None or getattr(draft, "torch_threads", None) is not None
 
 
 def _resume(record: Record, state: SlotState, sampler: Sampler, keep_logits: bool, agree=None) -> None:
