@@ -165,10 +165,13 @@ def profiled_ops(path: Path, a: argparse.Namespace, cfg, bs: int) -> tuple[list[
 
 
 def measure(path: Path, a: argparse.Namespace) -> dict:
+    from k3x.runtime.ort_kernels import library, sources
+
     ms, cfg, bs, flops = timed(path, a)
     ops, groups = profiled_ops(path, a, cfg, bs)
     rounds = range(a.rounds)
     return {"preset": cfg.name, "threads": a.threads, "prompt": a.prompt, "rounds": a.rounds, "repeats": a.repeats,
+            "ort_kernels": sorted(sources()) if library() else [],
             "gemm_gflop_per_token": flops / a.prompt / 1e9,
             "ort_prefill_ms": summary(ms["ort"]), "gemm_ms": summary(ms["gemm"]),
             "ort_tokens_per_s": summary([a.prompt * 1e3 / x for x in ms["ort"]]),
@@ -196,7 +199,9 @@ def table(r: dict) -> str:
             ("efficiency vs the fastest bound (goal >= 0.80)", fmt(r["efficiency_best_bound"], 3))]
     lines = [f"{r['preset']}, CPU, {r['threads']} threads, one {r['prompt']}-token prompt as one serving step "
              f"({r['gemm_gflop_per_token']:.3f} GFLOP/token of GEMMs; median [lowest-highest] of {r['rounds']} "
-             f"rounds x {r['repeats']}):"] + [f"  {k:<48} {v:>24}" for k, v in rows]
+             f"rounds x {r['repeats']}; ONNX Runtime CPU kernels: "
+             f"{', '.join(r['ort_kernels']) or 'none (k3x build-ort-kernels)'}):"] + \
+        [f"  {k:<48} {v:>24}" for k, v in rows]
     lines.append("  top ops of the ORT prefill (node kernel time per step, share of all nodes):")
     lines += [f"    {o['op']:<40} {o['ms_per_run']:>9.1f} ms {100 * o['share']:>5.1f}%" for o in r["top_ops"]]
     lines.append("  by function body step (graph: nodes outside the k3 function bodies):")

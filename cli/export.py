@@ -1,5 +1,6 @@
-"""Commands that write artifacts into an export folder: `export` (one trace, the targets' artifacts and
-manifest.json, for any rank count) and `build-engine` (model.engine from the trt-flavour ONNX)."""
+"""Commands that build artifacts: `export` (one trace, the targets' artifacts and
+manifest.json, for any rank count), `build-engine` (model.engine from the trt-flavour ONNX) and
+`build-ort-kernels` (the k3 ops' ONNX Runtime CPU kernels, runtime/ort_kernels.py)."""
 
 from __future__ import annotations
 
@@ -72,3 +73,14 @@ def build_engine(export_dir: EngineExportDir, min_: ProfileMin = None, opt: Prof
     stripped = f", weight-stripped ({len(art.meta['weights'])} weights refitted at load)" if art.meta["stripped"] else ""
     echo(f"{art.path}: {art.meta['bytes'] / 2**20:.1f} MiB{stripped}, sm_{art.meta['sm']}, {art.meta['runtime']} "
          f"{art.meta['tensorrt_version']}, plugins " + ", ".join(f"{k}={v}" for k, v in art.meta["plugin_paths"].items()))
+
+
+@app.command("build-ort-kernels")
+def build_ort_kernels() -> None:
+    """Compile the k3 ops' ONNX Runtime CPU kernels into one library in the user cache; CPU sessions load it
+    from then on (K3X_ORT_KERNELS=0: not). Needs g++ (or $CXX) and ONNX Runtime's API headers: K3X_ORT_INCLUDE,
+    or else Debian's libonnxruntime-dev package, fetched once and checked by sha256."""
+    from ..runtime.ort_kernels import build, sources
+
+    path = build(progress=echo)
+    echo(f"{path}: kernels for k3::" + ", k3::".join(sources()))

@@ -16,6 +16,8 @@ Notable choices:
   k3-bench 32-sequence decode step then took 109 ms [92-115] against 94 [93-107] without the arena.
 - After a session is built, memory the load freed (constant folding copies weights) is handed back to the
   OS (glibc `malloc_trim`): k3-bench RSS after load 1,508 -> 1,177 MB.
+- CPU sessions load the k3 ops' compiled CPU kernels when they are built (`k3x build-ort-kernels`,
+  runtime/ort_kernels.py): ONNX Runtime then runs those k3 nodes on them instead of their function bodies.
 - onnxruntime is imported when a runner is built; missing, it is a RunnerError naming the package.
 """
 
@@ -27,6 +29,7 @@ import torch
 from torch import Tensor
 
 from .base import Feeds, RunnerError
+from .ort_kernels import library
 
 # ORT type string -> (ONNX TensorProto element type, torch dtype). Binding by the ONNX element type (an int)
 # rather than a numpy dtype is what lets bf16 tensors be bound: numpy has no bfloat16.
@@ -74,8 +77,12 @@ def ort_session(path: Path, provider: str = "auto", intra_op_threads: int = 0, c
             raise RunnerError(f"{path}: its collective nodes need onnxruntime-extensions ({e}); "
                               "pip install --no-deps onnxruntime-extensions==0.15.2") from None
         register(so)
-    want_cuda = provider != "cpu" and "CUDAExecutionProvider" in ort.get_available_providers()
+    want_cuda = provider != "cpu" and "CUDAExecutionProvider" in ort.get_available_providers() and \
+        (provider == "cuda" or _cuda_device_present())
     providers = (["CUDAExecutionProvider"] if want_cuda else []) + ["CPUExecutionProvider"]
+    kernels = None if want_cuda else library()  # fp32 host kernels of k3 ops, when built (ort_kernels.py)
+    if kernels is not None:
+        so.register_custom_ops_library(str(kernels))
     if provider == "auto":  # a failed CUDA probe is expected on CPU machines; we report the outcome ourselves
         ort.set_default_logger_severity(4)
     try:
@@ -100,6 +107,23 @@ def ort_session(path: Path, provider: str = "auto", intra_op_threads: int = 0, c
         raise RunnerError("provider=cuda: CUDAExecutionProvider did not initialise (no GPU, CUDA 13 / cuDNN 9 "
                           "libraries missing, or onnxruntime without CUDA); use --provider cpu or auto")
     return sess, used
+
+
+def _cuda_device_present() -> bool:
+    """Whether the CUDA driver sees a device (Linux: libcuda's cuInit and cuDeviceGetCount; elsewhere assumed).
+    onnxruntime-gpu lists CUDAExecutionProvider on any machine: without this, `auto` on a CPU machine built a
+    CUDA session that fell back to the CPU, without the CPU kernels a CPU session loads."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return True
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    count = ctypes.c_int(0)
+    return cuda.cuInit(0) == 0 and cuda.cuDeviceGetCount(ctypes.byref(count)) == 0 and count.value > 0
 
 
 def release_freed_heap() -> None:

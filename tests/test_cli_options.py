@@ -13,7 +13,8 @@ from k3x import __version__
 from k3x.cli import app
 from k3x.cli.options import Backend, Runtime
 
-COMMANDS = ("init-checkpoint", "inspect", "export", "build-engine", "generate", "run", "logits", "verify")
+COMMANDS = ("init-checkpoint", "inspect", "export", "build-engine", "build-ort-kernels", "generate", "run", "logits",
+            "verify")
 
 NO_TORCH = r'''
 import sys
