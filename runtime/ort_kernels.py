@@ -35,7 +35,7 @@ from typing import Callable
 from .base import RunnerError
 
 LIBRARY = "libk3x_ort_kernels.so"
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden")
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden")
 
 
 @dataclass(frozen=True)
