@@ -27,6 +27,13 @@ from xdist_support import build_once, slow_first  # noqa: E402
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist sends the collection to the scheduler
+def pytest_unconfigure(config):
+    """The process-lifetime scratch folders (tests/scratch_dirs.py) go when this process's tests are done."""
+    from scratch_dirs import remove_all
+
+    remove_all()
+
+
 def pytest_collection_modifyitems(config, items):
     slow_first(config, items)
 

@@ -7,11 +7,11 @@ files copy the folder first.
 from __future__ import annotations
 
 import functools
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from scratch_dirs import scratch_dir
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ def mini_export() -> MiniExport:
     from k3x.checkpoint.files import save_checkpoint
     from k3x.model import build_model, preset
 
-    root = Path(tempfile.mkdtemp(prefix="k3x-test-mini-"))
+    root = scratch_dir("k3x-test-mini-")
     ckpt = root / "ckpt"
     save_checkpoint(build_model(preset("k3-mini"), seed=0), ckpt, expert_format="dense")
     folder, ep = export_folder(ckpt, root / "export")

@@ -11,13 +11,13 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 import torch
+from scratch_dirs import scratch_dir
 from onnx import TensorProto, helper
 
 from k3x.custom_ops.moe_mxfp4.codec import dequantize
@@ -54,7 +54,7 @@ def packed_exports() -> tuple[Path, Path, Path]:
     from k3x.export.pipeline import export
     from k3x.model import build_model, preset
 
-    root = Path(tempfile.mkdtemp(prefix="k3x-test-mxfp4-"))
+    root = scratch_dir("k3x-test-mxfp4-")
     ckpt = save_checkpoint(build_model(preset("k3-mini"), seed=2), root / "ckpt")  # MXFP4 experts
     export(ExportOptions((Target.PT2,), root / "pt2", checkpoint=ckpt))
     export(ExportOptions((Target.ONNX,), root / "onnx", checkpoint=ckpt))

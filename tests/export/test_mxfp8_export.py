@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import functools
 import json
-import tempfile
 from pathlib import Path
 
 import onnx
 import pytest
 import torch
+from scratch_dirs import scratch_dir
 from typer.testing import CliRunner
 
 from k3x.cli import app
@@ -26,7 +26,7 @@ def w4a8_export() -> tuple[Path, Path]:
     from k3x.checkpoint.files import save_checkpoint
     from k3x.model import build_model, preset
 
-    root = Path(tempfile.mkdtemp(prefix="k3x-test-mxfp8-"))
+    root = scratch_dir("k3x-test-mxfp8-")
     ckpt = save_checkpoint(build_model(preset("k3-mini"), seed=2), root / "ckpt")  # MXFP4 experts
     r = CliRunner().invoke(app, ["export", "--checkpoint", str(ckpt), "--out", str(root / "ex"), "--target", "pt2",
                                  "--target", "onnx", "--activations", "mxfp8"])
