@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Iterator
 
-FAMILIES: tuple[str, ...] = ("kda", "attn_res", "moe", "moe_mxfp4", "kda_packed", "mla_paged", "kda_decode")
+FAMILIES: tuple[str, ...] = ("kda", "attn_res", "moe", "moe_mxfp4", "kda_packed", "mla_paged", "kda_decode",
+                             "kda_prep")
 
 
 @dataclass(frozen=True)

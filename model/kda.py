@@ -8,7 +8,8 @@
 - Core recurrence through `torch.ops.k3.kda` only; state `[B, H, K, V]` fp32.
 - Output: per-head RMSNorm ⊙ σ(output gate), full rank (K3) or low rank (Kimi Linear), then o_proj.
 - `forward_packed`: one serving step over B sequences packed end to end, states read from slot-indexed
-  pools (the conv by gathers, `packed_causal_conv`; the recurrence through `torch.ops.k3.kda_packed`).
+  pools: conv, SiLU, q/k norm, gate and beta through `torch.ops.k3.kda_prep`, the recurrence through
+  `torch.ops.k3.kda_packed`.
 - `forward_decode`: the same step when every sequence has one token: conv, gate, recurrence and gated norm
   in one op, `torch.ops.k3.kda_decode` (one Triton kernel per layer with kernels=triton).
 """
@@ -24,6 +25,7 @@ from ..custom_ops.kda import kda
 from ..custom_ops.kda.reference import kda_gate, l2norm
 from ..custom_ops.kda_decode import kda_decode
 from ..custom_ops.kda_packed import kda_packed
+from ..custom_ops.kda_prep import kda_prep
 from ..plan.kernels import Kernels
 from .config import K3Config
 from .layers import RMSNorm, linear
@@ -69,13 +71,13 @@ class KimiDeltaAttention(nn.Module):
         """One serving step: x [N, d] packs B sequences (rows cu_seqlens[b]:cu_seqlens[b+1], int32 [B+1]);
         sequence b's state is row slots[b] (int32 [B]) of conv_pool [S, 3P, W-1] and rec_pool [S, H, K, V]
         (fp32, read only). Returns y [N, d], new conv [B, 3P, W-1] fp32, new recurrent [B, H, K, V] fp32."""
-        qkv = self._qkv(x)  # [N, 3P]
-        states = cast(conv_pool.index_select(0, cast(slots, torch.int64)), qkv.dtype)  # [B, 3P, W-1]
-        y, new_conv = packed_causal_conv(qkv, states, cu_seqlens, self._conv_weight(qkv.dtype))
-        q, k, v, g, beta = self._heads(x, y)
-        out = kda_packed(q, k, v, g, beta, rec_pool, cu_seqlens, slots, scale=self.D ** -0.5, kernels=kernels,
-                         gate_lower_bound=self.cfg.kda.gate_lower_bound)
-        return self._output(x, out.output), cast(new_conv, torch.float32), out.final_state
+        H, D, lb = self.H, self.D, self.cfg.kda.gate_lower_bound
+        f = self.f_b_proj(self.f_a_proj(x)).unflatten(-1, (H, D))
+        pre = kda_prep(self._qkv(x), f, self.b_proj(x), self._conv_weight(x.dtype)[:, 0], self.A_log, self.dt_bias,
+                       conv_pool, cu_seqlens, slots, kernels=kernels, gate_lower_bound=lb)
+        out = kda_packed(pre.q, pre.k, pre.v, pre.g, pre.beta, rec_pool, cu_seqlens, slots, scale=D ** -0.5,
+                         kernels=kernels, gate_lower_bound=lb)
+        return self._output(x, out.output), pre.conv, out.final_state
 
     def forward_decode(self, x: Tensor, conv_pool: Tensor, rec_pool: Tensor, slots: Tensor, *,
                        kernels: Kernels) -> tuple[Tensor, Tensor, Tensor]:
@@ -116,49 +118,3 @@ class KimiDeltaAttention(nn.Module):
         o = self.o_norm(core)
         o = o * cast(torch.sigmoid(cast(gate, torch.float32).unflatten(-1, (self.H, self.D))), o.dtype)
         return self.o_proj(o.flatten(-2))
-
-
-def packed_causal_conv(qkv: Tensor, states: Tensor, cu_seqlens: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
-    """The depthwise causal conv over packed rows, standard ops only (gathers; exportable with dynamic N, B).
-
-    qkv [N, C] pre-conv inputs of B packed sequences; states [B, C, W-1] each sequence's last W-1 inputs
-    before this step; cu_seqlens [B+1]; weight [C, 1, W]. Row t of sequence b reads its inputs t-W+1..t:
-    this step's rows where t-j >= 0, else states[b][:, W-1+t-j]. Returns (y [N, C] pre-activation,
-    new states [B, C, W-1]: the last W-1 inputs of each sequence, old state columns when it is shorter).
-    """
-    N, C = qkv.shape
-    B, _, M = states.shape  # M = W-1
-    # the states' layout change [B, C, M] <-> [B, M, C] is a product with the M x M identity (exact for finite
-    # values): ONNX Runtime fuses the transpose into a MatMul, whose packing ran it 2-3x faster than its
-    # Transpose with a 3-wide axis (k3-bench, 32 sequences decoding, ORT profile: 6.2 -> 2.1 ms of node time)
-    cu = cast(cu_seqlens, torch.int64)
-    # every input a step can read, one row each: the B old states (M rows each), then this step's N rows
-    eye = torch.eye(M, dtype=qkv.dtype, device=qkv.device)
-    ext = torch.cat([(eye @ states.transpose(1, 2)).reshape(B * M, C), qkv])  # [B*M + N, C]
-    # index grids are 2-D and never sliced from cu: a 1-D [B] or [N] intermediate makes torch.export guard
-    # its size >= 2 (contiguity), which a decode step (N = 1) or one sequence (B = 1) would fail
-    n, _ = _grid(N, 1, qkv.device)  # [N, 1] row n
-    seq = (n[..., None] >= cu).sum(-1) - 1  # [N, 1] row n's sequence (cu sorted); N·(B+1) compares, cheap
-    start = cu.index_select(0, seq.flatten()).view_as(seq)
-    # tap by tap (tap i reads local position t - M + i): a gather of N rows, a scale and an add each, not one
-    # [N·W, C] window gather, a Mul and a ReduceSum over it (k3-bench 128-token ORT prefill 163.8 -> 158.9 ms)
-    y = None
-    for i in range(M + 1):
-        tap = ext.index_select(0, _ext_row(B, M, seq, start, n - start - M + i).flatten()) * weight[:, 0, i]
-        y = tap if y is None else y + tap  # [N, C]
-    b, j = _grid(B, M, qkv.device)  # sequence b, column j of its new state
-    start = cu.index_select(0, b.flatten()).view_as(b)
-    length = cu.index_select(0, b.flatten() + 1).view_as(b) - start
-    new = ext.index_select(0, _ext_row(B, M, b, start, length - M + j).flatten())
-    return y, new.view(B, M, C).transpose(1, 2) @ eye
-
-
-def _grid(rows: int, cols: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """(r, c) [rows, cols]: each element's row and column index."""
-    flat = torch.arange(rows * cols, device=device).view(rows, cols)
-    return flat // cols, flat % cols
-
-
-def _ext_row(B: int, M: int, b: Tensor, start: Tensor, p: Tensor) -> Tensor:
-    """Row of `ext` holding sequence b's input at local position p >= -M (start: b's first packed row)."""
-    return torch.where(p >= 0, B * M + start + p, b * M + M + p)

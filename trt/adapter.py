@@ -88,7 +88,7 @@ def plugin_field(trt, name: str, value: Any):
 
 
 class _Sym:
-    """A TensorRT `IDimensionExpr` with the `+ * //` the ops' shape rules use."""
+    """A TensorRT `IDimensionExpr` with the `+ - * //` the ops' shape rules use (`int - dim` is not one)."""
 
     def __init__(self, expr, builder):
         self.expr, self.b = expr, builder
@@ -98,6 +98,7 @@ class _Sym:
         return _Sym(self.b.operation(op, self.expr, o), self.b)
 
     def __add__(self, o): return self._op(o, self.b.trt.DimensionOperation.SUM)
+    def __sub__(self, o): return self._op(o, self.b.trt.DimensionOperation.SUB)
     def __mul__(self, o): return self._op(o, self.b.trt.DimensionOperation.PROD)
     def __floordiv__(self, o): return self._op(o, self.b.trt.DimensionOperation.FLOOR_DIV)
     __radd__, __rmul__ = __add__, __mul__

@@ -15,14 +15,15 @@ from torch import Tensor
 from ..kda.reference import kda_chunked, kda_recurrent
 
 
-def check_packing(N: int, S: int, cu_seqlens: list[int], slots: list[int]) -> None:
-    """ValueError naming the bad input unless cu_seqlens / slots describe B sequences over N rows of S slots."""
+def check_packing(N: int, S: int, cu_seqlens: list[int], slots: list[int], op: str = "kda_packed") -> None:
+    """ValueError naming `op` and the bad input unless cu_seqlens / slots describe B sequences over N rows of
+    S slots."""
     if len(cu_seqlens) != len(slots) + 1:
-        raise ValueError(f"kda_packed: cu_seqlens has {len(cu_seqlens)} entries, expected B+1 = {len(slots) + 1}")
+        raise ValueError(f"{op}: cu_seqlens has {len(cu_seqlens)} entries, expected B+1 = {len(slots) + 1}")
     if cu_seqlens[0] != 0 or cu_seqlens[-1] != N or any(a > b for a, b in zip(cu_seqlens, cu_seqlens[1:])):
-        raise ValueError(f"kda_packed: cu_seqlens {cu_seqlens} must rise from 0 to N={N}")
+        raise ValueError(f"{op}: cu_seqlens {cu_seqlens} must rise from 0 to N={N}")
     if any(not 0 <= s < S for s in slots) or len(set(slots)) != len(slots):
-        raise ValueError(f"kda_packed: slots {slots} must be distinct and in [0, {S})")
+        raise ValueError(f"{op}: slots {slots} must be distinct and in [0, {S})")
 
 
 def kda_packed(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor, cu_seqlens: Tensor,

@@ -80,7 +80,8 @@ def test_k3_mini_engine_builds_with_plugins(k3_mini_export):
     entry = manifest["artifacts"]["trt"]
     assert entry["sm"] == 89 and entry["runtime"] == "trt-rtx" and entry["tensorrt_version"].startswith("1.7")
     assert entry["plugin_paths"] == {"KDA": "aot", "AttnRes": "aot", "MoE": "aot", "MoEMXFP4": "aot", "MLAPaged": "aot",
-                                     "KDAPacked": "aot", "KDADecode": "aot"}
+                                     "KDAPacked": "aot", "KDADecode": "aot",
+                                     "KDAPrep": "aot"}
     assert json.loads((k3_mini_export / "model.engine.json").read_text())["plugin_paths"]["MoE"] == "aot"
     assert entry["profile"]["batch"] == {"name": "batch", "min": 1, "opt": 1, "max": 4}
     assert entry["input_shapes"]["input_ids"] == [[1, 1], [1, 16], [4, 64]]

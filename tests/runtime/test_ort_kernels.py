@@ -99,7 +99,8 @@ def test_a_serving_step_on_the_kernels_equals_the_function_bodies(kernels, servi
         outs.append(runner.infer(feeds))
         events = json.loads(Path(runner.session.end_profiling()).read_text())
         ran.append({e["args"]["op_name"] for e in kernel_nodes(events)})
-    assert "AttnRes" not in ran[0] and "AttnRes" in ran[1]  # bodies inlined, then the kernel ran the nodes
+    for op in ("AttnRes", "KDAPrep"):  # bodies inlined, then the kernels ran the nodes
+        assert op not in ran[0] and op in ran[1], (op, ran)
     for name, want in outs[0].items():
         torch.testing.assert_close(torch.as_tensor(outs[1][name]), torch.as_tensor(want), rtol=1e-5, atol=1e-5,
                                    msg=lambda m, name=name: f"{name}: {m}")
@@ -115,3 +116,58 @@ def test_the_command_reports_the_library_and_names_a_missing_compiler(kernels, m
     monkeypatch.setenv("CXX", "no-such-compiler")
     r = CliRunner().invoke(app, ["build-ort-kernels"])
     assert r.exit_code == 1 and "'no-such-compiler' is not on PATH" in r.output, r.output
+
+
+def _kda_prep_model(H: int, K: int, V: int, W: int, lb: float):
+    """One k3::KDAPrep node and no function: only a registered kernel can run it."""
+    from k3x.custom_ops.kda_prep.onnx import NODE
+
+    ins, outs = [n for n, _ in NODE.inputs], [n for n, _ in NODE.outputs]
+    node = helper.make_node("KDAPrep", ins, outs, domain="k3", num_heads=H, head_dim=K, value_dim=V, conv_kernel=W,
+                            gate_lower_bound=lb)
+    types = {"cu_seqlens": TensorProto.INT32, "slots": TensorProto.INT32}
+    graph = helper.make_graph([node], "kda_prep", [helper.make_tensor_value_info(n, types.get(n, TensorProto.FLOAT),
+                                                                                  None) for n in ins],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outs])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("k3", 1)],
+                             ir_version=10)
+
+
+def _kda_prep_inputs(lens: list[int], H: int, K: int, V: int, W: int, scale: float, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    N, C, B = sum(lens), 2 * H * K + H * V, len(lens)
+    slots = torch.randperm(B + 3, generator=g)[:B].to(torch.int32)  # a permutation with spare rows
+    return {"qkv": torch.randn(N, C, generator=g) * scale, "f": torch.randn(N, H, K, generator=g) * 2,
+            "b": torch.randn(N, H, generator=g) * 2, "conv_weight": torch.randn(C, W, generator=g) / W ** 0.5,
+            "A_log": torch.randn(H + 1, generator=g), "dt_bias": torch.randn(H * K, generator=g),
+            "conv_pool": torch.randn(B + 3, C, W - 1, generator=g) * scale,
+            "cu_seqlens": torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32), "slots": slots}
+
+
+@pytest.mark.parametrize("lens,H,K,V,W,lb,scale", [
+    ([1], 1, 16, 16, 4, -5.0, 1.0),  # one decode row
+    ([5, 1, 2, 37, 1], 2, 16, 32, 4, -5.0, 1.0),  # chunks, decode rows, a sequence shorter than W - 1
+    ([3, 0, 9], 3, 8, 8, 3, 0.0, 40.0),  # an empty sequence keeps its state; Kimi Linear's gate; large inputs
+    ([64], 2, 128, 128, 4, -5.0, 1.0),  # one prefill chunk at K3's head size
+])
+def test_kda_prep_kernel_matches_the_reference(kernels, lens, H, K, V, W, lb, scale):
+    from k3x.custom_ops.kda_prep.onnx import NODE
+    from k3x.custom_ops.kda_prep.reference import kda_prep
+
+    x = _kda_prep_inputs(lens, H, K, V, W, scale, seed=sum(lens) + H + W)
+    out = _session(_kda_prep_model(H, K, V, W, lb), kernels).run(None, {n: t.numpy() for n, t in x.items()})
+    want = kda_prep(*(t.double() if n == "qkv" else t for n, t in x.items()), gate_lower_bound=lb)
+    for (name, _), got, e in zip(NODE.outputs, out, want):
+        assert got.shape == tuple(e.shape), name
+        np.testing.assert_allclose(got, e.float().numpy(), rtol=1e-5, atol=1e-5 * scale, err_msg=name)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"f": np.zeros((4, 2, 15), np.float32)}, r"k3::KDAPrep: f \[4, 2, 15\]: expected \[N, H, K\]"),
+    ({"cu_seqlens": np.array([0, 3, 2], np.int32)}, r"cu_seqlens must rise from 0 to N = 4"),
+    ({"slots": np.array([0, 5], np.int32)}, r"slot 5 outside the pool of 5"),
+])
+def test_kda_prep_kernel_names_the_bad_input(kernels, change, message):
+    feeds = {n: t.numpy() for n, t in _kda_prep_inputs([3, 1], 2, 16, 16, 4, 1.0, seed=0).items()} | change
+    with pytest.raises(Exception, match=message):
+        _session(_kda_prep_model(2, 16, 16, 4, -5.0), kernels).run(None, feeds)

@@ -1,0 +1,234 @@
+// k3::KDAPrep on ONNX Runtime's CPU provider, fp32: KDA's pre-recurrence over packed sequences in one pass per
+// row (the function body in onnx.py runs it as ~40 graph ops, each a pass over [N, C]). Rows are split over
+// ONNX Runtime's intra-op threads, then the sequences' new conv states. Compiled into the custom-op library by
+// runtime/ort_kernels.py, which calls k3x_add_kda_prep. Per row n of sequence b (local position t):
+//   y[c] = sum_i w[c, i] * in(t - (W-1) + i),  in(p) = qkv[start_b + p, c] (p >= 0) or pool[slot_b, c, W-1+p]
+//   q, k = l2norm(silu(y)) per head (eps 1e-6); v = silu(y); beta = sigmoid(b)
+//   g = lb * sigmoid(exp(A_log[h]) * (f + dt_bias))  (lb != 0),  -exp(A_log[h]) * softplus(f + dt_bias)  (lb = 0)
+//   new_conv[b, c, j] = in(len_b - (W-1) + j)
+#define ORT_API_MANUAL_INIT
+#include <onnxruntime_cxx_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace {
+
+struct Prep {
+  const float *qkv, *f, *b, *wt, *decay, *dt_bias, *pool;  // wt: the conv weight as [W, C]; decay: exp(A_log[h])
+  const int64_t *cu, *slots;
+  float *q, *k, *v, *g, *beta, *conv;
+  int64_t B, C, H, K, V, W;
+  float lb;
+};
+
+// e^x and ln x within a few ulp (Cephes' expf and logf: a polynomial on a reduced range, scaled by a power of
+// two), branch-free so the `omp simd` loops below vectorise them: std::exp and std::log1p are scalar calls, and
+// a row's SiLU and gates take one or two per channel (3/4 of the node's time with them). No std::floor (not
+// vectorised without -fno-trapping-math): adding and subtracting 1.5·2^23 rounds to the nearest integer.
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.3f), 88.3f);  // 2^n stays a normal float
+  const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;
+  float r = x - n * 0.693359375f;
+  r -= n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  return p * __builtin_bit_cast(float, (int32_t(n) + 127) << 23);
+}
+
+inline float log_approx(float x) {  // x > 0, finite
+  const int32_t bits = __builtin_bit_cast(int32_t, x);
+  float e = float(((bits >> 23) & 0xff) - 126);
+  float m = __builtin_bit_cast(float, (bits & 0x807fffff) | 0x3f000000);  // x = m·2^e, m in [0.5, 1)
+  const bool low = m < 0.707106781f;
+  e = low ? e - 1.f : e;
+  m = low ? m + m - 1.f : m - 1.f;
+  const float z = m * m;
+  float p = 7.0376836292e-2f;
+  p = p * m - 1.1514610310e-1f;
+  p = p * m + 1.1676998740e-1f;
+  p = p * m - 1.2420140846e-1f;
+  p = p * m + 1.4249322787e-1f;
+  p = p * m - 1.6668057665e-1f;
+  p = p * m + 2.0000714765e-1f;
+  p = p * m - 2.4999993993e-1f;
+  p = p * m + 3.3333331174e-1f;
+  const float y = m * z * p + e * -2.12194440e-4f - 0.5f * z;
+  return m + y + e * 0.693359375f;
+}
+
+inline float sigmoid(float x) { return 1.f / (1.f + exp_approx(-x)); }
+
+// the sequence that owns row n: the last b with cu[b] <= n (cu rises; empty sequences own no row)
+int64_t sequence_of(const Prep& p, int64_t n) {
+  return int64_t(std::upper_bound(p.cu, p.cu + p.B + 1, n) - p.cu) - 1;
+}
+
+// channel c of sequence s at local position pos (>= -(W-1)): this step's row, or the pool row before it
+void read_input(const Prep& p, int64_t s, int64_t pos, int64_t c, float* out) {
+  const int64_t M = p.W - 1;
+  if (pos >= 0) {
+    *out = p.qkv[(p.cu[s] + pos) * p.C + c];
+  } else {
+    *out = p.pool[(p.slots[s] * p.C + c) * M + (M + pos)];
+  }
+}
+
+void prep_row(void* user, size_t row) {
+  const Prep& p = *static_cast<const Prep*>(user);
+  const int64_t n = int64_t(row), C = p.C, H = p.H, K = p.K, V = p.V, M = p.W - 1;
+  const int64_t s = sequence_of(p, n), t = n - p.cu[s];
+  std::vector<float> y(C, 0.f);
+  for (int64_t i = 0; i < p.W; ++i) {
+    const float* w = p.wt + i * C;
+    const int64_t pos = t - M + i;
+    if (pos >= 0) {
+      const float* x = p.qkv + (p.cu[s] + pos) * C;
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c) y[c] += w[c] * x[c];
+    } else {
+      const float* x = p.pool + p.slots[s] * C * M + (M + pos);  // channel c at x[c * M]
+      for (int64_t c = 0; c < C; ++c) y[c] += w[c] * x[c * M];
+    }
+  }
+#pragma omp simd
+  for (int64_t c = 0; c < C; ++c) y[c] = y[c] * sigmoid(y[c]);
+  for (int64_t part = 0; part < 2; ++part) {  // q, then k: L2-normalised per head
+    float* out = (part == 0 ? p.q : p.k) + n * H * K;
+    for (int64_t h = 0; h < H; ++h) {
+      const float* z = y.data() + part * H * K + h * K;
+      float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t j = 0; j < K; ++j) squares += z[j] * z[j];
+      const float inv = 1.f / std::sqrt(squares + 1e-6f);
+      for (int64_t j = 0; j < K; ++j) out[h * K + j] = z[j] * inv;
+    }
+  }
+  std::copy(y.data() + 2 * H * K, y.data() + C, p.v + n * H * V);
+  const float lb = p.lb;  // locals, not loads through `p` that a store to g could alias
+  for (int64_t h = 0; h < H; ++h) {
+    const float a = p.decay[h];
+    const float* f = p.f + (n * H + h) * K;
+    float* g = p.g + (n * H + h) * K;
+    const float* dt = p.dt_bias + h * K;
+    if (lb != 0.f) {
+#pragma omp simd
+      for (int64_t j = 0; j < K; ++j) g[j] = lb * sigmoid(a * (f[j] + dt[j]));
+    } else {  // softplus with torch's threshold (x past 20 is its own softplus), in two passes: GCC vectorises
+              // exp and log alone but not their composition
+#pragma omp simd
+      for (int64_t j = 0; j < K; ++j) g[j] = exp_approx(std::min(f[j] + dt[j], 20.f));
+#pragma omp simd
+      for (int64_t j = 0; j < K; ++j) {
+        const float x = f[j] + dt[j], soft = log_approx(1.f + g[j]);
+        g[j] = -a * (x > 20.f ? x : soft);
+      }
+    }
+    p.beta[n * H + h] = sigmoid(p.b[n * H + h]);
+  }
+}
+
+void prep_state(void* user, size_t seq) {
+  const Prep& p = *static_cast<const Prep*>(user);
+  const int64_t s = int64_t(seq), M = p.W - 1, length = p.cu[s + 1] - p.cu[s];
+  float* out = p.conv + s * p.C * M;
+  for (int64_t c = 0; c < p.C; ++c)
+    for (int64_t j = 0; j < M; ++j) read_input(p, s, length - M + j, c, out + c * M + j);
+}
+
+std::string dims(const std::vector<int64_t>& s) {
+  std::string t = "[";
+  for (size_t i = 0; i < s.size(); ++i) t += (i ? ", " : "") + std::to_string(s[i]);
+  return t + "]";
+}
+
+std::vector<int64_t> shape_of(const Ort::ConstValue& v) { return v.GetTensorTypeAndShapeInfo().GetShape(); }
+
+void require(bool ok, const std::string& what) {
+  if (!ok) throw Ort::Exception("k3::KDAPrep: " + what, ORT_INVALID_ARGUMENT);
+}
+
+struct KDAPrepKernel {
+  int64_t H, K, V, W;
+  float lb;
+  KDAPrepKernel(const OrtApi&, const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo i(info);
+    H = i.GetAttribute<int64_t>("num_heads");
+    K = i.GetAttribute<int64_t>("head_dim");
+    V = i.GetAttribute<int64_t>("value_dim");
+    W = i.GetAttribute<int64_t>("conv_kernel");
+    lb = i.GetAttribute<float>("gate_lower_bound");
+  }
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    auto qkv = ctx.GetInput(0), f = ctx.GetInput(1), b = ctx.GetInput(2), w = ctx.GetInput(3);
+    auto a_log = ctx.GetInput(4), dt = ctx.GetInput(5), pool = ctx.GetInput(6), cu = ctx.GetInput(7);
+    auto slots = ctx.GetInput(8);
+    const int64_t C = 2 * H * K + H * V, M = W - 1;
+    const auto xs = shape_of(qkv), pool_s = shape_of(pool), cu_s = shape_of(cu), slots_s = shape_of(slots);
+    require(W >= 1 && xs.size() == 2 && xs[1] == C, "qkv " + dims(xs) + ": expected [N, 2HK+HV = " +
+                                                        std::to_string(C) + "]");
+    const int64_t N = xs[0];
+    require(shape_of(f) == std::vector<int64_t>{N, H, K}, "f " + dims(shape_of(f)) + ": expected [N, H, K]");
+    require(shape_of(b) == std::vector<int64_t>{N, H}, "b " + dims(shape_of(b)) + ": expected [N, H]");
+    require(shape_of(w) == std::vector<int64_t>{C, W}, "conv_weight " + dims(shape_of(w)) + ": expected [C, W]");
+    require(shape_of(a_log).size() == 1 && shape_of(a_log)[0] >= H, "A_log " + dims(shape_of(a_log)) +
+                                                                          ": expected at least H entries");
+    require(shape_of(dt) == std::vector<int64_t>{H * K}, "dt_bias " + dims(shape_of(dt)) + ": expected [H*K]");
+    require(pool_s.size() == 3 && pool_s[1] == C && pool_s[2] == M, "conv_pool " + dims(pool_s) +
+                                                                         ": expected [S, C, W-1]");
+    require(slots_s.size() == 1 && cu_s == std::vector<int64_t>{slots_s[0] + 1},
+            "cu_seqlens " + dims(cu_s) + " and slots " + dims(slots_s) + ": expected [B+1] and [B]");
+    const int64_t B = slots_s[0];
+    const int32_t* cu32 = cu.GetTensorData<int32_t>();
+    const int32_t* slots32 = slots.GetTensorData<int32_t>();
+    std::vector<int64_t> offsets(cu32, cu32 + B + 1), rows(slots32, slots32 + B);
+    bool rising = offsets[0] == 0 && offsets[B] == N;
+    for (int64_t i = 0; i < B; ++i) rising = rising && offsets[i] <= offsets[i + 1];
+    require(rising, "cu_seqlens must rise from 0 to N = " + std::to_string(N));
+    for (int64_t r : rows) require(0 <= r && r < pool_s[0], "slot " + std::to_string(r) + " outside the pool of " +
+                                                               std::to_string(pool_s[0]));
+    std::vector<float> wt(W * C), decay(H);  // the weight tap-major: a tap's channels are contiguous
+    const float* wd = w.GetTensorData<float>();
+    for (int64_t c = 0; c < C; ++c)
+      for (int64_t i = 0; i < W; ++i) wt[i * C + c] = wd[c * W + i];
+    for (int64_t h = 0; h < H; ++h) decay[h] = std::exp(a_log.GetTensorData<float>()[h]);
+    Prep p{qkv.GetTensorData<float>(), f.GetTensorData<float>(), b.GetTensorData<float>(), wt.data(), decay.data(),
+           dt.GetTensorData<float>(), pool.GetTensorData<float>(), offsets.data(), rows.data(),
+           ctx.GetOutput(0, {N, H, K}).GetTensorMutableData<float>(),
+           ctx.GetOutput(1, {N, H, K}).GetTensorMutableData<float>(),
+           ctx.GetOutput(2, {N, H, V}).GetTensorMutableData<float>(),
+           ctx.GetOutput(3, {N, H, K}).GetTensorMutableData<float>(),
+           ctx.GetOutput(4, {N, H}).GetTensorMutableData<float>(),
+           ctx.GetOutput(5, {B, C, M}).GetTensorMutableData<float>(), B, C, H, K, V, W, lb};
+    if (N > 0) ctx.ParallelFor(prep_row, size_t(N), 0, &p);
+    if (B > 0 && M > 0) ctx.ParallelFor(prep_state, size_t(B), 0, &p);
+  }
+};
+
+struct KDAPrepOp : Ort::CustomOpBase<KDAPrepOp, KDAPrepKernel> {
+  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new KDAPrepKernel(api, info); }
+  const char* GetName() const { return "KDAPrep"; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 9; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    return i >= 7 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  size_t GetOutputTypeCount() const { return 6; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
+KDAPrepOp kda_prep_op;
+
+}  // namespace
+
+void k3x_add_kda_prep(Ort::CustomOpDomain& domain) { domain.Add(&kda_prep_op); }
