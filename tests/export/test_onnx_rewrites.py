@@ -11,7 +11,7 @@ import onnx_ir as ir
 import pytest
 import torch
 
-from k3x.export.onnx_rewrites import rsqrt_as_div
+from k3x.export.onnx_rewrites import merge_sibling_gemms, rsqrt_as_div
 from k3x.model.layers import RMSNorm
 from tolerances import assert_close
 
@@ -58,3 +58,49 @@ def test_a_reciprocal_with_another_use_is_kept():
     assert rsqrt_as_div(model) == 1
     assert [n.op_type for n in model.graph].count("Reciprocal") == 1
     assert "Div" in [n.op_type for n in model.graph]
+
+
+class _QKV(torch.nn.Module):
+    """KDA's projections as the serving step writes them: three Linears of one x, concatenated."""
+
+    def __init__(self, spare_use: bool = False) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(2)
+        self.q, self.k, self.v = (torch.nn.Linear(24, n, bias=False) for n in (16, 16, 8))
+        with torch.no_grad():
+            for m in (self.q, self.k, self.v):
+                m.weight.copy_(torch.randn(m.weight.shape, generator=g))
+        self.spare_use = spare_use
+
+    def forward(self, x):
+        q = self.q(x)
+        y = torch.cat([q, self.k(x), self.v(x)], dim=-1) + 1  # the conv reads it (not a graph output)
+        return (y, q.sum(-1)) if self.spare_use else y
+
+
+def _exported(module: torch.nn.Module) -> ir.Model:
+    x = torch.randn(5, 24)
+    ep = torch.export.export(module, (x,), dynamic_shapes={"x": {0: torch.export.Dim("N")}})
+    return torch.onnx.export(ep, dynamo=True, opset_version=20, verbose=False).model
+
+
+def test_sibling_projections_become_one_gemm_with_the_same_result():
+    module = _QKV()
+    model = _exported(module)
+    assert [n.op_type for n in model.graph].count("Gemm") == 3
+    weights = dict(model.graph.initializers)
+    assert merge_sibling_gemms(model) == 1
+    ops = [n.op_type for n in model.graph]
+    assert ops.count("Gemm") == 1 and ops.count("Concat") == 1  # the weights' Concat, folded at load
+    assert dict(model.graph.initializers) == weights  # no weight copied at export
+    sess = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    x = torch.randn(7, 24, generator=torch.Generator().manual_seed(3))
+    (y,) = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})
+    with torch.no_grad():
+        assert_close(torch.from_numpy(y), module(x), torch.float32, "merged q|k|v")
+
+
+def test_a_projection_with_another_use_is_not_merged():
+    model = _exported(_QKV(spare_use=True))
+    assert merge_sibling_gemms(model) == 0
+    assert [n.op_type for n in model.graph].count("Gemm") == 3
