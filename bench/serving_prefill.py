@@ -18,7 +18,8 @@ rounds gives the top ops (function bodies by function/step, other nodes by op ty
     python -m k3x.bench.serving_prefill [--preset k3-bench] [--export DIR] [--prompt 128] [--json out.json]
 
 The default prompt, 128 tokens, is the one the project's prefill target was set on (a 128-token prompt
-on 2 threads); longer prompts show where the serving step falls behind the bound.
+on 2 threads, `--preset kimi-linear-mid`: the target's mid-size Kimi Linear); longer prompts show where the
+serving step falls behind the bound.
 """
 
 from __future__ import annotations

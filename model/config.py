@@ -24,7 +24,7 @@ import dataclasses
 import hashlib
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 LayerType = Literal["kda", "mla"]
@@ -348,8 +348,18 @@ def _k3_bench() -> K3Config:
     )
 
 
+def _kimi_linear_mid() -> K3Config:
+    # The CPU anchor's mid-size Kimi Linear (480 M parameters, 8 layers 3 KDA : 1 MLA, 32 experts top-4; fp32 on
+    # 2 cores): Kimi Linear's architecture at the widths of k3-bench, for the prefill and decode targets.
+    big = _kimi_linear_48b()
+    lt, mt = schedule(8, 4, True, 1)
+    return replace(big, name="kimi-linear-mid", hidden_size=1024, vocab_size=32768, layer_types=lt, mlp_types=mt,
+                   dense_intermediate_size=4096, kda=replace(big.kda, num_heads=8), mla=replace(big.mla, num_heads=8),
+                   moe=replace(big.moe, num_experts=32, top_k=4, intermediate_size=512))
+
+
 PRESETS: dict[str, K3Config] = {
-    c.name: c for c in (_k3(), _kimi_linear_48b(), _k3_mini(), _k3_bench())
+    c.name: c for c in (_k3(), _kimi_linear_48b(), _k3_mini(), _k3_bench(), _kimi_linear_mid())
 }
 
 

@@ -16,6 +16,7 @@ from k3x.plan.kernels import Kernels
 # K3Config.hash() of every preset as manifests recorded it before the options left the config (reference
 # kernels, dense experts, no static cache); k3-mini's 3-head architecture is the one before issue 19.
 HASHES = {"k3": "41fdefcab8e95267", "kimi-linear-48b": "a1fcf045c78b103f", "k3-bench": "4fc2a43a7b36fdbe",
+          "kimi-linear-mid": "58acfe42af6de91e",
           "k3-mini": "bd9488f7d2359da8"}
 K3_MINI_3_HEADS = "9ada921bcb210405"
 
