@@ -83,4 +83,4 @@ def build_ort_kernels() -> None:
     from ..runtime.ort_kernels import build, sources
 
     path = build(progress=echo)
-    echo(f"{path}: kernels for k3::" + ", k3::".join(sources()))
+    echo(f"{path}: kernels of the op families " + ", ".join(sources()))

@@ -48,7 +48,7 @@ from ..model.options import CacheOptions
 from ..model.state import state_specs
 from ..plan.onnx_node import DOMAIN
 from .onnx_flavors import FLAVOR_PASSES
-from .onnx_rewrites import merge_sibling_gemms, rsqrt_as_div
+from .onnx_rewrites import fuse_situ_glu, merge_sibling_gemms, rsqrt_as_div
 from .onnx_functions import save as save_layers
 
 FLAVOR_FILES: dict[str, str] = {"ort": "model.onnx", "trt": "model.trt.onnx"}
@@ -236,6 +236,7 @@ def to_onnx_ir(ep: ExportedProgram, cfg: K3Config, *, weights: bool = True, opti
     _fold_constants(model, weight_names)
     rsqrt_as_div(model)  # RMSNorm in the form ONNX Runtime fuses (export/onnx_rewrites.py), every flavor alike
     merge_sibling_gemms(model)  # KDA's q, k, v projections as one Gemm (export/onnx_rewrites.py)
+    fuse_situ_glu(model)  # the dense FFN's / shared experts' SiTU-GLU as one k3x.fused::SiTUGLU call
     ir.passes.common.RemoveUnusedNodesPass()(model)  # SequenceAt positions, folded Constants
     if serving is None:
         _rename_io(model, cfg, cache)

@@ -4,7 +4,8 @@
   function bodies are attached (TensorRT must resolve the nodes as plugins). Collective nodes of a rank
   program stay plugin nodes; in `ort` they become onnxruntime-extensions Python ops (onnx_collectives.py).
 - `ort`: attaches one FunctionProto per k3 op type the model uses — the family's `onnx.function` body
-  (custom_ops/<family>/onnx.py) — so ONNX Runtime inlines them and needs no extra library.
+  (custom_ops/<family>/onnx.py) — so ONNX Runtime inlines them and needs no extra library; and the body of
+  every `k3x.fused` function those bodies call (custom_ops/fused.py; the k3::MoE body's SiTU-GLU).
 Neither pass names an op family: both go through the registry. Both must leave the model's own nodes as they
 found them: a rank program's converted model goes through trt and ort once per rank (rewrites of those nodes
 are made once, at conversion: export/onnx_rewrites.py).
@@ -20,6 +21,7 @@ from typing import Callable
 
 import onnx_ir as ir
 
+from ..custom_ops.fused import FUNCTIONS, FUSED_DOMAIN
 from ..custom_ops.registry import by_onnx_op
 from ..plan.onnx_node import COMMON_ATTRIBUTES, DOMAIN
 from . import onnx_collectives
@@ -80,6 +82,10 @@ def ort_pass(model: ir.Model) -> ir.Model:
         model.functions[fn.identifier()] = fn
         for domain, version in opsets.items():
             model.opset_imports[domain] = version
+    called = {n.op_type for f in model.functions.values() for n in f if n.domain == FUSED_DOMAIN}
+    for op_type in sorted(called):
+        fn = ir.serde.deserialize_function(FUNCTIONS[op_type](opset))
+        model.functions.setdefault(fn.identifier(), fn)
     return model
 
 

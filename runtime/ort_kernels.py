@@ -2,11 +2,12 @@
 
 Why: the `ort` flavor runs every k3 node as its function body (standard ops, custom_ops/<family>/onnx.py),
 each op a pass over memory and many of them on one core. A family may also ship `ort_kernel.cc`: the same
-op as one C++ pass, rows over ONNX Runtime's intra-op threads. ONNX Runtime runs a node on a registered
-kernel of its domain and name before it inlines the model's function of that name (and still inlines the
-k3 nodes the library has no kernel for), so the library is optional and an export is the same file with or
-without it: the function bodies stay the portable fallback, and the kernels are checked against the
-families' references (tests/runtime/test_ort_kernels.py).
+op as one C++ pass, rows over ONNX Runtime's intra-op threads; and kernels of `k3x.fused` functions
+(custom_ops/fused.py: standard-op chains the exporter groups, the SiTU-GLU), registered in that domain. Their
+shared math is custom_ops/ort_math.h. ONNX Runtime runs a node on a registered kernel of its domain and name
+before it inlines the model's function of that name (and still inlines the nodes the library has no kernel
+for), so the library is optional and an export is the same file with or without it: the function bodies stay
+the portable fallback, and the kernels are checked against the references (tests/runtime/test_ort_kernels.py).
 
 - Built by `k3x build-ort-kernels` (`build`): g++ and ONNX Runtime's C/C++ API headers, taken from
   K3X_ORT_INCLUDE (a folder holding onnxruntime_cxx_api.h) or else from Debian's libonnxruntime-dev package
@@ -55,10 +56,11 @@ ENTRY = """#define ORT_API_MANUAL_INIT
 extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
 RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {{
   Ort::InitApi(api_base->GetApi(ORT_API_VERSION));
-  static Ort::CustomOpDomain domain{{"{domain}"}};
+  static Ort::CustomOpDomain k3{{"{domain}"}}, fused{{"{fused}"}};
   try {{
 {calls}
-    Ort::UnownedSessionOptions(options).Add(domain);
+    Ort::UnownedSessionOptions(options).Add(k3);
+    Ort::UnownedSessionOptions(options).Add(fused);
   }} catch (const Ort::Exception& e) {{
     return Ort::GetApi().CreateStatus(e.GetOrtErrorCode(), e.what());
   }}
@@ -76,11 +78,19 @@ def sources() -> dict[str, Path]:
 
 
 def _entry() -> str:
+    from ..custom_ops.fused import FUSED_DOMAIN
     from ..plan.onnx_node import DOMAIN
 
     names = list(sources())
-    return ENTRY.format(domain=DOMAIN, declarations="\n".join(f"void k3x_add_{n}(Ort::CustomOpDomain&);" for n in names),
-                        calls="\n".join(f"    k3x_add_{n}(domain);" for n in names))
+    return ENTRY.format(domain=DOMAIN, fused=FUSED_DOMAIN,
+                        declarations="\n".join(f"void k3x_add_{n}(Ort::CustomOpDomain&, Ort::CustomOpDomain&);"
+                                               for n in names),
+                        calls="\n".join(f"    k3x_add_{n}(k3, fused);" for n in names))
+
+
+def _headers_of_kernels() -> Path:
+    """custom_ops/, which holds ort_math.h: the kernels' shared math (on the include path, in the key)."""
+    return Path(__file__).resolve().parent.parent / "custom_ops"
 
 
 def _compiler() -> str:
@@ -110,6 +120,7 @@ def _key(cxx: str) -> str:
     h = hashlib.sha256(_entry().encode())
     for name, path in sorted(sources().items()):
         h.update(name.encode() + path.read_bytes())
+    h.update((_headers_of_kernels() / "ort_math.h").read_bytes())
     given = os.environ.get("K3X_ORT_INCLUDE")
     headers = (Path(given) / "onnxruntime_c_api.h").read_bytes() if given and Path(given).is_dir() else HEADERS.sha256
     h.update(" ".join((cxx, *FLAGS, _cpu())).encode() + (headers if isinstance(headers, bytes) else headers.encode()))
@@ -198,7 +209,8 @@ def build(progress: Callable[[str], None] = lambda _: None) -> Path:
         entry = Path(tmp) / "entry.cc"
         entry.write_text(_entry())
         target = Path(tmp) / LIBRARY
-        cmd = [cxx, *FLAGS, f"-I{include}", str(entry), *map(str, sources().values()), "-o", str(target)]
+        cmd = [cxx, *FLAGS, f"-I{include}", f"-I{_headers_of_kernels()}", str(entry), *map(str, sources().values()),
+               "-o", str(target)]
         progress(f"compiling {len(sources())} ONNX Runtime kernel(s) ({', '.join(sources())})")
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode:

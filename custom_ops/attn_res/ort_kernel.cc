@@ -101,4 +101,4 @@ AttnResOp attn_res_op;
 
 }  // namespace
 
-void k3x_add_attn_res(Ort::CustomOpDomain& domain) { domain.Add(&attn_res_op); }
+void k3x_add_attn_res(Ort::CustomOpDomain& k3, Ort::CustomOpDomain&) { k3.Add(&attn_res_op); }

@@ -9,6 +9,8 @@
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
 
+#include "ort_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -25,47 +27,6 @@ struct Prep {
   float lb;
 };
 
-// e^x and ln x within a few ulp (Cephes' expf and logf: a polynomial on a reduced range, scaled by a power of
-// two), branch-free so the `omp simd` loops below vectorise them: std::exp and std::log1p are scalar calls, and
-// a row's SiLU and gates take one or two per channel (3/4 of the node's time with them). No std::floor (not
-// vectorised without -fno-trapping-math): adding and subtracting 1.5·2^23 rounds to the nearest integer.
-inline float exp_approx(float x) {
-  x = std::min(std::max(x, -87.3f), 88.3f);  // 2^n stays a normal float
-  const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;
-  float r = x - n * 0.693359375f;
-  r -= n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  return p * __builtin_bit_cast(float, (int32_t(n) + 127) << 23);
-}
-
-inline float log_approx(float x) {  // x > 0, finite
-  const int32_t bits = __builtin_bit_cast(int32_t, x);
-  float e = float(((bits >> 23) & 0xff) - 126);
-  float m = __builtin_bit_cast(float, (bits & 0x807fffff) | 0x3f000000);  // x = m·2^e, m in [0.5, 1)
-  const bool low = m < 0.707106781f;
-  e = low ? e - 1.f : e;
-  m = low ? m + m - 1.f : m - 1.f;
-  const float z = m * m;
-  float p = 7.0376836292e-2f;
-  p = p * m - 1.1514610310e-1f;
-  p = p * m + 1.1676998740e-1f;
-  p = p * m - 1.2420140846e-1f;
-  p = p * m + 1.4249322787e-1f;
-  p = p * m - 1.6668057665e-1f;
-  p = p * m + 2.0000714765e-1f;
-  p = p * m - 2.4999993993e-1f;
-  p = p * m + 3.3333331174e-1f;
-  const float y = m * z * p + e * -2.12194440e-4f - 0.5f * z;
-  return m + y + e * 0.693359375f;
-}
-
-inline float sigmoid(float x) { return 1.f / (1.f + exp_approx(-x)); }
 
 // the sequence that owns row n: the last b with cu[b] <= n (cu rises; empty sequences own no row)
 int64_t sequence_of(const Prep& p, int64_t n) {
@@ -231,4 +192,4 @@ KDAPrepOp kda_prep_op;
 
 }  // namespace
 
-void k3x_add_kda_prep(Ort::CustomOpDomain& domain) { domain.Add(&kda_prep_op); }
+void k3x_add_kda_prep(Ort::CustomOpDomain& k3, Ort::CustomOpDomain&) { k3.Add(&kda_prep_op); }

@@ -17,6 +17,7 @@ import onnx_ir
 from onnx import TensorProto, helper
 
 from ...plan.onnx_node import COMMON_ATTRIBUTES, MS_DOMAIN, Body, NodeSpec, opset, static
+from ..fused import FUSED_DOMAIN, SITU_GLU
 from .onnx_experts import UNROLL_MAX, ExpertWeights, Pairs, Quantize, routed_experts
 from .op import SIGNATURE
 
@@ -56,11 +57,14 @@ def _activation_constants(b: Body, activation: str) -> list[str]:
             b.ref("situ_linear_beta", onnx.AttributeProto.FLOAT, "value_float")]
 
 
-def _glu(b: Body, a: str, u: str, betas: list[str]) -> str:
-    """SiLU-GLU a σ(a) ⊙ u when `betas` is empty, else SiTU-GLU [β1 tanh(a/β1) σ(a)] ⊙ [β2 tanh(u/β2)]."""
+def _glu(b: Body, a: str, u: str, betas: list[str], fused: bool) -> str:
+    """SiLU-GLU a σ(a) ⊙ u when `betas` is empty, else SiTU-GLU [β1 tanh(a/β1) σ(a)] ⊙ [β2 tanh(u/β2)]: one
+    `k3x.fused::SiTUGLU` call when `fused` (custom_ops/fused.py; its body is these ops), else the ops."""
     if not betas:
         return b.op("Mul", b.op("Mul", a, b.op("Sigmoid", a)), u)
     b1, b2 = betas
+    if fused:
+        return b.op(SITU_GLU, a, u, b1, b2, domain=FUSED_DOMAIN)
     left = b.op("Mul", b.op("Mul", b1, b.op("Tanh", b.op("Div", a, b1))), b.op("Sigmoid", a))
     return b.op("Mul", left, b.op("Mul", b2, b.op("Tanh", b.op("Div", u, b2))))
 
@@ -155,8 +159,11 @@ def moe_function(spec: NodeSpec, opset_version: int, nodes: list, expert_weights
     hit = b.op("ReduceSum", b.op("Cast", b.op("Less", experts, e_local), to=INT64), keepdims=0)  # local hits
     b.step = "experts"
     pairs = Pairs(z, k, e_local, pair_ids, pair_w, order, sorted_ids, rows, experts, counts, inverse, starts, hit)
-    u = routed_experts(b, pairs, lambda b, a, u: _glu(b, a, u, betas), expert_weights, batched, quantize,
-                       per_expert)
+    # the GLU of the function's own nodes (per expert) as a k3x.fused call; the If / Loop subgraphs keep the ops
+    u = routed_experts(b, pairs, lambda body, a, u: _glu(body, a, u, betas, fused=body is b), expert_weights,
+                       batched, quantize, per_expert)
     b.out("CastLike", [u, "z"], ["u"])
     extra = {MS_DOMAIN: 1} if batched and not per_expert else {}  # the padded batch's FusedMatMul
+    if any(n.domain == FUSED_DOMAIN for n in b.nodes):
+        extra[FUSED_DOMAIN] = 1  # ort_pass attaches its function
     return b.function(spec, {"": opset_version, **extra}), extra

@@ -1,6 +1,8 @@
 """export/onnx_rewrites.py: the converted model's rsqrt products become Div, so ONNX Runtime fuses the model's
 RMSNorm (model/layers.py) into one SimplifiedLayerNormalization kernel; the norm's result is unchanged, a
-Reciprocal with another use survives, and an exported model holds no Reciprocal in either flavor."""
+Reciprocal with another use survives, and an exported model holds no Reciprocal in either flavor. KDA's
+sibling projections become one Gemm; the traced SiTU-GLU becomes one k3x.fused::SiTUGLU call with the
+same outputs, and a chain whose intermediate is used elsewhere (or a SiLU-GLU) is left alone."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ import onnx_ir as ir
 import pytest
 import torch
 
-from k3x.export.onnx_rewrites import merge_sibling_gemms, rsqrt_as_div
-from k3x.model.layers import RMSNorm
+from k3x.export.onnx_rewrites import fuse_situ_glu, merge_sibling_gemms, rsqrt_as_div
+from k3x.model.config import preset
+from k3x.model.layers import GatedMLP, RMSNorm
 from tolerances import assert_close
 
 ort = pytest.importorskip("onnxruntime")
@@ -104,3 +107,56 @@ def test_a_projection_with_another_use_is_not_merged():
     model = _exported(_QKV(spare_use=True))
     assert merge_sibling_gemms(model) == 0
     assert [n.op_type for n in model.graph].count("Gemm") == 3
+
+
+class _Mlp(torch.nn.Module):
+    """The dense FFN / shared experts (model/layers.py GatedMLP) of a config with `activation`; `spare_use`
+    also returns the gate's sigmoid (a chain value read elsewhere)."""
+
+    def __init__(self, activation: str = "situ", spare_use: bool = False) -> None:
+        super().__init__()
+        from dataclasses import replace
+
+        self.mlp = GatedMLP(replace(preset("k3-mini"), activation=activation), 24, 40)
+        g = torch.Generator().manual_seed(4)
+        with torch.no_grad():
+            for p in self.mlp.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 2)
+        self.spare_use = spare_use
+
+    def forward(self, x):
+        y = self.mlp(x)
+        return (y, torch.sigmoid(self.mlp.gate_proj(x))) if self.spare_use else y
+
+
+def _run(model: ir.Model, x: torch.Tensor) -> list:
+    sess = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, {sess.get_inputs()[0].name: x.numpy()})
+
+
+def test_the_situ_glu_becomes_one_fused_call_with_the_same_outputs():
+    module = _Mlp()
+    model, plain = _exported(module), _exported(module)
+    ops = [n.op_type for n in model.graph]
+    assert ops.count("Tanh") == 2 and ops.count("Sigmoid") == 1
+    assert fuse_situ_glu(model) == 1
+    ops = [(n.domain, n.op_type) for n in model.graph]
+    assert ("k3x.fused", "SiTUGLU") in ops and ("", "Tanh") not in ops and ("", "Sigmoid") not in ops
+    assert model.opset_imports["k3x.fused"] == 1 and ("k3x.fused", "SiTUGLU", "") in model.functions
+    call = next(n for n in model.graph if n.op_type == "SiTUGLU")
+    assert [float(v.producer().attributes["value"].value.numpy()) for v in call.inputs[2:]] == [4.0, 25.0]
+    x = torch.randn(7, 24, generator=torch.Generator().manual_seed(5)) * 3
+    (y,), (want,) = _run(model, x), _run(plain, x)
+    assert (y == want).all()  # the body is the traced ops on the same constants: bit-identical
+    with torch.no_grad():
+        assert_close(torch.from_numpy(y), module(x), torch.float32, "fused situ glu")
+    assert fuse_situ_glu(model) == 0  # nothing left to fuse
+
+
+@pytest.mark.parametrize("activation,spare_use", [("situ", True), ("silu", False)])
+def test_a_chain_read_elsewhere_or_a_silu_glu_is_left_alone(activation, spare_use):
+    model = _exported(_Mlp(activation, spare_use))
+    before = [n.op_type for n in model.graph]
+    assert before.count("Sigmoid") == 1  # with spare_use the exporter's CSE shares the chain's Sigmoid
+    assert fuse_situ_glu(model) == 0
+    assert [n.op_type for n in model.graph] == before and not model.functions

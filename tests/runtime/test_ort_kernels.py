@@ -13,6 +13,7 @@ import torch
 from onnx import TensorProto, helper
 
 from k3x.custom_ops.attn_res.reference import attn_res
+from k3x.custom_ops.moe.reference import glu
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +100,7 @@ def test_a_serving_step_on_the_kernels_equals_the_function_bodies(kernels, servi
         outs.append(runner.infer(feeds))
         events = json.loads(Path(runner.session.end_profiling()).read_text())
         ran.append({e["args"]["op_name"] for e in kernel_nodes(events)})
-    for op in ("AttnRes", "KDAPrep"):  # bodies inlined, then the kernels ran the nodes
+    for op in ("AttnRes", "KDAPrep", "SiTUGLU"):  # bodies inlined, then the kernels ran the nodes
         assert op not in ran[0] and op in ran[1], (op, ran)
     for name, want in outs[0].items():
         torch.testing.assert_close(torch.as_tensor(outs[1][name]), torch.as_tensor(want), rtol=1e-5, atol=1e-5,
@@ -112,7 +113,7 @@ def test_the_command_reports_the_library_and_names_a_missing_compiler(kernels, m
     from k3x.cli import app
 
     r = CliRunner().invoke(app, ["build-ort-kernels"])
-    assert r.exit_code == 0 and f"{kernels}: kernels for k3::attn_res" in r.output, r.output
+    assert r.exit_code == 0 and f"{kernels}: kernels of the op families attn_res, moe" in r.output, r.output
     monkeypatch.setenv("CXX", "no-such-compiler")
     r = CliRunner().invoke(app, ["build-ort-kernels"])
     assert r.exit_code == 1 and "'no-such-compiler' is not on PATH" in r.output, r.output
@@ -171,3 +172,39 @@ def test_kda_prep_kernel_names_the_bad_input(kernels, change, message):
     feeds = {n: t.numpy() for n, t in _kda_prep_inputs([3, 1], 2, 16, 16, 4, 1.0, seed=0).items()} | change
     with pytest.raises(Exception, match=message):
         _session(_kda_prep_model(2, 16, 16, 4, -5.0), kernels).run(None, feeds)
+
+
+def _situ_glu_model():
+    """One k3x.fused::SiTUGLU call and no function: only a registered kernel can run it."""
+    names = ("a", "u", "beta", "linear_beta")
+    node = helper.make_node("SiTUGLU", list(names), ["y"], domain="k3x.fused")
+    graph = helper.make_graph([node], "situ_glu", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
+                                                   for n in names],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("k3x.fused", 1)],
+                             ir_version=10)
+
+
+@pytest.mark.parametrize("shape,scale,betas", [((1,), 1.0, (4.0, 25.0)), ((7,), 1e-3, (4.0, 25.0)),
+                                               ((3, 5), 1.0, (1.5, 0.5)), ((2, 16389), 3.0, (4.0, 25.0)),
+                                               ((1, 9, 40), 60.0, (4.0, 25.0)), ((0, 8), 1.0, (4.0, 25.0))])
+def test_situ_glu_kernel_matches_the_reference(kernels, shape, scale, betas):
+    g = torch.Generator().manual_seed(sum(shape) + int(scale))
+    a, u = (torch.randn(*shape, generator=g) * scale for _ in range(2))  # 60: tanh and sigmoid saturate
+    feeds = {"a": a.numpy(), "u": u.numpy(), "beta": np.array(betas[0], np.float32),
+             "linear_beta": np.array(betas[1], np.float32)}
+    (y,) = _session(_situ_glu_model(), kernels).run(None, feeds)
+    want = glu(a.double(), u.double(), "situ", *betas)
+    assert y.shape == shape
+    np.testing.assert_allclose(y, want.numpy(), rtol=2e-6, atol=1e-6 * scale * scale)
+
+
+def test_situ_glu_kernel_names_the_bad_input(kernels):
+    feeds = {"a": np.zeros((3, 8), np.float32), "u": np.zeros((3, 9), np.float32), "beta": np.array(4, np.float32),
+             "linear_beta": np.array(25, np.float32)}
+    with pytest.raises(Exception, match=r"k3x.fused::SiTUGLU: a \[3, 8\] and u \[3, 9\]: expected one shape"):
+        _session(_situ_glu_model(), kernels).run(None, feeds)
+    feeds |= {"u": np.zeros((3, 8), np.float32), "beta": np.ones(2, np.float32)}
+    with pytest.raises(Exception, match=r"k3x.fused::SiTUGLU: beta \[2\]: expected one value"):
+        _session(_situ_glu_model(), kernels).run(None, feeds)
+

@@ -1,0 +1,42 @@
+"""`k3x.fused`: chains of standard ops grouped as ONNX local functions so ONNX Runtime can run each as one CPU
+kernel; every runtime without the kernel inlines the body, the same ops as before. Not k3 op families (no torch
+op, no plugin); domain `k3x.fused`, not `k3`, whose nodes are plugin nodes in the TensorRT flavor.
+
+`SiTUGLU(a, u, beta, linear_beta) -> y`: the SiTU-GLU of custom_ops/moe/reference.py `glu`,
+
+    y = [β1 tanh(a/β1) σ(a)] ⊙ [β2 tanh(u/β2)],  β1 = beta, β2 = linear_beta (fp32 scalars, Constants)
+
+Its body is the nine ops torch.onnx writes for `glu` (Div, Tanh, Mul, Sigmoid, Mul; Div, Tanh, Mul; Mul), on
+the same scalar constants, so ONNX Runtime and TensorRT's parser (as with the `k3x.layers` functions) inline
+it to the same math. Its CPU kernel (custom_ops/moe/ort_kernel.cc, built by runtime/ort_kernels.py) makes one
+pass over a and u where the body makes nine over [N, I]. Calls are made by export/onnx_rewrites.py
+`fuse_situ_glu` from the traced dense FFN / shared-expert chain, and by the k3::MoE body for its experts.
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import helper
+
+FUSED_DOMAIN = "k3x.fused"
+SITU_GLU = "SiTUGLU"
+
+
+def situ_glu_function(opset_version: int) -> onnx.FunctionProto:
+    """The SiTUGLU body: the traced chain, on the same scalar constants (ONNX Runtime gives bit-identical
+    outputs whether the call sits in the main graph or in a `k3x.layers` function)."""
+    n = []
+
+    def op(op_type: str, *inputs: str, **attrs) -> str:
+        out = f"situ_{len(n)}"
+        n.append(helper.make_node(op_type, list(inputs), [out], name=f"{SITU_GLU}/{op_type}_{len(n)}", **attrs))
+        return out
+    b1, b2 = "beta", "linear_beta"
+    left = op("Mul", op("Mul", op("Tanh", op("Div", "a", b1)), b1), op("Sigmoid", "a"))
+    right = op("Mul", op("Tanh", op("Div", "u", b2)), b2)
+    n.append(helper.make_node("Mul", [left, right], ["y"], name=f"{SITU_GLU}/Mul_out"))
+    return helper.make_function(FUSED_DOMAIN, SITU_GLU, ["a", "u", "beta", "linear_beta"], ["y"], n,
+                                [helper.make_opsetid("", opset_version)], doc_string="SiTU-GLU (k3x)")
+
+
+FUNCTIONS = {SITU_GLU: situ_glu_function}  # op type in FUSED_DOMAIN -> its body
