@@ -100,7 +100,7 @@ def test_a_serving_step_on_the_kernels_equals_the_function_bodies(kernels, servi
         outs.append(runner.infer(feeds))
         events = json.loads(Path(runner.session.end_profiling()).read_text())
         ran.append({e["args"]["op_name"] for e in kernel_nodes(events)})
-    for op in ("AttnRes", "KDAPrep", "SiTUGLU"):  # bodies inlined, then the kernels ran the nodes
+    for op in ("AttnRes", "KDAPrep", "KDAPacked", "SiTUGLU"):  # bodies inlined, then the kernels ran the nodes
         assert op not in ran[0] and op in ran[1], (op, ran)
     for name, want in outs[0].items():
         torch.testing.assert_close(torch.as_tensor(outs[1][name]), torch.as_tensor(want), rtol=1e-5, atol=1e-5,
@@ -208,3 +208,58 @@ def test_situ_glu_kernel_names_the_bad_input(kernels):
     with pytest.raises(Exception, match=r"k3x.fused::SiTUGLU: beta \[2\]: expected one value"):
         _session(_situ_glu_model(), kernels).run(None, feeds)
 
+
+def _kda_packed_model(H: int, K: int, V: int, scale: float):
+    """One k3::KDAPacked node and no function: only a registered kernel can run it."""
+    from k3x.custom_ops.kda_packed.onnx import NODE
+
+    ins, outs = [n for n, _ in NODE.inputs], [n for n, _ in NODE.outputs]
+    node = helper.make_node("KDAPacked", ins, outs, domain="k3", scale=scale, num_heads=H, head_dim=K, value_dim=V,
+                            gate_lower_bound=-5.0)
+    types = {"cu_seqlens": TensorProto.INT32, "slots": TensorProto.INT32}
+    graph = helper.make_graph([node], "kda_packed", [helper.make_tensor_value_info(n, types.get(n, TensorProto.FLOAT),
+                                                                                    None) for n in ins],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outs])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("k3", 1)],
+                             ir_version=10)
+
+
+def _kda_packed_inputs(lens: list[int], H: int, K: int, V: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    N, B = sum(lens), len(lens)
+    unit = lambda *s: torch.nn.functional.normalize(torch.randn(*s, generator=g), dim=-1)  # noqa: E731
+    return {"q": unit(N, H, K), "k": unit(N, H, K), "v": torch.randn(N, H, V, generator=g),
+            "g": -5 * torch.rand(N, H, K, generator=g), "beta": torch.rand(N, H, generator=g),
+            "state_pool": torch.randn(B + 3, H, K, V, generator=g),
+            "cu_seqlens": torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32),
+            "slots": torch.randperm(B + 3, generator=g)[:B].to(torch.int32)}
+
+
+@pytest.mark.parametrize("lens,H,K,V", [
+    ([1], 1, 16, 16),  # one decode row
+    ([5, 1, 2, 70, 1], 2, 8, 24),  # chunks beside decode rows (70 > the reference's 64-row chunk)
+    ([3, 0, 9], 3, 7, 5),  # an empty sequence keeps its state; odd head sizes
+    ([64, 1], 2, 128, 128),  # a prefill chunk and a decode row at K3's head size
+])
+def test_kda_packed_kernel_matches_the_reference(kernels, lens, H, K, V):
+    from k3x.custom_ops.kda_packed.onnx import NODE
+    from k3x.custom_ops.kda_packed.reference import kda_packed
+
+    x = _kda_packed_inputs(lens, H, K, V, seed=sum(lens) + H + K)
+    scale = K ** -0.5
+    out = _session(_kda_packed_model(H, K, V, scale), kernels).run(None, {n: t.numpy() for n, t in x.items()})
+    want = kda_packed(*(t.double() if t.is_floating_point() else t for t in x.values()), scale=scale)
+    for (name, _), got, e in zip(NODE.outputs, out, want, strict=True):
+        assert got.shape == tuple(e.shape), name
+        np.testing.assert_allclose(got, e.numpy(), rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"g": np.zeros((4, 2, 15), np.float32)}, r"k3::KDAPacked: k \[4, 2, 16\] and g \[4, 2, 15\]: expected q's"),
+    ({"cu_seqlens": np.array([0, 3, 2], np.int32)}, r"cu_seqlens must rise from 0 to N = 4"),
+    ({"slots": np.array([0, 5], np.int32)}, r"slot 5 outside the pool of 5"),
+])
+def test_kda_packed_kernel_names_the_bad_input(kernels, change, message):
+    feeds = {n: t.numpy() for n, t in _kda_packed_inputs([3, 1], 2, 16, 16, seed=0).items()} | change
+    with pytest.raises(Exception, match=message):
+        _session(_kda_packed_model(2, 16, 16, 0.25), kernels).run(None, feeds)

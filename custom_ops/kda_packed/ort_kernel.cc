@@ -1,0 +1,156 @@
+// k3::KDAPacked on ONNX Runtime's CPU provider, fp32: the gated delta rule of k3::kda (reference.py) over B
+// sequences packed end to end, each from its row of the state pool, with no padding (the function body in
+// onnx.py pads the sequences to the longest and runs ONNX Runtime's LinearAttention between gathers). One task
+// per (sequence, head, block of 64 state columns) runs the sequence's rows; tasks are split over ONNX Runtime's
+// intra-op threads. Compiled into the custom-op library by runtime/ort_kernels.py, which calls
+// k3x_add_kda_packed. Per row t of sequence b, head h, state S [K, V] (from state_pool[slots[b], h]):
+//   S = diag(exp(g_t)) S;  e = beta_t (v_t - S^T k_t);  S = S + k_t e^T;  o_t = S^T (scale q_t)
+//   final_state[b, h] = S after the sequence's last row (the pool is only read)
+#define ORT_API_MANUAL_INIT
+#include <onnxruntime_cxx_api.h>
+
+#include "ort_math.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+// state columns per task: S[:, block] is K x 64 floats (32 KB at K = 128), in L1; four vectors per row, so the
+// sums over rows run as four independent FMA chains (one 16-wide chain waited on its FMA latency: 3.5x slower)
+constexpr int64_t VB = 64;
+
+struct Packed {
+  const float *q, *k, *v, *decay, *beta, *pool;  // decay: exp(g), [N, H, K]
+  const int64_t *cu, *slots;
+  float *o, *final_state;
+  int64_t H, K, V, blocks;  // blocks: column blocks per head, ceil(V / VB)
+  float scale;
+};
+
+void decay_row(void* user, size_t row) {  // exp(g) of one [H, K] row, once for every column block
+  const auto& [g, d, width] = *static_cast<const std::tuple<const float*, float*, int64_t>*>(user);
+  const float* in = g + int64_t(row) * width;
+  float* out = d + int64_t(row) * width;
+#pragma omp simd
+  for (int64_t i = 0; i < width; ++i) out[i] = exp_approx(in[i]);
+}
+
+// The columns of S evolve independently (the decay and k act on rows; e_j reads column j only), so a task
+// runs every row of its sequence on one block of VB columns, which stays in L1: the whole [K, V] state
+// (64 KB at K = V = 128) passed through L2 twice per row.
+void run_block(void* user, size_t task) {
+  const Packed& p = *static_cast<const Packed*>(user);
+  const int64_t H = p.H, K = p.K, V = p.V, jb = int64_t(task) % p.blocks, bh = int64_t(task) / p.blocks;
+  const int64_t b = bh / H, h = bh % H, j0 = jb * VB, w = std::min(VB, V - j0);
+  std::vector<float> s(K * VB);  // S[i, j0 + c] at s[i * VB + c]
+  const float* s0 = p.pool + (p.slots[b] * H + h) * K * V;
+  for (int64_t i = 0; i < K; ++i)
+    for (int64_t c = 0; c < VB; ++c) s[i * VB + c] = c < w ? s0[i * V + j0 + c] : 0.f;
+  for (int64_t t = p.cu[b]; t < p.cu[b + 1]; ++t) {
+    const int64_t row = t * H + h;
+    const float *q = p.q + row * K, *k = p.k + row * K, *d = p.decay + row * K;
+    float acc[VB] = {}, out[VB] = {}, e[VB];
+    for (int64_t i = 0; i < K; ++i) {  // decay the rows, S^T k on the way
+      float* r = s.data() + i * VB;
+      const float di = d[i], ki = k[i];
+#pragma omp simd
+      for (int64_t c = 0; c < VB; ++c) {
+        r[c] *= di;
+        acc[c] += ki * r[c];
+      }
+    }
+    const float bt = p.beta[row];
+    const float* v = p.v + row * V + j0;
+    for (int64_t c = 0; c < VB; ++c) e[c] = c < w ? bt * (v[c] - acc[c]) : 0.f;
+    for (int64_t i = 0; i < K; ++i) {  // the rank-1 update, S^T (scale q) on the way (read after the write)
+      float* r = s.data() + i * VB;
+      const float ki = k[i], qi = q[i] * p.scale;
+#pragma omp simd
+      for (int64_t c = 0; c < VB; ++c) {
+        r[c] += ki * e[c];
+        out[c] += qi * r[c];
+      }
+    }
+    std::copy(out, out + w, p.o + row * V + j0);
+  }
+  float* final_state = p.final_state + (b * H + h) * K * V;
+  for (int64_t i = 0; i < K; ++i) std::copy(s.data() + i * VB, s.data() + i * VB + w, final_state + i * V + j0);
+}
+
+std::string dims(const std::vector<int64_t>& s) {
+  std::string t = "[";
+  for (size_t i = 0; i < s.size(); ++i) t += (i ? ", " : "") + std::to_string(s[i]);
+  return t + "]";
+}
+
+std::vector<int64_t> shape_of(const Ort::ConstValue& v) { return v.GetTensorTypeAndShapeInfo().GetShape(); }
+
+void require(bool ok, const std::string& what) {
+  if (!ok) throw Ort::Exception("k3::KDAPacked: " + what, ORT_INVALID_ARGUMENT);
+}
+
+struct KDAPackedKernel {
+  float scale;
+  KDAPackedKernel(const OrtApi&, const OrtKernelInfo* info) {
+    scale = Ort::ConstKernelInfo(info).GetAttribute<float>("scale");
+  }
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    auto q = ctx.GetInput(0), k = ctx.GetInput(1), v = ctx.GetInput(2), g = ctx.GetInput(3);
+    auto beta = ctx.GetInput(4), pool = ctx.GetInput(5), cu = ctx.GetInput(6), slots = ctx.GetInput(7);
+    const auto qs = shape_of(q), vs = shape_of(v), pool_s = shape_of(pool), cu_s = shape_of(cu);
+    const auto slots_s = shape_of(slots);
+    require(qs.size() == 3, "q " + dims(qs) + ": expected [N, H, K]");
+    const int64_t N = qs[0], H = qs[1], K = qs[2];
+    require(shape_of(k) == qs && shape_of(g) == qs, "k " + dims(shape_of(k)) + " and g " + dims(shape_of(g)) +
+                                                        ": expected q's " + dims(qs));
+    require(vs.size() == 3 && vs[0] == N && vs[1] == H, "v " + dims(vs) + ": expected [N, H, V]");
+    const int64_t V = vs[2];
+    require(shape_of(beta) == std::vector<int64_t>{N, H}, "beta " + dims(shape_of(beta)) + ": expected [N, H]");
+    require(pool_s == std::vector<int64_t>{pool_s.empty() ? 0 : pool_s[0], H, K, V},
+            "state_pool " + dims(pool_s) + ": expected [S, H, K, V]");
+    require(slots_s.size() == 1 && cu_s == std::vector<int64_t>{slots_s[0] + 1},
+            "cu_seqlens " + dims(cu_s) + " and slots " + dims(slots_s) + ": expected [B+1] and [B]");
+    const int64_t B = slots_s[0];
+    const int32_t* cu32 = cu.GetTensorData<int32_t>();
+    const int32_t* slots32 = slots.GetTensorData<int32_t>();
+    std::vector<int64_t> offsets(cu32, cu32 + B + 1), rows(slots32, slots32 + B);
+    bool rising = offsets[0] == 0 && offsets[B] == N;
+    for (int64_t i = 0; i < B; ++i) rising = rising && offsets[i] <= offsets[i + 1];
+    require(rising, "cu_seqlens must rise from 0 to N = " + std::to_string(N));
+    for (int64_t r : rows) require(0 <= r && r < pool_s[0], "slot " + std::to_string(r) + " outside the pool of " +
+                                                               std::to_string(pool_s[0]));
+    std::vector<float> decay(N * H * K);
+    std::tuple<const float*, float*, int64_t> rows_of_g{g.GetTensorData<float>(), decay.data(), H * K};
+    if (N > 0) ctx.ParallelFor(decay_row, size_t(N), 0, &rows_of_g);
+    const int64_t blocks = (V + VB - 1) / VB;
+    Packed p{q.GetTensorData<float>(), k.GetTensorData<float>(), v.GetTensorData<float>(), decay.data(),
+             beta.GetTensorData<float>(), pool.GetTensorData<float>(), offsets.data(), rows.data(),
+             ctx.GetOutput(0, {N, H, V}).GetTensorMutableData<float>(),
+             ctx.GetOutput(1, {B, H, K, V}).GetTensorMutableData<float>(), H, K, V, blocks, scale};
+    if (B * H * blocks > 0) ctx.ParallelFor(run_block, size_t(B * H * blocks), 0, &p);
+  }
+};
+
+struct KDAPackedOp : Ort::CustomOpBase<KDAPackedOp, KDAPackedKernel> {
+  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new KDAPackedKernel(api, info); }
+  const char* GetName() const { return "KDAPacked"; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 8; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    return i >= 6 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  size_t GetOutputTypeCount() const { return 2; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
+KDAPackedOp kda_packed_op;
+
+}  // namespace
+
+void k3x_add_kda_packed(Ort::CustomOpDomain& k3, Ort::CustomOpDomain&) { k3.Add(&kda_packed_op); }
