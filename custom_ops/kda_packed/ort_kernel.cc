@@ -39,22 +39,32 @@ void decay_row(void* user, size_t row) {  // exp(g) of one [H, K] row, once for 
   for (int64_t i = 0; i < width; ++i) out[i] = exp_approx(in[i]);
 }
 
+// e = beta_t (v_t - acc) on the block's w real columns (the padding columns stay 0)
+void error_row(const Packed& p, int64_t row, int64_t j0, int64_t w, const float* acc, float* e) {
+  const float bt = p.beta[row];
+  const float* v = p.v + row * p.V + j0;
+  for (int64_t c = 0; c < VB; ++c) e[c] = c < w ? bt * (v[c] - acc[c]) : 0.f;
+}
+
 // The columns of S evolve independently (the decay and k act on rows; e_j reads column j only), so a task
-// runs every row of its sequence on one block of VB columns, which stays in L1: the whole [K, V] state
-// (64 KB at K = V = 128) passed through L2 twice per row.
+// runs every row of its sequence on one block of VB columns, which stays in L1 (the whole [K, V] state, 64 KB
+// at K = V = 128, went through L2). One sweep over S per row, storing each row once: token t's update and
+// output, then token t+1's decay and S^T k (a sweep per half stored every row twice: the stores bound it).
 void run_block(void* user, size_t task) {
   const Packed& p = *static_cast<const Packed*>(user);
   const int64_t H = p.H, K = p.K, V = p.V, jb = int64_t(task) % p.blocks, bh = int64_t(task) / p.blocks;
   const int64_t b = bh / H, h = bh % H, j0 = jb * VB, w = std::min(VB, V - j0);
+  const int64_t first = p.cu[b], end = p.cu[b + 1];
   std::vector<float> s(K * VB);  // S[i, j0 + c] at s[i * VB + c]
   const float* s0 = p.pool + (p.slots[b] * H + h) * K * V;
   for (int64_t i = 0; i < K; ++i)
     for (int64_t c = 0; c < VB; ++c) s[i * VB + c] = c < w ? s0[i * V + j0 + c] : 0.f;
-  for (int64_t t = p.cu[b]; t < p.cu[b + 1]; ++t) {
-    const int64_t row = t * H + h;
-    const float *q = p.q + row * K, *k = p.k + row * K, *d = p.decay + row * K;
-    float acc[VB] = {}, out[VB] = {}, e[VB];
-    for (int64_t i = 0; i < K; ++i) {  // decay the rows, S^T k on the way
+  float e[VB] = {};
+  if (first < end) {  // the first row's decay and S^T k
+    const int64_t row = first * H + h;
+    const float *k = p.k + row * K, *d = p.decay + row * K;
+    float acc[VB] = {};
+    for (int64_t i = 0; i < K; ++i) {
       float* r = s.data() + i * VB;
       const float di = d[i], ki = k[i];
 #pragma omp simd
@@ -63,19 +73,38 @@ void run_block(void* user, size_t task) {
         acc[c] += ki * r[c];
       }
     }
-    const float bt = p.beta[row];
-    const float* v = p.v + row * V + j0;
-    for (int64_t c = 0; c < VB; ++c) e[c] = c < w ? bt * (v[c] - acc[c]) : 0.f;
-    for (int64_t i = 0; i < K; ++i) {  // the rank-1 update, S^T (scale q) on the way (read after the write)
-      float* r = s.data() + i * VB;
-      const float ki = k[i], qi = q[i] * p.scale;
+    error_row(p, row, j0, w, acc, e);
+  }
+  for (int64_t t = first; t < end; ++t) {
+    const int64_t row = t * H + h, next = row + H;
+    const float *q = p.q + row * K, *k = p.k + row * K;
+    float out[VB] = {}, acc[VB] = {};
+    if (t + 1 < end) {
+      const float *k1 = p.k + next * K, *d1 = p.decay + next * K;
+      for (int64_t i = 0; i < K; ++i) {
+        float* r = s.data() + i * VB;
+        const float ki = k[i], qi = q[i] * p.scale, di = d1[i], k1i = k1[i];
 #pragma omp simd
-      for (int64_t c = 0; c < VB; ++c) {
-        r[c] += ki * e[c];
-        out[c] += qi * r[c];
+        for (int64_t c = 0; c < VB; ++c) {
+          const float x = r[c] + ki * e[c];  // token t's rank-1 update
+          out[c] += qi * x;                  // its output reads the updated state
+          r[c] = x * di;                     // token t+1's decay
+          acc[c] += k1i * r[c];              // and its S^T k
+        }
+      }
+    } else {
+      for (int64_t i = 0; i < K; ++i) {
+        float* r = s.data() + i * VB;
+        const float ki = k[i], qi = q[i] * p.scale;
+#pragma omp simd
+        for (int64_t c = 0; c < VB; ++c) {
+          r[c] += ki * e[c];
+          out[c] += qi * r[c];
+        }
       }
     }
     std::copy(out, out + w, p.o + row * V + j0);
+    if (t + 1 < end) error_row(p, next, j0, w, acc, e);
   }
   float* final_state = p.final_state + (b * H + h) * K * V;
   for (int64_t i = 0; i < K; ++i) std::copy(s.data() + i * VB, s.data() + i * VB + w, final_state + i * V + j0);
