@@ -3,8 +3,8 @@
 Why: the `ort` flavor runs every k3 node as its function body (standard ops, custom_ops/<family>/onnx.py),
 each op a pass over memory and many of them on one core. A family may also ship `ort_kernel.cc`: the same
 op as one C++ pass, rows over ONNX Runtime's intra-op threads; and kernels of `k3x.fused` functions
-(custom_ops/fused.py: standard-op chains the exporter groups, the SiTU-GLU), registered in that domain. Their
-shared math is custom_ops/ort_math.h. ONNX Runtime runs a node on a registered kernel of its domain and name
+(custom_ops/fused.py: standard-op chains the exporter groups, the SiTU-GLU), registered in that domain; what
+they share is in custom_ops/ort_kernel.h. ONNX Runtime runs a node on a registered kernel of its domain and name
 before it inlines the model's function of that name (and still inlines the nodes the library has no kernel
 for), so the library is optional and an export is the same file with or without it: the function bodies stay
 the portable fallback, and the kernels are checked against the references (tests/runtime/test_ort_kernels.py).
@@ -89,7 +89,7 @@ def _entry() -> str:
 
 
 def _headers_of_kernels() -> Path:
-    """custom_ops/, which holds ort_math.h: the kernels' shared math (on the include path, in the key)."""
+    """custom_ops/, which holds ort_kernel.h: what the kernels share (on the include path, in the key)."""
     return Path(__file__).resolve().parent.parent / "custom_ops"
 
 
@@ -120,7 +120,7 @@ def _key(cxx: str) -> str:
     h = hashlib.sha256(_entry().encode())
     for name, path in sorted(sources().items()):
         h.update(name.encode() + path.read_bytes())
-    h.update((_headers_of_kernels() / "ort_math.h").read_bytes())
+    h.update((_headers_of_kernels() / "ort_kernel.h").read_bytes())
     given = os.environ.get("K3X_ORT_INCLUDE")
     headers = (Path(given) / "onnxruntime_c_api.h").read_bytes() if given and Path(given).is_dir() else HEADERS.sha256
     h.update(" ".join((cxx, *FLAGS, _cpu())).encode() + (headers if isinstance(headers, bytes) else headers.encode()))

@@ -9,7 +9,7 @@
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
 
-#include "ort_math.h"
+#include "ort_kernel.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -110,14 +110,6 @@ void run_block(void* user, size_t task) {
   for (int64_t i = 0; i < K; ++i) std::copy(s.data() + i * VB, s.data() + i * VB + w, final_state + i * V + j0);
 }
 
-std::string dims(const std::vector<int64_t>& s) {
-  std::string t = "[";
-  for (size_t i = 0; i < s.size(); ++i) t += (i ? ", " : "") + std::to_string(s[i]);
-  return t + "]";
-}
-
-std::vector<int64_t> shape_of(const Ort::ConstValue& v) { return v.GetTensorTypeAndShapeInfo().GetShape(); }
-
 void require(bool ok, const std::string& what) {
   if (!ok) throw Ort::Exception("k3::KDAPacked: " + what, ORT_INVALID_ARGUMENT);
 }
@@ -132,8 +124,7 @@ struct KDAPackedKernel {
     Ort::KernelContext ctx(context);
     auto q = ctx.GetInput(0), k = ctx.GetInput(1), v = ctx.GetInput(2), g = ctx.GetInput(3);
     auto beta = ctx.GetInput(4), pool = ctx.GetInput(5), cu = ctx.GetInput(6), slots = ctx.GetInput(7);
-    const auto qs = shape_of(q), vs = shape_of(v), pool_s = shape_of(pool), cu_s = shape_of(cu);
-    const auto slots_s = shape_of(slots);
+    const auto qs = shape_of(q), vs = shape_of(v), pool_s = shape_of(pool);
     require(qs.size() == 3, "q " + dims(qs) + ": expected [N, H, K]");
     const int64_t N = qs[0], H = qs[1], K = qs[2];
     require(shape_of(k) == qs && shape_of(g) == qs, "k " + dims(shape_of(k)) + " and g " + dims(shape_of(g)) +
@@ -143,23 +134,14 @@ struct KDAPackedKernel {
     require(shape_of(beta) == std::vector<int64_t>{N, H}, "beta " + dims(shape_of(beta)) + ": expected [N, H]");
     require(pool_s == std::vector<int64_t>{pool_s.empty() ? 0 : pool_s[0], H, K, V},
             "state_pool " + dims(pool_s) + ": expected [S, H, K, V]");
-    require(slots_s.size() == 1 && cu_s == std::vector<int64_t>{slots_s[0] + 1},
-            "cu_seqlens " + dims(cu_s) + " and slots " + dims(slots_s) + ": expected [B+1] and [B]");
-    const int64_t B = slots_s[0];
-    const int32_t* cu32 = cu.GetTensorData<int32_t>();
-    const int32_t* slots32 = slots.GetTensorData<int32_t>();
-    std::vector<int64_t> offsets(cu32, cu32 + B + 1), rows(slots32, slots32 + B);
-    bool rising = offsets[0] == 0 && offsets[B] == N;
-    for (int64_t i = 0; i < B; ++i) rising = rising && offsets[i] <= offsets[i + 1];
-    require(rising, "cu_seqlens must rise from 0 to N = " + std::to_string(N));
-    for (int64_t r : rows) require(0 <= r && r < pool_s[0], "slot " + std::to_string(r) + " outside the pool of " +
-                                                               std::to_string(pool_s[0]));
+    const Packing seqs = packing("k3::KDAPacked", cu, slots, N, pool_s[0]);
+    const int64_t B = seqs.B;
     std::vector<float> decay(N * H * K);
     std::tuple<const float*, float*, int64_t> rows_of_g{g.GetTensorData<float>(), decay.data(), H * K};
     if (N > 0) ctx.ParallelFor(decay_row, size_t(N), 0, &rows_of_g);
     const int64_t blocks = (V + VB - 1) / VB;
     Packed p{q.GetTensorData<float>(), k.GetTensorData<float>(), v.GetTensorData<float>(), decay.data(),
-             beta.GetTensorData<float>(), pool.GetTensorData<float>(), offsets.data(), rows.data(),
+             beta.GetTensorData<float>(), pool.GetTensorData<float>(), seqs.offsets.data(), seqs.slots.data(),
              ctx.GetOutput(0, {N, H, V}).GetTensorMutableData<float>(),
              ctx.GetOutput(1, {B, H, K, V}).GetTensorMutableData<float>(), H, K, V, blocks, scale};
     if (B * H * blocks > 0) ctx.ParallelFor(run_block, size_t(B * H * blocks), 0, &p);

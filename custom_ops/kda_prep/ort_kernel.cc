@@ -9,7 +9,7 @@
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
 
-#include "ort_math.h"
+#include "ort_kernel.h"
 
 #include <algorithm>
 #include <cmath>
@@ -105,14 +105,6 @@ void prep_state(void* user, size_t seq) {
     for (int64_t j = 0; j < M; ++j) read_input(p, s, length - M + j, c, out + c * M + j);
 }
 
-std::string dims(const std::vector<int64_t>& s) {
-  std::string t = "[";
-  for (size_t i = 0; i < s.size(); ++i) t += (i ? ", " : "") + std::to_string(s[i]);
-  return t + "]";
-}
-
-std::vector<int64_t> shape_of(const Ort::ConstValue& v) { return v.GetTensorTypeAndShapeInfo().GetShape(); }
-
 void require(bool ok, const std::string& what) {
   if (!ok) throw Ort::Exception("k3::KDAPrep: " + what, ORT_INVALID_ARGUMENT);
 }
@@ -135,7 +127,7 @@ struct KDAPrepKernel {
     auto a_log = ctx.GetInput(4), dt = ctx.GetInput(5), pool = ctx.GetInput(6), cu = ctx.GetInput(7);
     auto slots = ctx.GetInput(8);
     const int64_t C = 2 * H * K + H * V, M = W - 1;
-    const auto xs = shape_of(qkv), pool_s = shape_of(pool), cu_s = shape_of(cu), slots_s = shape_of(slots);
+    const auto xs = shape_of(qkv), pool_s = shape_of(pool);
     require(W >= 1 && xs.size() == 2 && xs[1] == C, "qkv " + dims(xs) + ": expected [N, 2HK+HV = " +
                                                         std::to_string(C) + "]");
     const int64_t N = xs[0];
@@ -147,24 +139,15 @@ struct KDAPrepKernel {
     require(shape_of(dt) == std::vector<int64_t>{H * K}, "dt_bias " + dims(shape_of(dt)) + ": expected [H*K]");
     require(pool_s.size() == 3 && pool_s[1] == C && pool_s[2] == M, "conv_pool " + dims(pool_s) +
                                                                          ": expected [S, C, W-1]");
-    require(slots_s.size() == 1 && cu_s == std::vector<int64_t>{slots_s[0] + 1},
-            "cu_seqlens " + dims(cu_s) + " and slots " + dims(slots_s) + ": expected [B+1] and [B]");
-    const int64_t B = slots_s[0];
-    const int32_t* cu32 = cu.GetTensorData<int32_t>();
-    const int32_t* slots32 = slots.GetTensorData<int32_t>();
-    std::vector<int64_t> offsets(cu32, cu32 + B + 1), rows(slots32, slots32 + B);
-    bool rising = offsets[0] == 0 && offsets[B] == N;
-    for (int64_t i = 0; i < B; ++i) rising = rising && offsets[i] <= offsets[i + 1];
-    require(rising, "cu_seqlens must rise from 0 to N = " + std::to_string(N));
-    for (int64_t r : rows) require(0 <= r && r < pool_s[0], "slot " + std::to_string(r) + " outside the pool of " +
-                                                               std::to_string(pool_s[0]));
+    const Packing seqs = packing("k3::KDAPrep", cu, slots, N, pool_s[0]);
+    const int64_t B = seqs.B;
     std::vector<float> wt(W * C), decay(H);  // the weight tap-major: a tap's channels are contiguous
     const float* wd = w.GetTensorData<float>();
     for (int64_t c = 0; c < C; ++c)
       for (int64_t i = 0; i < W; ++i) wt[i * C + c] = wd[c * W + i];
     for (int64_t h = 0; h < H; ++h) decay[h] = std::exp(a_log.GetTensorData<float>()[h]);
     Prep p{qkv.GetTensorData<float>(), f.GetTensorData<float>(), b.GetTensorData<float>(), wt.data(), decay.data(),
-           dt.GetTensorData<float>(), pool.GetTensorData<float>(), offsets.data(), rows.data(),
+           dt.GetTensorData<float>(), pool.GetTensorData<float>(), seqs.offsets.data(), seqs.slots.data(),
            ctx.GetOutput(0, {N, H, K}).GetTensorMutableData<float>(),
            ctx.GetOutput(1, {N, H, K}).GetTensorMutableData<float>(),
            ctx.GetOutput(2, {N, H, V}).GetTensorMutableData<float>(),

@@ -6,7 +6,7 @@
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
 
-#include "ort_math.h"
+#include "ort_kernel.h"
 
 #include <cstdint>
 #include <string>
@@ -32,12 +32,6 @@ void glu_block(void* user, size_t block) {
 #pragma omp simd
   for (int64_t i = lo; i < hi; ++i)
     y[i] = (b1 * tanh_approx(a[i] * r1) * sigmoid(a[i])) * (b2 * tanh_approx(u[i] * r2));
-}
-
-std::string dims(const std::vector<int64_t>& s) {
-  std::string t = "[";
-  for (size_t i = 0; i < s.size(); ++i) t += (i ? ", " : "") + std::to_string(s[i]);
-  return t + "]";
 }
 
 float scalar(const Ort::ConstValue& v, const char* name) {

@@ -47,15 +47,20 @@ def _session(model, library=None):
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def _attn_res_model(eps: float):
-    """One k3::AttnRes node and no function: only a registered kernel can run it."""
-    names = ("prefix", "bank", "norm_weight", "proj_weight")
-    node = helper.make_node("AttnRes", list(names), ["out"], domain="k3", eps=eps, hidden_size=0)
-    graph = helper.make_graph([node], "attn_res", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
-                                                   for n in names],
-                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("k3", 1)],
+def _bare(op_type: str, ins, outs, domain: str = "k3", **attrs):
+    """One `domain::op_type` node and no function: only a registered kernel can run it (cu_seqlens and slots
+    int32, every other input and output fp32)."""
+    types = {"cu_seqlens": TensorProto.INT32, "slots": TensorProto.INT32}
+    node = helper.make_node(op_type, list(ins), list(outs), domain=domain, **attrs)
+    graph = helper.make_graph([node], op_type, [helper.make_tensor_value_info(n, types.get(n, TensorProto.FLOAT), None)
+                                                for n in ins],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outs])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid(domain, 1)],
                              ir_version=10)
+
+
+def _attn_res_model(eps: float):
+    return _bare("AttnRes", ("prefix", "bank", "norm_weight", "proj_weight"), ["out"], eps=eps, hidden_size=0)
 
 
 def test_without_the_library_the_bare_node_does_not_load():
@@ -120,18 +125,10 @@ def test_the_command_reports_the_library_and_names_a_missing_compiler(kernels, m
 
 
 def _kda_prep_model(H: int, K: int, V: int, W: int, lb: float):
-    """One k3::KDAPrep node and no function: only a registered kernel can run it."""
     from k3x.custom_ops.kda_prep.onnx import NODE
 
-    ins, outs = [n for n, _ in NODE.inputs], [n for n, _ in NODE.outputs]
-    node = helper.make_node("KDAPrep", ins, outs, domain="k3", num_heads=H, head_dim=K, value_dim=V, conv_kernel=W,
-                            gate_lower_bound=lb)
-    types = {"cu_seqlens": TensorProto.INT32, "slots": TensorProto.INT32}
-    graph = helper.make_graph([node], "kda_prep", [helper.make_tensor_value_info(n, types.get(n, TensorProto.FLOAT),
-                                                                                  None) for n in ins],
-                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outs])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("k3", 1)],
-                             ir_version=10)
+    return _bare("KDAPrep", [n for n, _ in NODE.inputs], [n for n, _ in NODE.outputs], num_heads=H, head_dim=K,
+                 value_dim=V, conv_kernel=W, gate_lower_bound=lb)
 
 
 def _kda_prep_inputs(lens: list[int], H: int, K: int, V: int, W: int, scale: float, seed: int) -> dict:
@@ -175,14 +172,7 @@ def test_kda_prep_kernel_names_the_bad_input(kernels, change, message):
 
 
 def _situ_glu_model():
-    """One k3x.fused::SiTUGLU call and no function: only a registered kernel can run it."""
-    names = ("a", "u", "beta", "linear_beta")
-    node = helper.make_node("SiTUGLU", list(names), ["y"], domain="k3x.fused")
-    graph = helper.make_graph([node], "situ_glu", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
-                                                   for n in names],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("k3x.fused", 1)],
-                             ir_version=10)
+    return _bare("SiTUGLU", ("a", "u", "beta", "linear_beta"), ["y"], domain="k3x.fused")
 
 
 @pytest.mark.parametrize("shape,scale,betas", [((1,), 1.0, (4.0, 25.0)), ((7,), 1e-3, (4.0, 25.0)),
@@ -210,18 +200,10 @@ def test_situ_glu_kernel_names_the_bad_input(kernels):
 
 
 def _kda_packed_model(H: int, K: int, V: int, scale: float):
-    """One k3::KDAPacked node and no function: only a registered kernel can run it."""
     from k3x.custom_ops.kda_packed.onnx import NODE
 
-    ins, outs = [n for n, _ in NODE.inputs], [n for n, _ in NODE.outputs]
-    node = helper.make_node("KDAPacked", ins, outs, domain="k3", scale=scale, num_heads=H, head_dim=K, value_dim=V,
-                            gate_lower_bound=-5.0)
-    types = {"cu_seqlens": TensorProto.INT32, "slots": TensorProto.INT32}
-    graph = helper.make_graph([node], "kda_packed", [helper.make_tensor_value_info(n, types.get(n, TensorProto.FLOAT),
-                                                                                    None) for n in ins],
-                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outs])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("k3", 1)],
-                             ir_version=10)
+    return _bare("KDAPacked", [n for n, _ in NODE.inputs], [n for n, _ in NODE.outputs], scale=scale, num_heads=H,
+                 head_dim=K, value_dim=V, gate_lower_bound=-5.0)
 
 
 def _kda_packed_inputs(lens: list[int], H: int, K: int, V: int, seed: int) -> dict:

@@ -1,10 +1,13 @@
-// Vectorisable fp32 math shared by the ONNX Runtime CPU kernels (custom_ops/<family>/ort_kernel.cc; the build
-// in runtime/ort_kernels.py puts this folder on the include path). Header-only, inline, internal linkage.
+// What the ONNX Runtime CPU kernels (custom_ops/<family>/ort_kernel.cc) share: vectorisable fp32 math, shapes
+// as text, and a packed serving step's cu_seqlens / slots, checked. The build (runtime/ort_kernels.py) puts
+// this folder on the include path. Header-only, inline, internal linkage; include after onnxruntime_cxx_api.h.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace {
 
@@ -63,6 +66,38 @@ inline float tanh_approx(float x) {
   const float small = p * z * x + x;
   const float large = 1.f - 2.f / (exp_approx(2.f * ax) + 1.f);
   return ax < 0.625f ? small : (x < 0.f ? -large : large);
+}
+
+inline std::string dims(const std::vector<int64_t>& s) {
+  std::string t = "[";
+  for (size_t i = 0; i < s.size(); ++i) t += (i ? ", " : "") + std::to_string(s[i]);
+  return t + "]";
+}
+
+inline std::vector<int64_t> shape_of(const Ort::ConstValue& v) { return v.GetTensorTypeAndShapeInfo().GetShape(); }
+
+// B sequences packed over N rows: cu_seqlens [B+1] (rising from 0 to N) and slots [B] (rows of a pool of S),
+// int32 inputs, as int64; an error names `op` and the bad input.
+struct Packing {
+  std::vector<int64_t> offsets, slots;
+  int64_t B;
+};
+
+inline Packing packing(const std::string& op, const Ort::ConstValue& cu, const Ort::ConstValue& slots, int64_t N,
+                       int64_t S) {
+  const auto cu_s = shape_of(cu), slots_s = shape_of(slots);
+  auto fail = [&](const std::string& what) { throw Ort::Exception(op + ": " + what, ORT_INVALID_ARGUMENT); };
+  if (slots_s.size() != 1 || cu_s != std::vector<int64_t>{slots_s[0] + 1})
+    fail("cu_seqlens " + dims(cu_s) + " and slots " + dims(slots_s) + ": expected [B+1] and [B]");
+  const int64_t B = slots_s[0];
+  const int32_t *c = cu.GetTensorData<int32_t>(), *r = slots.GetTensorData<int32_t>();
+  Packing p{std::vector<int64_t>(c, c + B + 1), std::vector<int64_t>(r, r + B), B};
+  bool rising = p.offsets[0] == 0 && p.offsets[B] == N;
+  for (int64_t i = 0; i < B; ++i) rising = rising && p.offsets[i] <= p.offsets[i + 1];
+  if (!rising) fail("cu_seqlens must rise from 0 to N = " + std::to_string(N));
+  for (int64_t row : p.slots)
+    if (row < 0 || row >= S) fail("slot " + std::to_string(row) + " outside the pool of " + std::to_string(S));
+  return p;
 }
 
 }  // namespace
