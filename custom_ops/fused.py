@@ -18,24 +18,25 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
+from ..plan.onnx_node import Body
+
 FUSED_DOMAIN = "k3x.fused"
 SITU_GLU = "SiTUGLU"
+
+
+def situ_glu_halves(b: Body, a: str, u: str, beta: str, linear_beta: str) -> tuple[str, str]:
+    """[β1 tanh(a/β1) σ(a)] and [β2 tanh(u/β2)] as ops in `b`, in the order torch.onnx writes them (the
+    SiTUGLU body, and the k3::MoE body's GLU where it cannot call the function); their product is the GLU."""
+    left = b.op("Mul", b.op("Mul", b.op("Tanh", b.op("Div", a, beta)), beta), b.op("Sigmoid", a))
+    return left, b.op("Mul", b.op("Tanh", b.op("Div", u, linear_beta)), linear_beta)
 
 
 def situ_glu_function(opset_version: int) -> onnx.FunctionProto:
     """The SiTUGLU body: the traced chain, on the same scalar constants (ONNX Runtime gives bit-identical
     outputs whether the call sits in the main graph or in a `k3x.layers` function)."""
-    n = []
-
-    def op(op_type: str, *inputs: str, **attrs) -> str:
-        out = f"situ_{len(n)}"
-        n.append(helper.make_node(op_type, list(inputs), [out], name=f"{SITU_GLU}/{op_type}_{len(n)}", **attrs))
-        return out
-    b1, b2 = "beta", "linear_beta"
-    left = op("Mul", op("Mul", op("Tanh", op("Div", "a", b1)), b1), op("Sigmoid", "a"))
-    right = op("Mul", op("Tanh", op("Div", "u", b2)), b2)
-    n.append(helper.make_node("Mul", [left, right], ["y"], name=f"{SITU_GLU}/Mul_out"))
-    return helper.make_function(FUSED_DOMAIN, SITU_GLU, ["a", "u", "beta", "linear_beta"], ["y"], n,
+    b = Body(SITU_GLU)
+    b.out("Mul", list(situ_glu_halves(b, "a", "u", "beta", "linear_beta")), ["y"])
+    return helper.make_function(FUSED_DOMAIN, SITU_GLU, ["a", "u", "beta", "linear_beta"], ["y"], b.nodes,
                                 [helper.make_opsetid("", opset_version)], doc_string="SiTU-GLU (k3x)")
 
 

@@ -1,6 +1,7 @@
 // What the ONNX Runtime CPU kernels (custom_ops/<family>/ort_kernel.cc) share: vectorisable fp32 math, shapes
-// as text, and a packed serving step's cu_seqlens / slots, checked. The build (runtime/ort_kernels.py) puts
-// this folder on the include path. Header-only, inline, internal linkage; include after onnxruntime_cxx_api.h.
+// as text, a packed serving step's cu_seqlens / slots, checked, and the custom-op declaration. The build
+// (runtime/ort_kernels.py) puts this folder on the include path. Header-only, inline, internal linkage;
+// include it after onnxruntime_cxx_api.h.
 #pragma once
 
 #include <algorithm>
@@ -99,5 +100,20 @@ inline Packing packing(const std::string& op, const Ort::ConstValue& cu, const O
     if (row < 0 || row >= S) fail("slot " + std::to_string(row) + " outside the pool of " + std::to_string(S));
   return p;
 }
+
+// The CPU custom op of `Kernel` (constructed from (api, info), with Compute): Kernel::name, Kernel::inputs of
+// which those from Kernel::int32_from on are int32 and the rest fp32, Kernel::outputs fp32 outputs.
+template <class Kernel>
+struct CpuOp : Ort::CustomOpBase<CpuOp<Kernel>, Kernel> {
+  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new Kernel(api, info); }
+  const char* GetName() const { return Kernel::name; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return Kernel::inputs; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    return i >= Kernel::int32_from ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  size_t GetOutputTypeCount() const { return Kernel::outputs; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
 
 }  // namespace

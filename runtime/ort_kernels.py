@@ -69,11 +69,17 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {{
 """
 
 
+def _custom_ops() -> Path:
+    """custom_ops/: the families' folders, and ort_kernel.h, what their kernels share (on the include path, in
+    the key)."""
+    return Path(__file__).resolve().parent.parent / "custom_ops"
+
+
 def sources() -> dict[str, Path]:
     """family -> its ort_kernel.cc, for every registered family that has one."""
     from ..custom_ops.registry import families
 
-    root = Path(__file__).resolve().parent.parent / "custom_ops"
+    root = _custom_ops()
     return {f.name: root / f.name / "ort_kernel.cc" for f in families() if (root / f.name / "ort_kernel.cc").is_file()}
 
 
@@ -86,11 +92,6 @@ def _entry() -> str:
                         declarations="\n".join(f"void k3x_add_{n}(Ort::CustomOpDomain&, Ort::CustomOpDomain&);"
                                                for n in names),
                         calls="\n".join(f"    k3x_add_{n}(k3, fused);" for n in names))
-
-
-def _headers_of_kernels() -> Path:
-    """custom_ops/, which holds ort_kernel.h: what the kernels share (on the include path, in the key)."""
-    return Path(__file__).resolve().parent.parent / "custom_ops"
 
 
 def _compiler() -> str:
@@ -120,7 +121,7 @@ def _key(cxx: str) -> str:
     h = hashlib.sha256(_entry().encode())
     for name, path in sorted(sources().items()):
         h.update(name.encode() + path.read_bytes())
-    h.update((_headers_of_kernels() / "ort_kernel.h").read_bytes())
+    h.update((_custom_ops() / "ort_kernel.h").read_bytes())
     given = os.environ.get("K3X_ORT_INCLUDE")
     headers = (Path(given) / "onnxruntime_c_api.h").read_bytes() if given and Path(given).is_dir() else HEADERS.sha256
     h.update(" ".join((cxx, *FLAGS, _cpu())).encode() + (headers if isinstance(headers, bytes) else headers.encode()))
@@ -209,7 +210,7 @@ def build(progress: Callable[[str], None] = lambda _: None) -> Path:
         entry = Path(tmp) / "entry.cc"
         entry.write_text(_entry())
         target = Path(tmp) / LIBRARY
-        cmd = [cxx, *FLAGS, f"-I{include}", f"-I{_headers_of_kernels()}", str(entry), *map(str, sources().values()),
+        cmd = [cxx, *FLAGS, f"-I{include}", f"-I{_custom_ops()}", str(entry), *map(str, sources().values()),
                "-o", str(target)]
         progress(f"compiling {len(sources())} ONNX Runtime kernel(s) ({', '.join(sources())})")
         r = subprocess.run(cmd, capture_output=True, text=True)

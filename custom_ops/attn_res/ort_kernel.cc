@@ -7,6 +7,8 @@
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
 
+#include "ort_kernel.h"
+
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -52,6 +54,8 @@ void mix_row(void* user, size_t r) {
 }
 
 struct AttnResKernel {
+  static constexpr const char* name = "AttnRes";
+  static constexpr size_t inputs = 4, int32_from = 4, outputs = 1;
   float eps;
   AttnResKernel(const OrtApi&, const OrtKernelInfo* info) : eps(Ort::ConstKernelInfo(info).GetAttribute<float>("eps")) {}
 
@@ -68,11 +72,6 @@ struct AttnResKernel {
                     int64_t(norm.GetTensorTypeAndShapeInfo().GetElementCount()) == d &&
                     int64_t(proj.GetTensorTypeAndShapeInfo().GetElementCount()) == d;
     if (!ok) {
-      auto dims = [](const std::vector<int64_t>& s) {
-        std::string t = "[";
-        for (size_t i = 0; i < s.size(); ++i) t += (i ? ", " : "") + std::to_string(s[i]);
-        return t + "]";
-      };
       throw Ort::Exception("k3::AttnRes: bank " + dims(bank_shape) + " does not match prefix " + dims(shape) +
                                " (expected [..., N >= 1, d] and norm/proj weights of d elements)",
                            ORT_INVALID_ARGUMENT);
@@ -87,17 +86,7 @@ struct AttnResKernel {
   }
 };
 
-struct AttnResOp : Ort::CustomOpBase<AttnResOp, AttnResKernel> {
-  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new AttnResKernel(api, info); }
-  const char* GetName() const { return "AttnRes"; }
-  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 4; }
-  ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
-  size_t GetOutputTypeCount() const { return 1; }
-  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
-};
-
-AttnResOp attn_res_op;
+CpuOp<AttnResKernel> attn_res_op;
 
 }  // namespace
 

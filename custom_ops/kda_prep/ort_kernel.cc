@@ -27,7 +27,6 @@ struct Prep {
   float lb;
 };
 
-
 // the sequence that owns row n: the last b with cu[b] <= n (cu rises; empty sequences own no row)
 int64_t sequence_of(const Prep& p, int64_t n) {
   return int64_t(std::upper_bound(p.cu, p.cu + p.B + 1, n) - p.cu) - 1;
@@ -110,6 +109,8 @@ void require(bool ok, const std::string& what) {
 }
 
 struct KDAPrepKernel {
+  static constexpr const char* name = "KDAPrep";
+  static constexpr size_t inputs = 9, int32_from = 7, outputs = 6;
   int64_t H, K, V, W;
   float lb;
   KDAPrepKernel(const OrtApi&, const OrtKernelInfo* info) {
@@ -159,19 +160,7 @@ struct KDAPrepKernel {
   }
 };
 
-struct KDAPrepOp : Ort::CustomOpBase<KDAPrepOp, KDAPrepKernel> {
-  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new KDAPrepKernel(api, info); }
-  const char* GetName() const { return "KDAPrep"; }
-  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 9; }
-  ONNXTensorElementDataType GetInputType(size_t i) const {
-    return i >= 7 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-  }
-  size_t GetOutputTypeCount() const { return 6; }
-  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
-};
-
-KDAPrepOp kda_prep_op;
+CpuOp<KDAPrepKernel> kda_prep_op;
 
 }  // namespace
 

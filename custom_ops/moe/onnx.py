@@ -17,7 +17,7 @@ import onnx_ir
 from onnx import TensorProto, helper
 
 from ...plan.onnx_node import COMMON_ATTRIBUTES, MS_DOMAIN, Body, NodeSpec, opset, static
-from ..fused import FUSED_DOMAIN, SITU_GLU
+from ..fused import FUSED_DOMAIN, SITU_GLU, situ_glu_halves
 from .onnx_experts import UNROLL_MAX, ExpertWeights, Pairs, Quantize, routed_experts
 from .op import SIGNATURE
 
@@ -65,8 +65,7 @@ def _glu(b: Body, a: str, u: str, betas: list[str], fused: bool) -> str:
     b1, b2 = betas
     if fused:
         return b.op(SITU_GLU, a, u, b1, b2, domain=FUSED_DOMAIN)
-    left = b.op("Mul", b.op("Mul", b1, b.op("Tanh", b.op("Div", a, b1))), b.op("Sigmoid", a))
-    return b.op("Mul", left, b.op("Mul", b2, b.op("Tanh", b.op("Div", u, b2))))
+    return b.op("Mul", *situ_glu_halves(b, a, u, b1, b2))
 
 
 def dense_weights(b: Body, e: str) -> dict[str, str]:

@@ -14,7 +14,7 @@
 
 namespace {
 
-constexpr int64_t BLOCK = 16384;  // elements per task: 64 KB of a and of u, enough to amortise a task
+constexpr int64_t BLOCK = 16384;  // elements per task: 64 KB of a and of u
 
 struct Glu {
   const float *a, *u;
@@ -43,6 +43,8 @@ float scalar(const Ort::ConstValue& v, const char* name) {
 }
 
 struct SiTUGLUKernel {
+  static constexpr const char* name = "SiTUGLU";
+  static constexpr size_t inputs = 4, int32_from = 4, outputs = 1;
   SiTUGLUKernel(const OrtApi&, const OrtKernelInfo*) {}
 
   void Compute(OrtKernelContext* context) {
@@ -60,17 +62,7 @@ struct SiTUGLUKernel {
   }
 };
 
-struct SiTUGLUOp : Ort::CustomOpBase<SiTUGLUOp, SiTUGLUKernel> {
-  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new SiTUGLUKernel(api, info); }
-  const char* GetName() const { return "SiTUGLU"; }
-  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 4; }
-  ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
-  size_t GetOutputTypeCount() const { return 1; }
-  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
-};
-
-SiTUGLUOp situ_glu_op;
+CpuOp<SiTUGLUKernel> situ_glu_op;
 
 }  // namespace
 
