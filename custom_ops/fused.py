@@ -11,6 +11,10 @@ the same scalar constants, so ONNX Runtime and TensorRT's parser (as with the `k
 it to the same math. Its CPU kernel (custom_ops/moe/ort_kernel.cc, built by runtime/ort_kernels.py) makes one
 pass over a and u where the body makes nine over [N, I]. Calls are made by export/onnx_rewrites.py
 `fuse_situ_glu` from the traced dense FFN / shared-expert chain, and by the k3::MoE body for its experts.
+
+`MoEDispatch` and `MoECombine`: the k3::MoE body's routing and row traffic around its per-expert GEMMs
+(custom_ops/moe/onnx_dispatch.py, their bodies and kernels' contract; kernels in custom_ops/moe/ort_kernel.cc),
+built for the calling nodes' local expert count.
 """
 
 from __future__ import annotations
@@ -18,9 +22,9 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from ..plan.onnx_node import Body
+from ..plan.onnx_node import FUSED_DOMAIN, Body
+from .moe.onnx_dispatch import MOE_COMBINE, MOE_DISPATCH, combine_function, dispatch_function
 
-FUSED_DOMAIN = "k3x.fused"
 SITU_GLU = "SiTUGLU"
 
 
@@ -40,4 +44,7 @@ def situ_glu_function(opset_version: int) -> onnx.FunctionProto:
                                 [helper.make_opsetid("", opset_version)], doc_string="SiTU-GLU (k3x)")
 
 
-FUNCTIONS = {SITU_GLU: situ_glu_function}  # op type in FUSED_DOMAIN -> its body
+# op type in FUSED_DOMAIN -> its body, for (ai.onnx opset, the calls' (input count, output count))
+FUNCTIONS = {SITU_GLU: lambda opset_version, _: situ_glu_function(opset_version),
+             MOE_DISPATCH: lambda opset_version, ports: dispatch_function(opset_version, ports[1] - 2),
+             MOE_COMBINE: lambda opset_version, ports: combine_function(opset_version, ports[0] - 2)}

@@ -101,19 +101,36 @@ inline Packing packing(const std::string& op, const Ort::ConstValue& cu, const O
   return p;
 }
 
-// The CPU custom op of `Kernel` (constructed from (api, info), with Compute): Kernel::name, Kernel::inputs of
-// which those from Kernel::int32_from on are int32 and the rest fp32, Kernel::outputs fp32 outputs.
+// A kernel's ports: `In` inputs, fp32 before `Int32From` and int32 from there on, `Out` fp32 outputs, none
+// variadic (CpuOp reads inputs, outputs, input_type, output_type, variadic_input, variadic_output).
+template <size_t In, size_t Int32From, size_t Out>
+struct Fp32Int32 {
+  static constexpr size_t inputs = In, outputs = Out;
+  static constexpr bool variadic_input = false, variadic_output = false;
+  static ONNXTensorElementDataType input_type(size_t i) {
+    return i >= Int32From ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  static ONNXTensorElementDataType output_type(size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
+// The CPU custom op of `Kernel` (constructed from (api, info), with Compute): Kernel::name, its ports
+// (Fp32Int32, or the same members of its own: a variadic input or output is the last one, homogeneous, one or
+// more values, of the type its index gives).
 template <class Kernel>
 struct CpuOp : Ort::CustomOpBase<CpuOp<Kernel>, Kernel> {
   void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new Kernel(api, info); }
   const char* GetName() const { return Kernel::name; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
   size_t GetInputTypeCount() const { return Kernel::inputs; }
-  ONNXTensorElementDataType GetInputType(size_t i) const {
-    return i >= Kernel::int32_from ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-  }
+  ONNXTensorElementDataType GetInputType(size_t i) const { return Kernel::input_type(i); }
   size_t GetOutputTypeCount() const { return Kernel::outputs; }
-  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+  ONNXTensorElementDataType GetOutputType(size_t i) const { return Kernel::output_type(i); }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
+    return Kernel::variadic_input && i + 1 == Kernel::inputs ? INPUT_OUTPUT_VARIADIC : INPUT_OUTPUT_REQUIRED;
+  }
+  OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t i) const {
+    return Kernel::variadic_output && i + 1 == Kernel::outputs ? INPUT_OUTPUT_VARIADIC : INPUT_OUTPUT_REQUIRED;
+  }
 };
 
 }  // namespace

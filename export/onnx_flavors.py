@@ -5,7 +5,8 @@
   program stay plugin nodes; in `ort` they become onnxruntime-extensions Python ops (onnx_collectives.py).
 - `ort`: attaches one FunctionProto per k3 op type the model uses — the family's `onnx.function` body
   (custom_ops/<family>/onnx.py) — so ONNX Runtime inlines them and needs no extra library; and the body of
-  every `k3x.fused` function those bodies call (custom_ops/fused.py; the k3::MoE body's SiTU-GLU).
+  every `k3x.fused` function those bodies call (custom_ops/fused.py; the k3::MoE body's SiTU-GLU, routing and
+  combine).
 Neither pass names an op family: both go through the registry. Both must leave the model's own nodes as they
 found them: a rank program's converted model goes through trt and ort once per rank (rewrites of those nodes
 are made once, at conversion: export/onnx_rewrites.py).
@@ -82,9 +83,14 @@ def ort_pass(model: ir.Model) -> ir.Model:
         model.functions[fn.identifier()] = fn
         for domain, version in opsets.items():
             model.opset_imports[domain] = version
-    called = {n.op_type for f in model.functions.values() for n in f if n.domain == FUSED_DOMAIN}
-    for op_type in sorted(called):
-        fn = ir.serde.deserialize_function(FUNCTIONS[op_type](opset))
+    called: dict[str, set[tuple[int, int]]] = {}  # op type -> the (input, output) counts of its calls
+    for n in (n for f in model.functions.values() for n in f if n.domain == FUSED_DOMAIN):
+        called.setdefault(n.op_type, set()).add((len(n.inputs), len(n.outputs)))
+    for op_type, ports in sorted(called.items()):
+        if len(ports) != 1:
+            raise ValueError(f"{FUSED_DOMAIN}::{op_type} called with (inputs, outputs) {sorted(ports)}: one body "
+                             "serves every call, so they must agree")
+        fn = ir.serde.deserialize_function(FUNCTIONS[op_type](opset, ports.pop()))
         model.functions.setdefault(fn.identifier(), fn)
     return model
 

@@ -32,6 +32,7 @@ VERSION = 1
 PLUGIN_NAMESPACE = "k3"
 COMMON_ATTRIBUTES: dict[str, str] = {"plugin_namespace": PLUGIN_NAMESPACE}
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime contrib ops (LinearAttention)
+FUSED_DOMAIN = "k3x.fused"  # standard-op chains grouped as functions for one CPU kernel (custom_ops/fused.py)
 AttrType = OpSchema.AttrType
 TYPE_VARS = {v: ([ONNX_TYPES[d] for d in dtypes], what) for v, (dtypes, what) in SIGNATURE_TYPE_VARS.items()}
 FLOAT_TYPES = [ONNX_TYPES[d] for d in FLOAT]

@@ -53,9 +53,8 @@ void mix_row(void* user, size_t r) {
   }
 }
 
-struct AttnResKernel {
+struct AttnResKernel : Fp32Int32<4, 4, 1> {
   static constexpr const char* name = "AttnRes";
-  static constexpr size_t inputs = 4, int32_from = 4, outputs = 1;
   float eps;
   AttnResKernel(const OrtApi&, const OrtKernelInfo* info) : eps(Ort::ConstKernelInfo(info).GetAttribute<float>("eps")) {}
 

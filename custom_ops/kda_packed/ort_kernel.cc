@@ -120,9 +120,8 @@ void require(bool ok, const std::string& what) {
   if (!ok) throw Ort::Exception("k3::KDAPacked: " + what, ORT_INVALID_ARGUMENT);
 }
 
-struct KDAPackedKernel {
+struct KDAPackedKernel : Fp32Int32<8, 6, 2> {
   static constexpr const char* name = "KDAPacked";
-  static constexpr size_t inputs = 8, int32_from = 6, outputs = 2;
   float scale;
   KDAPackedKernel(const OrtApi&, const OrtKernelInfo* info) {
     scale = Ort::ConstKernelInfo(info).GetAttribute<float>("scale");

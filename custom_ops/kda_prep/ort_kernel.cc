@@ -108,9 +108,8 @@ void require(bool ok, const std::string& what) {
   if (!ok) throw Ort::Exception("k3::KDAPrep: " + what, ORT_INVALID_ARGUMENT);
 }
 
-struct KDAPrepKernel {
+struct KDAPrepKernel : Fp32Int32<9, 7, 6> {
   static constexpr const char* name = "KDAPrep";
-  static constexpr size_t inputs = 9, int32_from = 7, outputs = 6;
   int64_t H, K, V, W;
   float lb;
   KDAPrepKernel(const OrtApi&, const OrtKernelInfo* info) {

@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import onnx
 import onnx_ir
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
-from ...plan.onnx_node import COMMON_ATTRIBUTES, MS_DOMAIN, Body, NodeSpec, opset, static
-from ..fused import FUSED_DOMAIN, SITU_GLU, situ_glu_halves
-from .onnx_experts import UNROLL_MAX, ExpertWeights, Pairs, Quantize, routed_experts
+from ...plan.onnx_node import COMMON_ATTRIBUTES, FUSED_DOMAIN, MS_DOMAIN, Body, NodeSpec, opset, static
+from ..fused import SITU_GLU, situ_glu_halves
+from .onnx_dispatch import dispatched_experts, route
+from .onnx_experts import UNROLL_MAX, ExpertWeights, Quantize, routed_experts
 from .op import SIGNATURE
 
-FLOAT, INT64, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
+FLOAT = TensorProto.FLOAT
 
 NODE = NodeSpec.of(SIGNATURE)
 NODE.register()  # onnx.checker and the exporter need the schema before any node is emitted
@@ -113,7 +114,8 @@ def moe_function(spec: NodeSpec, opset_version: int, nodes: list, expert_weights
        sentinel E_local, which sorts last, so the Loop's trip count (local hit experts) never reaches them.
     3. The experts (onnx_experts.routed_experts), fp32 stacked weights (`fp32_experts`): with `per_expert` =
        E_local (<= UNROLL_MAX, `per_expert_count`) one copy of the step per expert on exactly its own pairs,
-       its weights folded to constants at load; with more experts an If that runs every local expert on its
+       its weights folded to constants at load, between the k3x.fused calls MoEDispatch (steps 1-2 and each
+       expert's rows) and MoECombine (onnx_dispatch.py); with more experts an If that runs every local expert on its
        pairs padded to the largest count as batched MatMuls reading the weights in place, while padding
        stays <= 2x the routed rows and at least half the experts are hit;
        otherwise (and always for bf16 / MXFP4 weights) a Loop over the hit experts only (<= min(E, M)
@@ -132,35 +134,23 @@ def moe_function(spec: NodeSpec, opset_version: int, nodes: list, expert_weights
     b = Body(spec.op_type, "route")
     x, z, gw, gb = (b.op("Cast", n, to=FLOAT) for n in ("x", "z", "gate_weight", "gate_bias"))
     betas = _activation_constants(b, activations.pop())
-    s = b.op("Sigmoid", b.op("MatMul", x, b.op("Transpose", gw, perm=[1, 0])))  # [N, E]
-    k = b.op("Unsqueeze", b.ref("top_k", onnx.AttributeProto.INT, "value_int"), b.ints(0))  # [1]
-    _, ids = b.op("TopK", b.op("Add", s, gb), k, outputs=2, axis=-1, largest=1, sorted=1)  # [N, k]
-    w = b.op("GatherElements", s, ids, axis=-1)  # unbiased scores of the chosen experts [N, k]
-    # expert parallelism: ids relative to the local experts; another rank's expert -> E_local, a sentinel
-    # sorted after every local id, whose segment the Loop below never reaches
-    e_local = b.op("Unsqueeze", b.ref("num_experts", onnx.AttributeProto.INT, "value_int"), b.ints(0))  # [1] local
-    local = b.op("Sub", ids, b.op("Cast", "expert_offset", to=INT64))
-    here = b.op("And", b.op("GreaterOrEqual", local, b.op("Constant", value_int=0)), b.op("Less", local, e_local))
-    ids = b.op("Where", here, local, e_local)
-    # renormalize in {0, 1}: w / (r * (Σw + 1e-20) + (1 - r)) is exactly the reference for either value
-    r = b.op("Cast", b.ref("renormalize", onnx.AttributeProto.INT, "value_int"), to=FLOAT)
-    one, tiny = b.op("Constant", value_float=1.0), b.op("Constant", value_float=1e-20)
-    total = b.op("Add", b.op("ReduceSum", w, b.ints(-1), keepdims=1), tiny)
-    w = b.op("Div", w, b.op("Add", b.op("Mul", r, total), b.op("Sub", one, r)))
-    w = b.op("Mul", w, b.ref("routed_scaling_factor", onnx.AttributeProto.FLOAT, "value_float"))
-    b.step = "segment"  # the M = N * k pairs by expert; pair p is (token p // k, slot p % k)
-    flat = b.ints(-1)
-    pair_ids, pair_w = b.op("Reshape", ids, flat), b.op("Reshape", w, flat)  # [M]
-    sorted_ids, order = b.op("TopK", pair_ids, b.op("Shape", pair_ids), outputs=2, axis=0, largest=0, sorted=1)
-    rows = b.op("Div", order, k)  # [M], expert-sorted
-    experts, _, inverse, counts = b.op("Unique", sorted_ids, outputs=4, sorted=1)  # hit experts, ascending
-    starts = b.op("Sub", b.op("CumSum", counts, b.ints(0)), counts)
-    hit = b.op("ReduceSum", b.op("Cast", b.op("Less", experts, e_local), to=INT64), keepdims=0)  # local hits
-    b.step = "experts"
-    pairs = Pairs(z, k, e_local, pair_ids, pair_w, order, sorted_ids, rows, experts, counts, inverse, starts, hit)
-    # the GLU of the function's own nodes (per expert) as a k3x.fused call; the If / Loop subgraphs keep the ops
-    u = routed_experts(b, pairs, lambda body, a, u: _glu(body, a, u, betas, fused=body is b), expert_weights,
-                       batched, quantize, per_expert)
+    routing = (b.op("MatMul", x, b.op("Transpose", gw, perm=[1, 0])), gb, z,  # logits [N, E]
+               b.op("Cast", b.ref("renormalize", onnx.AttributeProto.INT, "value_int"), to=FLOAT),
+               b.ref("routed_scaling_factor", onnx.AttributeProto.FLOAT, "value_float"),
+               b.op("Unsqueeze", b.ref("top_k", onnx.AttributeProto.INT, "value_int"), b.ints(0)),  # [1]
+               b.op("Unsqueeze", b.ref("num_experts", onnx.AttributeProto.INT, "value_int"), b.ints(0)),  # local
+               "expert_offset")
+    if batched and per_expert:
+        if not 0 < per_expert <= UNROLL_MAX:
+            raise ValueError(f"per_expert={per_expert}: at most {UNROLL_MAX} experts get one copy of the step each")
+        b.step = "per_expert"
+        u = dispatched_experts(b, routing, per_expert, lambda body, a, u: _glu(body, a, u, betas, fused=True))
+    else:
+        pairs = route(b, *routing)
+        b.step = "experts"
+        # the GLU of the function's own nodes as a k3x.fused call; the If / Loop subgraphs keep the ops
+        u = routed_experts(b, pairs, lambda body, a, u: _glu(body, a, u, betas, fused=body is b), expert_weights,
+                           batched, quantize)
     b.out("CastLike", [u, "z"], ["u"])
     extra = {MS_DOMAIN: 1} if batched and not per_expert else {}  # the padded batch's FusedMatMul
     if any(n.domain == FUSED_DOMAIN for n in b.nodes):

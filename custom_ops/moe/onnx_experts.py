@@ -4,12 +4,12 @@ Input: the M = N·top_k routed pairs sorted by local expert id (`Pairs`: the sen
 rank's experts sorts last). Output: u [N, L] fp32 = Σ_j w[n, j] · E_{ids[n, j]}(z[n]). Three ways, each
 O(work actually routed); which one is fixed at export by the weights' dtype and the local expert count:
 
-- per expert (`per_expert_rows`; fp32 stacked weights, at most UNROLL_MAX local experts, every call): one
-  copy of the expert step per local expert e (the graph grows with E), each on exactly its own segment of
-  the sorted pairs (no padding; an expert without pairs runs on zero rows), its weights a Gather of the
-  stacked initializer at the constant e. ONNX Runtime folds those into per-expert constants at load and
-  prepacks them for the Gemms; nothing else reads the stacked weights, so they are dropped (memory as
-  before) and no call copies an expert's weights.
+- per expert (onnx_dispatch.py `dispatched_experts`; fp32 stacked weights, at most UNROLL_MAX local
+  experts, every call): one copy of the expert step per local expert e (the graph grows with E), each on
+  exactly its own segment of the sorted pairs (no padding; an expert without pairs runs on zero rows), its
+  weights a Gather of the stacked initializer at the constant e. ONNX Runtime folds those into per-expert
+  constants at load and prepacks them for the Gemms; nothing else reads the stacked weights, so they are
+  dropped (memory as before) and no call copies an expert's weights.
 - padded (`padded_experts`; fp32, more local experts; an If with the loop, per call): every local expert's
   pairs in a [E, C, L] block, C = the largest expert's pair count (padding rows are zeros); three batched
   MatMuls read the stacked weights in place as the transposed operand (com.microsoft FusedMatMul transB:
@@ -40,7 +40,7 @@ from ...plan.onnx_node import MS_DOMAIN, Body
 
 FLOAT, INT64, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
 PADDED_WASTE = 2  # padded rows per routed row above which the loop is taken (K3 decode: 56)
-UNROLL_MAX = 64  # local experts up to which each has its own copy of the step (`per_expert_rows`)
+UNROLL_MAX = 64  # local experts up to which each has its own copy of the step (`dispatched_experts`)
 
 Glu = Callable[[Body, str, str], str]
 ExpertWeights = Callable[[Body, str], dict[str, str]]
@@ -129,36 +129,7 @@ def _times_t(b: Body, x: str, w: str) -> str:
     return b.op("FusedMatMul", x, w, domain=MS_DOMAIN, transB=1)
 
 
-def per_expert_rows(b: Body, p: Pairs, experts: int, glu: Glu) -> tuple[str, str]:
-    """Each of the `experts` local experts on exactly its own pairs -> (Y [1 + M_local, L]: a zero row, then
-    every local pair's output in sorted order; each sorted pair's row of Y, sentinels on the zero row), as
-    `looped_experts` returns them. The sorted pairs' row indices are split into the experts' segments (one
-    Split by the segment sizes; an expert without pairs gets none) and each expert gathers its rows of z
-    (a gather of all rows and a Split of them copied the [M, L] rows twice); expert e's three GEMMs are Gemms
-    against Gather(w, e) at the constant e, which ONNX Runtime folds into per-expert constants at load (the
-    stacked weights are then unused and dropped) and prepacks; the GLU runs once over all pairs. Three Gemms
-    per expert, the rest once per call: a node per expert per op would cost more than it saves."""
-    first = b.ints(0)
-    # bounds[e]: sorted pairs with id < e, e = 0..E (the sentinel E_local sorts after every local id)
-    ids = b.op("Unsqueeze", p.sorted_ids, b.ints(1))  # [M, 1]
-    bounds = b.op("ReduceSum", b.op("Cast", b.op("Less", ids, b.ints(*range(experts + 1))), to=INT64), first,
-                  keepdims=0)  # [E + 1]
-    ends = b.op("Concat", b.op("Slice", bounds, b.ints(1), b.ints(experts + 1)),
-                b.op("Unsqueeze", b.op("Size", p.sorted_ids), first), axis=0)
-    sizes = b.op("Sub", ends, bounds)  # [E + 1]: each expert's pairs, then the sentinels'
-    rows = b.op("Split", p.rows, sizes, outputs=experts + 1, axis=0)  # each expert's rows of z
-    zs = [b.op("Gather", p.z, rows[e], axis=0) for e in range(experts)]  # [n_e, L]
-
-    def gemms(x: list[str], w: str) -> list[str]:  # expert e's rows @ w[e]ᵀ, w[e] a constant after folding
-        return [b.op("Gemm", x[e], b.op("Gather", w, b.op("Constant", value_int=e), axis=0), transB=1)
-                for e in range(experts)]
-    a, u = (b.op("Concat", *gemms(zs, w), axis=0) for w in ("w1", "w3"))  # [M_local, I]
-    g = b.op("Split", glu(b, a, u), b.op("Slice", sizes, first, b.ints(experts)), outputs=experts, axis=0)
-    zero = b.op("ConstantOfShape", b.op("Concat", b.ints(1), _width(b, p), axis=0))  # [1, L]
-    return b.op("Concat", zero, *gemms(g, "w2"), axis=0), _sorted_slots(b, p)
-
-
-def _sorted_slots(b: Body, p: Pairs) -> str:
+def sorted_slots(b: Body, p: Pairs) -> str:
     """[M]: sorted pair i's row of a Y that holds a zero row, then the local pairs in sorted order (i + 1);
     a sentinel pair's row is the zero row."""
     arange = b.op("Range", b.op("Constant", value_int=1), b.op("Add", b.op("Size", p.sorted_ids),
@@ -201,7 +172,7 @@ def looped_experts(b: Body, p: Pairs, glu: Glu, expert_weights: ExpertWeights, q
     seq = b.op("SequenceConstruct", zero)
     body = _expert_loop_body(b.name, p, ends, glu, expert_weights, quantize)
     y = b.op("ConcatFromSequence", b.op("Loop", p.hit, "", seq, body=body), axis=0)
-    return y, _sorted_slots(b, p)
+    return y, sorted_slots(b, p)
 
 
 def looped_branch(name: str, p: Pairs, glu: Glu, expert_weights: ExpertWeights) -> onnx.GraphProto:
@@ -209,38 +180,40 @@ def looped_branch(name: str, p: Pairs, glu: Glu, expert_weights: ExpertWeights) 
     return b.branch(list(looped_experts(b, p, glu, expert_weights)))
 
 
-def combine(b: Body, p: Pairs, y: str, slots: str) -> str:
-    """u [N, L] fp32: pair j of token n takes row slots[sorted position of j] of Y, weighted by its pair
-    weight, summed over the top_k slots ([1, k] @ [k, L] per token, one batched MatMul: half the time of a
-    Mul and a ReduceSum over the [M, L] rows). A pair of another rank's expert weighs 0: the mask is on the [M]
-    weights, not the [M, L] rows (its row of Y is a real, finite one: the zero row, or a padded expert
-    output), so 0 · row = 0 exactly as a masked row."""
+def pair_rows(b: Body, p: Pairs, slots: str) -> tuple[str, str]:
+    """([M] weights, [M] rows of Y), both in (token, slot) order: pair j takes row slots[sorted position of j];
+    a pair of another rank's expert weighs 0 (the mask is on the [M] weights, not the [M, L] rows: its row of
+    Y is a real, finite one, the zero row or a padded expert output, so 0 · row = 0 exactly as a masked row)."""
     by_pair = b.op("ScatterElements", b.op("ConstantOfShape", b.op("Shape", slots), value=helper.make_tensor(
         "zero", INT64, [1], [0])), p.order, slots, axis=0)  # [M] in (token, slot) order
     w = b.op("Where", b.op("Less", p.pair_ids, p.e_local), p.pair_w, b.op("Constant", value_float=0.0))  # [M]
-    w = b.op("Reshape", w, b.op("Concat", b.ints(-1, 1), p.k, axis=0))  # [N, 1, k]
-    shape = b.op("Concat", b.ints(-1), p.k, _width(b, p), axis=0)
-    rows = b.op("Reshape", b.op("Gather", y, by_pair, axis=0), shape)  # [N, k, L]
-    return b.op("Squeeze", b.op("MatMul", w, rows), b.ints(1))  # weighted sum of a token's k rows: one MatMul
+    return w, by_pair
+
+
+def weighted_sum(b: Body, y: str, w: str, rows: str, k: str, width: str) -> str:
+    """u [N, L]: each token's k pair rows of Y (`rows` [M]) weighted (`w` [M]) and summed ([1, k] @ [k, L] per
+    token, one batched MatMul: half the time of a Mul and a ReduceSum over the [M, L] rows)."""
+    w = b.op("Reshape", w, b.op("Concat", b.ints(-1, 1), k, axis=0))  # [N, 1, k]
+    shape = b.op("Concat", b.ints(-1), k, width, axis=0)
+    picked = b.op("Reshape", b.op("Gather", y, rows, axis=0), shape)  # [N, k, L]
+    return b.op("Squeeze", b.op("MatMul", w, picked), b.ints(1))  # weighted sum of a token's k rows: one MatMul
+
+
+def combine(b: Body, p: Pairs, y: str, slots: str) -> str:
+    """u [N, L] fp32 from Y and each sorted pair's row of it (`pair_rows`, `weighted_sum`)."""
+    return weighted_sum(b, y, *pair_rows(b, p, slots), p.k, _width(b, p))
 
 
 def routed_experts(b: Body, p: Pairs, glu: Glu, expert_weights: ExpertWeights, batched: bool,
-                   quantize: Quantize | None = None, per_expert: int = 0) -> str:
-    """u [N, L] fp32 of the routed pairs. fp32 stacked weights w1/w3/w2 (`batched`): with `per_expert` local
-    experts (at most UNROLL_MAX) `per_expert_rows`, for every call; with more, an If between the padded
+                   quantize: Quantize | None = None) -> str:
+    """u [N, L] fp32 of the routed pairs. fp32 stacked weights w1/w3/w2 (`batched`): an If between the padded
     batch (on the waste rule) and the loop. Other weights: the loop. `quantize` (MXFP8 activations, MXFP4
-    experts only) runs in the loop; the batches never take it."""
+    experts only) runs in the loop; the batch never takes it. (Up to UNROLL_MAX fp32 experts the body takes
+    onnx_dispatch.dispatched_experts instead.)"""
     if batched and quantize is not None:
         raise ValueError("MXFP8 activations run in the expert loop only (MXFP4 experts), not the batches")
     if not batched:
         return combine(b, p, *looped_experts(b, p, glu, expert_weights, quantize))
-    if not 0 <= per_expert <= UNROLL_MAX:
-        raise ValueError(f"per_expert={per_expert}: at most {UNROLL_MAX} experts get one copy of the step each")
-    if per_expert:
-        step, b.step = b.step, "per_expert"
-        y, slots = per_expert_rows(b, p, per_expert, glu)
-        b.step = step
-        return combine(b, p, y, slots)
     cond, c = use_padded(b, p)
     y, slots = b.op("If", cond, outputs=2, then_branch=padded_experts(b.name, p, c, glu),
                     else_branch=looped_branch(b.name, p, glu, expert_weights))

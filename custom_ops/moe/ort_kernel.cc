@@ -1,20 +1,26 @@
-// k3x.fused::SiTUGLU on ONNX Runtime's CPU provider, fp32: the SiTU-GLU of reference.py `glu` in one pass
-// over a and u (its function body, custom_ops/fused.py, runs it as nine graph ops, each a pass over [N, I]).
-// Elements are split over ONNX Runtime's intra-op threads in blocks. Compiled into the custom-op library by
-// runtime/ort_kernels.py, which calls k3x_add_moe.
+// The k3::MoE body's k3x.fused functions on ONNX Runtime's CPU provider, fp32. Compiled into the custom-op
+// library by runtime/ort_kernels.py, which calls k3x_add_moe.
+//
+// SiTUGLU: the SiTU-GLU of reference.py `glu` in one pass over a and u (its function body, custom_ops/fused.py,
+// runs it as nine graph ops, each a pass over [N, I]); elements split over the intra-op threads in blocks.
 //   y = [b1 tanh(a / b1) sigmoid(a)] * [b2 tanh(u / b2)],  b1 = beta, b2 = linear_beta (scalar inputs)
+//
+// MoEDispatch and MoECombine: the routing and the row traffic around the per-expert GEMMs (the bodies in
+// custom_ops/moe/onnx_dispatch.py, some fifty graph ops and a row Gather per expert), as two passes.
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
 
 #include "ort_kernel.h"
 
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
 namespace {
 
-constexpr int64_t BLOCK = 16384;  // elements per task: 64 KB of a and of u
+constexpr int64_t BLOCK = 4096;  // elements per task: 16 KB of a and of u (an expert's [32, 256] rows: 2 tasks)
 
 struct Glu {
   const float *a, *u;
@@ -42,9 +48,8 @@ float scalar(const Ort::ConstValue& v, const char* name) {
   return v.GetTensorData<float>()[0];
 }
 
-struct SiTUGLUKernel {
+struct SiTUGLUKernel : Fp32Int32<4, 4, 1> {
   static constexpr const char* name = "SiTUGLU";
-  static constexpr size_t inputs = 4, int32_from = 4, outputs = 1;
   SiTUGLUKernel(const OrtApi&, const OrtKernelInfo*) {}
 
   void Compute(OrtKernelContext* context) {
@@ -62,8 +67,199 @@ struct SiTUGLUKernel {
   }
 };
 
+
+template <class T>
+T one_value(const Ort::ConstValue& v, const char* op, const char* name) {
+  if (v.GetTensorTypeAndShapeInfo().GetElementCount() != 1)
+    throw Ort::Exception(std::string("k3x.fused::") + op + ": " + name + " " + dims(shape_of(v)) +
+                             ": expected one value", ORT_INVALID_ARGUMENT);
+  return v.GetTensorData<T>()[0];
+}
+
+// MoEDispatch(logits [N, E], gate_bias [E], z [N, L], renormalize, scale, top_k, num_experts (local),
+// expert_offset) -> pair_w [N, k], pair_row [N, k] int64, x_0..x_{E_local-1} [n_e, L]:
+//   s = sigmoid(logits); a token's k experts are the largest s + gate_bias (ties: the lower id, as TopK), its
+//   weights their unbiased s, renormalised (w / (r (sum w + 1e-20) + 1 - r)) and scaled; an expert id becomes
+//   local (id - expert_offset), another rank's weighs 0. The (token, slot) pairs sorted stably by local expert:
+//   x_e holds expert e's rows of z in that order, pair_row the pair's row of [0; x_0; ...; x_{E-1}] (1 + its
+//   sorted position; 0, the zero row, for another rank's expert).
+struct MoEDispatchKernel {
+  static constexpr const char* name = "MoEDispatch";
+  static constexpr size_t inputs = 8, outputs = 3;
+  static constexpr bool variadic_input = false, variadic_output = true;
+  static ONNXTensorElementDataType input_type(size_t i) {
+    return i < 5 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT
+                 : i < 7 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+  }
+  static ONNXTensorElementDataType output_type(size_t i) {
+    return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  MoEDispatchKernel(const OrtApi&, const OrtKernelInfo*) {}
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    auto logits = ctx.GetInput(0), bias = ctx.GetInput(1), zv = ctx.GetInput(2);
+    const auto ls = shape_of(logits), zs = shape_of(zv);
+    auto fail = [](const std::string& what) {
+      throw Ort::Exception("k3x.fused::MoEDispatch: " + what, ORT_INVALID_ARGUMENT);
+    };
+    if (ls.size() != 2 || zs.size() != 2 || zs[0] != ls[0] || shape_of(bias) != std::vector<int64_t>{ls[1]})
+      fail("logits " + dims(ls) + ", gate_bias " + dims(shape_of(bias)) + ", z " + dims(zs) +
+           ": expected [N, E], [E], [N, L]");
+    const int64_t N = ls[0], E = ls[1], L = zs[1];
+    const float r = one_value<float>(ctx.GetInput(3), name, "renormalize");
+    const float scale = one_value<float>(ctx.GetInput(4), name, "scale");
+    const int64_t k = one_value<int64_t>(ctx.GetInput(5), name, "top_k");
+    const int64_t local_n = one_value<int64_t>(ctx.GetInput(6), name, "num_experts");
+    const int64_t offset = one_value<int32_t>(ctx.GetInput(7), name, "expert_offset");
+    if (k < 1 || k > E) fail("top_k " + std::to_string(k) + " outside 1.." + std::to_string(E));
+    if (local_n != int64_t(ctx.GetOutputCount()) - 2)
+      fail("num_experts " + std::to_string(local_n) + " but " + std::to_string(ctx.GetOutputCount() - 2) +
+           " expert outputs");
+    const float *lg = logits.GetTensorData<float>(), *gb = bias.GetTensorData<float>(), *z = zv.GetTensorData<float>();
+    float* w = ctx.GetOutput(0, {N, k}).GetTensorMutableData<float>();
+    int64_t* row = ctx.GetOutput(1, {N, k}).GetTensorMutableData<int64_t>();
+
+    std::vector<int64_t> ids(N * k), counts(local_n + 1, 0);
+    std::vector<float> s(E), biased(E);
+    std::vector<char> taken(E);
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t e = 0; e < E; ++e) {
+        s[e] = 1.f / (1.f + std::exp(-lg[n * E + e]));
+        biased[e] = s[e] + gb[e];
+        taken[e] = 0;
+      }
+      float total = 0.f;
+      for (int64_t j = 0; j < k; ++j) {  // k passes: the largest not yet taken, the lower id on ties
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; ++e)
+          if (!taken[e] && (best < 0 || biased[e] > biased[best])) best = e;
+        taken[best] = 1;
+        w[n * k + j] = s[best];
+        total += s[best];
+        const int64_t id = best - offset;
+        ids[n * k + j] = id >= 0 && id < local_n ? id : local_n;
+        ++counts[ids[n * k + j]];
+      }
+      const float denom = r * (total + 1e-20f) + (1.f - r);
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t p = n * k + j;
+        w[p] = ids[p] < local_n ? w[p] / denom * scale : 0.f;
+      }
+    }
+    // stable counting sort by local id: pair p's sorted position, each expert's rows of z in that order
+    std::vector<int64_t> start(local_n + 1, 0);
+    for (int64_t e = 0; e < local_n; ++e) start[e + 1] = start[e] + counts[e];
+    std::vector<int64_t> next(start.begin(), start.end() - 1), src(start[local_n]);
+    for (int64_t p = 0; p < N * k; ++p) {
+      const int64_t e = ids[p];
+      if (e == local_n) {
+        row[p] = 0;
+        continue;
+      }
+      src[next[e]] = p / k;
+      row[p] = 1 + next[e]++;
+    }
+    Rows job{z, L, src.data(), {}};
+    for (int64_t e = 0; e < local_n; ++e)
+      job.out.push_back(ctx.GetOutput(2 + e, {counts[e], L}).GetTensorMutableData<float>() - start[e] * L);
+    job.expert_of.resize(src.size());
+    for (int64_t e = 0; e < local_n; ++e)
+      std::fill(job.expert_of.begin() + start[e], job.expert_of.begin() + start[e + 1], e);
+    if (!src.empty()) ctx.ParallelFor(copy_rows, size_t((src.size() + ROWS - 1) / ROWS), 0, &job);
+  }
+
+  static constexpr int64_t ROWS = 32;  // rows of z per task
+  struct Rows {
+    const float* z;
+    int64_t L;
+    const int64_t* src;
+    std::vector<float*> out;  // expert e's output, offset so sorted position i is its row i
+    std::vector<int64_t> expert_of;
+  };
+  static void copy_rows(void* user, size_t block) {
+    const Rows& j = *static_cast<const Rows*>(user);
+    const int64_t lo = int64_t(block) * ROWS, hi = std::min<int64_t>(j.expert_of.size(), lo + ROWS);
+    for (int64_t i = lo; i < hi; ++i)
+      std::memcpy(j.out[j.expert_of[i]] + i * j.L, j.z + j.src[i] * j.L, sizeof(float) * j.L);
+  }
+};
+
+// MoECombine(pair_w [N, k], pair_row [N, k] int64, y_0..y_{E-1} [n_e, L]) -> u [N, L]:
+//   u[n] = sum over j of pair_w[n, j] * Y[pair_row[n, j]], Y = [0; y_0; ...; y_{E-1}], j in slot order.
+struct MoECombineKernel {
+  static constexpr const char* name = "MoECombine";
+  static constexpr size_t inputs = 3, outputs = 1;
+  static constexpr bool variadic_input = true, variadic_output = false;
+  static ONNXTensorElementDataType input_type(size_t i) {
+    return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  static ONNXTensorElementDataType output_type(size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+  MoECombineKernel(const OrtApi&, const OrtKernelInfo*) {}
+
+  static constexpr int64_t TOKENS = 8;  // tokens per task
+  struct Sum {
+    const float* w;
+    const int64_t* row;
+    std::vector<const float*> rows;  // Y's rows, rows[0] = nullptr (the zero row)
+    float* u;
+    int64_t N, k, L;
+  };
+  static void sum_tokens(void* user, size_t block) {
+    const Sum& s = *static_cast<const Sum*>(user);
+    const int64_t lo = int64_t(block) * TOKENS, hi = std::min(s.N, lo + TOKENS), L = s.L;
+    for (int64_t n = lo; n < hi; ++n) {
+      float* out = s.u + n * L;
+      std::fill(out, out + L, 0.f);
+      for (int64_t j = 0; j < s.k; ++j) {
+        const float* y = s.rows[s.row[n * s.k + j]];
+        const float wj = s.w[n * s.k + j];
+        if (y == nullptr) continue;  // the zero row: adds 0
+#pragma omp simd
+        for (int64_t c = 0; c < L; ++c) out[c] += wj * y[c];
+      }
+    }
+  }
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    auto wv = ctx.GetInput(0), rv = ctx.GetInput(1);
+    const auto ws = shape_of(wv);
+    auto fail = [](const std::string& what) {
+      throw Ort::Exception("k3x.fused::MoECombine: " + what, ORT_INVALID_ARGUMENT);
+    };
+    if (ws.size() != 2 || shape_of(rv) != ws)
+      fail("pair_w " + dims(ws) + " and pair_row " + dims(shape_of(rv)) + ": expected one shape [N, k]");
+    int64_t L = -1;
+    Sum s{wv.GetTensorData<float>(), rv.GetTensorData<int64_t>(), {nullptr}, nullptr, ws[0], ws[1], 0};
+    for (size_t e = 2; e < ctx.GetInputCount(); ++e) {
+      auto y = ctx.GetInput(e);
+      const auto ys = shape_of(y);
+      if (ys.size() != 2 || (L >= 0 && ys[1] != L))
+        fail("y_" + std::to_string(e - 2) + " " + dims(ys) + ": expected [rows, " + std::to_string(L) + "]");
+      L = ys[1];
+      const float* data = y.GetTensorData<float>();
+      for (int64_t i = 0; i < ys[0]; ++i) s.rows.push_back(data + i * L);
+    }
+    s.L = L < 0 ? 0 : L;
+    const int64_t M = int64_t(s.rows.size());
+    for (int64_t p = 0; p < s.N * s.k; ++p)
+      if (s.row[p] < 0 || s.row[p] >= M)
+        fail("pair_row " + std::to_string(s.row[p]) + " outside the " + std::to_string(M) + " rows of Y");
+    s.u = ctx.GetOutput(0, {s.N, s.L}).GetTensorMutableData<float>();
+    if (s.N > 0 && s.L > 0) ctx.ParallelFor(sum_tokens, size_t((s.N + TOKENS - 1) / TOKENS), 0, &s);
+  }
+};
+
+CpuOp<MoEDispatchKernel> dispatch_op;
+CpuOp<MoECombineKernel> combine_op;
+
 CpuOp<SiTUGLUKernel> situ_glu_op;
 
 }  // namespace
 
-void k3x_add_moe(Ort::CustomOpDomain&, Ort::CustomOpDomain& fused) { fused.Add(&situ_glu_op); }
+void k3x_add_moe(Ort::CustomOpDomain&, Ort::CustomOpDomain& fused) { 
+  fused.Add(&situ_glu_op);
+  fused.Add(&dispatch_op);
+  fused.Add(&combine_op);
+}

@@ -15,32 +15,17 @@ import onnx
 import onnx_ir as ir
 import pytest
 import torch
-from onnx import TensorProto, helper
+from onnx import helper
 
 from k3x.custom_ops.moe.onnx import function as moe_function
 from k3x.custom_ops.moe.onnx import per_expert_count
 from k3x.custom_ops.moe.onnx_experts import UNROLL_MAX
 from k3x.custom_ops.moe.reference import moe
-from k3x.export.onnx_flavors import ort_pass
 from k3x.plan import onnx_node
+from moe_models import moe_model, tokens, weights
 from tolerances import assert_close
 
 ort = pytest.importorskip("onnxruntime")
-
-ONNX_TYPE = {torch.float32: TensorProto.FLOAT, torch.bfloat16: TensorProto.BFLOAT16}
-
-
-def initializer(name: str, t: torch.Tensor) -> onnx.TensorProto:
-    raw = t.contiguous().view(torch.int16 if t.dtype == torch.bfloat16 else t.dtype).numpy().tobytes()
-    return helper.make_tensor(name, ONNX_TYPE[t.dtype], list(t.shape), raw, raw=True)
-
-
-def weights(E: int, d: int, L: int, I: int, dtype=torch.float32, seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {"gate_weight": torch.randn(E, d, generator=g) * 0.3, "gate_bias": torch.randn(E, generator=g) * 0.1,
-            "w1": (torch.randn(E, I, L, generator=g) * 0.3).to(dtype),
-            "w3": (torch.randn(E, I, L, generator=g) * 0.3).to(dtype),
-            "w2": (torch.randn(E, L, I, generator=g) * 0.3).to(dtype)}
 
 
 class MoESession:
@@ -49,26 +34,9 @@ class MoESession:
     def __init__(self, w: dict[str, torch.Tensor], top_k: int, activation: str = "situ", renormalize: bool = True,
                  factor: float = 1.0, offset: int | None = None, profile: str | None = None,
                  optimized: str | None = None):
-        E, I, L = w["w1"].shape
-        d = w["gate_weight"].shape[1]
         self.w, self.args = w, (top_k, factor, renormalize, activation, 4.0, 25.0)
         self.offset = None if offset is None else torch.tensor([offset], dtype=torch.int32)
-        inits = [initializer(n, t) for n, t in w.items()]
-        inits.append(helper.make_tensor("expert_offset", TensorProto.INT32, [1], [offset or 0]))
-        node = helper.make_node(
-            "MoE", ["x", "z", *w, "expert_offset"], ["u"], domain=onnx_node.DOMAIN, top_k=top_k, routed_scaling_factor=factor,
-            renormalize=int(renormalize), activation=activation, situ_beta=4.0, situ_linear_beta=25.0,
-            num_experts=E, hidden_size=d, expert_dim=L, intermediate_size=I, **onnx_node.COMMON_ATTRIBUTES)
-        graph = helper.make_graph(
-            [node], "moe",
-            [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", d]),
-             helper.make_tensor_value_info("z", TensorProto.FLOAT, ["N", L])],
-            [helper.make_tensor_value_info("u", TensorProto.FLOAT, ["N", L])],
-            initializer=inits)
-        proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("k3", 1)],
-                                  ir_version=10)
-        proto = ir.serde.serialize_model(ort_pass(ir.serde.deserialize_model(proto)))
-        onnx.checker.check_model(proto, full_check=True)
+        proto = moe_model(w, top_k, activation, renormalize, factor, offset)
         so = ort.SessionOptions()
         if profile is not None:
             so.enable_profiling, so.profile_file_prefix = True, profile
@@ -93,11 +61,6 @@ class MoESession:
 
 def body_steps(events: list[dict]) -> set[str]:
     return {m.group(1) for e in events for m in [re.search(r"_inlfunc_MoE_MoE/(\w+)/", e["name"])] if m}
-
-
-def tokens(N: int, d: int, L: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(N, d, generator=g), torch.randn(N, L, generator=g)
 
 
 @pytest.mark.parametrize("activation,renormalize,factor", [
@@ -272,9 +235,10 @@ def test_expert_parallel_ranks_compute_their_share(ep):
 
 def test_combine_weighs_and_sums_the_pair_rows_in_one_matmul(tmp_path):
     """Expert parallelism: a pair routed to another rank's expert gets weight 0 on the [M] pair weights; the
-    combine reads the [M, L] pair rows only by a Gather and one MatMul (weights [N, 1, k] @ rows [N, k, L]):
-    no Where masking them, no Mul and ReduceSum over them (each a pass, together ~3% of a k3-bench prefill).
-    Decode and prefill stay equal to the reference's partial sum of the rank."""
+    combine (the k3x.fused::MoECombine body) reads the experts' [n_e, L] rows only by one Concat, a Gather and
+    one MatMul (weights [N, 1, k] @ rows [N, k, L]): no Where masking them, no Mul and ReduceSum over them
+    (each a pass, together ~3% of a k3-bench prefill). Decode and prefill stay equal to the reference's
+    partial sum of the rank."""
     E, k, d, L, I = 16, 4, 24, 16, 12
     w = weights(E, d, L, I)
     w["gate_bias"] *= 0.2  # balanced routing
@@ -284,6 +248,6 @@ def test_combine_weighs_and_sums_the_pair_rows_in_one_matmul(tmp_path):
         s.check(*tokens(N, d, L, seed=N), f"rank 1 of 2, N={N}")
     events = s.nodes_run()
     assert "per_expert" in body_steps(events)
-    wide = {e["args"]["op_name"] for e in events if "MoE/experts/" in e["name"]
+    wide = {e["args"]["op_name"] for e in events if "MoECombine/combine/" in e["name"]
             and any(list(t.values())[0][-1:] == [L] for t in e["args"].get("input_type_shape", []))}
-    assert "MatMul" in wide and wide <= {"Shape", "Gather", "Reshape", "MatMul", "Squeeze"}, wide
+    assert "MatMul" in wide and wide <= {"Shape", "Concat", "Gather", "Reshape", "MatMul", "Squeeze"}, wide

@@ -245,3 +245,92 @@ def test_kda_packed_kernel_names_the_bad_input(kernels, change, message):
     feeds = {n: t.numpy() for n, t in _kda_packed_inputs([3, 1], 2, 16, 16, seed=0).items()} | change
     with pytest.raises(Exception, match=message):
         _session(_kda_packed_model(2, 16, 16, 0.25), kernels).run(None, feeds)
+
+
+@pytest.mark.parametrize("E,N,top_k,ep,activation", [
+    (16, 1, 4, 1, "situ"), (16, 48, 4, 1, "situ"), (16, 5, 16, 1, "situ"), (16, 2, 1, 1, "silu"),
+    (8, 9, 3, 2, "situ"), (64, 3, 4, 1, "situ"), (16, 130, 4, 4, "silu")])
+def test_moe_dispatch_and_combine_kernels_run_the_moe_node_as_the_reference(kernels, E, N, top_k, ep, activation,
+                                                                            tmp_path):
+    """A k3::MoE node with per-expert fp32 experts (its body calls k3x.fused::MoEDispatch and MoECombine) on
+    the library: the two kernels ran in place of their bodies, and each expert-parallel rank's u equals the
+    reference's partial sum (an expert without pairs, top_k = E, top_k = 1, 130 tokens over 4 ranks)."""
+    import json
+
+    import onnxruntime as ort
+
+    from k3x.custom_ops.moe.reference import moe
+    from moe_models import moe_model, tokens, weights
+    from tolerances import assert_close
+
+    d, L, I = 24, 20, 12
+    w, n = weights(E, d, L, I, seed=E + N), E // ep
+    x, z = tokens(N, d, L, seed=N)
+    for r in range(ep):
+        local = {**w, **{name: w[name][r * n:(r + 1) * n] for name in ("w1", "w3", "w2")}}
+        so = ort.SessionOptions()
+        so.register_custom_ops_library(str(kernels))
+        so.enable_profiling, so.profile_file_prefix = True, str(tmp_path / f"rank{r}")
+        sess = ort.InferenceSession(moe_model(local, top_k, activation, True, 1.5, r * n).SerializeToString(), so,
+                                    providers=["CPUExecutionProvider"])
+        (u,) = sess.run(None, {"x": x.numpy(), "z": z.numpy()})
+        want = moe(x, z, *local.values(), top_k, 1.5, True, activation, 4.0, 25.0,
+                   torch.tensor([r * n], dtype=torch.int32))  # the rank's partial sum
+        events = [e for e in json.loads(Path(sess.end_profiling()).read_text()) if e.get("cat") == "Node"]
+        ops = {e["args"]["op_name"] for e in events}
+        assert {"MoEDispatch", "MoECombine"} <= ops and not any("MoEDispatch/" in e["name"] for e in events), ops
+        assert_close(torch.from_numpy(u), want, torch.float32, f"E={E} N={N} k={top_k} rank {r} of {ep}")
+
+
+def _dispatch_model(experts: int, library: bool):
+    """One MoEDispatch call, its function body attached (run by ONNX Runtime's ops without the library)."""
+    from k3x.custom_ops.moe.onnx_dispatch import DISPATCH_INPUTS, dispatch_function
+
+    types = {"top_k": TensorProto.INT64, "num_experts": TensorProto.INT64, "expert_offset": TensorProto.INT32}
+    outs = ["pair_w", "pair_row", *(f"x_{e}" for e in range(experts))]
+    node = helper.make_node("MoEDispatch", list(DISPATCH_INPUTS), outs, domain="k3x.fused")
+    graph = helper.make_graph([node], "dispatch", [helper.make_tensor_value_info(n, types.get(n, TensorProto.FLOAT), None)
+                                                   for n in DISPATCH_INPUTS],
+                              [helper.make_tensor_value_info(n, TensorProto.INT64 if n == "pair_row" else TensorProto.FLOAT,
+                                                             None) for n in outs])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("k3x.fused", 1)],
+                              ir_version=10, functions=[dispatch_function(20, experts)])
+    return model
+
+
+@pytest.mark.parametrize("N,E,local,k,offset,r", [(1, 16, 16, 4, 0, 1.0), (37, 16, 16, 4, 0, 0.0),
+                                                  (20, 16, 4, 3, 8, 1.0), (6, 8, 8, 8, 0, 1.0), (11, 5, 5, 1, 0, 0.0)])
+def test_moe_dispatch_kernel_equals_its_body(kernels, N, E, local, k, offset, r):
+    """Every output of the MoEDispatch kernel against its function body: the pairs' rows of Y and the
+    experts' rows of z exactly (the same stable expert order), the pairs' weights to fp32 rounding."""
+    g = torch.Generator().manual_seed(N * 31 + E)
+    feeds = {"logits": torch.randn(N, E, generator=g).numpy(), "gate_bias": (0.1 * torch.randn(E, generator=g)).numpy(),
+             "z": torch.randn(N, 7, generator=g).numpy(), "renormalize": np.array(r, np.float32),
+             "scale": np.array(2.5, np.float32), "top_k": np.array([k]), "num_experts": np.array([local]),
+             "expert_offset": np.array([offset], np.int32)}
+    body = _session(_dispatch_model(local, False)).run(None, feeds)
+    kernel = _session(_dispatch_model(local, True), kernels).run(None, feeds)
+    np.testing.assert_allclose(kernel[0], body[0], rtol=1e-6, atol=1e-7)
+    for got, want in zip(kernel[1:], body[1:], strict=True):
+        assert got.shape == want.shape and np.array_equal(got, want)
+
+
+def test_moe_kernels_name_the_bad_input(kernels):
+    feeds = {"logits": np.zeros((3, 8), np.float32), "gate_bias": np.zeros(8, np.float32),
+             "z": np.zeros((3, 4), np.float32), "renormalize": np.array(1, np.float32),
+             "scale": np.array(1, np.float32), "top_k": np.array([9]), "num_experts": np.array([8]),
+             "expert_offset": np.array([0], np.int32)}
+    with pytest.raises(Exception, match=r"k3x.fused::MoEDispatch: top_k 9 outside 1..8"):
+        _session(_dispatch_model(8, True), kernels).run(None, feeds)
+    feeds |= {"top_k": np.array([2]), "num_experts": np.array([6])}
+    with pytest.raises(Exception, match=r"k3x.fused::MoEDispatch: num_experts 6 but 8 expert outputs"):
+        _session(_dispatch_model(8, True), kernels).run(None, feeds)
+    combine = _bare("MoECombine", ("pair_w", "pair_row", "y_0", "y_1"), ["u"], domain="k3x.fused")
+    combine.graph.input[1].type.tensor_type.elem_type = TensorProto.INT64
+    feeds = {"pair_w": np.ones((2, 2), np.float32), "pair_row": np.array([[0, 1], [2, 4]]),
+             "y_0": np.ones((1, 5), np.float32), "y_1": np.ones((2, 5), np.float32)}
+    with pytest.raises(Exception, match=r"k3x.fused::MoECombine: pair_row 4 outside the 4 rows of Y"):
+        _session(combine, kernels).run(None, feeds)
+    feeds |= {"pair_row": np.array([[0, 1], [2, 3]]), "y_1": np.ones((2, 6), np.float32)}
+    with pytest.raises(Exception, match=r"k3x.fused::MoECombine: y_1 \[2, 6\]: expected \[rows, 5\]"):
+        _session(combine, kernels).run(None, feeds)
