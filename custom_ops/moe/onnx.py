@@ -141,7 +141,7 @@ def moe_function(spec: NodeSpec, opset_version: int, nodes: list, expert_weights
                b.op("Unsqueeze", b.ref("num_experts", onnx.AttributeProto.INT, "value_int"), b.ints(0)),  # local
                "expert_offset")
     if batched and per_expert:
-        if not 0 < per_expert <= UNROLL_MAX:
+        if per_expert > UNROLL_MAX:
             raise ValueError(f"per_expert={per_expert}: at most {UNROLL_MAX} experts get one copy of the step each")
         b.step = "per_expert"
         u = dispatched_experts(b, routing, per_expert, lambda body, a, u: _glu(body, a, u, betas, fused=True))

@@ -40,12 +40,13 @@ void glu_block(void* user, size_t block) {
     y[i] = (b1 * tanh_approx(a[i] * r1) * sigmoid(a[i])) * (b2 * tanh_approx(u[i] * r2));
 }
 
-float scalar(const Ort::ConstValue& v, const char* name) {
-  const auto info = v.GetTensorTypeAndShapeInfo();
-  if (info.GetElementCount() != 1)
-    throw Ort::Exception(std::string("k3x.fused::SiTUGLU: ") + name + " " + dims(info.GetShape()) +
+// The one value of a scalar input `name` of k3x.fused::`op`; an error names it otherwise.
+template <class T>
+T one_value(const Ort::ConstValue& v, const char* op, const char* name) {
+  if (v.GetTensorTypeAndShapeInfo().GetElementCount() != 1)
+    throw Ort::Exception(std::string("k3x.fused::") + op + ": " + name + " " + dims(shape_of(v)) +
                              ": expected one value", ORT_INVALID_ARGUMENT);
-  return v.GetTensorData<float>()[0];
+  return v.GetTensorData<T>()[0];
 }
 
 struct SiTUGLUKernel : Fp32Int32<4, 4, 1> {
@@ -62,19 +63,12 @@ struct SiTUGLUKernel : Fp32Int32<4, 4, 1> {
     const int64_t n = a.GetTensorTypeAndShapeInfo().GetElementCount();
     Glu g{a.GetTensorData<float>(), u.GetTensorData<float>(),
           ctx.GetOutput(0, shape).GetTensorMutableData<float>(), n,
-          scalar(ctx.GetInput(2), "beta"), scalar(ctx.GetInput(3), "linear_beta")};
+          one_value<float>(ctx.GetInput(2), name, "beta"),
+          one_value<float>(ctx.GetInput(3), name, "linear_beta")};
     if (n > 0) ctx.ParallelFor(glu_block, size_t((n + BLOCK - 1) / BLOCK), 0, &g);
   }
 };
 
-
-template <class T>
-T one_value(const Ort::ConstValue& v, const char* op, const char* name) {
-  if (v.GetTensorTypeAndShapeInfo().GetElementCount() != 1)
-    throw Ort::Exception(std::string("k3x.fused::") + op + ": " + name + " " + dims(shape_of(v)) +
-                             ": expected one value", ORT_INVALID_ARGUMENT);
-  return v.GetTensorData<T>()[0];
-}
 
 // MoEDispatch(logits [N, E], gate_bias [E], z [N, L], renormalize, scale, top_k, num_experts (local),
 // expert_offset) -> pair_w [N, k], pair_row [N, k] int64, x_0..x_{E_local-1} [n_e, L]:
@@ -160,28 +154,23 @@ struct MoEDispatchKernel {
       src[next[e]] = p / k;
       row[p] = 1 + next[e]++;
     }
-    Rows job{z, L, src.data(), {}};
+    Rows job{z, L, src.data(), start, {}};
     for (int64_t e = 0; e < local_n; ++e)
-      job.out.push_back(ctx.GetOutput(2 + e, {counts[e], L}).GetTensorMutableData<float>() - start[e] * L);
-    job.expert_of.resize(src.size());
-    for (int64_t e = 0; e < local_n; ++e)
-      std::fill(job.expert_of.begin() + start[e], job.expert_of.begin() + start[e + 1], e);
-    if (!src.empty()) ctx.ParallelFor(copy_rows, size_t((src.size() + ROWS - 1) / ROWS), 0, &job);
+      job.out.push_back(ctx.GetOutput(2 + e, {counts[e], L}).GetTensorMutableData<float>());
+    if (local_n > 0) ctx.ParallelFor(copy_rows, size_t(local_n), 0, &job);
   }
 
-  static constexpr int64_t ROWS = 32;  // rows of z per task
   struct Rows {
     const float* z;
     int64_t L;
-    const int64_t* src;
-    std::vector<float*> out;  // expert e's output, offset so sorted position i is its row i
-    std::vector<int64_t> expert_of;
+    const int64_t* src;          // sorted position -> row of z
+    std::vector<int64_t> start;  // expert e's first sorted position
+    std::vector<float*> out;     // expert e's output
   };
-  static void copy_rows(void* user, size_t block) {
+  static void copy_rows(void* user, size_t e) {  // one task per expert: its rows of z in sorted order
     const Rows& j = *static_cast<const Rows*>(user);
-    const int64_t lo = int64_t(block) * ROWS, hi = std::min<int64_t>(j.expert_of.size(), lo + ROWS);
-    for (int64_t i = lo; i < hi; ++i)
-      std::memcpy(j.out[j.expert_of[i]] + i * j.L, j.z + j.src[i] * j.L, sizeof(float) * j.L);
+    for (int64_t i = j.start[e]; i < j.start[e + 1]; ++i)
+      std::memcpy(j.out[e] + (i - j.start[e]) * j.L, j.z + j.src[i] * j.L, sizeof(float) * j.L);
   }
 };
 
@@ -258,7 +247,7 @@ CpuOp<SiTUGLUKernel> situ_glu_op;
 
 }  // namespace
 
-void k3x_add_moe(Ort::CustomOpDomain&, Ort::CustomOpDomain& fused) { 
+void k3x_add_moe(Ort::CustomOpDomain&, Ort::CustomOpDomain& fused) {
   fused.Add(&situ_glu_op);
   fused.Add(&dispatch_op);
   fused.Add(&combine_op);
