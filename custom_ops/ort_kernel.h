@@ -14,8 +14,8 @@ namespace {
 
 // e^x and ln x within a few ulp (Cephes' expf and logf: a polynomial on a reduced range, scaled by a power of
 // two), branch-free so the kernels' `omp simd` loops vectorise them: std::exp and std::log1p are scalar calls
-// (in k3::KDAPrep they took 3/4 of the node's time). No std::floor (not vectorised without
-// -fno-trapping-math): adding and subtracting 1.5·2^23 rounds to the nearest integer.
+// (in k3::KDAPrep they took 3/4 of the node's time). Their clamps and selects vectorise only under
+// -fno-trapping-math (runtime/ort_kernels.py FLAGS); adding and subtracting 1.5·2^23 rounds to the nearest integer.
 inline float exp_approx(float x) {
   x = std::min(std::max(x, -87.3f), 88.3f);  // 2^n stays a normal float
   const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;
