@@ -1,7 +1,7 @@
 // k3::KDAPacked on ONNX Runtime's CPU provider, fp32: the gated delta rule of k3::kda (reference.py) over B
 // sequences packed end to end, each from its row of the state pool, with no padding (the function body in
 // onnx.py pads the sequences to the longest and runs ONNX Runtime's LinearAttention between gathers). One task
-// per (sequence, head, block of 64 state columns) runs the sequence's rows; tasks are split over ONNX Runtime's
+// per (sequence, head, block of VB state columns) runs the sequence's rows; tasks are split over ONNX Runtime's
 // intra-op threads. Compiled into the custom-op library by runtime/ort_kernels.py, which calls
 // k3x_add_kda_packed. Per row t of sequence b, head h, state S [K, V] (from state_pool[slots[b], h]):
 //   S = diag(exp(g_t)) S;  e = beta_t (v_t - S^T k_t);  S = S + k_t e^T;  o_t = S^T (scale q_t)
@@ -18,9 +18,14 @@
 
 namespace {
 
-// state columns per task: S[:, block] is K x 64 floats (32 KB at K = 128), in L1; four vectors per row, so the
-// sums over rows run as four independent FMA chains (one 16-wide chain waited on its FMA latency: 1.9x slower)
+// state columns per task: four vectors per row, so the sums over rows run as four independent FMA chains (one
+// 16-wide chain waited on its FMA latency: 1.9x slower); S[:, block] is K x VB floats, in L1 (64 columns,
+// 32 KB at K = 128, filled a 32 KB L1 on an AVX2 Zen 3: 32 columns there ran 0.87-0.96x the time)
+#ifdef __AVX512F__
 constexpr int64_t VB = 64;
+#else
+constexpr int64_t VB = 32;
+#endif
 
 struct Packed {
   const float *q, *k, *v, *decay, *beta, *pool;  // decay: exp(g), [N, H, K]
