@@ -14,58 +14,16 @@ from onnx import TensorProto, helper
 
 from k3x.custom_ops.attn_res.reference import attn_res
 from k3x.custom_ops.moe.reference import glu
-
-
-@pytest.fixture(scope="module")
-def kernels(tmp_path_factory):
-    """The library, built into a fresh cache (the rest of the suite never sees it)."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
-    mp.delenv("K3X_ORT_KERNELS", raising=False)
-    from k3x.runtime.ort_kernels import build, library
-    from k3x.runtime.runners import RunnerError
-
-    assert library() is None  # nothing built in a fresh cache
-    try:
-        path = build()
-    except RunnerError as e:  # the headers' mirror out of reach is the network's fault, not the code's
-        if "cannot fetch" not in str(e):
-            raise
-        mp.undo()
-        pytest.skip(str(e))
-    assert library() == path
-    yield path
-    mp.undo()
-
-
-def _session(model, library=None):
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    if library is not None:
-        so.register_custom_ops_library(str(library))
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-
-
-def _bare(op_type: str, ins, outs, domain: str = "k3", **attrs):
-    """One `domain::op_type` node and no function: only a registered kernel can run it (cu_seqlens and slots
-    int32, every other input and output fp32)."""
-    types = {"cu_seqlens": TensorProto.INT32, "slots": TensorProto.INT32}
-    node = helper.make_node(op_type, list(ins), list(outs), domain=domain, **attrs)
-    graph = helper.make_graph([node], op_type, [helper.make_tensor_value_info(n, types.get(n, TensorProto.FLOAT), None)
-                                                for n in ins],
-                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outs])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid(domain, 1)],
-                             ir_version=10)
+from ort_kernel_models import bare, session
 
 
 def _attn_res_model(eps: float):
-    return _bare("AttnRes", ("prefix", "bank", "norm_weight", "proj_weight"), ["out"], eps=eps, hidden_size=0)
+    return bare("AttnRes", ("prefix", "bank", "norm_weight", "proj_weight"), ["out"], eps=eps, hidden_size=0)
 
 
 def test_without_the_library_the_bare_node_does_not_load():
     with pytest.raises(Exception, match="AttnRes"):
-        _session(_attn_res_model(1e-5))
+        session(_attn_res_model(1e-5))
 
 
 @pytest.mark.parametrize("rows,n,d,scale", [((1,), 1, 1, 1.0), ((5,), 3, 7, 1.0), ((2, 3), 8, 64, 1.0),
@@ -75,7 +33,7 @@ def test_attn_res_kernel_matches_the_reference(kernels, rows, n, d, scale):
     prefix = torch.randn(*rows, d, generator=g) * scale
     bank = torch.randn(*rows, n, d, generator=g) * scale
     norm, proj = 1 + 0.1 * torch.randn(d, generator=g), torch.randn(d, generator=g) / d ** 0.5
-    out = _session(_attn_res_model(1e-5), kernels).run(None, {"prefix": prefix.numpy(), "bank": bank.numpy(),
+    out = session(_attn_res_model(1e-5), kernels).run(None, {"prefix": prefix.numpy(), "bank": bank.numpy(),
                                                                "norm_weight": norm.numpy(), "proj_weight": proj.numpy()})[0]
     want = attn_res(prefix.double(), bank.double(), norm.double(), proj.double(), 1e-5)
     assert out.shape == tuple(prefix.shape)
@@ -86,7 +44,7 @@ def test_attn_res_kernel_names_a_bank_that_does_not_match(kernels):
     feeds = {"prefix": np.zeros((3, 8), np.float32), "bank": np.zeros((3, 2, 9), np.float32),
              "norm_weight": np.ones(8, np.float32), "proj_weight": np.ones(8, np.float32)}
     with pytest.raises(Exception, match=r"k3::AttnRes: bank \[3, 2, 9\] does not match prefix \[3, 8\]"):
-        _session(_attn_res_model(1e-5), kernels).run(None, feeds)
+        session(_attn_res_model(1e-5), kernels).run(None, feeds)
 
 
 def test_a_serving_step_on_the_kernels_equals_the_function_bodies(kernels, serving_export, monkeypatch, tmp_path):
@@ -105,7 +63,7 @@ def test_a_serving_step_on_the_kernels_equals_the_function_bodies(kernels, servi
         outs.append(runner.infer(feeds))
         events = json.loads(Path(runner.session.end_profiling()).read_text())
         ran.append({e["args"]["op_name"] for e in kernel_nodes(events)})
-    for op in ("AttnRes", "KDAPrep", "KDAPacked", "SiTUGLU"):  # bodies inlined, then the kernels ran the nodes
+    for op in ("AttnRes", "KDAPrep", "KDAPacked", "SiTUGLU", "MLAPaged"):  # bodies inlined, then kernels ran them
         assert op not in ran[0] and op in ran[1], (op, ran)
     for name, want in outs[0].items():
         torch.testing.assert_close(torch.as_tensor(outs[1][name]), torch.as_tensor(want), rtol=1e-5, atol=1e-5,
@@ -127,7 +85,7 @@ def test_the_command_reports_the_library_and_names_a_missing_compiler(kernels, m
 def _kda_prep_model(H: int, K: int, V: int, W: int, lb: float):
     from k3x.custom_ops.kda_prep.onnx import NODE
 
-    return _bare("KDAPrep", [n for n, _ in NODE.inputs], [n for n, _ in NODE.outputs], num_heads=H, head_dim=K,
+    return bare("KDAPrep", [n for n, _ in NODE.inputs], [n for n, _ in NODE.outputs], num_heads=H, head_dim=K,
                  value_dim=V, conv_kernel=W, gate_lower_bound=lb)
 
 
@@ -153,7 +111,7 @@ def test_kda_prep_kernel_matches_the_reference(kernels, lens, H, K, V, W, lb, sc
     from k3x.custom_ops.kda_prep.reference import kda_prep
 
     x = _kda_prep_inputs(lens, H, K, V, W, scale, seed=sum(lens) + H + W)
-    out = _session(_kda_prep_model(H, K, V, W, lb), kernels).run(None, {n: t.numpy() for n, t in x.items()})
+    out = session(_kda_prep_model(H, K, V, W, lb), kernels).run(None, {n: t.numpy() for n, t in x.items()})
     want = kda_prep(*(t.double() if n == "qkv" else t for n, t in x.items()), gate_lower_bound=lb)
     for (name, _), got, e in zip(NODE.outputs, out, want):
         assert got.shape == tuple(e.shape), name
@@ -168,11 +126,11 @@ def test_kda_prep_kernel_matches_the_reference(kernels, lens, H, K, V, W, lb, sc
 def test_kda_prep_kernel_names_the_bad_input(kernels, change, message):
     feeds = {n: t.numpy() for n, t in _kda_prep_inputs([3, 1], 2, 16, 16, 4, 1.0, seed=0).items()} | change
     with pytest.raises(Exception, match=message):
-        _session(_kda_prep_model(2, 16, 16, 4, -5.0), kernels).run(None, feeds)
+        session(_kda_prep_model(2, 16, 16, 4, -5.0), kernels).run(None, feeds)
 
 
 def _situ_glu_model():
-    return _bare("SiTUGLU", ("a", "u", "beta", "linear_beta"), ["y"], domain="k3x.fused")
+    return bare("SiTUGLU", ("a", "u", "beta", "linear_beta"), ["y"], domain="k3x.fused")
 
 
 @pytest.mark.parametrize("shape,scale,betas", [((1,), 1.0, (4.0, 25.0)), ((7,), 1e-3, (4.0, 25.0)),
@@ -183,7 +141,7 @@ def test_situ_glu_kernel_matches_the_reference(kernels, shape, scale, betas):
     a, u = (torch.randn(*shape, generator=g) * scale for _ in range(2))  # 60: tanh and sigmoid saturate
     feeds = {"a": a.numpy(), "u": u.numpy(), "beta": np.array(betas[0], np.float32),
              "linear_beta": np.array(betas[1], np.float32)}
-    (y,) = _session(_situ_glu_model(), kernels).run(None, feeds)
+    (y,) = session(_situ_glu_model(), kernels).run(None, feeds)
     want = glu(a.double(), u.double(), "situ", *betas)
     assert y.shape == shape
     np.testing.assert_allclose(y, want.numpy(), rtol=2e-6, atol=1e-6 * scale * scale)
@@ -193,16 +151,16 @@ def test_situ_glu_kernel_names_the_bad_input(kernels):
     feeds = {"a": np.zeros((3, 8), np.float32), "u": np.zeros((3, 9), np.float32), "beta": np.array(4, np.float32),
              "linear_beta": np.array(25, np.float32)}
     with pytest.raises(Exception, match=r"k3x.fused::SiTUGLU: a \[3, 8\] and u \[3, 9\]: expected one shape"):
-        _session(_situ_glu_model(), kernels).run(None, feeds)
+        session(_situ_glu_model(), kernels).run(None, feeds)
     feeds |= {"u": np.zeros((3, 8), np.float32), "beta": np.ones(2, np.float32)}
     with pytest.raises(Exception, match=r"k3x.fused::SiTUGLU: beta \[2\]: expected one value"):
-        _session(_situ_glu_model(), kernels).run(None, feeds)
+        session(_situ_glu_model(), kernels).run(None, feeds)
 
 
 def _kda_packed_model(H: int, K: int, V: int, scale: float):
     from k3x.custom_ops.kda_packed.onnx import NODE
 
-    return _bare("KDAPacked", [n for n, _ in NODE.inputs], [n for n, _ in NODE.outputs], scale=scale, num_heads=H,
+    return bare("KDAPacked", [n for n, _ in NODE.inputs], [n for n, _ in NODE.outputs], scale=scale, num_heads=H,
                  head_dim=K, value_dim=V, gate_lower_bound=-5.0)
 
 
@@ -229,7 +187,7 @@ def test_kda_packed_kernel_matches_the_reference(kernels, lens, H, K, V):
 
     x = _kda_packed_inputs(lens, H, K, V, seed=sum(lens) + H + K)
     scale = K ** -0.5
-    out = _session(_kda_packed_model(H, K, V, scale), kernels).run(None, {n: t.numpy() for n, t in x.items()})
+    out = session(_kda_packed_model(H, K, V, scale), kernels).run(None, {n: t.numpy() for n, t in x.items()})
     want = kda_packed(*(t.double() if t.is_floating_point() else t for t in x.values()), scale=scale)
     for (name, _), got, e in zip(NODE.outputs, out, want, strict=True):
         assert got.shape == tuple(e.shape), name
@@ -244,7 +202,7 @@ def test_kda_packed_kernel_matches_the_reference(kernels, lens, H, K, V):
 def test_kda_packed_kernel_names_the_bad_input(kernels, change, message):
     feeds = {n: t.numpy() for n, t in _kda_packed_inputs([3, 1], 2, 16, 16, seed=0).items()} | change
     with pytest.raises(Exception, match=message):
-        _session(_kda_packed_model(2, 16, 16, 0.25), kernels).run(None, feeds)
+        session(_kda_packed_model(2, 16, 16, 0.25), kernels).run(None, feeds)
 
 
 @pytest.mark.parametrize("E,N,top_k,ep,activation", [
@@ -308,8 +266,8 @@ def test_moe_dispatch_kernel_equals_its_body(kernels, N, E, local, k, offset, r)
              "z": torch.randn(N, 7, generator=g).numpy(), "renormalize": np.array(r, np.float32),
              "scale": np.array(2.5, np.float32), "top_k": np.array([k]), "num_experts": np.array([local]),
              "expert_offset": np.array([offset], np.int32)}
-    body = _session(_dispatch_model(local, False)).run(None, feeds)
-    kernel = _session(_dispatch_model(local, True), kernels).run(None, feeds)
+    body = session(_dispatch_model(local, False)).run(None, feeds)
+    kernel = session(_dispatch_model(local, True), kernels).run(None, feeds)
     np.testing.assert_allclose(kernel[0], body[0], rtol=1e-6, atol=1e-7)
     for got, want in zip(kernel[1:], body[1:], strict=True):
         assert got.shape == want.shape and np.array_equal(got, want)
@@ -321,16 +279,16 @@ def test_moe_kernels_name_the_bad_input(kernels):
              "scale": np.array(1, np.float32), "top_k": np.array([9]), "num_experts": np.array([8]),
              "expert_offset": np.array([0], np.int32)}
     with pytest.raises(Exception, match=r"k3x.fused::MoEDispatch: top_k 9 outside 1..8"):
-        _session(_dispatch_model(8, True), kernels).run(None, feeds)
+        session(_dispatch_model(8, True), kernels).run(None, feeds)
     feeds |= {"top_k": np.array([2]), "num_experts": np.array([6])}
     with pytest.raises(Exception, match=r"k3x.fused::MoEDispatch: num_experts 6 but 8 expert outputs"):
-        _session(_dispatch_model(8, True), kernels).run(None, feeds)
-    combine = _bare("MoECombine", ("pair_w", "pair_row", "y_0", "y_1"), ["u"], domain="k3x.fused")
+        session(_dispatch_model(8, True), kernels).run(None, feeds)
+    combine = bare("MoECombine", ("pair_w", "pair_row", "y_0", "y_1"), ["u"], domain="k3x.fused")
     combine.graph.input[1].type.tensor_type.elem_type = TensorProto.INT64
     feeds = {"pair_w": np.ones((2, 2), np.float32), "pair_row": np.array([[0, 1], [2, 4]]),
              "y_0": np.ones((1, 5), np.float32), "y_1": np.ones((2, 5), np.float32)}
     with pytest.raises(Exception, match=r"k3x.fused::MoECombine: pair_row 4 outside the 4 rows of Y"):
-        _session(combine, kernels).run(None, feeds)
+        session(combine, kernels).run(None, feeds)
     feeds |= {"pair_row": np.array([[0, 1], [2, 3]]), "y_1": np.ones((2, 6), np.float32)}
     with pytest.raises(Exception, match=r"k3x.fused::MoECombine: y_1 \[2, 6\]: expected \[rows, 5\]"):
-        _session(combine, kernels).run(None, feeds)
+        session(combine, kernels).run(None, feeds)

@@ -1,0 +1,181 @@
+// k3::MLAPaged on ONNX Runtime's CPU provider, fp32: absorbed MLA attention over the paged latent cache, each
+// query row reading only its own sequence's keys (the function body in onnx.py pads the sequences to the
+// step's longest, concatenates and transposes the queries, masks and unpads: ~60 graph ops, a third of an MLA
+// layer's time on a k3-bench prefill). Compiled into the custom-op library by runtime/ort_kernels.py, which calls
+// k3x_add_mla_paged. Sequence b's key j is its past position j < P = past_lens[b] (pool row j % BS of block
+// block_table[b, j / BS]) or this step's row cu_seqlens[b] + j - P of `latent`; query row t (local) sees keys
+// 0..P + t:
+//   s_j = scale (q_latent . key_j[:C] + q_rope . key_j[C:]),  o = sum_j softmax(s)_j key_j[:C]
+// One task per (sequence, head, block of up to QB rows); keys in blocks of KB with an online softmax, so a task's
+// scratch is QB x KB scores whatever the context length (a 1 M-position past included).
+#define ORT_API_MANUAL_INIT
+#include <onnxruntime_cxx_api.h>
+
+#include "ort_kernel.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int64_t QB = 4;    // query rows per task: each key row loaded once for QB dot products
+constexpr int64_t KB = 128;  // keys per online-softmax block
+
+struct Attention {
+  const float *q_latent, *q_rope, *latent, *pool;
+  const int32_t* table;  // [B, MB]
+  const int64_t *cu, *past;
+  float* o;
+  int64_t H, C, R, BS, MB;
+  float scale;
+  std::vector<int64_t> task_seq, task_row;  // per task: its sequence and first local row (head = task % H)
+};
+
+// key j of sequence b (L = C + R floats)
+const float* key(const Attention& a, int64_t b, int64_t j) {
+  const int64_t L = a.C + a.R, P = a.past[b];
+  if (j < P) return a.pool + (int64_t(a.table[b * a.MB + j / a.BS]) * a.BS + j % a.BS) * L;
+  return a.latent + (a.cu[b] + j - P) * L;
+}
+
+// s[r] = q_r . k over L floats for the rows' scaled queries q (rows x L, row-major)
+void dots(const float* q, int64_t rows, int64_t L, const float* k, float* s) {
+  if (rows == QB) {  // one pass over k for the four rows
+    const float *q0 = q, *q1 = q + L, *q2 = q + 2 * L, *q3 = q + 3 * L;
+    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int64_t l = 0; l < L; ++l) {
+      s0 += q0[l] * k[l];
+      s1 += q1[l] * k[l];
+      s2 += q2[l] * k[l];
+      s3 += q3[l] * k[l];
+    }
+    s[0] = s0, s[1] = s1, s[2] = s2, s[3] = s3;
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* qr = q + r * L;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t l = 0; l < L; ++l) sum += qr[l] * k[l];
+    s[r] = sum;
+  }
+}
+
+void attend(void* user, size_t task) {
+  const Attention& a = *static_cast<const Attention*>(user);
+  const int64_t H = a.H, C = a.C, R = a.R, L = C + R, h = int64_t(task) % H;
+  const int64_t b = a.task_seq[task / H], t0 = a.task_row[task / H], P = a.past[b];
+  const int64_t rows = std::min(QB, a.cu[b + 1] - a.cu[b] - t0), keys = P + t0 + rows;  // the last row's view
+  std::vector<float> q(QB * L), acc(QB * C, 0.f), s(QB * KB), top(QB, -INFINITY), total(QB, 0.f);
+  for (int64_t r = 0; r < rows; ++r) {  // scaled queries, [q_latent | q_rope], contiguous
+    const int64_t n = a.cu[b] + t0 + r;
+    const float *ql = a.q_latent + (n * H + h) * C, *qr = a.q_rope + (n * H + h) * R;
+    for (int64_t c = 0; c < C; ++c) q[r * L + c] = a.scale * ql[c];
+    for (int64_t c = 0; c < R; ++c) q[r * L + C + c] = a.scale * qr[c];
+  }
+  std::vector<const float*> k(KB);
+  for (int64_t k0 = 0; k0 < keys; k0 += KB) {
+    const int64_t width = std::min(KB, keys - k0);
+    for (int64_t j = 0; j < width; ++j) {
+      k[j] = key(a, b, k0 + j);
+      float d[QB];
+      dots(q.data(), rows, L, k[j], d);
+      for (int64_t r = 0; r < rows; ++r) s[r * KB + j] = k0 + j <= P + t0 + r ? d[r] : -INFINITY;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float* sr = s.data() + r * KB;
+      float m = top[r];
+      for (int64_t j = 0; j < width; ++j) m = std::max(m, sr[j]);
+      if (m == -INFINITY) continue;  // no key of this block visible to the row (nor before it)
+      const float shrink = exp_approx(top[r] - m);  // the running sums to the new maximum (0 on the first)
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < width; ++j) {
+        sr[j] = sr[j] == -INFINITY ? 0.f : exp_approx(sr[j] - m);  // a masked key weighs exactly 0
+        sum += sr[j];
+      }
+      top[r] = m;
+      total[r] = total[r] * shrink + sum;
+      float* o = acc.data() + r * C;
+      for (int64_t c = 0; c < C; ++c) o[c] *= shrink;
+      for (int64_t j = 0; j < width; ++j) {
+        const float p = sr[j], *kj = k[j];
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) o[c] += p * kj[c];
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* out = a.o + ((a.cu[b] + t0 + r) * H + h) * C;
+    const float inv = 1.f / total[r];
+    for (int64_t c = 0; c < C; ++c) out[c] = acc[r * C + c] * inv;
+  }
+}
+
+void require(bool ok, const std::string& what) {
+  if (!ok) throw Ort::Exception("k3::MLAPaged: " + what, ORT_INVALID_ARGUMENT);
+}
+
+struct MLAPagedKernel : Fp32Int32<7, 4, 1> {
+  static constexpr const char* name = "MLAPaged";
+  float scale;
+  MLAPagedKernel(const OrtApi&, const OrtKernelInfo* info) {
+    scale = Ort::ConstKernelInfo(info).GetAttribute<float>("scale");
+  }
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    auto q_latent = ctx.GetInput(0), q_rope = ctx.GetInput(1), latent = ctx.GetInput(2), pool = ctx.GetInput(3);
+    auto table = ctx.GetInput(4), past = ctx.GetInput(5), cu = ctx.GetInput(6);
+    const auto qs = shape_of(q_latent), rs = shape_of(q_rope), ls = shape_of(latent), ps = shape_of(pool);
+    const auto ts = shape_of(table), pls = shape_of(past), cs = shape_of(cu);
+    require(qs.size() == 3, "q_latent " + dims(qs) + ": expected [N, H, C]");
+    const int64_t N = qs[0], H = qs[1], C = qs[2];
+    require(rs.size() == 3 && rs[0] == N && rs[1] == H, "q_rope " + dims(rs) + ": expected [N, H, R]");
+    const int64_t R = rs[2], L = C + R;
+    require(ls == std::vector<int64_t>{N, L}, "latent " + dims(ls) + ": expected [N, C + R] = [" +
+                                                  std::to_string(N) + ", " + std::to_string(L) + "]");
+    require(ps.size() == 3 && ps[2] == L && ps[1] > 0, "latent_pool " + dims(ps) + ": expected [NB, BS, C + R]");
+    require(ts.size() == 2 && pls == std::vector<int64_t>{ts[0]} && cs == std::vector<int64_t>{ts[0] + 1},
+            "block_table " + dims(ts) + ", past_lens " + dims(pls) + " and cu_seqlens " + dims(cs) +
+                ": expected [B, MB], [B] and [B+1]");
+    const int64_t B = ts[0], MB = ts[1], NB = ps[0], BS = ps[1];
+    const int32_t *c32 = cu.GetTensorData<int32_t>(), *p32 = past.GetTensorData<int32_t>();
+    const int32_t* tab = table.GetTensorData<int32_t>();
+    Attention a{q_latent.GetTensorData<float>(), q_rope.GetTensorData<float>(), latent.GetTensorData<float>(),
+                pool.GetTensorData<float>(), tab, nullptr, nullptr,
+                ctx.GetOutput(0, qs).GetTensorMutableData<float>(), H, C, R, BS, MB, scale, {}, {}};
+    std::vector<int64_t> offsets(c32, c32 + B + 1), pasts(p32, p32 + B);
+    bool rising = offsets[0] == 0 && offsets[B] == N;
+    for (int64_t b = 0; b < B; ++b) rising = rising && offsets[b] <= offsets[b + 1];
+    require(rising, "cu_seqlens must rise from 0 to N = " + std::to_string(N));
+    for (int64_t b = 0; b < B; ++b) {
+      require(pasts[b] >= 0 && (pasts[b] + BS - 1) / BS <= MB,
+              "past_lens[" + std::to_string(b) + "] = " + std::to_string(pasts[b]) + ": expected 0.." +
+                  std::to_string(MB * BS) + ", what a block_table row of " + std::to_string(MB) + " blocks of " +
+                  std::to_string(BS) + " positions holds");
+      for (int64_t i = 0; i < (pasts[b] + BS - 1) / BS; ++i)
+        require(tab[b * MB + i] >= 0 && tab[b * MB + i] < NB,
+                "block_table[" + std::to_string(b) + ", " + std::to_string(i) + "] = " +
+                    std::to_string(tab[b * MB + i]) + ": outside the pool of " + std::to_string(NB) + " blocks");
+      for (int64_t t0 = 0; t0 < offsets[b + 1] - offsets[b]; t0 += QB) {
+        a.task_seq.push_back(b);
+        a.task_row.push_back(t0);
+      }
+    }
+    a.cu = offsets.data();
+    a.past = pasts.data();
+    const size_t tasks = a.task_seq.size() * size_t(H);
+    if (tasks > 0 && C > 0) ctx.ParallelFor(attend, tasks, 0, &a);
+  }
+};
+
+CpuOp<MLAPagedKernel> mla_paged_op;
+
+}  // namespace
+
+void k3x_add_mla_paged(Ort::CustomOpDomain& k3, Ort::CustomOpDomain&) { k3.Add(&mla_paged_op); }
