@@ -36,6 +36,7 @@ def _inputs(lens: list[int], pasts: list[int], H: int, C: int, R: int, BS: int, 
     ([7, 1, 0, 13, 1], [5, 40, 3, 0, 9], 3, 24, 8, 4),  # chunks and decode rows after pasts; an empty sequence
     ([2, 1], [300, 517], 2, 32, 8, 16),  # pasts of several key blocks (128 keys each)
     ([6, 3], [2, 0], 2, 16, 0, 8),  # no rope part (R = 0)
+    ([9, 4], [3, 130], 2, 20, 6, 8),  # four-row tasks over widths past a multiple of 8 (L = 26) and of 16 (C)
 ])
 def test_mla_paged_kernel_matches_the_reference(kernels, lens, pasts, H, C, R, BS):
     from k3x.custom_ops.mla_paged.reference import mla_paged
