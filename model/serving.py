@@ -53,20 +53,22 @@ class K3ServingStep(nn.Module):
         self.output_names = ["logits", *(n for _, n in names)]
 
     def _mixer(self, layer: DecoderLayer, pools: list[Tensor], feeds: dict[str, Tensor], decode: bool) -> Mixer:
+        """The layer's attention on the step's [1, N, d] hidden as its ops take it, [N, d] (squeeze, not h[0]:
+        ONNX Runtime runs a Squeeze on the same buffer where h[0], a Gather, copied it in every layer)."""
         attn, k = layer.self_attn, self.kernels
 
         if layer.kind == "kda" and decode:
             def mix(h: Tensor) -> tuple[Tensor, list[Tensor]]:
-                y, conv, rec = attn.forward_decode(h[0], pools[0], pools[1], feeds["slots"], kernels=k)
+                y, conv, rec = attn.forward_decode(h.squeeze(0), pools[0], pools[1], feeds["slots"], kernels=k)
                 return y[None], [conv, rec]
         elif layer.kind == "kda":
             def mix(h: Tensor) -> tuple[Tensor, list[Tensor]]:
-                y, conv, rec = attn.forward_packed(h[0], pools[0], pools[1], feeds["cu_seqlens"], feeds["slots"],
-                                                   kernels=k)
+                y, conv, rec = attn.forward_packed(h.squeeze(0), pools[0], pools[1], feeds["cu_seqlens"],
+                                                   feeds["slots"], kernels=k)
                 return y[None], [conv, rec]
         else:
             def mix(h: Tensor) -> tuple[Tensor, list[Tensor]]:
-                y, latent = attn.forward_paged(h[0], pools[0], feeds["block_table"], feeds["past_lens"],
+                y, latent = attn.forward_paged(h.squeeze(0), pools[0], feeds["block_table"], feeds["past_lens"],
                                                feeds["cu_seqlens"], kernels=k)
                 return y[None], [latent]
         return mix
