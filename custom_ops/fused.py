@@ -12,6 +12,11 @@ it to the same math. Its CPU kernel (custom_ops/moe/ort_kernel.cc, built by runt
 pass over a and u where the body makes nine over [N, I]. Calls are made by export/onnx_rewrites.py
 `fuse_situ_glu` from the traced dense FFN / shared-expert chain, and by the k3::MoE body for its experts.
 
+`SiTUGLUExperts(beta, linear_beta, h_0..h_{E-1}) -> y_0..y_{E-1}`: the SiTU-GLU of each routed expert of a
+k3::MoE body's per-expert path, h_e = [a_e | u_e] along the last axis (one Gemm against the expert's w1 and w3
+stacked), y_e its GLU; the body splits each h_e and runs the SiTUGLU chain on the halves. One call (and one
+kernel pass over every expert's rows) where one SiTUGLU call per expert was.
+
 `MoEDispatch` and `MoECombine`: the k3::MoE body's routing and row traffic around its per-expert GEMMs
 (custom_ops/moe/onnx_dispatch.py, their bodies and kernels' contract; kernels in custom_ops/moe/ort_kernel.cc),
 built for the calling nodes' local expert count.
@@ -26,6 +31,7 @@ from ..plan.onnx_node import FUSED_DOMAIN, Body
 from .moe.onnx_dispatch import MOE_COMBINE, MOE_DISPATCH, combine_function, dispatch_function
 
 SITU_GLU = "SiTUGLU"
+SITU_GLU_EXPERTS = "SiTUGLUExperts"
 
 
 def situ_glu_halves(b: Body, a: str, u: str, beta: str, linear_beta: str) -> tuple[str, str]:
@@ -44,7 +50,19 @@ def situ_glu_function(opset_version: int) -> onnx.FunctionProto:
                                 [helper.make_opsetid("", opset_version)], doc_string="SiTU-GLU (k3x)")
 
 
+def situ_glu_experts_function(opset_version: int, experts: int) -> onnx.FunctionProto:
+    """The SiTUGLUExperts body for `experts` experts: each h_e split in halves (a_e, u_e), the SiTUGLU chain."""
+    b = Body(SITU_GLU_EXPERTS)
+    hs, ys = [f"h_{e}" for e in range(experts)], [f"y_{e}" for e in range(experts)]
+    for h, y in zip(hs, ys):
+        a, u = b.op("Split", h, axis=-1, num_outputs=2, outputs=2)
+        b.out("Mul", list(situ_glu_halves(b, a, u, "beta", "linear_beta")), [y])
+    return helper.make_function(FUSED_DOMAIN, SITU_GLU_EXPERTS, ["beta", "linear_beta", *hs], ys, b.nodes,
+                                [helper.make_opsetid("", opset_version)], doc_string="SiTU-GLU of each expert (k3x)")
+
+
 # op type in FUSED_DOMAIN -> its body, for (ai.onnx opset, the calls' (input count, output count))
 FUNCTIONS = {SITU_GLU: lambda opset_version, _: situ_glu_function(opset_version),
+             SITU_GLU_EXPERTS: lambda opset_version, ports: situ_glu_experts_function(opset_version, ports[1]),
              MOE_DISPATCH: lambda opset_version, ports: dispatch_function(opset_version, ports[1] - 2),
              MOE_COMBINE: lambda opset_version, ports: combine_function(opset_version, ports[0] - 2)}

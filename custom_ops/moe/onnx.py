@@ -17,7 +17,7 @@ import onnx_ir
 from onnx import TensorProto
 
 from ...plan.onnx_node import COMMON_ATTRIBUTES, FUSED_DOMAIN, MS_DOMAIN, Body, NodeSpec, opset, static
-from ..fused import SITU_GLU, situ_glu_halves
+from ..fused import SITU_GLU, SITU_GLU_EXPERTS, situ_glu_halves
 from .onnx_dispatch import dispatched_experts, route
 from .onnx_experts import UNROLL_MAX, ExpertWeights, Quantize, routed_experts
 from .op import SIGNATURE
@@ -67,6 +67,12 @@ def _glu(b: Body, a: str, u: str, betas: list[str], fused: bool) -> str:
     if fused:
         return b.op(SITU_GLU, a, u, b1, b2, domain=FUSED_DOMAIN)
     return b.op("Mul", *situ_glu_halves(b, a, u, b1, b2))
+
+
+def _glu_experts(b: Body, hs: list[str], betas: list[str]) -> list[str]:
+    """Every expert's SiTU-GLU from its [a | u] rows as one `k3x.fused::SiTUGLUExperts` call."""
+    ys = b.op(SITU_GLU_EXPERTS, *betas, *hs, outputs=len(hs), domain=FUSED_DOMAIN)
+    return ys if isinstance(ys, list) else [ys]
 
 
 def dense_weights(b: Body, e: str) -> dict[str, str]:
@@ -144,7 +150,8 @@ def moe_function(spec: NodeSpec, opset_version: int, nodes: list, expert_weights
         if per_expert > UNROLL_MAX:
             raise ValueError(f"per_expert={per_expert}: at most {UNROLL_MAX} experts get one copy of the step each")
         b.step = "per_expert"
-        u = dispatched_experts(b, routing, per_expert, lambda body, a, u: _glu(body, a, u, betas, fused=True))
+        u = dispatched_experts(b, routing, per_expert, lambda body, a, u: _glu(body, a, u, betas, fused=True),
+                               (lambda body, hs: _glu_experts(body, hs, betas)) if betas else None)
     else:
         pairs = route(b, *routing)
         b.step = "experts"

@@ -19,6 +19,8 @@ node of a model shares.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import onnx
 from onnx import TensorProto, helper
 
@@ -95,13 +97,21 @@ def combine_function(opset_version: int, experts: int) -> onnx.FunctionProto:
                                 [helper.make_opsetid("", opset_version)], doc_string="k3::MoE combine (k3x)")
 
 
-def dispatched_experts(b: Body, inputs: tuple[str, ...], experts: int, glu: Glu) -> str:
+def dispatched_experts(b: Body, inputs: tuple[str, ...], experts: int, glu: Glu,
+                       glu_all: Callable[[Body, list[str]], list[str]] | None = None) -> str:
     """u [N, L] fp32 in the MoE body: MoEDispatch on `inputs` (DISPATCH_INPUTS' values in `b`), each expert's
-    three Gemms against Gather(w, e) at the constant e (ONNX Runtime folds those into per-expert constants at
-    load, drops the then unused stacked weights, and prepacks them) and its GLU on its own rows, MoECombine."""
+    Gemms against Gather(w, e) at the constant e (ONNX Runtime folds those into per-expert constants at load,
+    drops the then unused stacked weights, and prepacks them) and its GLU on its own rows, MoECombine.
+    `glu_all` (every expert's [a | u] -> its GLU, one call): w1 and w3 stacked into one [2I, L] weight per
+    expert, one Gemm each for a and u; else two Gemms and `glu` per expert."""
     pair_w, pair_row, *xs = b.op(MOE_DISPATCH, *inputs, outputs=2 + experts, domain=FUSED_DOMAIN)
 
     def gemm(x: str, w: str, e: int) -> str:
         return b.op("Gemm", x, b.op("Gather", w, b.op("Constant", value_int=e), axis=0), transB=1)
-    ys = [gemm(glu(b, gemm(x, "w1", e), gemm(x, "w3", e)), "w2", e) for e, x in enumerate(xs)]
+    if glu_all is None:
+        hs = [glu(b, gemm(x, "w1", e), gemm(x, "w3", e)) for e, x in enumerate(xs)]
+    else:
+        w13 = b.op("Concat", "w1", "w3", axis=1)  # [E, 2I, L]: initializers, folded at load
+        hs = glu_all(b, [gemm(x, w13, e) for e, x in enumerate(xs)])
+    ys = [gemm(h, "w2", e) for e, h in enumerate(hs)]
     return b.op(MOE_COMBINE, pair_w, pair_row, *ys, domain=FUSED_DOMAIN)

@@ -5,6 +5,8 @@
 // runs it as nine graph ops, each a pass over [N, I]); elements split over the intra-op threads in blocks.
 //   y = [b1 tanh(a / b1) sigmoid(a)] * [b2 tanh(u / b2)],  b1 = beta, b2 = linear_beta (scalar inputs)
 //
+// SiTUGLUExperts: the same on every routed expert's [a | u] rows (one Gemm against w1 and w3 stacked) in one call.
+//
 // MoEDispatch and MoECombine: the routing and the row traffic around the per-expert GEMMs (the bodies in
 // custom_ops/moe/onnx_dispatch.py, some fifty graph ops and a row Gather per expert), as two passes.
 #define ORT_API_MANUAL_INIT
@@ -29,17 +31,20 @@ struct Glu {
   float b1, b2;
 };
 
-void glu_block(void* user, size_t block) {
-  const Glu& g = *static_cast<const Glu*>(user);
-  const int64_t lo = int64_t(block) * BLOCK, hi = std::min(g.n, lo + BLOCK);
-  const float b1 = g.b1, b2 = g.b2, r1 = 1.f / b1, r2 = 1.f / b2;
-  const float *a = g.a, *u = g.u;
-  float* y = g.y;
+// y[i] for i in [lo, hi): b1 b2 tanh(a / b1) tanh(u / b2) / (1 + e^-a), one division
+void glu_span(const float* a, const float* u, float* y, int64_t lo, int64_t hi, float b1, float b2) {
+  const float r1 = 1.f / b1, r2 = 1.f / b2;
 #pragma omp simd
-  for (int64_t i = lo; i < hi; ++i) {  // b1 b2 tanh(a / b1) tanh(u / b2) / (1 + e^-a), one division
+  for (int64_t i = lo; i < hi; ++i) {
     const Ratio t1 = tanh_ratio(a[i] * r1), t2 = tanh_ratio(u[i] * r2);
     y[i] = b1 * b2 * t1.num * t2.num / (t1.den * t2.den * (1.f + exp_approx(-a[i])));
   }
+}
+
+void glu_block(void* user, size_t block) {
+  const Glu& g = *static_cast<const Glu*>(user);
+  const int64_t lo = int64_t(block) * BLOCK;
+  glu_span(g.a, g.u, g.y, lo, std::min(g.n, lo + BLOCK), g.b1, g.b2);
 }
 
 // The one value of a scalar input `name` of k3x.fused::`op`; an error names it otherwise.
@@ -71,6 +76,50 @@ struct SiTUGLUKernel : Fp32Int32<4, 4, 1> {
   }
 };
 
+// SiTUGLUExperts(beta, linear_beta, h_0..h_{E-1}) -> y_0..y_{E-1}: h_e [n_e, 2I] = [a_e | u_e], y_e [n_e, I] its
+// SiTU-GLU; every expert's rows in tasks of about BLOCK outputs, so one call spreads them all over the threads.
+struct SiTUGLUExpertsKernel {
+  static constexpr const char* name = "SiTUGLUExperts";
+  static constexpr size_t inputs = 3, outputs = 1;
+  static constexpr bool variadic_input = true, variadic_output = true;
+  static ONNXTensorElementDataType input_type(size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+  static ONNXTensorElementDataType output_type(size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+  SiTUGLUExpertsKernel(const OrtApi&, const OrtKernelInfo*) {}
+
+  struct Task {
+    const float* h;
+    float* y;
+    int64_t rows, I;  // rows of [a | u] (2I wide) -> rows of y (I wide)
+  };
+  struct Work {
+    std::vector<Task> tasks;
+    float b1, b2;
+  };
+  static void run(void* user, size_t i) {
+    const Work& w = *static_cast<const Work*>(user);
+    const Task& t = w.tasks[i];
+    for (int64_t r = 0; r < t.rows; ++r)
+      glu_span(t.h + r * 2 * t.I, t.h + r * 2 * t.I + t.I, t.y + r * t.I, 0, t.I, w.b1, w.b2);
+  }
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    Work w{{}, one_value<float>(ctx.GetInput(0), name, "beta"), one_value<float>(ctx.GetInput(1), name, "linear_beta")};
+    for (size_t e = 2; e < ctx.GetInputCount(); ++e) {
+      auto h = ctx.GetInput(e);
+      const auto hs = shape_of(h);
+      if (hs.size() != 2 || hs[1] % 2)
+        throw Ort::Exception("k3x.fused::SiTUGLUExperts: h_" + std::to_string(e - 2) + " " + dims(hs) +
+                                 ": expected [rows, 2I]", ORT_INVALID_ARGUMENT);
+      const int64_t I = hs[1] / 2, step = std::max<int64_t>(1, BLOCK / std::max<int64_t>(I, 1));
+      const float* data = h.GetTensorData<float>();
+      float* y = ctx.GetOutput(e - 2, {hs[0], I}).GetTensorMutableData<float>();
+      for (int64_t r = 0; r < hs[0] && I > 0; r += step)
+        w.tasks.push_back({data + r * 2 * I, y + r * I, std::min(step, hs[0] - r), I});
+    }
+    if (!w.tasks.empty()) ctx.ParallelFor(run, w.tasks.size(), 0, &w);
+  }
+};
 
 // MoEDispatch(logits [N, E], gate_bias [E], z [N, L], renormalize, scale, top_k, num_experts (local),
 // expert_offset) -> pair_w [N, k], pair_row [N, k] int64, x_0..x_{E_local-1} [n_e, L]:
@@ -246,11 +295,13 @@ CpuOp<MoEDispatchKernel> dispatch_op;
 CpuOp<MoECombineKernel> combine_op;
 
 CpuOp<SiTUGLUKernel> situ_glu_op;
+CpuOp<SiTUGLUExpertsKernel> situ_glu_experts_op;
 
 }  // namespace
 
 void k3x_add_moe(Ort::CustomOpDomain&, Ort::CustomOpDomain& fused) {
   fused.Add(&situ_glu_op);
+  fused.Add(&situ_glu_experts_op);
   fused.Add(&dispatch_op);
   fused.Add(&combine_op);
 }

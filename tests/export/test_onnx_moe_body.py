@@ -126,9 +126,10 @@ def test_each_expert_path_taken_by_size_and_exact(E, N, top_k, path, tmp_path):
 
 
 def test_per_expert_weights_fold_into_constants(tmp_path):
-    """The per-expert step reads w1/w3/w2 only as Gathers at constant expert ids, which ONNX Runtime folds at
-    load: in the graph it runs no node reads the stacked weights (dropped: no second copy of the experts
-    in memory), and exactly three Gemms per expert take the folded constants."""
+    """The per-expert step reads w1/w3/w2 only as Gathers at constant expert ids (w1 and w3 stacked first),
+    which ONNX Runtime folds at load: in the graph it runs no node reads the stacked weights (dropped: no
+    second copy of the experts in memory), and exactly two Gemms per expert ([w1; w3], then w2) take the
+    folded constants."""
     E, k, d, L, I = 6, 2, 24, 16, 12
     w = weights(E, d, L, I)
     s = MoESession(w, k, optimized=str(tmp_path / "run.onnx"))
@@ -137,7 +138,7 @@ def test_per_expert_weights_fold_into_constants(tmp_path):
     assert not {"w1", "w3", "w2"} & {i.name for i in ran.graph.initializer}
     assert not [n.op_type for n in ran.graph.node if set(n.input) & {"w1", "w3", "w2"}]
     gemms = [n for n in ran.graph.node if n.op_type == "Gemm" and "per_expert" in n.name]
-    assert len(gemms) == 3 * E and all(n.input[1] in {i.name for i in ran.graph.initializer} for n in gemms)
+    assert len(gemms) == 2 * E and all(n.input[1] in {i.name for i in ran.graph.initializer} for n in gemms)
 
 
 def test_per_expert_count_is_the_shared_static_count_up_to_the_limit():
@@ -196,13 +197,18 @@ def test_branches_hand_out_what_their_last_ops_write():
         assert sources == ["FusedMatMul" if attr.name == "then_branch" else "ConcatFromSequence", "Where"], sources
 
 
-def test_per_expert_step_has_no_branch_and_no_loop():
-    """Up to UNROLL_MAX fp32 experts the body has neither If nor Loop: one copy of the step per expert."""
+@pytest.mark.parametrize("activation,gemms,glu_calls", [("situ", 2, {"SiTUGLUExperts": 1}),
+                                                         ("silu", 3, {"SiTUGLUExperts": 0})])
+def test_per_expert_step_has_no_branch_and_no_loop(activation, gemms, glu_calls):
+    """Up to UNROLL_MAX fp32 experts the body has neither If nor Loop: one copy of the step per expert. With
+    SiTU, each expert's w1 and w3 are one Gemm and every expert's GLU one k3x.fused::SiTUGLUExperts call; SiLU
+    keeps two Gemms and its ops."""
     inputs = [ir.Value(name=n) for n in ("x", "z", "gate_weight", "gate_bias")] + weight_values(ir.DataType.FLOAT)
-    fn, _ = moe_function(20, [ir.node("MoE", inputs, {"activation": "situ", "num_experts": 8},
+    fn, _ = moe_function(20, [ir.node("MoE", inputs, {"activation": activation, "num_experts": 8},
                                       domain=onnx_node.DOMAIN)])
     assert not {"If", "Loop"} & {n.op_type for n in fn.node}
-    assert sum(n.op_type == "Gemm" for n in fn.node) == 3 * 8
+    assert sum(n.op_type == "Gemm" for n in fn.node) == gemms * 8
+    assert {op: sum(n.op_type == op for n in fn.node) for op in glu_calls} == glu_calls
 
 
 def test_expert_weights_are_only_gathered_per_hit_expert():

@@ -63,7 +63,7 @@ def test_a_serving_step_on_the_kernels_equals_the_function_bodies(kernels, servi
         outs.append(runner.infer(feeds))
         events = json.loads(Path(runner.session.end_profiling()).read_text())
         ran.append({e["args"]["op_name"] for e in kernel_nodes(events)})
-    for op in ("AttnRes", "KDAPrep", "KDAPacked", "SiTUGLU", "MLAPaged"):  # bodies inlined, then kernels ran them
+    for op in ("AttnRes", "KDAPrep", "KDAPacked", "SiTUGLU", "SiTUGLUExperts", "MLAPaged"):  # kernels, not bodies
         assert op not in ran[0] and op in ran[1], (op, ran)
     for name, want in outs[0].items():
         torch.testing.assert_close(torch.as_tensor(outs[1][name]), torch.as_tensor(want), rtol=1e-5, atol=1e-5,
@@ -145,6 +145,32 @@ def test_situ_glu_kernel_matches_the_reference(kernels, shape, scale, betas):
     want = glu(a.double(), u.double(), "situ", *betas)
     assert y.shape == shape
     np.testing.assert_allclose(y, want.numpy(), rtol=2e-6, atol=1e-6 * scale * scale)
+
+
+@pytest.mark.parametrize("rows,I", [
+    ((5, 0, 37, 1), 24),  # an expert without rows
+    ((300,), 16),  # tasks of many rows
+    ((2, 3), 4097),  # rows wider than a task
+])
+def test_situ_glu_experts_kernel_matches_the_reference(kernels, rows, I):
+    names = [f"h_{e}" for e in range(len(rows))]
+    model = bare("SiTUGLUExperts", ("beta", "linear_beta", *names), [f"y_{e}" for e in range(len(rows))],
+                 domain="k3x.fused")
+    g = torch.Generator().manual_seed(sum(rows) + I)
+    hs = [torch.randn(r, 2 * I, generator=g) * 3 for r in rows]
+    feeds = {"beta": np.array([4.0], np.float32), "linear_beta": np.array([25.0], np.float32)}
+    ys = session(model, kernels).run(None, feeds | {n: h.numpy() for n, h in zip(names, hs)})
+    for h, y in zip(hs, ys, strict=True):
+        want = glu(h[:, :I].double(), h[:, I:].double(), "situ", 4.0, 25.0)
+        np.testing.assert_allclose(y, want.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_situ_glu_experts_kernel_names_the_bad_input(kernels):
+    model = bare("SiTUGLUExperts", ("beta", "linear_beta", "h_0", "h_1"), ["y_0", "y_1"], domain="k3x.fused")
+    feeds = {"beta": np.array([4.0], np.float32), "linear_beta": np.array([25.0], np.float32),
+             "h_0": np.zeros((3, 8), np.float32), "h_1": np.zeros((2, 7), np.float32)}
+    with pytest.raises(Exception, match=r"k3x.fused::SiTUGLUExperts: h_1 \[2, 7\]: expected \[rows, 2I\]"):
+        session(model, kernels).run(None, feeds)
 
 
 def test_situ_glu_kernel_names_the_bad_input(kernels):
