@@ -14,7 +14,8 @@ x_e is expert e's rows of z (its pairs in the stable expert-sorted order), y_e i
 order; pair_w the (token, slot) pair's weight (0 for another rank's expert), pair_row its row of
 Y = [0; y_0; ...; y_{E-1}] (0, the zero row, for another rank's expert); u[n] = sum_j pair_w[n, j] Y[pair_row[n, j]].
 The functions are built for the model's local expert count (their output / input counts), which every MoE
-node of a model shares.
+node of a model shares. Between them, with SiTU, each expert's Gemm against [w1; w3] and one
+`k3x.fused::SiTUGLUExperts` call for every expert's GLU (custom_ops/fused.py); with SiLU two Gemms and the ops.
 """
 
 from __future__ import annotations
