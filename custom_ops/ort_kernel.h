@@ -82,8 +82,19 @@ inline std::string dims(const std::vector<int64_t>& s) {
 
 inline std::vector<int64_t> shape_of(const Ort::ConstValue& v) { return v.GetTensorTypeAndShapeInfo().GetShape(); }
 
-// B sequences packed over N rows: cu_seqlens [B+1] (rising from 0 to N) and slots [B] (rows of a pool of S),
-// int32 inputs, as int64; an error names `op` and the bad input.
+// B sequences packed over N rows: cu_seqlens [B+1] (int32, rising from 0 to N) as int64 offsets; an error
+// names `op`.
+inline std::vector<int64_t> offsets(const std::string& op, const Ort::ConstValue& cu, int64_t B, int64_t N) {
+  const int32_t* c = cu.GetTensorData<int32_t>();
+  std::vector<int64_t> o(c, c + B + 1);
+  bool rising = o[0] == 0 && o[B] == N;
+  for (int64_t i = 0; i < B; ++i) rising = rising && o[i] <= o[i + 1];
+  if (!rising)
+    throw Ort::Exception(op + ": cu_seqlens must rise from 0 to N = " + std::to_string(N), ORT_INVALID_ARGUMENT);
+  return o;
+}
+
+// The same with slots [B] (rows of a pool of S), int32 inputs, as int64; an error names `op` and the bad input.
 struct Packing {
   std::vector<int64_t> offsets, slots;
   int64_t B;
@@ -96,11 +107,8 @@ inline Packing packing(const std::string& op, const Ort::ConstValue& cu, const O
   if (slots_s.size() != 1 || cu_s != std::vector<int64_t>{slots_s[0] + 1})
     fail("cu_seqlens " + dims(cu_s) + " and slots " + dims(slots_s) + ": expected [B+1] and [B]");
   const int64_t B = slots_s[0];
-  const int32_t *c = cu.GetTensorData<int32_t>(), *r = slots.GetTensorData<int32_t>();
-  Packing p{std::vector<int64_t>(c, c + B + 1), std::vector<int64_t>(r, r + B), B};
-  bool rising = p.offsets[0] == 0 && p.offsets[B] == N;
-  for (int64_t i = 0; i < B; ++i) rising = rising && p.offsets[i] <= p.offsets[i + 1];
-  if (!rising) fail("cu_seqlens must rise from 0 to N = " + std::to_string(N));
+  const int32_t* r = slots.GetTensorData<int32_t>();
+  Packing p{offsets(op, cu, B, N), std::vector<int64_t>(r, r + B), B};
   for (int64_t row : p.slots)
     if (row < 0 || row >= S) fail("slot " + std::to_string(row) + " outside the pool of " + std::to_string(S));
   return p;

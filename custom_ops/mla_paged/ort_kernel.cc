@@ -197,15 +197,11 @@ struct MLAPagedKernel : Fp32Int32<7, 4, 1> {
             "block_table " + dims(ts) + ", past_lens " + dims(pls) + " and cu_seqlens " + dims(cs) +
                 ": expected [B, MB], [B] and [B+1]");
     const int64_t B = ts[0], MB = ts[1], NB = ps[0], BS = ps[1];
-    const int32_t *c32 = cu.GetTensorData<int32_t>(), *p32 = past.GetTensorData<int32_t>();
-    const int32_t* tab = table.GetTensorData<int32_t>();
+    const int32_t *p32 = past.GetTensorData<int32_t>(), *tab = table.GetTensorData<int32_t>();
     Attention a{q_latent.GetTensorData<float>(), q_rope.GetTensorData<float>(), latent.GetTensorData<float>(),
                 pool.GetTensorData<float>(), tab, nullptr, nullptr,
                 ctx.GetOutput(0, qs).GetTensorMutableData<float>(), H, C, R, BS, MB, scale, {}, {}};
-    std::vector<int64_t> offsets(c32, c32 + B + 1), pasts(p32, p32 + B);
-    bool rising = offsets[0] == 0 && offsets[B] == N;
-    for (int64_t b = 0; b < B; ++b) rising = rising && offsets[b] <= offsets[b + 1];
-    require(rising, "cu_seqlens must rise from 0 to N = " + std::to_string(N));
+    std::vector<int64_t> starts = offsets("k3::MLAPaged", cu, B, N), pasts(p32, p32 + B);
     for (int64_t b = 0; b < B; ++b) {
       require(pasts[b] >= 0 && (pasts[b] + BS - 1) / BS <= MB,
               "past_lens[" + std::to_string(b) + "] = " + std::to_string(pasts[b]) + ": expected 0.." +
@@ -215,12 +211,12 @@ struct MLAPagedKernel : Fp32Int32<7, 4, 1> {
         require(tab[b * MB + i] >= 0 && tab[b * MB + i] < NB,
                 "block_table[" + std::to_string(b) + ", " + std::to_string(i) + "] = " +
                     std::to_string(tab[b * MB + i]) + ": outside the pool of " + std::to_string(NB) + " blocks");
-      for (int64_t t0 = 0; t0 < offsets[b + 1] - offsets[b]; t0 += QB) {
+      for (int64_t t0 = 0; t0 < starts[b + 1] - starts[b]; t0 += QB) {
         a.task_seq.push_back(b);
         a.task_row.push_back(t0);
       }
     }
-    a.cu = offsets.data();
+    a.cu = starts.data();
     a.past = pasts.data();
     const size_t tasks = a.task_seq.size() * size_t(H);
     if (tasks > 0 && C > 0) ctx.ParallelFor(attend, tasks, 0, &a);
