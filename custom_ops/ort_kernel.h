@@ -55,7 +55,7 @@ inline float log_approx(float x) {  // x > 0, finite
 inline float sigmoid(float x) { return 1.f / (1.f + exp_approx(-x)); }
 
 // tanh as a ratio num / den, so that a product of tanh and sigmoid factors takes one division (a division is
-// most of the cost of such a vectorised loop: the SiTU-GLU ran 2.2x faster with one instead of three). Within a
+// most of the cost of such a vectorised loop: the SiTU-GLU ran 2.15x faster with one instead of three). Within a
 // few ulp (Cephes' tanhf): an odd polynomial below |x| = 0.625 (den 1), where (e - 1) / (e + 1), e = e^2|x|, would
 // lose the low bits; that form above, |x| clamped at 9 (fp32 tanh is 1 from there), so num and den stay below
 // 7e7 and a product of a few stays finite. Both computed, one selected, so it vectorises.

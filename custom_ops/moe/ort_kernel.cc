@@ -111,10 +111,12 @@ struct SiTUGLUExpertsKernel {
       if (hs.size() != 2 || hs[1] % 2)
         throw Ort::Exception("k3x.fused::SiTUGLUExperts: h_" + std::to_string(e - 2) + " " + dims(hs) +
                                  ": expected [rows, 2I]", ORT_INVALID_ARGUMENT);
-      const int64_t I = hs[1] / 2, step = std::max<int64_t>(1, BLOCK / std::max<int64_t>(I, 1));
-      const float* data = h.GetTensorData<float>();
+      const int64_t I = hs[1] / 2;
       float* y = ctx.GetOutput(e - 2, {hs[0], I}).GetTensorMutableData<float>();
-      for (int64_t r = 0; r < hs[0] && I > 0; r += step)
+      if (I == 0) continue;
+      const int64_t step = std::max<int64_t>(1, BLOCK / I);  // rows per task
+      const float* data = h.GetTensorData<float>();
+      for (int64_t r = 0; r < hs[0]; r += step)
         w.tasks.push_back({data + r * 2 * I, y + r * I, std::min(step, hs[0] - r), I});
     }
     if (!w.tasks.empty()) ctx.ParallelFor(run, w.tasks.size(), 0, &w);
