@@ -32,16 +32,6 @@ int64_t sequence_of(const Prep& p, int64_t n) {
   return int64_t(std::upper_bound(p.cu, p.cu + p.B + 1, n) - p.cu) - 1;
 }
 
-// channel c of sequence s at local position pos (>= -(W-1)): this step's row, or the pool row before it
-void read_input(const Prep& p, int64_t s, int64_t pos, int64_t c, float* out) {
-  const int64_t M = p.W - 1;
-  if (pos >= 0) {
-    *out = p.qkv[(p.cu[s] + pos) * p.C + c];
-  } else {
-    *out = p.pool[(p.slots[s] * p.C + c) * M + (M + pos)];
-  }
-}
-
 void prep_row(void* user, size_t row) {
   const Prep& p = *static_cast<const Prep*>(user);
   const int64_t n = int64_t(row), C = p.C, H = p.H, K = p.K, V = p.V, M = p.W - 1;
@@ -96,12 +86,22 @@ void prep_row(void* user, size_t row) {
   }
 }
 
+// new_conv[s, :, j] = in(length - M + j), a position at a time (an element at a time through a helper choosing
+// the pool or this step's rows: 32 decode rows, 9 layers, one thread on a Zen 3: 1.46-1.50 -> 1.06-1.10 ms)
 void prep_state(void* user, size_t seq) {
   const Prep& p = *static_cast<const Prep*>(user);
-  const int64_t s = int64_t(seq), M = p.W - 1, length = p.cu[s + 1] - p.cu[s];
-  float* out = p.conv + s * p.C * M;
-  for (int64_t c = 0; c < p.C; ++c)
-    for (int64_t j = 0; j < M; ++j) read_input(p, s, length - M + j, c, out + c * M + j);
+  const int64_t s = int64_t(seq), C = p.C, M = p.W - 1, length = p.cu[s + 1] - p.cu[s];
+  float* out = p.conv + s * C * M;
+  for (int64_t j = 0; j < M; ++j) {
+    const int64_t pos = length - M + j;
+    if (pos >= 0) {
+      const float* x = p.qkv + (p.cu[s] + pos) * C;
+      for (int64_t c = 0; c < C; ++c) out[c * M + j] = x[c];
+    } else {
+      const float* x = p.pool + p.slots[s] * C * M + (M + pos);
+      for (int64_t c = 0; c < C; ++c) out[c * M + j] = x[c * M];
+    }
+  }
 }
 
 void require(bool ok, const std::string& what) {
