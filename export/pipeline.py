@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Callable
 
 from .options import (TARGET_STAGES, Activations, DType, ExpertFormat, ExportJob, ExportOptions, KernelChoice,
                       Progress, Target, Timed, TraceMode, config_error, timed_step)
-from .tokenizer import copy_tokenizer
+from .tokenizer import copy_tokenizer, tokenizer_files
 
 if TYPE_CHECKING:  # this module is imported by the CLI: torch only inside functions
     import torch
@@ -207,7 +207,8 @@ def _job(options: ExportOptions) -> ExportJob:
         from ..checkpoint.reference import checkpoint_hash
 
         ckpt_hash = checkpoint_hash(options.checkpoint)
-    return ExportJob(options, cfg, model, plan, dtype, ckpt_hash, source, stream)
+    tokenizer = tokenizer_files(options.checkpoint) if options.checkpoint is not None else ()
+    return ExportJob(options, cfg, model, plan, dtype, ckpt_hash, source, stream, tokenizer)
 
 
 def _build(job: ExportJob):
@@ -264,7 +265,7 @@ def write_program(work: Path, job: ExportJob, timed: Timed) -> list[str]:
     stream = job.stream and job.weight_source is None  # a reference: the artifacts hold the graph only
     ctx = StageContext(job.cfg, o, work, _weight_stream(job) if stream else None, job.model,
                        stamped=traced["mode"] == "stamped")
-    notes = [copy_tokenizer(o.checkpoint, work)] if o.checkpoint else []
+    notes = [copy_tokenizer(job.tokenizer, o.checkpoint, work)] if o.checkpoint else []
     for name in o.stages():
         with timed(name):
             notes.append(str(STAGES[name](ep, ctx)))

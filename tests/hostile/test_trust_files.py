@@ -68,6 +68,7 @@ def test_export_refuses_a_tokenizer_file_symlinked_out_of_the_checkpoint(ckpt_di
     out = tmp_path / "out"
     code, text = k3x("export", "--checkpoint", ckpt_dir, *FAST, "--out", out)
     _refused(code, text, name, "outside the checkpoint folder")
+    assert "[model]" not in text and "[trace]" not in text, text  # refused with the job, before the model is built
     assert not out.exists()
     _assert_no_secret(tmp_path / "out", *tmp_path.glob(".out.*"))
 
