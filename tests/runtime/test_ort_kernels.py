@@ -206,6 +206,7 @@ def _kda_packed_inputs(lens: list[int], H: int, K: int, V: int, seed: int) -> di
     ([5, 1, 2, 70, 1], 2, 8, 24),  # chunks beside decode rows (70 > the reference's 64-row chunk)
     ([3, 0, 9], 3, 7, 5),  # an empty sequence keeps its state; odd head sizes
     ([64, 1], 2, 128, 128),  # a prefill chunk and a decode row at K3's head size
+    ([1, 4, 1], 2, 16, 40),  # decode rows over a full column block (its own path) and a partial one (AVX2)
 ])
 def test_kda_packed_kernel_matches_the_reference(kernels, lens, H, K, V):
     from k3x.custom_ops.kda_packed.onnx import NODE
