@@ -12,6 +12,7 @@
 #include "ort_kernel.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -61,7 +62,9 @@ void error_row(const Packed& p, int64_t row, int64_t j0, int64_t w, const float*
 // time from L1) and the update stored straight to final_state, with no copy of S in and out (the copy in alone
 // took ~60 % of a decode task; 32 one-token sequences at K = V = 128, one thread on a Zen 3, 9 layers' pools:
 // 10.2-10.7 -> 7.2 us a sequence and head, 7.5 -> 3.6-3.9 us with one pool, which the L3 holds).
-// The same operations as run_block's first and last sweeps, so the same values.
+// The same operations as run_block's first and last sweeps, so the same values: the rank-1 updates are written
+// as std::fma in both, not left to the compiler's contraction (`r * di + ki * e` contracted the other way and
+// differed in the last bit from the sweeps; a sequence's two rows in one step must equal two one-row steps).
 void one_row(const Packed& p, const float* s0, float* final_state, int64_t row, int64_t j0) {
   const int64_t K = p.K, V = p.V;
   const float *q = p.q + row * K, *k = p.k + row * K, *d = p.decay + row * K;
@@ -77,7 +80,7 @@ void one_row(const Packed& p, const float* s0, float* final_state, int64_t row, 
     float* f = final_state + i * V;
 #pragma omp simd
     for (int64_t c = 0; c < VB; ++c) {
-      const float x = r[c] * di + ki * e[c];
+      const float x = std::fma(ki, e[c], r[c] * di);
       out[c] += qi * x;
       f[c] = x;
     }
@@ -127,7 +130,7 @@ void run_block(void* user, size_t task) {
         const float ki = k[i], qi = q[i] * p.scale, di = d1[i], k1i = k1[i];
 #pragma omp simd
         for (int64_t c = 0; c < VB; ++c) {
-          const float x = r[c] + ki * e[c];  // token t's rank-1 update
+          const float x = std::fma(ki, e[c], r[c]);  // token t's rank-1 update
           out[c] += qi * x;                  // its output reads the updated state
           r[c] = x * di;                     // token t+1's decay
           acc[c] += k1i * r[c];              // and its S^T k
@@ -139,7 +142,7 @@ void run_block(void* user, size_t task) {
         const float ki = k[i], qi = q[i] * p.scale;
 #pragma omp simd
         for (int64_t c = 0; c < VB; ++c) {
-          r[c] += ki * e[c];
+          r[c] = std::fma(ki, e[c], r[c]);
           out[c] += qi * r[c];
         }
       }

@@ -221,6 +221,23 @@ def test_kda_packed_kernel_matches_the_reference(kernels, lens, H, K, V):
         np.testing.assert_allclose(got, e.numpy(), rtol=1e-4, atol=1e-4, err_msg=name)
 
 
+def test_kda_packed_two_rows_in_one_step_equal_two_one_row_steps_bit_for_bit(kernels):
+    """A sequence's rows in one step (how speculation verifies drafts) and one row a step (plain decoding) give
+    the same outputs and state to the bit: the kernel's one-row path (a full column block, K = V = 128) does the
+    multi-row sweeps' arithmetic."""
+    H, K, V = 2, 128, 128
+    x = {n: t.numpy() for n, t in _kda_packed_inputs([2], H, K, V, seed=5).items()}
+    run = session(_kda_packed_model(H, K, V, K ** -0.5), kernels).run
+    o, final = run(None, x)
+    pool, state = x["state_pool"].copy(), None
+    for t in range(2):
+        rows = {n: x[n][t: t + 1] for n in ("q", "k", "v", "g", "beta")}
+        step_o, state = run(None, {**x, **rows, "state_pool": pool, "cu_seqlens": np.array([0, 1], np.int32)})
+        assert np.array_equal(step_o[0], o[t]), f"row {t}: o differs from the two-row step"
+        pool[x["slots"][0]] = state[0]
+    assert np.array_equal(state, final), "the state after two one-row steps differs from the two-row step's"
+
+
 @pytest.mark.parametrize("change,message", [
     ({"g": np.zeros((4, 2, 15), np.float32)}, r"k3::KDAPacked: k \[4, 2, 16\] and g \[4, 2, 15\]: expected q's"),
     ({"cu_seqlens": np.array([0, 3, 2], np.int32)}, r"cu_seqlens must rise from 0 to N = 4"),
