@@ -186,33 +186,45 @@ def function_callers(onnx_path: Path) -> dict[str, list[str]]:
     return dict(out)
 
 
-def inlined_callers(nodes: list[dict], callers: dict[str, list[str]]) -> dict[str, str]:
+def inlined_callers(nodes: list[dict], callers: dict[str, list[str]]) -> dict[str, tuple[str, bool]]:
     """ORT names the nodes it inlines from one call `_inlfunc_<fn>_token_<k>_<fn>/...` (the first call of each
     function without a token), k counting in an order of its own. The calls of one function lie on the
     layers' sequential chain, so they execute in the graph's order: sorted by the median position of their
-    nodes in one run, the j-th call is the function's j-th caller -> {call prefix: caller node name}."""
+    nodes in one run, the j-th call is the function's j-th caller -> {call prefix: (caller node name, whether
+    it is a mixer's call)}. A call from inside another function's body (MoEDispatch in k3::MoE's, when the
+    kernel library is not built) is named without its caller's prefix: it belongs to whatever ran just before
+    its first node."""
+    ordered = sorted(nodes, key=lambda e: e["ts"])
     where: dict[str, list[int]] = defaultdict(list)
-    for i, e in enumerate(sorted(nodes, key=lambda e: e["ts"])):
+    for i, e in enumerate(ordered):
         m = INLINED.search(e["name"])
         if m:
             where[m.group(0)].append(i)
     by_fn: dict[str, list[str]] = defaultdict(list)
     for call in sorted(where, key=lambda c: statistics.median(where[c])):
         by_fn[INLINED.search(call).group(1)].append(call)
-    out = {}
+    out: dict[str, tuple[str, bool]] = {}
     for fn, calls in by_fn.items():
-        if len(calls) != len(callers.get(fn, ())):
-            raise ValueError(f"profile: {len(calls)} inlined calls of {fn}, the graph has {len(callers.get(fn, ()))}")
-        out.update(zip(calls, callers[fn]))
+        if fn not in callers:
+            continue  # nested: below
+        if len(calls) != len(callers[fn]):
+            raise ValueError(f"profile: {len(calls)} inlined calls of {fn}, the graph has {len(callers[fn])}")
+        out.update((call, (caller, fn in MIXER_FUNCTIONS)) for call, caller in zip(calls, callers[fn]))
+    for call in sorted((c for c in where if c not in out), key=lambda c: min(where[c])):  # nested, in run order
+        first = min(where[call])
+        out[call] = owner(ordered[first - 1]["name"], out) if first > 0 else ("", False)
     return out
 
 
-def node_part(name: str, inlined: dict[str, str], layer_types: tuple[str, ...]) -> tuple[str, bool]:
-    """(layer kind: kda | mla | other, whether it is the mixer's own work) of a profiled node."""
-    mixer = "/self_attn/" in name
+def owner(name: str, inlined: dict[str, tuple[str, bool]]) -> tuple[str, bool]:
+    """(the main-graph node a profiled node belongs to, whether it is a mixer's work)."""
     m = INLINED.search(name)
-    if m:
-        name, mixer = inlined[m.group(0)], m.group(1) in MIXER_FUNCTIONS
+    return inlined[m.group(0)] if m else (name, "/self_attn/" in name)
+
+
+def node_part(name: str, inlined: dict[str, tuple[str, bool]], layer_types: tuple[str, ...]) -> tuple[str, bool]:
+    """(layer kind: kda | mla | other, whether it is the mixer's own work) of a profiled node."""
+    name, mixer = owner(name, inlined)
     layer = LAYER.search(name)
     return (layer_types[int(layer.group(1))] if layer else "other"), mixer
 

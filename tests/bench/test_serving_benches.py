@@ -58,7 +58,14 @@ def test_mixed_workload(serving_export, tmp_path):
     assert 10 * 8 <= r["new_tokens"] <= 10 * 12
 
 
-def test_length_split(mini_serving, tmp_path):
+@pytest.mark.parametrize("library", ["bodies", "kernels"])
+def test_length_split(mini_serving, tmp_path, request, monkeypatch, library):
+    """With the kernel library (the k3x.fused calls run as kernels) and without it (their bodies inlined, and
+    MoEDispatch's inside k3::MoE's, named without its caller: bench/serving_steps.py `inlined_callers`)."""
+    if library == "kernels":
+        request.getfixturevalue("kernels")
+    else:
+        monkeypatch.setenv("K3X_ORT_KERNELS", "0")
     r = _run(serving_length.main, mini_serving, tmp_path, "--lengths", "16,200", "--rounds", "2", "--repeats", "1")
     assert [x["positions"] for x in r["rows"]] == [16, 200]
     for x in r["rows"]:
