@@ -174,4 +174,3 @@ class ExportJob:
     checkpoint_hash: str | None
     weight_source: dict | None  # --weights reference: the manifest's checkpoint reference (checkpoint/reference.py)
     stream: bool  # pt2 / ONNX from a checkpoint: traced on meta, weights streamed into each artifact
-    tokenizer: tuple[Path, ...]  # the checkpoint's tokenizer files, checked (export/tokenizer.py); () without one

@@ -207,8 +207,9 @@ def _job(options: ExportOptions) -> ExportJob:
         from ..checkpoint.reference import checkpoint_hash
 
         ckpt_hash = checkpoint_hash(options.checkpoint)
-    tokenizer = tokenizer_files(options.checkpoint) if options.checkpoint is not None else ()
-    return ExportJob(options, cfg, model, plan, dtype, ckpt_hash, source, stream, tokenizer)
+    if options.checkpoint is not None:  # a tokenizer file out of the folder refused now (the copy checks again)
+        tokenizer_files(options.checkpoint)
+    return ExportJob(options, cfg, model, plan, dtype, ckpt_hash, source, stream)
 
 
 def _build(job: ExportJob):
@@ -265,7 +266,7 @@ def write_program(work: Path, job: ExportJob, timed: Timed) -> list[str]:
     stream = job.stream and job.weight_source is None  # a reference: the artifacts hold the graph only
     ctx = StageContext(job.cfg, o, work, _weight_stream(job) if stream else None, job.model,
                        stamped=traced["mode"] == "stamped")
-    notes = [copy_tokenizer(job.tokenizer, o.checkpoint, work)] if o.checkpoint else []
+    notes = [copy_tokenizer(o.checkpoint, work)] if o.checkpoint else []
     for name in o.stages():
         with timed(name):
             notes.append(str(STAGES[name](ep, ctx)))

@@ -87,7 +87,7 @@ def write_ranks(work: Path, job: ExportJob, timed: Timed) -> list[str]:
     artifacts.init_manifest(work, cfg, dtype=dtype, weights=options.weights, op_counts=counts,
                             checkpoint=options.checkpoint, checkpoint_hash=job.checkpoint_hash, options=job.model,
                             serving=_serving(job, cfg, top=True))
-    notes = [copy_tokenizer(job.tokenizer, options.checkpoint, work)] if options.checkpoint else []
+    notes = [copy_tokenizer(options.checkpoint, work)] if options.checkpoint else []
     data = artifacts.read_manifest(work)
     for r in ranks:
         e = plan.expert_range(cfg, r["rank"])
