@@ -59,7 +59,7 @@ void error_row(const Packed& p, int64_t row, int64_t j0, int64_t w, const float*
 }
 
 // A sequence of one row (a decode step) on a full block of columns: S read from the pool twice (the second
-// time from L1) and the update stored straight to final_state, with no copy of S in and out (the copy in alone
+// time from the caches) and the update stored straight to final_state, with no copy of S in and out (the copy in alone
 // took ~60 % of a decode task; 32 one-token sequences at K = V = 128, one thread on a Zen 3, 9 layers' pools:
 // 10.2-10.7 -> 7.2 us a sequence and head, 7.5 -> 3.6-3.9 us with one pool, which the L3 holds).
 // The same operations as run_block's first and last sweeps, so the same values: the rank-1 updates are written
