@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from k3x.bench import serving, serving_length, serving_long, serving_mixed, serving_prefill
+from k3x.bench import serving, serving_length, serving_long, serving_mixed, serving_parts, serving_prefill
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -72,6 +72,26 @@ def test_length_split(mini_serving, tmp_path, request, monkeypatch, library):
         _spread_ok(x["step_ms"])
         assert 0 < x["kda_mixer_ms"] < x["kda_ms"] and 0 < x["mla_mixer_ms"] < x["mla_ms"]
         assert x["other_ms"] > 0 and (x["kda_layers"], x["mla_layers"]) == (3, 3)
+
+
+@pytest.mark.parametrize("library", ["bodies", "kernels"])
+def test_batching_split_by_part(mini_serving, tmp_path, request, monkeypatch, library):
+    """Every part of both steps gets time (the k3 calls as kernels, and as inlined bodies), the parts add up to
+    all the nodes' time, and the step's speedup is the parts' speedups weighted by their share."""
+    if library == "kernels":
+        request.getfixturevalue("kernels")
+    else:
+        monkeypatch.setenv("K3X_ORT_KERNELS", "0")
+    r = _run(serving_parts.main, mini_serving, tmp_path, "--batch", "3", "--positions", "8", "--small", "64",
+             "--rounds", "2", "--repeats", "1")
+    rows = {x["part"]: x for x in r["rows"]}
+    assert list(rows) == [*serving_parts.PARTS, "all"]
+    for key in ("ms_1", "ms_batch"):
+        assert all(rows[p][key] > 0 for p in serving_parts.PARTS), rows
+        assert sum(rows[p][key] for p in serving_parts.PARTS) == pytest.approx(rows["all"][key], rel=1e-9)
+    weighted = sum(rows[p]["speedup"] * rows[p]["ms_batch"] for p in serving_parts.PARTS) / rows["all"]["ms_batch"]
+    assert weighted == pytest.approx(rows["all"]["speedup"], rel=1e-9)
+    assert r["step_ms_1"] > 0 and r["step_ms_batch"] > 0
 
 
 def test_prefill_against_gemm_bound(serving_export, tmp_path, monkeypatch):

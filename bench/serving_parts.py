@@ -1,0 +1,122 @@
+"""Where the batching speedup goes (issue 20: "batching pays"): one sequence's decode step and --batch
+sequences', split by part from ONNX Runtime's profile, with each part's own speedup.
+
+Through the ORT serving runner on a flat serving export of `--preset` (default k3-bench; or `--export DIR`
+exported with --no-onnx-functions), the two steps of bench/serving.py (one sequence; --batch sequences in
+consecutive slots, all at --positions) interleaved in rounds on one profiled session. Every profiled node's
+kernel time goes to one part:
+  - lm_head, dense GEMMs: Gemm / MatMul nodes of the main graph (projections, shared experts, dense MLP);
+  - routed experts: the k3::MoE call (routing, every expert's GEMMs, the combine);
+  - KDAPacked (KDA recurrence over the pools), KDAPrep (short conv, gates), MLAPaged (attention over the
+    latent pool): the mixers' own calls;
+  - other: norms, AttnRes, GLUs, reshapes.
+A part's speedup is batch x (its time in the one-sequence step) / (its time in the batch step): the whole
+step's speedup is those parts' speedups weighted by their share of the batch step. A part under the goal
+pulls the step under it: on a 2-core AVX2 machine the KDA recurrence (each sequence's state read and
+written every step, in memory, not in weights shared by the batch) batches at ~2x. Node times carry the
+profiler's per-node cost: a few percent over an unprofiled step (bench/serving.py has the unprofiled figure).
+
+    python -m k3x.bench.serving_parts [--preset k3-bench] [--export DIR] [--batch 32] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+from k3x.bench.serving_steps import (StepCase, function_callers, inlined_callers, kernel_nodes, open_serving, owner,
+                                     run_bench, run_of, timed_rounds)
+
+GEMMS = ("Gemm", "MatMul", "FusedGemm", "FusedMatMul")
+CALLS = {"MoE": "routed experts", "KDAPacked": "KDAPacked", "KDAPrep": "KDAPrep", "MLAPaged": "MLAPaged"}
+PARTS = ("lm_head", "dense GEMMs", "routed experts", "KDAPacked", "KDAPrep", "MLAPaged", "other")
+
+
+def part_of(name: str, op: str, inlined: dict[str, tuple[str, bool]], called: dict[str, str]) -> str:
+    """The part a profiled node's time goes to: the function its main-graph node calls (a body ORT inlined,
+    or the node itself when the kernel library runs it), else its own op type."""
+    main, _ = owner(name, inlined)
+    kind = called.get(main, op)
+    if kind in CALLS:
+        return CALLS[kind]
+    if main == name and op in GEMMS:
+        return "lm_head" if "/lm_head/" in name else "dense GEMMs"
+    return "other"
+
+
+def split_runs(profile: Path, callers: dict[str, list[str]]) -> list[dict[str, float]]:
+    """Per run of the session (in order): ms of node kernel time by part (PARTS)."""
+    events = json.loads(profile.read_text())
+    nodes = kernel_nodes(events)
+    starts = [e["ts"] for e in events if e.get("name") == "model_run"]
+    inlined = inlined_callers([e for e in nodes if e["ts"] >= starts[-1]], callers)
+    called = {node: fn for fn, names in callers.items() for node in names}
+    out = [dict.fromkeys(PARTS, 0.0) for _ in starts]
+    for e in nodes:
+        name = e["name"][: -len("_kernel_time")]
+        out[run_of(e, starts)][part_of(name, e["args"].get("op_name", ""), inlined, called)] += e["dur"] / 1e3
+    return out
+
+
+def measure(path: Path, a: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory(prefix="k3x-prof-") as tmp:
+        runner, cfg, bs = open_serving(path, a.threads, profile=str(Path(tmp) / "ort"))
+        order: list[int] = []
+
+        def timer(batch: int):
+            f = StepCase(cfg, batch=batch, positions=a.positions + 1, capacity=a.small, block_size=bs).timer(
+                runner, 1, a.positions)
+
+            def one() -> float:
+                order.append(batch)
+                return f()
+            return one
+        ms = timed_rounds({b: timer(b) for b in (1, a.batch)}, a.rounds, a.repeats)
+        runs = split_runs(Path(runner.session.end_profiling()), function_callers(runner.path))
+    if len(runs) != len(order):
+        raise RuntimeError(f"profile: {len(runs)} runs, {len(order)} steps timed")
+    node_ms = {}
+    for b in (1, a.batch):
+        mine = [r for r, m in zip(runs, order) if m == b][1:]  # the untimed first call of each case dropped
+        node_ms[b] = {p: statistics.median(r[p] for r in mine) for p in PARTS}
+        node_ms[b]["all"] = statistics.median(sum(r.values()) for r in mine)
+    rows = [{"part": p, "ms_1": node_ms[1][p], "ms_batch": node_ms[a.batch][p],
+             "speedup": a.batch * node_ms[1][p] / node_ms[a.batch][p] if node_ms[a.batch][p] else None}
+            for p in (*PARTS, "all")]
+    return {"preset": cfg.name, "threads": a.threads, "positions": a.positions, "batch": a.batch,
+            "rounds": a.rounds, "repeats": a.repeats, "step_ms_1": statistics.median(ms[1]),
+            "step_ms_batch": statistics.median(ms[a.batch]),
+            "split_by": "ONNX Runtime node profile of the serving ONNX (ort flavor)", "rows": rows}
+
+
+def table(r: dict) -> str:
+    b = r["batch"]
+    head = (f"{r['preset']}, ORT CPU, {r['threads']} threads, decode steps at {r['positions']} positions: node "
+            f"kernel time by part (median of {r['rounds']} rounds x {r['repeats']}; profiled steps "
+            f"{r['step_ms_1']:.2f} and {r['step_ms_batch']:.2f} ms):")
+    lines = [head, f"  {'part':<16} {'1 seq ms':>9} {f'{b} seq ms':>10} {f'{b} x t1 / t{b}':>12} {'share':>7}"]
+    total = r["rows"][-1]["ms_batch"]
+    for x in r["rows"]:
+        speedup = "-" if x["speedup"] is None else f"{x['speedup']:.2f}"
+        lines.append(f"  {x['part']:<16} {x['ms_1']:>9.2f} {x['ms_batch']:>10.2f} {speedup:>12} "
+                     f"{x['ms_batch'] / total:>7.1%}")
+    return "\n".join(lines + ["  (share: of the batch step's node time; the step's speedup is the parts' "
+                              "speedups weighted by it)"])
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--small", type=int, default=4096, help="pool capacity in positions")
+    p.add_argument("--positions", type=int, default=64)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=4, help="timed steps of each case per round")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    return run_bench(argv, __doc__, arguments, measure, table)
+
+
+if __name__ == "__main__":
+    main()
