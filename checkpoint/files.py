@@ -36,7 +36,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..fileio import confined, normal_permissions, sha256
+from ..fileio import confined, normal_permissions
 from ..model import mxfp4
 from ..model.config import ConfigError, K3Config
 from ..model.init import build_model

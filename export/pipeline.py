@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from .options import (TARGET_STAGES, Activations, DType, ExpertFormat, ExportJob, ExportOptions, KernelChoice,
-                      Progress, Target, Timed, TraceMode, config_error, timed_step)
+from .options import (Activations, DType, ExpertFormat, ExportJob, ExportOptions, KernelChoice, Progress, Timed,
+                      TraceMode, config_error, timed_step)
 from .tokenizer import copy_tokenizer, tokenizer_files
 
 if TYPE_CHECKING:  # this module is imported by the CLI: torch only inside functions
@@ -51,7 +51,6 @@ if TYPE_CHECKING:  # this module is imported by the CLI: torch only inside funct
 
     from ..model.config import K3Config
     from ..model.options import ModelOptions
-    from ..model.parallel import ParallelPlan
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from .config import K3Config
 from .layers import GatedMLP
 from .model import K3ForCausalLM
 from .moe import LatentMoE, PackedExperts, StackedExperts
+from .options import BuildOptions
 from .parallel import Group, ParallelPlan
 
 

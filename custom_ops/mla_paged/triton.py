@@ -26,7 +26,6 @@ multiplied in tf32, exact for their mantissas (the probabilities are rounded to 
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor

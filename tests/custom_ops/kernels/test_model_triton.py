@@ -7,8 +7,6 @@ Under the interpreter the tensors are CPU tensors, which the op's backend check 
 
 from __future__ import annotations
 
-
-import pytest
 import torch
 
 from k3x.model import build_model, empty_state, preset

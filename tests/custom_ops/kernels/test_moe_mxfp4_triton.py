@@ -53,7 +53,7 @@ def test_decode_tile_is_the_codec(device):
     a one-hot activation: column n of the output is row n of the decoded expert, bit for bit."""
     from k3x.custom_ops.moe_mxfp4.codec import dequantize
 
-    E, L, I = 1, 32, 256  # w2 [E, L, I/2]: 32 rows x 256 weights
+    L, I = 32, 256  # one expert's w2 [1, L, I/2]: 32 rows x 256 weights
     packed = torch.arange(256, dtype=torch.uint8).repeat(L, I // 2 // 256 + 1)[:, : I // 2][None].contiguous()
     scale = (torch.arange(L * I // 32) % 253).to(torch.uint8).reshape(1, L, I // 32)
     want = dequantize(packed, scale)[0]  # [L, I]
