@@ -16,37 +16,25 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 from pathlib import Path
 
-from k3x.bench.serving_steps import (StepCase, fmt, function_callers, open_serving, profile_runs, run_bench,
-                                     summary, timed_rounds)
+from k3x.bench.serving_steps import StepCase, fmt, profile_runs, profiled_rounds, run_bench, summary
 
 PARTS = ("kda", "mla", "other", "kda_mixer", "mla_mixer")
 
 
 def measure(path: Path, a: argparse.Namespace) -> dict:
     lengths = [int(x) for x in a.lengths.split(",")]
-    with tempfile.TemporaryDirectory(prefix="k3x-prof-") as tmp:
-        runner, cfg, bs = open_serving(path, a.threads, profile=str(Path(tmp) / "ort"))
-        order: list[int] = []
 
-        def timer(n: int):
-            case = StepCase(cfg, batch=1, positions=n + 1, capacity=n + 1, block_size=bs)
-            f = case.timer(runner, 1, n)
-
-            def one() -> float:
-                order.append(n)
-                return f()
-            return one
-        ms = timed_rounds({n: timer(n) for n in lengths}, a.rounds, a.repeats)
-        runs = profile_runs(Path(runner.session.end_profiling()), function_callers(runner.path), cfg.layer_types)
-    if len(runs) != len(order):
-        raise RuntimeError(f"profile: {len(runs)} runs, {len(order)} steps timed")
+    def steps(runner, cfg, bs) -> dict:
+        return {n: StepCase(cfg, batch=1, positions=n + 1, capacity=n + 1, block_size=bs).timer(runner, 1, n)
+                for n in lengths}
+    def split(profile: Path, callers: dict, cfg) -> list[dict]:
+        return profile_runs(profile, callers, cfg.layer_types)
+    cfg, ms, runs = profiled_rounds(path, a, steps, split)
     rows = []
     for n in lengths:
-        mine = [r for r, m in zip(runs, order) if m == n][1:]  # the untimed first call of each case dropped
-        parts = {k: statistics.median(r.get(k, 0.0) for r in mine) / 1e3 for k in PARTS}
+        parts = {k: statistics.median(r.get(k, 0.0) for r in runs[n]) / 1e3 for k in PARTS}
         rows.append({"positions": n, "step_ms": summary(ms[n]), **{f"{k}_ms": v for k, v in parts.items()},
                      "kda_layers": cfg.layer_types.count("kda"), "mla_layers": cfg.layer_types.count("mla")})
     return {"preset": cfg.name, "threads": a.threads, "rounds": a.rounds, "repeats": a.repeats,

@@ -24,11 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 from pathlib import Path
 
-from k3x.bench.serving_steps import (StepCase, function_callers, inlined_callers, kernel_nodes, open_serving, owner,
-                                     run_bench, run_of, timed_rounds)
+from k3x.bench.serving_steps import (StepCase, inlined_callers, kernel_nodes, owner, profiled_rounds, run_bench,
+                                     run_of)
 
 GEMMS = ("Gemm", "MatMul", "FusedGemm", "FusedMatMul")
 CALLS = {"MoE": "routed experts", "KDAPacked": "KDAPacked", "KDAPrep": "KDAPrep", "MLAPaged": "MLAPaged"}
@@ -47,8 +46,9 @@ def part_of(name: str, op: str, inlined: dict[str, tuple[str, bool]], called: di
     return "other"
 
 
-def split_runs(profile: Path, callers: dict[str, list[str]]) -> list[dict[str, float]]:
-    """Per run of the session (in order): ms of node kernel time by part (PARTS)."""
+def split_runs(profile: Path, callers: dict[str, list[str]], cfg=None) -> list[dict[str, float]]:
+    """Per run of the session (in order): ms of node kernel time by part (PARTS). (`cfg`: unused, the split
+    signature of serving_steps.profiled_rounds.)"""
     events = json.loads(profile.read_text())
     nodes = kernel_nodes(events)
     starts = [e["ts"] for e in events if e.get("name") == "model_run"]
@@ -62,27 +62,15 @@ def split_runs(profile: Path, callers: dict[str, list[str]]) -> list[dict[str, f
 
 
 def measure(path: Path, a: argparse.Namespace) -> dict:
-    with tempfile.TemporaryDirectory(prefix="k3x-prof-") as tmp:
-        runner, cfg, bs = open_serving(path, a.threads, profile=str(Path(tmp) / "ort"))
-        order: list[int] = []
-
-        def timer(batch: int):
-            f = StepCase(cfg, batch=batch, positions=a.positions + 1, capacity=a.small, block_size=bs).timer(
-                runner, 1, a.positions)
-
-            def one() -> float:
-                order.append(batch)
-                return f()
-            return one
-        ms = timed_rounds({b: timer(b) for b in (1, a.batch)}, a.rounds, a.repeats)
-        runs = split_runs(Path(runner.session.end_profiling()), function_callers(runner.path))
-    if len(runs) != len(order):
-        raise RuntimeError(f"profile: {len(runs)} runs, {len(order)} steps timed")
-    node_ms = {}
-    for b in (1, a.batch):
-        mine = [r for r, m in zip(runs, order) if m == b][1:]  # the untimed first call of each case dropped
-        node_ms[b] = {p: statistics.median(r[p] for r in mine) for p in PARTS}
-        node_ms[b]["all"] = statistics.median(sum(r.values()) for r in mine)
+    def steps(runner, cfg, bs) -> dict:
+        return {b: StepCase(cfg, batch=b, positions=a.positions + 1, capacity=a.small, block_size=bs).timer(
+            runner, 1, a.positions) for b in (1, a.batch)}
+    cfg, ms, runs = profiled_rounds(path, a, steps, split_runs)
+    # each part's median over the timed steps; `all` is the parts' sum, so the rows add up and the step's
+    # speedup is exactly the parts' speedups weighted by their share of the batch step
+    node_ms = {b: {p: statistics.median(r[p] for r in runs[b]) for p in PARTS} for b in (1, a.batch)}
+    for parts in node_ms.values():
+        parts["all"] = sum(parts.values())
     rows = [{"part": p, "ms_1": node_ms[1][p], "ms_batch": node_ms[a.batch][p],
              "speedup": a.batch * node_ms[1][p] / node_ms[a.batch][p] if node_ms[a.batch][p] else None}
             for p in (*PARTS, "all")]

@@ -8,7 +8,8 @@
 - `timed_rounds`: cases interleaved (each first in turn), repeated in rounds -> median and the spread (lowest
   and highest round median) of each case, and of ratios taken round by round;
 - `profile_runs`: an ONNX Runtime profile (RunnerOptions.profile) -> per run, microseconds by layer kind
-  (kda / mla / other) and the mixers' own share, function bodies attributed to the node that called them.
+  (kda / mla / other) and the mixers' own share, function bodies attributed to the node that called them;
+- `profiled_rounds`: timed rounds on one profiled session, each timed step's share of the profile beside it.
 """
 
 from __future__ import annotations
@@ -243,6 +244,27 @@ def profile_runs(profile: Path, callers: dict[str, list[str]], layer_types: tupl
         if mixer:
             out[i][kind + "_mixer"] += e["dur"]
     return [dict(d) for d in out]
+
+
+def profiled_rounds(path: Path, a: argparse.Namespace, steps: Callable, split: Callable) -> tuple:
+    """`timed_rounds` of the step timers `steps(runner, cfg, block_size)` returns ({case: timer}) on one profiled
+    session of the export, and ONNX Runtime's profile split by `split(profile, function_callers, cfg)` (one dict
+    per run) -> (cfg, {case: ms per round}, {case: the splits of its timed runs}: the untimed first call of each
+    case dropped)."""
+    with tempfile.TemporaryDirectory(prefix="k3x-prof-") as tmp:
+        runner, cfg, bs = open_serving(path, a.threads, profile=str(Path(tmp) / "ort"))
+        order: list = []
+
+        def tracked(case, f: Callable[[], float]) -> Callable[[], float]:
+            def one() -> float:
+                order.append(case)
+                return f()
+            return one
+        ms = timed_rounds({k: tracked(k, f) for k, f in steps(runner, cfg, bs).items()}, a.rounds, a.repeats)
+        runs = split(Path(runner.session.end_profiling()), function_callers(runner.path), cfg)
+    if len(runs) != len(order):
+        raise RuntimeError(f"profile: {len(runs)} runs, {len(order)} steps timed")
+    return cfg, ms, {k: [r for r, m in zip(runs, order) if m == k][1:] for k in ms}
 
 
 def run_bench(argv: list[str] | None, doc: str, add_args: Callable[[argparse.ArgumentParser], None],

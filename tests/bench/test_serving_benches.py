@@ -76,8 +76,8 @@ def test_length_split(mini_serving, tmp_path, request, monkeypatch, library):
 
 @pytest.mark.parametrize("library", ["bodies", "kernels"])
 def test_batching_split_by_part(mini_serving, tmp_path, request, monkeypatch, library):
-    """Every part of both steps gets time (the k3 calls as kernels, and as inlined bodies), the parts add up to
-    all the nodes' time, and the step's speedup is the parts' speedups weighted by their share."""
+    """Every part of both steps gets time (the k3 calls as kernels, and as inlined bodies), and their sum, node
+    kernel time, lies within the step's wall time (no node counted twice, e.g. a Loop and its body's nodes)."""
     if library == "kernels":
         request.getfixturevalue("kernels")
     else:
@@ -86,12 +86,9 @@ def test_batching_split_by_part(mini_serving, tmp_path, request, monkeypatch, li
              "--rounds", "2", "--repeats", "1")
     rows = {x["part"]: x for x in r["rows"]}
     assert list(rows) == [*serving_parts.PARTS, "all"]
-    for key in ("ms_1", "ms_batch"):
+    for key, step in (("ms_1", "step_ms_1"), ("ms_batch", "step_ms_batch")):
         assert all(rows[p][key] > 0 for p in serving_parts.PARTS), rows
-        assert sum(rows[p][key] for p in serving_parts.PARTS) == pytest.approx(rows["all"][key], rel=1e-9)
-    weighted = sum(rows[p]["speedup"] * rows[p]["ms_batch"] for p in serving_parts.PARTS) / rows["all"]["ms_batch"]
-    assert weighted == pytest.approx(rows["all"]["speedup"], rel=1e-9)
-    assert r["step_ms_1"] > 0 and r["step_ms_batch"] > 0
+        assert rows["all"][key] < r[step], (rows["all"], r[step])
 
 
 def test_prefill_against_gemm_bound(serving_export, tmp_path, monkeypatch):
