@@ -32,6 +32,19 @@ int64_t sequence_of(const Prep& p, int64_t n) {
   return int64_t(std::upper_bound(p.cu, p.cu + p.B + 1, n) - p.cu) - 1;
 }
 
+// Channel c of sequence s at local position pos (>= -(W-1)) is x[c * stride]: this step's row (stride 1), or
+// the pool row before it (channels W-1 apart).
+struct Tap {
+  const float* x;
+  int64_t stride;
+};
+
+Tap tap(const Prep& p, int64_t s, int64_t pos) {
+  const int64_t M = p.W - 1;
+  if (pos >= 0) return {p.qkv + (p.cu[s] + pos) * p.C, 1};
+  return {p.pool + p.slots[s] * p.C * M + (M + pos), M};
+}
+
 void prep_row(void* user, size_t row) {
   const Prep& p = *static_cast<const Prep*>(user);
   const int64_t n = int64_t(row), C = p.C, H = p.H, K = p.K, V = p.V, M = p.W - 1;
@@ -39,14 +52,12 @@ void prep_row(void* user, size_t row) {
   std::vector<float> y(C, 0.f);
   for (int64_t i = 0; i < p.W; ++i) {
     const float* w = p.wt + i * C;
-    const int64_t pos = t - M + i;
-    if (pos >= 0) {
-      const float* x = p.qkv + (p.cu[s] + pos) * C;
+    const Tap in = tap(p, s, t - M + i);
+    if (in.stride == 1) {  // its own loop, so the contiguous row vectorises
 #pragma omp simd
-      for (int64_t c = 0; c < C; ++c) y[c] += w[c] * x[c];
+      for (int64_t c = 0; c < C; ++c) y[c] += w[c] * in.x[c];
     } else {
-      const float* x = p.pool + p.slots[s] * C * M + (M + pos);  // channel c at x[c * M]
-      for (int64_t c = 0; c < C; ++c) y[c] += w[c] * x[c * M];
+      for (int64_t c = 0; c < C; ++c) y[c] += w[c] * in.x[c * in.stride];
     }
   }
 #pragma omp simd
@@ -86,21 +97,16 @@ void prep_row(void* user, size_t row) {
   }
 }
 
-// new_conv[s, :, j] = in(length - M + j), a position at a time (an element at a time through a helper choosing
-// the pool or this step's rows: 32 decode rows, 9 layers, one thread on a Zen 3: 1.46-1.50 -> 1.06-1.10 ms)
+// new_conv[s, :, j] = in(length - M + j), a position at a time (it went an element at a time through a helper
+// choosing the pool or this step's rows until session 17: 32 decode rows, 9 layers, one thread on a Zen 3:
+// 1.46-1.50 -> 1.06-1.10 ms)
 void prep_state(void* user, size_t seq) {
   const Prep& p = *static_cast<const Prep*>(user);
   const int64_t s = int64_t(seq), C = p.C, M = p.W - 1, length = p.cu[s + 1] - p.cu[s];
   float* out = p.conv + s * C * M;
   for (int64_t j = 0; j < M; ++j) {
-    const int64_t pos = length - M + j;
-    if (pos >= 0) {
-      const float* x = p.qkv + (p.cu[s] + pos) * C;
-      for (int64_t c = 0; c < C; ++c) out[c * M + j] = x[c];
-    } else {
-      const float* x = p.pool + p.slots[s] * C * M + (M + pos);
-      for (int64_t c = 0; c < C; ++c) out[c * M + j] = x[c * M];
-    }
+    const Tap in = tap(p, s, length - M + j);
+    for (int64_t c = 0; c < C; ++c) out[c * M + j] = in.x[c * in.stride];
   }
 }
 
