@@ -439,18 +439,30 @@ INTRA_RESOURCES_SM90 = {
 }
 
 
+def state_config_runs_right(key: tuple[int, int, int]) -> bool:
+    """Whether a (BV, warps, stages) entry of the state kernel may be chosen. Measured on an H200 with Triton
+    3.6 (bench/gpu_check.py, 2026-12-04; B=1, T=1281, H=96, bf16 against the fp64 reference): one stage at
+    BV 16 or 32 read shared memory out of bounds in the bf16 dot (compute-sanitizer: invalid __shared__ read;
+    illegal address at K=128) or gave wrong values (K=64, output rmse ratio 1.1); every two-stage entry and
+    every BV=64 entry matched at K=64 and 128. Such entries stay in the table (compiled resources) but are
+    never chosen."""
+    BV, _warps, stages = key
+    return stages >= 2 or BV >= 64
+
+
 def _pick_state(B: int, H: int, V: int) -> tuple[int, int, int]:
-    """(BV, warps, stages) of the state kernel from its compiled resources: no spills, then the fewest
-    waves x (BV + 32) (a CTA's serial chunk loop does math in proportion to its BV columns plus the loads of
-    the [BT, K] w, qg, kg tiles every CTA makes whatever its BV, worth about 32 columns), then larger BV,
-    then more stages."""
+    """(BV, warps, stages) of the state kernel from its compiled resources, among the entries that run right
+    (`state_config_runs_right`): no spills, then the fewest waves x (BV + 32) (a CTA's serial chunk loop does
+    math in proportion to its BV columns plus the loads of the [BT, K] w, qg, kg tiles every CTA makes
+    whatever its BV, worth about 32 columns), then larger BV, then more stages."""
     def cost(key):
         BV, warps, stages = key
         regs, shared, spills = STATE_RESOURCES_SM90[key]
         grid = B * H * triton.cdiv(V, BV)
         waves = -(-grid // (ctas_per_sm(regs, shared, warps) * SM90_SMS))
         return (spills, waves * (BV + 32), -BV, -stages)
-    return min((k for k in STATE_RESOURCES_SM90 if k[0] <= max(16, _np2(V))), key=cost)
+    return min((k for k in STATE_RESOURCES_SM90 if k[0] <= max(16, _np2(V)) and state_config_runs_right(k)),
+               key=cost)
 
 
 def _pick_intra() -> tuple[int, int, int]:
@@ -466,7 +478,8 @@ def kda_chunk_launch_config(B: int, T: int, H: int, K: int, V: int) -> dict:
     """Block sizes, warps and stages of the two chunked kernels, chosen from their compiled sm_90 resources
     (tables above, measured at K = V = 128; larger K shrinks BV to keep the [K, BV] fp32 state slice the same
     size). With the tables: intra BK=16, 4 warps, 2 stages (246 registers, 2 CTAs per SM, no spills); state
-    BV=32, 4 warps, 1 stage (168 registers, 68 KB, 3 CTAs per SM: 384 CTAs in one wave at B=1, H=96).
+    BV=64, 4 warps, 2 stages at K3's B=1, H=96 (208 registers, 144 KB, one CTA per SM: 192 CTAs in two waves;
+    the single-stage BV=32 entry that filled one wave ran wrong on an H200, `state_config_runs_right`).
 
     AOT compilers: give pointers and the K/V-sized int arguments `tt.divisibility=16` as the JIT does
     for such values; without it loads are not vectorised and the state kernel spills."""
