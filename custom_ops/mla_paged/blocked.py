@@ -60,7 +60,7 @@ def mla_paged(q_latent: Tensor, q_rope: Tensor, latent: Tensor, latent_pool: Ten
     for b, past in enumerate(pasts):
         start, end = bounds[b], bounds[b + 1]
         qb = q[:, start:end].contiguous()  # [H, T, L]
-        state = Online(H, end - start, C, acc)
+        state = Online(H, end - start, C, acc, q.device)
         for k0 in range(0, past, kb):
             state.add(qb, past_keys(latent_pool, block_table[b], k0, min(k0 + kb, past)).to(acc), scale)
         step = latent[start:end].to(acc)
@@ -81,10 +81,10 @@ def past_keys(latent_pool: Tensor, blocks: Tensor, k0: int, k1: int) -> Tensor:
 class Online:
     """The running softmax of T query rows x H heads: max m, sum l [H, T] and accumulator [H, T, C]."""
 
-    def __init__(self, heads: int, rows: int, C: int, dtype: torch.dtype) -> None:
-        self.m = torch.full((heads, rows), float("-inf"), dtype=dtype)
-        self.l = torch.zeros(heads, rows, dtype=dtype)
-        self.acc = torch.zeros(heads, rows, C, dtype=dtype)
+    def __init__(self, heads: int, rows: int, C: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.m = torch.full((heads, rows), float("-inf"), dtype=dtype, device=device)
+        self.l = torch.zeros(heads, rows, dtype=dtype, device=device)
+        self.acc = torch.zeros(heads, rows, C, dtype=dtype, device=device)
 
     def add(self, q: Tensor, keys: Tensor, scale: float, step_from: int | None = None) -> None:
         """One key block `keys` [KB, L] for the queries q [H, T, L]. step_from None: past keys, seen by every
@@ -94,7 +94,8 @@ class Online:
         rows = slice(step_from or 0, None)
         s = torch.matmul(q[:, rows], keys.T).mul_(scale)  # [H, T', KB]
         if step_from is not None:
-            hidden = torch.arange(keys.shape[0])[None, :] > torch.arange(s.shape[1])[:, None]  # [T', KB]
+            pos = lambda n: torch.arange(n, device=s.device)  # noqa: E731
+            hidden = pos(keys.shape[0])[None, :] > pos(s.shape[1])[:, None]  # [T', KB]
             s.masked_fill_(hidden, float("-inf"))
         m_old, l, acc = self.m[:, rows], self.l[:, rows], self.acc[:, rows]
         m_new = torch.maximum(m_old, s.amax(-1))
