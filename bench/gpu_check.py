@@ -53,7 +53,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # seconds per section (a section stops starting new cases once its budget is spent); --quick scales by QUICK
 BUDGETS_S = {"parity_kda": 45, "parity_attn_res": 20, "parity_moe": 45, "parity_moe_w4a8": 20, "bench_ceilings": 15,
              "bench_kda": 75, "bench_attn_res": 15, "bench_moe": 45, "bench_moe_w4a8": 40, "bench_decode_graph": 90,
-             "plugin_aot_kernels": 50, "parity_model_end_to_end": 30}
+             "plugin_aot_kernels": 50, "parity_model_end_to_end": 30, "parity_serving": 40, "bench_serving": 45,
+             "serving_end_to_end": 60}
 DEFAULT_BUDGET_S, QUICK_BUDGET_S, QUICK = 285.0, 180.0, 0.6
 
 
@@ -256,39 +257,16 @@ CHECKS.append(W4A8.parity_moe_w4a8)
 CHECKS.extend(__import__("gpu_check_bench").BENCHMARKS)  # kernel benchmarks against the anchors
 CHECKS.insert([fn.__name__ for fn in CHECKS].index("bench_moe") + 1, W4A8.bench_moe_w4a8)
 CHECKS.append(__import__("gpu_check_plugins").plugin_aot_kernels)  # TensorRT plugins' AOT cubins via libcuda
+SERVING = __import__("gpu_check_serving")  # the serving step's packed / paged kernels
+CHECKS.insert([fn.__name__ for fn in CHECKS].index("parity_moe_w4a8") + 1, SERVING.parity_serving)
+CHECKS.insert([fn.__name__ for fn in CHECKS].index("bench_moe_w4a8") + 1, SERVING.bench_serving)
 
 
 # ------------------------------------------------------------------------------------------------ main
 
 
-@check
-def parity_model_end_to_end(ctx: Context) -> list[Result]:
-    """k3-mini through torch.ops.k3 with kernels=triton vs kernels=reference, same fp32 weights: a 70-token
-    prefill (two KDA chunks) then 8 greedy decode steps carrying state, every logit compared at fp32
-    tolerance (bf16 accuracy is the per-kernel checks' job; this one proves the op wiring end to end)."""
-
-    import torch
-
-    from k3x.model import build_model, empty_state, preset
-    from k3x.model.options import BuildOptions
-    from k3x.plan.kernels import Kernels
-
-    if ctx.device != "cuda":
-        return [Result("model e2e triton vs reference", "info", None, note="needs CUDA (kernels=triton)")]
-    cfg = preset("k3-mini")
-    dtype = torch.float32
-    ref = build_model(cfg, device="cuda", dtype=dtype, seed=0)
-    tri = build_model(cfg, BuildOptions(Kernels.TRITON), device="cuda", dtype=dtype, seed=0)
-    ids = torch.randint(0, cfg.vocab_size, (2, 70), device="cuda")
-    out = []
-    with torch.no_grad():
-        s_ref, s_tri = empty_state(cfg, 2, dtype, "cuda"), empty_state(cfg, 2, dtype, "cuda")
-        for step in range(9):
-            l_ref, s_ref = ref(ids, s_ref)
-            l_tri, s_tri = tri(ids, s_tri)
-            out.append(_compare(f"model e2e logits {'prefill' if step == 0 else f'decode {step}'}", l_tri, l_ref, dtype))
-            ids = l_ref[:, -1:].argmax(-1)  # both follow the reference trajectory
-    return out
+MODELS = __import__("gpu_check_models")  # end to end: the model through its ops, continuous batching
+CHECKS.extend((MODELS.parity_model_end_to_end, MODELS.serving_end_to_end))
 
 
 def _make_k3x_importable() -> None:
@@ -317,10 +295,13 @@ def write_report(path: Path, ctx: Context, env: dict, results: list[Result], run
     return report
 
 
-def run(ctx: Context, path: Path | None = None, env: dict | None = None) -> list[Result]:
-    """Every check in order, each inside its time budget; the report rewritten before and after each."""
+def run(ctx: Context, path: Path | None = None, env: dict | None = None, only: list[str] | None = None
+        ) -> list[Result]:
+    """Every check in order (or those named in `only`, in that order), each inside its time budget; the report
+    rewritten before and after each."""
     results: list[Result] = []
-    for fn in CHECKS:
+    by_name = {fn.__name__: fn for fn in CHECKS}
+    for fn in CHECKS if only is None else [by_name[n] for n in only]:
         name = fn.__name__
         if ctx.total_left() <= 1.0:
             results.append(Result(name, "info", None, note="skipped: the run's time budget is spent"))
@@ -356,7 +337,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help=f"fewer shapes, shorter timings, {QUICK_BUDGET_S:.0f} s budget")
     p.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default "
                    f"{DEFAULT_BUDGET_S:.0f}, {QUICK_BUDGET_S:.0f} with --quick)")
+    p.add_argument("--only", help="comma-separated sections to run, in this order (a rerun of what failed): "
+                   + ", ".join(fn.__name__ for fn in CHECKS))
     args = p.parse_args(argv)
+    only = None if args.only is None else [n.strip() for n in args.only.split(",") if n.strip()]
+    if only is not None and (bad := sorted(set(only) - {fn.__name__ for fn in CHECKS})):
+        p.error(f"--only: no section named {', '.join(bad)}")
     if args.cpu_selftest:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
         if os.environ["TRITON_INTERPRET"] != "1":
@@ -384,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(os.environ.get("OUT", "./out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "gpu_check.json"
-    results = run(ctx, path, env)
+    results = run(ctx, path, env, only)
     report = write_report(path, ctx, env, results, complete=True)
     print(f"{len(results)} results, {report['failed']} failed, {report['seconds']:.1f} s -> {path}")
     return 1 if report["failed"] else 0

@@ -45,7 +45,8 @@ def test_blocker_really_blocks():
 
 
 def test_every_section_imports_without_onnx():
-    proc = _child("import gpu_check, gpu_check_bench, gpu_check_plugins, gpu_check_w4a8\n"
+    proc = _child("import gpu_check, gpu_check_bench, gpu_check_plugins, gpu_check_w4a8, gpu_check_serving, "
+                  "gpu_check_models\n"
                   "gpu_check._make_k3x_importable()\n"
                   "gpu_check_bench.imports(); specs = gpu_check_plugins.launch_specs()\n"
                   "import k3x.model, k3x.runtime.tolerances, k3x.plan.launch\n"
@@ -67,11 +68,28 @@ def test_cpu_selftest_without_onnx(tmp_path):
     parity = [r for r in report["results"] if r["kind"] == "parity"]
     assert report["failed"] == 0 and report["selftest"] and report["complete"], out
     assert {r["name"].split()[0] for r in parity} >= {"kda_chunked", "kda_recurrent_", "attn_res", "moe", "moe_w4a8",
-                                                       "moe_w4a16"}, out
+                                                       "moe_w4a16", "kda_packed", "kda_prep", "mla_paged"}, out
+    serving = {" ".join(r["name"].split()[:2]) for r in parity if r["name"].startswith(("kda_packed", "mla_paged"))}
+    assert serving >= {"kda_packed o", "kda_packed state", "mla_paged decode", "mla_paged rows"}, out
     assert all(r["ok"] for r in parity), out
     w4a8 = [r for r in parity if r["name"].startswith("moe_w4a8 ")]  # MXFP8 activations, decode and prefill tiles
     assert {r["name"].split()[2] for r in w4a8} == {"decode", "prefill"}, out
     assert all(r["metrics"]["rmse_ratio"] < 0.5 * r["metrics"]["rmse_ratio_vs_bf16_activations"] for r in w4a8), out
+
+
+def test_only_runs_the_named_sections_in_that_order(tmp_path):
+    """--only (a rerun of what failed): just those sections, in the order given; an unknown name is refused."""
+    proc = _child("import runpy; sys.argv = ['gpu_check.py', '--cpu-selftest', '--only', "
+                  "'parity_serving,parity_attn_res']\n"
+                  "runpy.run_path('bench/gpu_check.py', run_name='__main__')\n",
+                  env={"TRITON_INTERPRET": "1", "OUT": str(tmp_path)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    sections = [r["name"][: -len(" time")] for r in report["results"] if r["name"].endswith(" time")]
+    assert sections == ["parity_serving", "parity_attn_res"], sections
+    bad = _child("import runpy; sys.argv = ['gpu_check.py', '--cpu-selftest', '--only', 'parity_kda,nope']\n"
+                 "runpy.run_path('bench/gpu_check.py', run_name='__main__')\n", env={"TRITON_INTERPRET": "1"})
+    assert bad.returncode == 2 and "no section named nope" in bad.stderr, bad.stderr
 
 
 def test_every_section_has_a_budget_within_the_unchanged_total():
@@ -193,3 +211,25 @@ def test_decode_graph_section_uses_a_static_cache_on_a_hybrid_model():
         "assert not bad, bad\n"
         "print('ok')\n")
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
+
+
+def test_end_to_end_serving_pieces_run_on_cpu():
+    """gpu_check_models' continuous-batching run and decode-step timer on the CPU with the reference kernels:
+    every prompt gets its new tokens and their logits, and a timed step writes the KDA rows back into the pools."""
+    sys.path.insert(0, str(BENCH))
+    import torch
+    from gpu_check_models import _decode_step_timer, serve_both
+
+    from k3x.model import build_model, preset
+    from k3x.model.serving import K3ServingStep
+
+    (records,) = serve_both(("reference",), "cpu")
+    assert [len(r.tokens) for r in records] == [4, 8, 3, 6, 5, 2]
+    assert all(len(r.logits) == len(r.tokens) for r in records)
+    cfg = preset("k3-mini")
+    step = K3ServingStep(build_model(cfg, seed=0).eval(), kernels="reference")
+    timer = _decode_step_timer(step, cfg, 3, 20, 4, torch.float32, "cpu")
+    before = {n: t.clone() for n, t in timer.pools.tensors.items()}
+    assert timer() > 0
+    changed = {n for n, t in timer.pools.tensors.items() if not torch.equal(t, before[n])}
+    assert changed == {n for n in before if not n.endswith(".latent")}, changed
