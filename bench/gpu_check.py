@@ -6,7 +6,8 @@
     TRITON_INTERPRET=1 python bench/gpu_check.py --cpu-selftest   # same parity code path, tiny fp32 shapes, CPU
 
 Always reports: the JSON is rewritten (atomically) before and after every section, with the section in
-progress named, so a run stopped by the device's time limit returns everything measured until then. Each
+progress named, so a run stopped by the device's time limit returns everything measured until then; a section
+that leaves the device unusable hands the rest to a fresh process (gpu_check_restart.py). Each
 section has its own time budget (`BUDGETS_S`, scaled down by --quick) inside the run's total (`--budget`);
 a section checks it between cases and reports what it skipped. The import path needs only torch, triton
 and this repository (the GPU machine has torch 2.11 + triton 3.6 + fla, no onnx, no TensorRT, no network):
@@ -44,6 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from gpu_check_restart import DeviceLost, continuation, device_alive  # noqa: E402 (bench/)
 from gpu_check_timing import (  # noqa: E402,F401 (bench/)
     FLA_AUTOTUNE_CONFIGS, device_time, device_time_within, limit_fla_autotune)
 
@@ -295,14 +297,16 @@ def write_report(path: Path, ctx: Context, env: dict, results: list[Result], run
     return report
 
 
-def run(ctx: Context, path: Path | None = None, env: dict | None = None, only: list[str] | None = None
-        ) -> list[Result]:
-    """Every check in order (or those named in `only`, in that order), each inside its time budget; the report
-    rewritten before and after each."""
-    results: list[Result] = []
+def run(ctx: Context, path: Path | None = None, env: dict | None = None, only: list[str] | None = None,
+        results: list[Result] | None = None) -> list[Result]:
+    """Every check in order (or those named in `only`, in that order), each inside its time budget, after
+    `results` (a previous process's); the report rewritten before and after each. A section that raises and
+    leaves the device unusable ends the run with DeviceLost (the report on disk holds everything so far)."""
+    results = list(results or [])
     by_name = {fn.__name__: fn for fn in CHECKS}
-    for fn in CHECKS if only is None else [by_name[n] for n in only]:
-        name = fn.__name__
+    todo = [fn.__name__ for fn in CHECKS] if only is None else list(only)
+    for i, name in enumerate(todo):
+        fn = by_name[name]
         if ctx.total_left() <= 1.0:
             results.append(Result(name, "info", None, note="skipped: the run's time budget is spent"))
             if path is not None:
@@ -323,6 +327,8 @@ def run(ctx: Context, path: Path | None = None, env: dict | None = None, only: l
                   f"{r.note}".rstrip(), flush=True)
         if path is not None:
             write_report(path, ctx, env or {}, results)
+        if got and got[0].kind == "error" and not device_alive(ctx):
+            raise DeviceLost(name, todo[i + 1:], results)
     return results
 
 
@@ -339,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                    f"{DEFAULT_BUDGET_S:.0f}, {QUICK_BUDGET_S:.0f} with --quick)")
     p.add_argument("--only", help="comma-separated sections to run, in this order (a rerun of what failed): "
                    + ", ".join(fn.__name__ for fn in CHECKS))
+    p.add_argument("--continue-from", type=Path, help=argparse.SUPPRESS)  # set when a fresh process takes over
     args = p.parse_args(argv)
     only = None if args.only is None else [n.strip() for n in args.only.split(",") if n.strip()]
     if only is not None and (bad := sorted(set(only) - {fn.__name__ for fn in CHECKS})):
@@ -370,7 +377,20 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(os.environ.get("OUT", "./out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "gpu_check.json"
-    results = run(ctx, path, env, only)
+    prior = []
+    if args.continue_from is not None:  # a fresh process after a device fault: the report so far comes first
+        before = json.loads(args.continue_from.read_text())
+        prior, env["continued_after"] = [Result(**r) for r in before["results"]], before["env"]["continued_after"]
+    try:
+        results = run(ctx, path, env, only, prior)
+    except DeviceLost as lost:
+        env["continued_after"] = env.get("continued_after", []) + [lost.section]
+        write_report(path, ctx, env, lost.results, complete=not lost.remaining)
+        if not lost.remaining:
+            return 1
+        print(f"{lost}: {', '.join(lost.remaining)} run in a fresh process", flush=True)
+        os.execv(sys.executable, [sys.executable, str(Path(__file__).resolve()),
+                                  *continuation(argv, lost.remaining, ctx.total_left(), path)])
     report = write_report(path, ctx, env, results, complete=True)
     print(f"{len(results)} results, {report['failed']} failed, {report['seconds']:.1f} s -> {path}")
     return 1 if report["failed"] else 0

@@ -233,3 +233,41 @@ def test_end_to_end_serving_pieces_run_on_cpu():
     assert timer() > 0
     changed = {n for n, t in timer.pools.tensors.items() if not torch.equal(t, before[n])}
     assert changed == {n for n in before if not n.endswith(".latent")}, changed
+
+
+def test_a_section_that_loses_the_device_hands_the_rest_to_a_fresh_process(tmp_path):
+    """After a section raises and the device no longer runs work (a CUDA fault poisons the context for good),
+    the report on disk holds everything so far and the script re-executes itself for the remaining sections,
+    within what is left of the budget; the fresh process puts the earlier results first."""
+    code = (
+        "import os, gpu_check as gc\n"
+        "def first(ctx): return [gc.Result('first', 'parity', True)]\n"
+        "def fault(ctx): raise RuntimeError('CUDA error: an illegal memory access was encountered')\n"
+        "def parity_attn_res(ctx): raise AssertionError('runs in the poisoned process')\n"
+        "gc.CHECKS[:] = [first, fault, parity_attn_res]\n"
+        "gc.BUDGETS_S.update(first=5, fault=5)\n"
+        "gc.device_alive = lambda ctx: False\n"
+        "def execv(exe, args): print('EXEC', args[1:]); raise SystemExit(0)\n"
+        "os.execv = execv\n"
+        "gc.main(['--cpu-selftest', '--quick'])\n")
+    proc = _child(code, env={"TRITON_INTERPRET": "1", "OUT": str(tmp_path)})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "EXEC" in proc.stdout, out
+    args = eval(proc.stdout.split("EXEC", 1)[1].strip())  # noqa: S307 - our own printed list
+    report_path = str(tmp_path / "gpu_check.json")
+    assert args[0].endswith("bench/gpu_check.py") and args[1:4] == ["--cpu-selftest", "--quick", "--only"], args
+    assert args[4] == "parity_attn_res" and args[-2:] == ["--continue-from", report_path], args
+    assert 0 < float(args[args.index("--budget") + 1]) <= 180, args
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [r["name"] for r in report["results"]] == ["first", "first time", "fault", "fault time"]
+    assert report["env"]["continued_after"] == ["fault"] and not report["complete"]
+    # the fresh process (the real script, the real parity_attn_res section) carries on from that report
+    fresh = _child("import runpy; sys.argv = ['gpu_check.py', *" + repr(args[1:]) + "]\n"
+                   "runpy.run_path('bench/gpu_check.py', run_name='__main__')\n",
+                   env={"TRITON_INTERPRET": "1", "OUT": str(tmp_path)})
+    assert fresh.returncode == 1, fresh.stdout + fresh.stderr  # the fault's error result still counts
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    names = [r["name"] for r in report["results"]]
+    assert names[:4] == ["first", "first time", "fault", "fault time"] and names[-1] == "parity_attn_res time"
+    assert any(n.startswith("attn_res ") for n in names[4:]) and report["complete"], names
+    assert report["env"]["continued_after"] == ["fault"] and report["failed"] == 1
