@@ -46,8 +46,8 @@ from pathlib import Path
 from typing import Callable
 
 from gpu_check_restart import DeviceLost, continuation, device_alive  # noqa: E402 (bench/)
-from gpu_check_timing import (  # noqa: E402,F401 (bench/)
-    FLA_AUTOTUNE_CONFIGS, device_time, device_time_within, limit_fla_autotune)
+from gpu_check_timing import (  # noqa: E402,F401 (bench/; sections call gc._bench, gc.device_time)
+    FLA_AUTOTUNE_CONFIGS, bench_ms as _bench, device_time, device_time_within, limit_fla_autotune)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BUDGETS_S = {"parity_kda": 45, "parity_attn_res": 20, "parity_moe": 45, "parity_moe_w4a8": 20, "bench_ceilings": 15,
              "bench_kda": 75, "bench_attn_res": 15, "bench_moe": 45, "bench_moe_w4a8": 40, "bench_decode_graph": 90,
              "plugin_aot_kernels": 50, "parity_model_end_to_end": 30, "parity_serving": 40, "bench_serving": 45,
-             "serving_end_to_end": 60}
+             "serving_end_to_end": 60, "kda_state_configs": 90}
 DEFAULT_BUDGET_S, QUICK_BUDGET_S, QUICK = 285.0, 180.0, 0.6
 
 
@@ -128,13 +128,6 @@ def _fla():
         return None, f"fla-core unavailable ({type(exc).__name__}: {exc})"
     limit_fla_autotune()
     return (chunk_kda, fused_recurrent_kda), f"fla autotune limited to {FLA_AUTOTUNE_CONFIGS} configs per kernel"
-
-
-def _bench(fn, ctx: Context | None = None) -> float:
-    """Median ms of `fn` by `triton.testing.do_bench` (warm-up 50 ms, 300 ms of repeats; 100 ms with --quick)."""
-    import triton
-
-    return triton.testing.do_bench(fn, warmup=50, rep=100 if ctx is not None and ctx.quick else 300)
 
 
 def _kda_inputs(B, T, H, K, V, dtype, device, gate_min=-5.0):
@@ -254,14 +247,18 @@ def parity_moe(ctx: Context) -> list[Result]:
     return out
 
 
+def _after(section: str, fn) -> None:
+    CHECKS.insert([f.__name__ for f in CHECKS].index(section) + 1, fn)
+
+
 W4A8 = __import__("gpu_check_w4a8")  # MXFP4 experts x MXFP8 activations: parity, then timing after bench_moe
-CHECKS.append(W4A8.parity_moe_w4a8)
-CHECKS.extend(__import__("gpu_check_bench").BENCHMARKS)  # kernel benchmarks against the anchors
-CHECKS.insert([fn.__name__ for fn in CHECKS].index("bench_moe") + 1, W4A8.bench_moe_w4a8)
-CHECKS.append(__import__("gpu_check_plugins").plugin_aot_kernels)  # TensorRT plugins' AOT cubins via libcuda
 SERVING = __import__("gpu_check_serving")  # the serving step's packed / paged kernels
-CHECKS.insert([fn.__name__ for fn in CHECKS].index("parity_moe_w4a8") + 1, SERVING.parity_serving)
-CHECKS.insert([fn.__name__ for fn in CHECKS].index("bench_moe_w4a8") + 1, SERVING.bench_serving)
+CHECKS.extend((W4A8.parity_moe_w4a8, SERVING.parity_serving))
+CHECKS.extend(__import__("gpu_check_bench").BENCHMARKS)  # kernel benchmarks against the anchors
+_after("bench_kda", __import__("gpu_check_kda_configs").kda_state_configs)  # the state kernel's table, measured
+_after("bench_moe", W4A8.bench_moe_w4a8)
+_after("bench_moe_w4a8", SERVING.bench_serving)
+CHECKS.append(__import__("gpu_check_plugins").plugin_aot_kernels)  # TensorRT plugins' AOT cubins via libcuda
 
 
 # ------------------------------------------------------------------------------------------------ main

@@ -1,9 +1,16 @@
-"""Timing helpers of bench/gpu_check.py: device time of short kernels through a CUDA graph, and fla's
-autotuning cut to a few configs. torch and triton only (imported inside the functions)."""
+"""Timing helpers of bench/gpu_check.py: do_bench medians, device time of short kernels through a CUDA graph,
+and fla's autotuning cut to a few configs. torch and triton only (imported inside the functions)."""
 
 from __future__ import annotations
 
 import sys
+
+
+def bench_ms(fn, ctx=None) -> float:
+    """Median ms of `fn` by `triton.testing.do_bench` (warm-up 50 ms, 300 ms of repeats; 100 ms with --quick)."""
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=50, rep=100 if ctx is not None and ctx.quick else 300)
 
 
 def device_time(fn, launches: int = 200) -> tuple[float, str]:

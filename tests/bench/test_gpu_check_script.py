@@ -271,3 +271,21 @@ def test_a_section_that_loses_the_device_hands_the_rest_to_a_fresh_process(tmp_p
     assert names[:4] == ["first", "first time", "fault", "fault time"] and names[-1] == "parity_attn_res time"
     assert any(n.startswith("attn_res ") for n in names[4:]) and report["complete"], names
     assert report["env"]["continued_after"] == ["fault"] and report["failed"] == 1
+
+
+def test_kda_state_config_probe_reports_ok_and_faults():
+    """A probe process checks one state-kernel entry against the fp64 reference (interpreter, fp32, tiny) and
+    says 'ok'; a probe that dies says 'fault' with the error's last line."""
+    sys.path.insert(0, str(BENCH))
+    import gpu_check_kda_configs as kc
+
+    env = {"TRITON_INTERPRET": "1"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        assert kc.probe((16, 4, 2), 16, 2, 70, "cpu") == "ok"
+        dead = kc.probe((16, 4, 2), 8, 2, 70, "cpu")  # K = 8 is below the kernels' head-dim limit: refused
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    assert dead.startswith("fault: ") and "K=8" in dead, dead
