@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BUDGETS_S = {"parity_kda": 45, "parity_attn_res": 20, "parity_moe": 45, "parity_moe_w4a8": 20, "bench_ceilings": 15,
              "bench_kda": 75, "bench_attn_res": 15, "bench_moe": 45, "bench_moe_w4a8": 40, "bench_decode_graph": 90,
              "plugin_aot_kernels": 50, "parity_model_end_to_end": 30, "parity_serving": 40, "bench_serving": 45,
-             "serving_end_to_end": 60, "kda_state_configs": 90}
+             "serving_end_to_end": 90, "kda_state_configs": 90}
 DEFAULT_BUDGET_S, QUICK_BUDGET_S, QUICK = 285.0, 180.0, 0.6
 
 

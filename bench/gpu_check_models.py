@@ -3,8 +3,9 @@
 - `parity_model_end_to_end`: k3-mini through torch.ops.k3 with the Triton kernels against the reference
   kernels, fp32, prefill then decode (the op wiring end to end);
 - `serving_end_to_end`: continuous batching (runtime/serve.py) on k3-mini in fp32 with the Triton kernels
-  against the same with the reference kernels, both on the GPU (tokens equal, logits within fp32 tolerance),
-  and one / 32 sequences' eager decode step on k3-bench in bf16 (the batching speedup on this GPU).
+  against the same with the reference kernels, both on the GPU (tokens equal, logits within fp32 tolerance);
+  with the Triton kernels, the prefix cache and speculative decoding (n-gram and model drafts) give the plain
+  run's tokens; and one / 32 sequences' eager decode step on k3-bench in bf16 (the batching speedup here).
 
 Helpers (Result, _compare) come from the running gpu_check module; torch, triton and this repository only."""
 
@@ -84,29 +85,44 @@ def _decode_step_timer(step, cfg, batch: int, past: int, block_size: int, dtype,
     return one
 
 
-def serve_both(kernels: tuple[str, str], device: str) -> list[list]:
-    """k3-mini (fp32, seeded) serving 6 prompts of 1 to 300 tokens with different new-token counts through
-    continuous batching (3 slots, 64-token steps: the long prompts prefill in chunks beside others' decode
-    rows), once per kernel set of `kernels` -> each run's records (tokens and logits)."""
+VARIANTS = ("plain", "prefix cache", "ngram drafts", "model drafts")
+
+
+def serving_runs(kernels: str, device: str, variants=VARIANTS) -> dict[str, list]:
+    """k3-mini (fp32, seeded) serving 9 prompts through continuous batching (3 slots, 64-token steps: long
+    prompts prefill in chunks beside others' decode rows) with `kernels`, once per variant -> records by variant.
+    Prompts: 1 to 300 random tokens, two that share 64 and 96 tokens with the 300-token one (prefix-cache
+    hits once it has run), one periodic (n-gram drafts: proposed, and rejected by a random model). Variants: plain; the prefix cache; speculative
+    decoding with n-gram drafts; with a model drafter (the same model on its own pools: drafts accepted, KDA rows
+    saved and rolled back). Greedy, so every variant must give the plain run's tokens."""
     import torch
 
     from k3x.model import build_model, preset
     from k3x.model.serving import K3ServingStep
     from k3x.runtime.serve import ServeOptions, StepModuleRunner, serve
+    from k3x.runtime.speculate import ModelDrafter, NgramDrafter
     from k3x.text.sampling import SamplingOptions
 
     cfg = preset("k3-mini")
     lm = build_model(cfg, device=device, dtype=torch.float32, seed=0).eval()
     gen = torch.Generator().manual_seed(3)
-    lens, news = [1, 5, 70, 130, 17, 300], [4, 8, 3, 6, 5, 2]
-    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in lens]
-    opts = ServeOptions(max_sequences=3, block_size=16, max_step_tokens=64, keep_logits=True)
-    runs = []
-    for k in kernels:
-        step = K3ServingStep(lm, kernels=k)
-        runner = StepModuleRunner(k, step, step.input_names, step.output_names, device)
-        runs.append(serve(runner, cfg, prompts, SamplingOptions(), opts, max_new_tokens=news, device=device))
-    return runs
+    rand = lambda n: torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()  # noqa: E731
+    prompts = [rand(n) for n in (1, 5, 70, 130, 17, 300)]
+    prompts += [prompts[5][:64] + rand(20), prompts[5][:96] + rand(3), [7, 8, 9, 10] * 12]
+    news = [4, 8, 3, 6, 5, 2, 5, 4, 9]
+
+    def runner():
+        step = K3ServingStep(lm, kernels=kernels)
+        return StepModuleRunner(kernels, step, step.input_names, step.output_names, device)
+
+    def run(variant: str) -> list:
+        opts = ServeOptions(max_sequences=3, block_size=16, max_step_tokens=64, keep_logits=variant == "plain",
+                            prefix_cache=variant == "prefix cache")
+        drafter = {"ngram drafts": lambda: NgramDrafter(4),
+                   "model drafts": lambda: ModelDrafter(runner(), cfg, 3, block_size=16, device=device)}.get(variant)
+        return serve(runner(), cfg, prompts, SamplingOptions(), opts, max_new_tokens=news, device=device,
+                     drafter=drafter() if drafter else None)
+    return {v: run(v) for v in variants}
 
 
 def serving_end_to_end(ctx) -> list:
@@ -119,13 +135,21 @@ def serving_end_to_end(ctx) -> list:
     if ctx.device != "cuda":
         return [gc.Result("serving e2e triton vs reference", "info", None, note="needs CUDA (kernels=triton)")]
     out = []
-    for ref, tri in zip(*serve_both(("reference", "triton"), "cuda")):
-        tag = f"prompt {ref.index} ({len(ref.prompt)} tokens)"
-        same = ref.tokens == tri.tokens
-        r = gc._compare(f"serving e2e logits {tag}", torch.stack(tri.logits), torch.stack(ref.logits), torch.float32)
-        r.metrics["tokens_equal"] = same
-        r.ok = bool(r.ok and same)
-        out.append(r)
+    ref = serving_runs("reference", "cuda", ("plain",))["plain"]
+    tri = serving_runs("triton", "cuda")
+    for r, t in zip(ref, tri["plain"]):
+        res = gc._compare(f"serving e2e logits prompt {r.index} ({len(r.prompt)} tokens)", torch.stack(t.logits),
+                          torch.stack(r.logits), torch.float32)
+        res.metrics["tokens_equal"] = r.tokens == t.tokens
+        res.ok = bool(res.ok and r.tokens == t.tokens)
+        out.append(res)
+    for variant in VARIANTS[1:]:
+        same = [a.tokens == b.tokens for a, b in zip(tri["plain"], tri[variant])]
+        m = {"prompts_equal": sum(same), "prompts": len(same), "cached_tokens": sum(x.cached for x in tri[variant]),
+             "drafts": sum(x.counts.drafted for x in tri[variant]),
+             "accepted_drafts": sum(x.counts.accepted for x in tri[variant]),
+             "steps": sum(x.counts.steps for x in tri[variant])}
+        out.append(gc.Result(f"serving e2e {variant} = plain tokens (triton)", "parity", all(same), m))
     if not ctx.bench or ctx.time_left() < 20:
         return out
     bench_cfg = preset("k3-bench")

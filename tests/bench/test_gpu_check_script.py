@@ -214,18 +214,26 @@ def test_decode_graph_section_uses_a_static_cache_on_a_hybrid_model():
 
 
 def test_end_to_end_serving_pieces_run_on_cpu():
-    """gpu_check_models' continuous-batching run and decode-step timer on the CPU with the reference kernels:
-    every prompt gets its new tokens and their logits, and a timed step writes the KDA rows back into the pools."""
+    """gpu_check_models' serving runs and decode-step timer on the CPU with the reference kernels: every variant
+    (prefix cache, n-gram and model drafts) gives the plain run's tokens; the cache hits, the n-gram drafts are
+    fed and rejected (a random model does not continue the pattern), the model's drafts accepted; and a timed
+    step writes the KDA rows back into the pools."""
     sys.path.insert(0, str(BENCH))
     import torch
-    from gpu_check_models import _decode_step_timer, serve_both
+    from gpu_check_models import VARIANTS, _decode_step_timer, serving_runs
 
     from k3x.model import build_model, preset
     from k3x.model.serving import K3ServingStep
 
-    (records,) = serve_both(("reference",), "cpu")
-    assert [len(r.tokens) for r in records] == [4, 8, 3, 6, 5, 2]
-    assert all(len(r.logits) == len(r.tokens) for r in records)
+    runs = serving_runs("reference", "cpu")
+    plain = runs["plain"]
+    assert [len(r.tokens) for r in plain] == [4, 8, 3, 6, 5, 2, 5, 4, 9]
+    assert all(len(r.logits) == len(r.tokens) for r in plain)
+    for variant in VARIANTS[1:]:
+        assert [r.tokens for r in runs[variant]] == [r.tokens for r in plain], variant
+    assert sum(r.cached for r in runs["prefix cache"]) >= 64
+    assert sum(r.counts.drafted for r in runs["ngram drafts"]) > 0
+    assert sum(r.counts.accepted for r in runs["model drafts"]) > 0
     cfg = preset("k3-mini")
     step = K3ServingStep(build_model(cfg, seed=0).eval(), kernels="reference")
     timer = _decode_step_timer(step, cfg, 3, 20, 4, torch.float32, "cpu")
