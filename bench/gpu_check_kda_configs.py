@@ -3,7 +3,7 @@
 on the machine rather than the cost model alone.
 
 1. Each entry is checked in its own process against the fp64 reference (K = 128 and 64), launches blocking: a
-   bad entry can fault and poison a CUDA context for good (on the first H200 run, with Triton 3.6, the
+   bad entry can fault and poison a CUDA context for good (on the first H200 run, with Triton 3.6, three
    single-stage BV 16/32 entries did, or gave wrong values). Processes run a few at a time.
 2. The entries that ran right are timed in this process at B=1, T=4096, H=96, bf16 (the anchor's shape),
    beside the entry the launch configuration picks (`kda_chunk_launch_config`).

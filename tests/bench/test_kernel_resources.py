@@ -57,8 +57,8 @@ def test_kda_state_kernel_within_two_waves_at_b1_h96(k3_prefill_b1):
 
 
 def test_kda_state_configs_that_ran_wrong_are_never_chosen():
-    """The single-stage BV 16/32 entries read shared memory out of bounds or gave wrong values on an H200
-    (Triton 3.6): no shape picks them; the two-stage and BV=64 entries stay choosable."""
+    """The single-stage BV 16/32 entries (three of the four read shared memory out of bounds or gave wrong
+    values on an H200 with Triton 3.6): no shape picks them; the two-stage and BV=64 entries stay choosable."""
     from k3x.custom_ops.kda import triton as kt
 
     bad = {(16, 4, 1), (32, 4, 1), (16, 8, 1), (32, 8, 1)}
