@@ -94,7 +94,8 @@ def test_only_runs_the_named_sections_in_that_order(tmp_path):
 
 def test_every_section_has_a_budget_within_the_unchanged_total():
     """Each section of CHECKS has its own budget (none falls back to the default), the W4A8 ones run right after
-    their bf16 counterparts, and the run's total stays what the device machine allows (< 5 min)."""
+    their bf16 counterparts, every correctness section runs before the benchmarks, and the run's total leaves room
+    on the device machine (15 minutes a lease, 10 a command, a minute or two to start) for a rerun: < 9 min."""
     sys.path.insert(0, str(BENCH))
     import gpu_check as gc
 
@@ -102,7 +103,9 @@ def test_every_section_has_a_budget_within_the_unchanged_total():
     assert set(names) == set(gc.BUDGETS_S), set(names) ^ set(gc.BUDGETS_S)
     assert names.index("parity_moe_w4a8") == names.index("parity_moe") + 1
     assert names.index("bench_moe_w4a8") == names.index("bench_moe") + 1
-    assert gc.DEFAULT_BUDGET_S < 300 and gc.QUICK_BUDGET_S < 240
+    assert max(names.index(n) for n in names if not n.startswith("bench_") and n != "kda_state_configs") < \
+        names.index("bench_ceilings"), names
+    assert gc.DEFAULT_BUDGET_S < 540 and gc.QUICK_BUDGET_S < 360
 
 
 def test_plugin_port_tables_match_the_plugin_specs():
@@ -265,7 +268,10 @@ def test_a_section_that_loses_the_device_hands_the_rest_to_a_fresh_process(tmp_p
     report_path = str(tmp_path / "gpu_check.json")
     assert args[0].endswith("bench/gpu_check.py") and args[1:4] == ["--cpu-selftest", "--quick", "--only"], args
     assert args[4] == "parity_attn_res" and args[-2:] == ["--continue-from", report_path], args
-    assert 0 < float(args[args.index("--budget") + 1]) <= 180, args
+    sys.path.insert(0, str(BENCH))
+    import gpu_check
+
+    assert 0 < float(args[args.index("--budget") + 1]) <= gpu_check.QUICK_BUDGET_S, args
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert [r["name"] for r in report["results"]] == ["first", "first time", "fault", "fault time"]
     assert report["env"]["continued_after"] == ["fault"] and not report["complete"]
