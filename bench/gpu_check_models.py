@@ -91,10 +91,10 @@ VARIANTS = ("plain", "prefix cache", "ngram drafts", "model drafts")
 def serving_runs(kernels: str, device: str, variants=VARIANTS) -> dict[str, list]:
     """k3-mini (fp32, seeded) serving 9 prompts through continuous batching (3 slots, 64-token steps: long
     prompts prefill in chunks beside others' decode rows) with `kernels`, once per variant -> records by variant.
-    Prompts: 1 to 300 random tokens, two that share 64 and 96 tokens with the 300-token one (prefix-cache
-    hits once it has run), one periodic (n-gram drafts: proposed, and rejected by a random model). Variants: plain; the prefix cache; speculative
-    decoding with n-gram drafts; with a model drafter (the same model on its own pools: drafts accepted, KDA rows
-    saved and rolled back). Greedy, so every variant must give the plain run's tokens."""
+    Prompts: 1 to 300 random tokens, two that share 64 and 96 tokens with the 300-token one (prefix-cache hits
+    once it has run), one periodic (n-gram drafts: proposed, and rejected by a random model). Variants: plain;
+    the prefix cache; speculative decoding with n-gram drafts; with a model drafter (the same model on its own
+    pools: drafts accepted, KDA rows saved and rolled back). Greedy: every variant must give the plain tokens."""
     import torch
 
     from k3x.model import build_model, preset
