@@ -62,7 +62,7 @@ def kda_state_configs(ctx) -> list:
     out = [gc.Result(f"kda state config BV{key[0]}-w{key[1]}-s{key[2]} K{K}", "info", None,
                      {"verdict": verdict, "choosable": kt.state_config_runs_right(key)})
            for (key, K), verdict in verdicts.items()]
-    right = [key for key in keys if all(verdicts[(key, K)] == "ok" for (k2, K) in verdicts if k2 == key)]
+    right = [key for key in keys if all(v == "ok" for (k, _), v in verdicts.items() if k == key)]
     picked = kt.kda_chunk_launch_config(1, 4096, 96, 128, 128)["state"]
     picked = (picked["BV"], picked["num_warps"], picked["num_stages"])
     q, k, v, g, beta, h0 = gc._kda_inputs(1, 4096, 96, 128, 128, torch.bfloat16, "cuda")

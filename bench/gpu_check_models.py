@@ -12,7 +12,6 @@ Helpers (Result, _compare) come from the running gpu_check module; torch, triton
 from __future__ import annotations
 
 import sys
-import time
 
 
 def _gc(ctx):
@@ -48,41 +47,6 @@ def parity_model_end_to_end(ctx) -> list:
             out.append(gc._compare(name, l_tri, l_ref, dtype))
             ids = l_ref[:, -1:].argmax(-1)  # both follow the reference trajectory
     return out
-
-
-def _decode_step_timer(step, cfg, batch: int, past: int, block_size: int, dtype, device: str = "cuda"):
-    """A function timing (ms, wall, synchronised) one eager decode step of `batch` sequences at `past`
-    positions on `device`, pools random, the step's KDA rows written back in place as serve() does."""
-    import torch
-
-    from k3x.model.state import blocks_for
-    from k3x.runtime.pools import StatePools
-
-    per = blocks_for(past + 1, block_size)
-    pools = StatePools(cfg, slots=batch, blocks=batch * per, block_size=block_size, dtype=dtype, device=device)
-    for t in pools.tensors.values():
-        t.normal_(0.0, 0.1)
-    i32, gen = torch.int32, torch.Generator(device=device).manual_seed(batch)
-    feeds = {"cu_seqlens": torch.arange(batch + 1, dtype=i32, device=device),
-             "past_lens": torch.full((batch,), past, dtype=i32, device=device),
-             "slots": torch.arange(batch, dtype=i32, device=device),
-             "block_table": torch.arange(batch * per, dtype=i32, device=device).view(batch, per),
-             "logits_index": torch.arange(batch, device=device)}
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-
-    def one() -> float:
-        ids = torch.randint(0, cfg.vocab_size, (batch,), generator=gen, device=device)
-        sync()
-        t = time.perf_counter()
-        with torch.no_grad():
-            _, new = step(ids, *feeds.values(), list(pools.tensors.values()))
-            for (name, pool), row in zip(pools.tensors.items(), new):  # KDA rows back in place; latents dropped
-                if not name.endswith(".latent"):
-                    pool[:batch].copy_(row)
-        sync()
-        return (time.perf_counter() - t) * 1e3
-    one.pools = pools  # what the steps read and write
-    return one
 
 
 VARIANTS = ("plain", "prefix cache", "ngram drafts", "model drafts")
@@ -128,8 +92,10 @@ def serving_runs(kernels: str, device: str, variants=VARIANTS) -> dict[str, list
 def serving_end_to_end(ctx) -> list:
     import torch
 
+    from k3x.bench.serving_steps import StepCase
     from k3x.model import build_model, preset
     from k3x.model.serving import K3ServingStep
+    from k3x.runtime.serve import StepModuleRunner
 
     gc = _gc(ctx)
     if ctx.device != "cuda":
@@ -155,14 +121,16 @@ def serving_end_to_end(ctx) -> list:
     bench_cfg = preset("k3-bench")
     lm = build_model(bench_cfg, device="cuda", dtype=torch.bfloat16, seed=0).eval()
     step = K3ServingStep(lm, kernels="triton")
-    timers = {b: _decode_step_timer(step, bench_cfg, b, 64, 16, torch.bfloat16) for b in (1, 32)}
+    runner = StepModuleRunner("triton", step, step.input_names, step.output_names, "cuda")
+    timers = {b: StepCase(bench_cfg, batch=b, positions=65, capacity=65, block_size=16, dtype=torch.bfloat16,
+                          device="cuda").timer(runner, 1, 64) for b in (1, 32)}
     ms = {b: [] for b in timers}
     for _ in range(3):  # warm-up (compiles), then interleaved repeats
         for b, t in timers.items():
             t()
     for _ in range(10):
         for b, t in timers.items():
-            ms[b].append(t())
+            ms[b].append(t() * 1e3)
     med = {b: sorted(v)[len(v) // 2] for b, v in ms.items()}
     out.append(gc.Result("serving decode step k3-bench bf16 eager (wall)", "bench", None,
                          {"one_seq_ms": med[1], "32_seq_ms": med[32], "batching_speedup": 32 * med[1] / med[32]},

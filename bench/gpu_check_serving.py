@@ -21,13 +21,19 @@ def _gc(ctx):
     return sys.modules[type(ctx).__module__]  # bench/gpu_check.py, run as __main__ or imported
 
 
+def _cu_seqlens(lens: list[int], device: str):
+    """[0, lens[0], lens[0] + lens[1], ...] int32: where each packed sequence starts, and the end."""
+    import torch
+
+    return torch.tensor([0, *lens], dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
+
+
 def _packing(lens: list[int], spare: int, device: str, gen):
     """cu_seqlens [B+1] and slots [B] (a random choice from a pool of B + spare rows), int32."""
     import torch
 
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     slots = torch.randperm(len(lens) + spare, generator=gen)[: len(lens)].to(torch.int32)
-    return cu.to(device), slots.to(device)
+    return _cu_seqlens(lens, device), slots.to(device)
 
 
 def kda_packed_inputs(lens: list[int], H: int, K: int, V: int, dtype, device: str, seed: int = 0):
@@ -67,8 +73,10 @@ def mla_paged_inputs(seqs: list[tuple[int, int]], H: int, C: int, R: int, BS: in
     handed out in random order (two spare blocks), block_table, past_lens, cu_seqlens."""
     import torch
 
+    from k3x.model.state import blocks_for
+
     gen = torch.Generator(device=device).manual_seed(seed)
-    need = [-(-(p + t) // BS) for p, t in seqs]
+    need = [blocks_for(p + t, BS) for p, t in seqs]
     N, L, NB = sum(t for _, t in seqs), C + R, sum(need) + 2
     r = lambda *s: torch.randn(*s, generator=gen, device=device)  # noqa: E731
     order = torch.randperm(NB, generator=gen, device=device).to(torch.int32)
@@ -78,8 +86,8 @@ def mla_paged_inputs(seqs: list[tuple[int, int]], H: int, C: int, R: int, BS: in
         table[b, :n] = order[used: used + n]
         used += n
     past = torch.tensor([p for p, _ in seqs], dtype=torch.int32, device=device)
-    cu = torch.tensor([0, *torch.tensor([t for _, t in seqs]).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    return (r(N, H, C).to(dtype), r(N, H, R).to(dtype), r(N, L).to(dtype), r(NB, BS, L).to(dtype), table, past, cu)
+    return (r(N, H, C).to(dtype), r(N, H, R).to(dtype), r(N, L).to(dtype), r(NB, BS, L).to(dtype), table, past,
+            _cu_seqlens([t for _, t in seqs], device))
 
 
 def _wide(x, dtype):

@@ -69,10 +69,11 @@ class StepCase:
     """`batch` sequences with room for `positions` each, in pools for `capacity` positions (at least what
     the batch holds); sequence b owns slot b (`scattered`: slot batch-1-b, so no step's slots are consecutive
     and its KDA rows go through scratch and the write-back, runtime/step_outputs.py) and blocks b*per ..
-    (b+1)*per-1. The state is random: a step's time does not depend on its values."""
+    (b+1)*per-1. The state is random: a step's time does not depend on its values. The pools are on `device`
+    (the latents in `dtype`); the feeds stay on the CPU (runners move them), as serve() makes them."""
 
     def __init__(self, cfg, *, batch: int, positions: int, capacity: int, block_size: int, seed: int = 0,
-                 scattered: bool = False) -> None:
+                 scattered: bool = False, dtype=None, device: str = "cpu") -> None:
         import torch
 
         from k3x.model.state import blocks_for
@@ -82,10 +83,11 @@ class StepCase:
         self.slots = (torch.arange(batch - 1, -1, -1) if scattered else torch.arange(batch)).to(torch.int32)
         per = blocks_for(positions, block_size)
         blocks = max(blocks_for(capacity, block_size), batch * per)
-        self.pools = StatePools(cfg, slots=batch, blocks=blocks, block_size=block_size)
+        self.pools = StatePools(cfg, slots=batch, blocks=blocks, block_size=block_size,
+                                dtype=dtype or torch.float32, device=device)
         self.table = torch.arange(batch * per, dtype=torch.int32).view(batch, per)
         self.ids = torch.Generator().manual_seed(seed + 1)  # the tokens fed: MoE routing (and its path) repeatable
-        g = torch.Generator().manual_seed(seed)
+        g = torch.Generator(device=device).manual_seed(seed)
         for name, t in self.pools.tensors.items():  # only what the batch owns: a 1M-position pool stays untouched
             part = t[: batch * per] if name.endswith(".latent") else t
             part.normal_(0.0, 0.1, generator=g)  # in place: no pool-sized temporary (serving_long --tail's peak)
@@ -105,17 +107,24 @@ class StepCase:
     def timer(self, runner, tokens: int, past: int) -> Callable[[], float]:
         """A function timing (seconds) one step of `tokens` per sequence at `past` positions as `serve` runs
         it: the outputs written where runtime/step_outputs.py puts them (the KDA rows in place: the slots
-        are consecutive), then the write-back of what is left (the latents)."""
+        are consecutive), then the write-back of what is left (the latents). Pools on a GPU: the device is
+        synchronised before and after, so the time is the step's, not its launches'."""
+        import torch
+
         from k3x.runtime.base import torch_threads_for
         from k3x.runtime.step_outputs import StepOutputs, infer_step
 
         outputs = StepOutputs(self.pools)
+        on_gpu = next(iter(self.pools.tensors.values())).is_cuda
+        sync = torch.cuda.synchronize if on_gpu else (lambda: None)
 
         def one() -> float:
             with torch_threads_for(runner):  # as serve() drives it
                 feeds = self.feeds(tokens, past)
+                sync()
                 t = time.perf_counter()
                 self.pools.write_back(feeds, infer_step(runner, feeds, outputs))
+                sync()
                 return time.perf_counter() - t
         return one
 

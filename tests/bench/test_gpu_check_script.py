@@ -49,7 +49,7 @@ def test_every_section_imports_without_onnx():
                   "gpu_check_models\n"
                   "gpu_check._make_k3x_importable()\n"
                   "gpu_check_bench.imports(); specs = gpu_check_plugins.launch_specs()\n"
-                  "import k3x.model, k3x.runtime.tolerances, k3x.plan.launch\n"
+                  "import k3x.model, k3x.runtime.tolerances, k3x.plan.launch, k3x.bench.serving_steps\n"
                   "bad = sorted(m for m in sys.modules if m.split('.')[0] in BLOCKED)\n"
                   "assert not bad, bad\n"
                   "print(sorted(specs))\n")
@@ -219,14 +219,16 @@ def test_decode_graph_section_uses_a_static_cache_on_a_hybrid_model():
 def test_end_to_end_serving_pieces_run_on_cpu():
     """gpu_check_models' serving runs and decode-step timer on the CPU with the reference kernels: every variant
     (prefix cache, n-gram and model drafts) gives the plain run's tokens; the cache hits, the n-gram drafts are
-    fed and rejected (a random model does not continue the pattern), the model's drafts accepted; and a timed
-    step writes the KDA rows back into the pools."""
+    fed and rejected (a random model does not continue the pattern), the model's drafts accepted; and a step
+    timed as the section times it (StepCase with an eager step runner) writes its rows back into the pools."""
     sys.path.insert(0, str(BENCH))
     import torch
-    from gpu_check_models import VARIANTS, _decode_step_timer, serving_runs
+    from gpu_check_models import VARIANTS, serving_runs
 
+    from k3x.bench.serving_steps import StepCase
     from k3x.model import build_model, preset
     from k3x.model.serving import K3ServingStep
+    from k3x.runtime.serve import StepModuleRunner
 
     runs = serving_runs("reference", "cpu")
     plain = runs["plain"]
@@ -239,11 +241,12 @@ def test_end_to_end_serving_pieces_run_on_cpu():
     assert sum(r.counts.accepted for r in runs["model drafts"]) > 0
     cfg = preset("k3-mini")
     step = K3ServingStep(build_model(cfg, seed=0).eval(), kernels="reference")
-    timer = _decode_step_timer(step, cfg, 3, 20, 4, torch.float32, "cpu")
-    before = {n: t.clone() for n, t in timer.pools.tensors.items()}
+    case = StepCase(cfg, batch=3, positions=21, capacity=21, block_size=4)
+    timer = case.timer(StepModuleRunner("eager", step, step.input_names, step.output_names), 1, 20)
+    before = {n: t.clone() for n, t in case.pools.tensors.items()}
     assert timer() > 0
-    changed = {n for n, t in timer.pools.tensors.items() if not torch.equal(t, before[n])}
-    assert changed == {n for n in before if not n.endswith(".latent")}, changed
+    changed = {n for n, t in case.pools.tensors.items() if not torch.equal(t, before[n])}
+    assert changed == set(before), set(before) - changed
 
 
 def test_a_section_that_loses_the_device_hands_the_rest_to_a_fresh_process(tmp_path):
