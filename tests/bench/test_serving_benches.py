@@ -85,10 +85,16 @@ def test_batching_split_by_part(mini_serving, tmp_path, request, monkeypatch, li
     r = _run(serving_parts.main, mini_serving, tmp_path, "--batch", "3", "--positions", "8", "--small", "64",
              "--rounds", "2", "--repeats", "1")
     rows = {x["part"]: x for x in r["rows"]}
-    assert list(rows) == [*serving_parts.PARTS, "all"]
+    assert list(rows) == [*serving_parts.PARTS, "all", *serving_parts.ACROSS]
+    gemms, rest = serving_parts.ACROSS
     for key, step in (("ms_1", "step_ms_1"), ("ms_batch", "step_ms_batch")):
         assert all(rows[p][key] > 0 for p in serving_parts.PARTS), rows
         assert rows["all"][key] < r[step], (rows["all"], r[step])
+        # the GEMM nodes across the parts: at least the head's and the dense ones' (2 timed runs a case here: the
+        # medians are means, so per-run sums carry over), never all of the step
+        assert rows["lm_head"][key] + rows["dense GEMMs"][key] <= rows[gemms][key] * (1 + 1e-9), rows
+        assert rows[gemms][key] < rows["all"][key], rows
+        assert rows[rest][key] == pytest.approx(rows["all"][key] - rows[gemms][key])
 
 
 def test_prefill_against_gemm_bound(serving_export, tmp_path, monkeypatch):
