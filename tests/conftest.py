@@ -23,7 +23,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # `from tolerances import ...` in every test folder
 
-from xdist_support import build_once, slow_first  # noqa: E402
+from xdist_support import build_once, share_cores, slow_first  # noqa: E402
+
+
+def pytest_configure(config):
+    share_cores(config)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist sends the collection to the scheduler

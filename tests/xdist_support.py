@@ -7,6 +7,10 @@
 - `slow_first` (tests/conftest.py's collection hook): under xdist the files holding a test marked `slow` are
   queued first (`--no-loadscope-reorder` keeps this order), so the long files start at once instead of
   leaving one worker running the last of them while the other idles.
+- `share_cores` (tests/conftest.py's configure hook): each worker's torch gets its share of the cores (one
+  each for two workers on two cores), and so do the processes it starts (OMP_NUM_THREADS, unless set). Two
+  workers each running torch's OpenMP pool over every core oversubscribe them, and the pools' spinning
+  barriers wait on threads the other worker holds: tests/model took 47 s that way, 19 s with a core each.
 - `build_once`: a session fixture's folder, built by the first worker of the run that needs it, in the run's
   shared temp root under a file lock; the other workers wait for it and read it. Without xdist: the session's
   own temp root.
@@ -15,6 +19,7 @@
 from __future__ import annotations
 
 import fcntl
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +30,18 @@ import pytest
 def on_worker(config: pytest.Config) -> bool:
     """True in an xdist worker (not in the controller, nor in a plain or `-n 0` run)."""
     return hasattr(config, "workerinput")
+
+
+def share_cores(config: pytest.Config) -> None:
+    """On an xdist worker: torch's intra-op threads (and, through OMP_NUM_THREADS unless the caller set it, its
+    child processes') = the machine's cores over the worker count, at least one."""
+    if not on_worker(config):
+        return
+    import torch
+
+    share = max(1, (os.cpu_count() or 1) // int(config.workerinput["workercount"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(share))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def slow_first(config: pytest.Config, items: list[pytest.Item]) -> None:
