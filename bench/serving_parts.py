@@ -36,7 +36,7 @@ from k3x.bench.serving_steps import (StepCase, inlined_callers, kernel_nodes, ow
 GEMMS = ("Gemm", "MatMul", "FusedGemm", "FusedMatMul")
 CALLS = {"MoE": "routed experts", "KDAPacked": "KDAPacked", "KDAPrep": "KDAPrep", "MLAPaged": "MLAPaged"}
 PARTS = ("lm_head", "dense GEMMs", "routed experts", "KDAPacked", "KDAPrep", "MLAPaged", "other")
-ACROSS = ("GEMM nodes", "the rest")  # the same node time split across the parts: the rest = all - GEMM nodes
+GEMM_NODES, REST = "GEMM nodes", "the rest"  # the same node time across the parts; the rest = all - GEMM nodes
 
 
 def part_of(name: str, op: str, inlined: dict[str, tuple[str, bool]], called: dict[str, str]) -> str:
@@ -53,18 +53,18 @@ def part_of(name: str, op: str, inlined: dict[str, tuple[str, bool]], called: di
 
 def split_runs(profile: Path, callers: dict[str, list[str]], cfg=None) -> list[dict[str, float]]:
     """Per run of the session (in order): ms of node kernel time by part (PARTS), and of the GEMM nodes across
-    them (ACROSS[0]). (`cfg`: unused, the split signature of serving_steps.profiled_rounds.)"""
+    them (GEMM_NODES). (`cfg`: unused, the split signature of serving_steps.profiled_rounds.)"""
     events = json.loads(profile.read_text())
     nodes = kernel_nodes(events)
     starts = [e["ts"] for e in events if e.get("name") == "model_run"]
     inlined = inlined_callers([e for e in nodes if e["ts"] >= starts[-1]], callers)
     called = {node: fn for fn, names in callers.items() for node in names}
-    out = [dict.fromkeys(PARTS + ACROSS[:1], 0.0) for _ in starts]
+    out = [dict.fromkeys((*PARTS, GEMM_NODES), 0.0) for _ in starts]
     for e in nodes:
         name, op, run = e["name"][: -len("_kernel_time")], e["args"].get("op_name", ""), out[run_of(e, starts)]
         run[part_of(name, op, inlined, called)] += e["dur"] / 1e3
         if op in GEMMS:
-            run[ACROSS[0]] += e["dur"] / 1e3
+            run[GEMM_NODES] += e["dur"] / 1e3
     return out
 
 
@@ -75,13 +75,13 @@ def measure(path: Path, a: argparse.Namespace) -> dict:
     cfg, ms, runs = profiled_rounds(path, a, steps, split_runs)
     # each part's median over the timed steps; `all` is the parts' sum, so the rows add up and the step's
     # speedup is exactly the parts' speedups weighted by their share of the batch step
-    node_ms = {b: {p: statistics.median(r[p] for r in runs[b]) for p in PARTS + ACROSS[:1]} for b in (1, a.batch)}
+    node_ms = {b: {p: statistics.median(r[p] for r in runs[b]) for p in (*PARTS, GEMM_NODES)} for b in (1, a.batch)}
     for parts in node_ms.values():
         parts["all"] = sum(parts[p] for p in PARTS)
-        parts[ACROSS[1]] = parts["all"] - parts[ACROSS[0]]
+        parts[REST] = parts["all"] - parts[GEMM_NODES]
     rows = [{"part": p, "ms_1": node_ms[1][p], "ms_batch": node_ms[a.batch][p],
              "speedup": a.batch * node_ms[1][p] / node_ms[a.batch][p] if node_ms[a.batch][p] else None}
-            for p in (*PARTS, "all", *ACROSS)]
+            for p in (*PARTS, "all", GEMM_NODES, REST)]
     return {"preset": cfg.name, "threads": a.threads, "positions": a.positions, "batch": a.batch,
             "rounds": a.rounds, "repeats": a.repeats, "step_ms_1": statistics.median(ms[1]),
             "step_ms_batch": statistics.median(ms[a.batch]),
@@ -97,7 +97,7 @@ def table(r: dict) -> str:
     total = next(x["ms_batch"] for x in r["rows"] if x["part"] == "all")
     for x in r["rows"]:
         speedup = "-" if x["speedup"] is None else f"{x['speedup']:.2f}"
-        if x["part"] == ACROSS[0]:
+        if x["part"] == GEMM_NODES:
             lines.append("  across the parts:")
         lines.append(f"  {x['part']:<16} {x['ms_1']:>9.2f} {x['ms_batch']:>10.2f} {speedup:>12} "
                      f"{x['ms_batch'] / total:>7.1%}")

@@ -85,8 +85,8 @@ def test_batching_split_by_part(mini_serving, tmp_path, request, monkeypatch, li
     r = _run(serving_parts.main, mini_serving, tmp_path, "--batch", "3", "--positions", "8", "--small", "64",
              "--rounds", "2", "--repeats", "1")
     rows = {x["part"]: x for x in r["rows"]}
-    assert list(rows) == [*serving_parts.PARTS, "all", *serving_parts.ACROSS]
-    gemms, rest = serving_parts.ACROSS
+    assert list(rows) == [*serving_parts.PARTS, "all", serving_parts.GEMM_NODES, serving_parts.REST]
+    gemms, rest = serving_parts.GEMM_NODES, serving_parts.REST
     for key, step in (("ms_1", "step_ms_1"), ("ms_batch", "step_ms_batch")):
         assert all(rows[p][key] > 0 for p in serving_parts.PARTS), rows
         assert rows["all"][key] < r[step], (rows["all"], r[step])
