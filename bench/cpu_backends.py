@@ -5,7 +5,7 @@ both backends through the same runner interface (runtime/runners.py) with the sa
   - prefill: one call on a [1, P] prompt from an empty state  -> tokens/s (median of --repeats)
   - decode:  --decode-steps T=1 calls carrying state            -> ms/token (median over steps)
 Prints a table and writes JSON. ONNX Runtime's MoE body loops over the experts actually picked (sorted
-segments, export/onnx_flavors.py), copying each picked expert's weights once per call; the JSON
+segments, exporter/onnx_flavors.py), copying each picked expert's weights once per call; the JSON
 records E and top_k.
 
     python bench/cpu_backends.py [--presets k3-mini,k3-bench] [--prompt 128] [--decode-steps 32] [--threads N]
@@ -45,8 +45,8 @@ def time_backend(runner, cfg, prompt, decode_steps: int, repeats: int) -> dict[s
 def bench_preset(name: str, args) -> dict:
     import torch
 
-    from k3x.export.onnx import OnnxOptions, export_onnx
-    from k3x.export.trace import trace
+    from k3x.exporter.onnx import OnnxOptions, export_onnx
+    from k3x.exporter.trace import trace
     from k3x.model import build_model, preset
     from k3x.runtime.ort_runner import OrtRunner
     from k3x.runtime.runners import ModuleRunner

@@ -3,7 +3,7 @@
 Each case runs in its own subprocess (so peak RSS is that case's alone; one case at a time) and reports:
 parameter count, graph nodes, custom-op counts, model construction time, trace wall and CPU seconds,
 optionally the weightless `.pt2` save (wall and CPU seconds, file bytes) by `torch.export.save` and by
-export/stamp_save.save_fast (timed first, so it never finds torch's caches warm; `same` says whether its
+exporter/stamp_save.save_fast (timed first, so it never finds torch's caches warm; `same` says whether its
 archive equals torch's record for record), and peak RSS (`ru_maxrss`). CPU seconds are the steadier figure
 on a shared machine; wall seconds are what a user waits. `x anchor` is a case's trace + save CPU seconds over
 the anchor's trace CPU seconds, measured in the same round (`x fast`: with the fast save). `--repeat N` runs
@@ -18,9 +18,9 @@ the cases N rounds, interleaved (anchor, k3, anchor, k3, ...).
 Cases:
 - `anchor`: a plain torch.export of a 93-layer meta `nn.Linear(173500, 173500)` stack (2.8e12
   parameters, dynamic batch/seq) — the reference point for the trace time of a model this size.
-- `<preset>`: `k3x.export.stamp.trace_stamped` of `build_model(preset, device="meta")` (each distinct layer
+- `<preset>`: `k3x.exporter.stamp.trace_stamped` of `build_model(preset, device="meta")` (each distinct layer
   traced once: the export pipeline's default).
-- `<preset>@per-layer` (with --per-layer): `k3x.export.trace.trace` of the same (every layer traced).
+- `<preset>@per-layer` (with --per-layer): `k3x.exporter.trace.trace` of the same (every layer traced).
 - `<preset>@baseline` (with --baseline): plain `torch.export.export` of the same model with torch's
   defaults (fake-tensor cache on), i.e. what trace() did before its tuning.
 """
@@ -63,7 +63,7 @@ def _child(case: str, dtype_name: str, save: bool) -> dict:
         export = lambda: torch.export.export(model, args, dynamic_shapes=dyn)  # noqa: E731
         out["import_s"] = round(t1 - t0, 2)
     else:
-        from k3x.export import trace as tr
+        from k3x.exporter import trace as tr
         from k3x.model import build_model, preset
 
         out["import_s"] = round(time.perf_counter() - t0, 2)
@@ -76,7 +76,7 @@ def _child(case: str, dtype_name: str, save: bool) -> dict:
                 with torch.no_grad():
                     return torch.export.export(model, (ids, past), dynamic_shapes=tr.dynamic_shapes(model.cfg))
         else:
-            from k3x.export.stamp import trace_stamped
+            from k3x.exporter.stamp import trace_stamped
 
             export = (lambda: tr.trace(model)) if variant == "per-layer" else (lambda: trace_stamped(model))
     out["params"] = sum(p.numel() for p in model.parameters())
@@ -86,11 +86,11 @@ def _child(case: str, dtype_name: str, save: bool) -> dict:
     out.update(build_s=round(t2 - t1, 2), build_cpu_s=round(c2 - c1, 2), trace_s=round(t3 - t2, 2),
                trace_cpu_s=round(c3 - c2, 2), nodes=len(ep.graph.nodes))
     if name != "anchor":
-        from k3x.export.trace import op_counts
+        from k3x.exporter.trace import op_counts
 
         out["op_counts"] = op_counts(ep)
     if save:
-        from k3x.export.stamp_save import save_fast
+        from k3x.exporter.stamp_save import save_fast
 
         with tempfile.TemporaryDirectory() as d:
             for key, fn in (("fast_save", save_fast), ("save", torch.export.save)):

@@ -1,7 +1,7 @@
 """Weightless ONNX export of a large preset (default: the full 93-layer `k3`) on the meta device.
 
 Measures wall time per phase (build, torch.export (stamped trace), ONNX export + flavor files with flat layers, the same
-files with layer functions (export/onnx_functions.py, `functions.<file>`), onnx.checker full check of all)
+files with layer functions (exporter/onnx_functions.py, `functions.<file>`), onnx.checker full check of all)
 and the process's peak RSS; prints a table and writes JSON, with each file's bytes and main-graph nodes.
 Nothing allocates weights: the model lives on the meta device, the exporter runs without its optimizer and
 every weight becomes a graph input.
@@ -37,9 +37,9 @@ def main() -> None:
 
     import onnx
 
-    from k3x.export.onnx import OnnxOptions, export_onnx
-    from k3x.export.onnx_functions import functionalize
-    from k3x.export.stamp import trace_recorded
+    from k3x.exporter.onnx import OnnxOptions, export_onnx
+    from k3x.exporter.onnx_functions import functionalize
+    from k3x.exporter.stamp import trace_recorded
     from k3x.model import build_model, preset
 
     phases: dict[str, float] = {}

@@ -14,7 +14,7 @@
    line (bytes copied file to file / converted, seconds), sums the artifact bytes, then deletes the export
    before the next one (the disk need only hold the checkpoint and one artifact).
 pt2 and ONNX from a checkpoint are traced on meta and stream the weights tensor by tensor
-(export/pt2_weights.py, export/onnx_weights.py). The table splits each stage into the weights write and
+(exporter/pt2_weights.py, exporter/onnx_weights.py). The table splits each stage into the weights write and
 the rest (graph conversion, the artifact's sha256 for the manifest); `vs disk` is bytes / seconds against
 the disk figure. Prints a Markdown table; `--json` also writes the rows.
 """

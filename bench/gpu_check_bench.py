@@ -13,7 +13,7 @@ def imports() -> dict:
     from k3x.custom_ops.kda import triton as kda
     from k3x.custom_ops.moe import triton as moe
     from k3x.custom_ops.moe_mxfp4 import reference as moe_mxfp4_reference, triton as moe_mxfp4
-    from k3x.export import trace
+    from k3x.exporter import trace
     from k3x.model import build_model, preset
     from k3x.model.options import BuildOptions
     from k3x.plan.kernels import Kernels
@@ -262,7 +262,7 @@ def _graph_runners(m, ctx, cfg, model, cache):
     yield "pt2", m["runners"].ModuleRunner("pt2", ep.module(), cfg, "cuda", cache)
     if not cache.static or ctx.quick or ctx.time_left() < 60:
         return
-    from k3x.export.aoti import compile_aoti, load_aoti
+    from k3x.exporter.aoti import compile_aoti, load_aoti
 
     with tempfile.TemporaryDirectory() as tmp:
         package = compile_aoti(ep, Path(tmp) / "model.aoti.pt2")

@@ -51,9 +51,9 @@ def imports() -> dict:
     from k3x.custom_ops.moe import reference as moe_ref
     from k3x.plan.dtypes import FLOAT, dtype_name
     from k3x.plan.launch import workspace_layout
-    from k3x.trt import aot
-    from k3x.trt.adapter import compile_plan, run_plan, scratch_size
-    from k3x.trt.core import Port
+    from k3x.plugins import aot
+    from k3x.plugins.adapter import compile_plan, run_plan, scratch_size
+    from k3x.plugins.core import Port
 
     return dict(ar_ref=ar_ref, kda_ref=kda_ref, moe_ref=moe_ref, aot=aot, compile_plan=compile_plan,
                 run_plan=run_plan, scratch_size=scratch_size, workspace_layout=workspace_layout,

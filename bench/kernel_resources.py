@@ -4,7 +4,7 @@
     python -m k3x.bench.kernel_resources --sm 90 --family kda --json out.json
 
 No GPU needed: each `Launch` of `custom_ops/<family>/triton.plan(dims, dtypes, attrs)` is compiled ahead of time
-exactly as the TensorRT plugin compiles it (`trt/aot.compile_launch`: same signature, constexprs,
+exactly as the TensorRT plugin compiles it (`plugins/aot.compile_launch`: same signature, constexprs,
 divisibility, warps, stages), then read back:
 
 - registers, stack frame (ptxas' spill area) from `cuobjdump --dump-resource-usage`; spill loads/stores as
@@ -223,7 +223,7 @@ _MEASURED: dict[tuple, Resources] = {}
 
 def measure_launch(case: Case, plan, launch, sm: SM) -> Resources:
     """Compile one launch of `case`'s plan for `sm` and read its resources."""
-    from k3x.trt import aot
+    from k3x.plugins import aot
 
     key = (case.family, case.name, repr(case.dims), launch.kernel_name, repr(sorted(launch.constexprs.items())),
            launch.num_warps, launch.num_stages, sm.arch)

@@ -4,7 +4,7 @@
     python bench/moe_mxfp4_resources.py --tokens 1 16 --dtype fp32
 
 No GPU needed: each GEMM launch of the plan (custom_ops/moe_mxfp4/triton.plan, custom_ops/moe/triton.plan) is
-compiled with `triton.compile` for a `GPUTarget` (as trt/aot.py does) and its PTX is run through the
+compiled with `triton.compile` for a `GPUTarget` (as plugins/aot.py does) and its PTX is run through the
 `ptxas -v` that ships with Triton, which prints registers, spill stores and static shared memory; the
 dynamic shared memory Triton reserves for the pipeline is `metadata.shared`.
 """
@@ -47,7 +47,7 @@ def main() -> None:
     from triton.compiler import ASTSource
 
     from k3x.custom_ops.registry import Family
-    from k3x.trt import aot
+    from k3x.plugins import aot
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4096])

@@ -4,7 +4,7 @@
 
 One trace (fp32, random weights, seed 0); the `ort` flavor written flat (`layer_functions=False`, weights in
 `model.onnx.data`, so `model.onnx` is the graph alone), then the same file with its layers as functions
-(export/onnx_functions.functionalize, as `k3x export` writes it) beside it, sharing the data file. Sessions
+(exporter/onnx_functions.functionalize, as `k3x export` writes it) beside it, sharing the data file. Sessions
 (CPU provider, default optimisation level) are created interleaved, A B A B with the first case alternating per
 round; medians and ranges (lowest, highest) are reported. Both sessions then run one prefill (batch 1, 8 tokens)
 and its logits are compared bit for bit.
@@ -52,9 +52,9 @@ def main() -> None:
     import numpy as np
     import onnx
 
-    from k3x.export.onnx import OnnxOptions, export_onnx
-    from k3x.export.onnx_functions import functionalize
-    from k3x.export.stamp import trace_recorded
+    from k3x.exporter.onnx import OnnxOptions, export_onnx
+    from k3x.exporter.onnx_functions import functionalize
+    from k3x.exporter.stamp import trace_recorded
     from k3x.model import build_model, preset
 
     cfg = preset(a.preset)

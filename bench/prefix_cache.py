@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> dict:
     a = p.parse_args(argv)
     import torch
 
-    from k3x.export.options import ExportOptions, Target
-    from k3x.export.pipeline import export
+    from k3x.exporter.options import ExportOptions, Target
+    from k3x.exporter.pipeline import export
     from k3x.model import preset
     from k3x.runtime.runners import RunnerOptions
     from k3x.runtime.serve import serving_runner

@@ -72,8 +72,8 @@ def long_export(a: argparse.Namespace) -> Iterator[Path]:
         yield a.export
         return
     from k3x.checkpoint.files import save_checkpoint
-    from k3x.export.options import ExportOptions, Target
-    from k3x.export.pipeline import export
+    from k3x.exporter.options import ExportOptions, Target
+    from k3x.exporter.pipeline import export
     from k3x.model import build_model, preset
 
     cfg = preset(a.preset)

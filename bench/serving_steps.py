@@ -40,8 +40,8 @@ def serving_folder(args: argparse.Namespace) -> Iterator[Path]:
     if args.export is not None:
         yield args.export
         return
-    from k3x.export.options import ExportOptions, Target
-    from k3x.export.pipeline import export
+    from k3x.exporter.options import ExportOptions, Target
+    from k3x.exporter.pipeline import export
 
     with tempfile.TemporaryDirectory(prefix="k3x-bench-") as tmp:
         out = Path(tmp) / "x"
@@ -182,7 +182,7 @@ def function_callers(onnx_path: Path) -> dict[str, list[str]]:
     """Per local function, the names of the nodes that call it, in graph order."""
     import onnx
 
-    from k3x.export.onnx_functions import DOMAIN
+    from k3x.exporter.onnx_functions import DOMAIN
 
     m = onnx.load(str(onnx_path), load_external_data=False)
     if any(f.domain == DOMAIN for f in m.functions):

@@ -46,8 +46,8 @@ def export_echo(preset_name: str, mix: float, out: Path, *, seed: int = 0, block
                 targets: tuple[str, ...] = ("onnx",)) -> Path:
     """The echo model saved as a checkpoint (out/ckpt) and exported with --serving (out/export) -> the export."""
     from k3x.checkpoint.files import save_checkpoint
-    from k3x.export.options import ExportOptions, Target
-    from k3x.export.pipeline import export
+    from k3x.exporter.options import ExportOptions, Target
+    from k3x.exporter.pipeline import export
 
     save_checkpoint(echo_model(preset_name, mix, seed), out / "ckpt", expert_format="dense")
     export(ExportOptions(tuple(Target(t) for t in targets), out / "export", checkpoint=out / "ckpt", serving=True,

@@ -6,7 +6,7 @@ The export folder then holds graphs only; the manifest's `weight_source` entry n
 
     {"kind": "checkpoint", "path": <as given>, "resolved": <absolute, links followed>,
      "files": [{"name": "config.json", "bytes": N, "sha256": "..."}, ...],   # every file the weights come from
-     "prefix": "lm."}   # only when the programs name the weights with a prefix (a serving step: export/serving.py)
+     "prefix": "lm."}   # only when the programs name the weights with a prefix (a serving step: exporter/serving.py)
 
 A runner loads the weights from there (`referenced_checkpoint` first: every recorded file present in the
 folder, not a link leaving it (fileio.confined), of the recorded size and, unless the hash check is skipped,

@@ -9,7 +9,7 @@ op, no plugin); domain `k3x.fused`, not `k3`, whose nodes are plugin nodes in th
 Its body is the nine ops torch.onnx writes for `glu` (Div, Tanh, Mul, Sigmoid, Mul; Div, Tanh, Mul; Mul), on
 the same scalar constants, so ONNX Runtime and TensorRT's parser (as with the `k3x.layers` functions) inline
 it to the same math. Its CPU kernel (custom_ops/moe/ort_kernel.cc, built by runtime/ort_kernels.py) makes one
-pass over a and u where the body makes nine over [N, I]. Calls are made by export/onnx_rewrites.py
+pass over a and u where the body makes nine over [N, I]. Calls are made by exporter/onnx_rewrites.py
 `fuse_situ_glu` from the traced dense FFN / shared-expert chain, and by the k3::MoE body for its experts.
 
 `SiTUGLUExperts(beta, linear_beta, h_0..h_{E-1}) -> y_0..y_{E-1}`: the SiTU-GLU of each routed expert of a

@@ -1,9 +1,9 @@
 """Every op family's TensorRT plugin: the specs, their IPluginV3 creators and their QDP forms (the registry
-iterated over the TensorRT plumbing in `trt/`, which knows no family)."""
+iterated over the TensorRT plumbing in `plugins/`, which knows no family)."""
 
 from __future__ import annotations
 
-from ..trt.core import PluginError, PluginSpec
+from ..plugins.core import PluginError, PluginSpec
 
 
 def specs() -> dict[str, PluginSpec]:
@@ -16,7 +16,7 @@ def specs() -> dict[str, PluginSpec]:
 def register_creators(trt, *, sm: int, path: str | dict[str, str] = "aot") -> dict[str, str]:
     """Register an IPluginV3 creator per plugin in namespace "k3" (replacing ones this process registered
     with other settings); `path` is one request for all or op_type -> path. Returns op_type -> path taken."""
-    from ..trt.adapter import creator
+    from ..plugins.adapter import creator
 
     registry, taken = trt.get_plugin_registry(), {}
     for name, spec in specs().items():
@@ -36,8 +36,8 @@ def register_creators(trt, *, sm: int, path: str | dict[str, str] = "aot") -> di
 
 
 def _register_collectives(trt, registry) -> None:
-    """The rank programs' AllReduce / AllGather creators (trt/collectives.py), once per process."""
-    from ..trt import collectives
+    """The rank programs' AllReduce / AllGather creators (plugins/collectives.py), once per process."""
+    from ..plugins import collectives
 
     for op in collectives.FIELDS:
         key = (id(trt), op)
@@ -61,7 +61,7 @@ def register_qdp(*, sm: int, opt_dims: dict[str, dict]) -> None:
         import tensorrt.plugin as trtp
     except ImportError as e:
         raise PluginError(f"QDP plugins need TensorRT 11 (`pip install tensorrt-cu13`): {e}") from None
-    from ..trt import qdp
+    from ..plugins import qdp
 
     for name, spec in specs().items():
         qdp.register(trtp, spec, sm=sm, opt_dims=opt_dims.get(name, {}))

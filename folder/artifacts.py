@@ -129,8 +129,8 @@ def init_manifest(out_dir: str | Path, cfg: K3Config, *, dtype: torch.dtype, wei
                   weight_source: dict[str, Any] | None = None) -> dict[str, Any]:
     """Start a fresh manifest (no artifacts) in `out_dir`, created if needed; replaces an older one.
     `options`: what the program was built with (default: reference kernels, dense experts, growing cache).
-    `serving`: the serving-step interface (export/serving.py `serving_manifest`); `io` then names its I/O.
-    `trace`: how the program was traced (export/trace.trace_recorded; default per-layer).
+    `serving`: the serving-step interface (exporter/serving.py `serving_manifest`); `io` then names its I/O.
+    `trace`: how the program was traced (exporter/trace.trace_recorded; default per-layer).
     `weight_source`: the checkpoint the artifacts reference instead of holding weights (checkpoint/reference.py)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -250,8 +250,8 @@ class K3Config:
 
     def layer_kind(self, i: int) -> str:
         """Layer i's shape: mixer, FFN and AttnRes role (`_first`: layer 0 opens the bank; `_block_start`: it
-        writes the running partial sum). Layers of one kind trace to the same graph (export/stamp.py) and share
-        one ONNX function (export/onnx_functions.py). E.g. 'kda_dense_first', 'kda_moe', 'mla_moe'."""
+        writes the running partial sum). Layers of one kind trace to the same graph (exporter/stamp.py) and share
+        one ONNX function (exporter/onnx_functions.py). E.g. 'kda_dense_first', 'kda_moe', 'mla_moe'."""
         role = "_first" if self.attn_res is not None and i == 0 else "_block_start" if i in self.block_starts() else ""
         return f"{self.layer_types[i]}_{self.mlp_types[i]}{role}"
 

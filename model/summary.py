@@ -112,3 +112,25 @@ def format_working(w: dict, pools: dict) -> str:
     return (f"  step working memory ({w['rows']:,} tokens, MLA key blocks of {w['key_block']:,}): "
             f"{w['total_bytes'] / mib:,.1f} MiB (attention {w['attention_bytes'] / mib:,.1f} MiB of it)\n"
             f"  peak (pools + step): {(pools['total_bytes'] + w['total_bytes']) / mib:,.1f} MiB")
+
+
+def pools_report(cfg: K3Config, context: int, sequences: int, *, block_size: int = 16, tp: int = 1, ep: int = 1,
+                 dtype: str = "bf16", chunk: int | None = None) -> str:
+    """`k3x inspect --context N --sequences S [--tp T --ep E] [--dtype] [--chunk T]`: pool memory of a serving
+    deployment (latents in the model dtype, `dtype`: bf16 | fp32; KDA states are fp32 either way), per rank
+    under a plan (its local config: its KDA heads; the latent whole); with `chunk`, the working memory of a
+    step of that many tokens (model/working.py) and the peak pools + step."""
+    import torch
+
+    from .parallel import ParallelPlan
+    from .state import pool_bytes
+    from .working import step_working_bytes
+
+    plan = ParallelPlan(tp, ep)
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    local = plan.local_config(cfg)
+    pools = pool_bytes(local, context, sequences, block_size, dtype=torch_dtype)
+    lines = [format_pools(pools, plan)]
+    if chunk is not None:
+        lines.append(format_working(step_working_bytes(local, chunk, block_size, torch_dtype), pools))
+    return "\n".join(lines)

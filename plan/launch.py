@@ -6,7 +6,7 @@ scalar arguments as functions of the runtime dims, and the workspace buffers. Th
 
 - by `run(plan, tensors, dims)` below: Triton's JIT on torch tensors (the op's `triton` kernels, the
   TensorRT plugins' `jit` path), workspace allocated as torch tensors;
-- by `k3x.trt.adapter.run_plan`: the plan's cubins, compiled ahead of time, through the CUDA driver
+- by `k3x.plugins.adapter.run_plan`: the plan's cubins, compiled ahead of time, through the CUDA driver
   inside a TensorRT engine, workspace carved out of TensorRT's allocation.
 
 Nothing here imports torch, Triton or TensorRT at module level, so plans can be built and checked on any

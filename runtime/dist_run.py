@@ -75,7 +75,7 @@ def init(plan: ParallelPlan) -> tuple[int, object]:
 
 def rank_backends(export_dir: Path, data: dict) -> list[str]:
     """The runners a sharded export's rank folders hold artifacts for (rank 0's manifest; all ranks alike)."""
-    from ..export.ranks import rank_folder
+    from ..exporter.ranks import rank_folder
 
     have = ExportFolder.open(rank_folder(export_dir, data, 0)).manifest["artifacts"]
     return [r for r in RANK_RUNNERS if ARTIFACT_OF[r] in have]

@@ -1,7 +1,7 @@
 """Refit a weight-stripped engine at load (TensorRT 11 `Refitter`), streaming its weights one at a time.
 
 `k3x build-engine --strip-weights` records each refittable weight's source in `model.engine.json`
-(export/engine_weights.py). `refit_stripped` asks the engine's Refitter which weights it needs
+(exporter/engine_weights.py). `refit_stripped` asks the engine's Refitter which weights it needs
 (`get_all_weights`), and for each: reads its bytes from the recorded source (16 MiB `pread`s, length and
 sha256 checked: data changed after the build is refused naming the weight; an export that references its
 checkpoint reads the checkpoint's byte ranges), copies them to the GPU and hands
@@ -11,7 +11,7 @@ weight set before `refit_cuda_engine`, so the device copies live until the refit
 more on the GPU, briefly), then are freed.
 
 Not run in CI: TensorRT-RTX 1.7 cannot build a refittable plan without a GPU, and full TensorRT 11 is not
-installable here (tests/export/test_engine_strip.py checks the sources the refit reads).
+installable here (tests/exporter/test_engine_strip.py checks the sources the refit reads).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..export.engine import ONNX_FILE
-from ..export.engine_weights import WeightSourceError, inline_weights, read_weight
+from ..exporter.engine import ONNX_FILE
+from ..exporter.engine_weights import WeightSourceError, inline_weights, read_weight
 from .base import RunnerError
 
 TRT_DTYPES = {"FLOAT": "float32", "FLOAT16": "float16", "BFLOAT16": "bfloat16", "UINT8": "uint8", "INT8": "int8",

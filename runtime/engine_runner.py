@@ -10,7 +10,7 @@ state pools on `device` ("cuda"), so `_bind` hands TensorRT their addresses as t
 step); the engine only reads them. Pools are not aliased to outputs: the step returns its new rows (O(B + N):
 `new.*`, into fresh buffers) and serve() writes them into the pools in place (runtime/pools.py), as for ORT.
 A weight-stripped engine (`--strip-weights`) is refitted before its context is made (runtime/engine_refit.py).
-Not run in CI (no GPU and no TensorRT 11 there); the serving engine's build is (tests/trt/test_serving_engine_rtx.py).
+Not run in CI (no GPU and no TensorRT 11 there); the serving engine's build is (tests/plugins/test_serving_engine_rtx.py).
 `enqueue` is the capturable step (no sync, the caller's stream) that `--cuda-graph` records into a CUDA graph
 with the static bindings of runtime/cuda_graph.py; `infer` is the same step on the runner's own stream,
 synchronised, with plugin failures reported.
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..export.engine import ENGINE_FILE, EngineBuildError, check_engine_meta, import_trt
+from ..exporter.engine import ENGINE_FILE, EngineBuildError, check_engine_meta, import_trt
 from .base import RunnerError
 
 
@@ -42,7 +42,7 @@ class TrtRunner:
         except EngineBuildError as e:
             raise RunnerError(str(e)) from None
         from ..custom_ops import trt_plugins as plugins
-        from ..trt import adapter
+        from ..plugins import adapter
 
         self._errors = adapter.ERRORS
         plugins.register_creators(trt, sm=self.meta["sm"], path=self.meta["plugin_paths"])

@@ -1,5 +1,5 @@
 """ONNX Runtime's side of a rank program's collectives: the `ai.onnx.contrib::AllReduce` / `AllGather` nodes of
-the ort flavor (export/onnx_collectives.py) as onnxruntime-extensions Python custom ops that call
+the ort flavor (exporter/onnx_collectives.py) as onnxruntime-extensions Python custom ops that call
 torch.distributed on the group this process registered under the node's `group_name` (runtime/dist_run.init).
 
 Notable choices:
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..export.onnx_collectives import OPS, PYOP_DOMAIN
+from ..exporter.onnx_collectives import OPS, PYOP_DOMAIN
 
 
 def _import_extensions():
@@ -78,7 +78,7 @@ def check_ready(path) -> str | None:
     import onnx
     from onnx.helper import get_attribute_value
 
-    from ..export.onnx_functions import model_nodes
+    from ..exporter.onnx_functions import model_nodes
 
     groups: dict[str, int | None] = {}
     for n in model_nodes(onnx.load(str(path), load_external_data=False)):

@@ -140,7 +140,7 @@ def release_freed_heap() -> None:
 
 def output_shapes(dims: dict[str, list], feeds: Feeds) -> dict[str, tuple[int, ...]]:
     """Concrete output shapes from the graph's dim names and the feeds' shapes (the batch interface's
-    batch / seq / past_seq / total_seq, or a serving step's tokens / seqs / logits_rows: export/serving.py)."""
+    batch / seq / past_seq / total_seq, or a serving step's tokens / seqs / logits_rows: exporter/serving.py)."""
     if "cu_seqlens" in feeds:
         known = {"tokens": feeds["input_ids"].shape[0], "seqs": feeds["past_lens"].shape[0],
                  "logits_rows": feeds["logits_index"].shape[0]}

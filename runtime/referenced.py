@@ -4,8 +4,8 @@
 (checkpoint/reference.py: every file present, confined to its folder, of the recorded size and sha256
 unless `check_hashes` is off) and reads its tensors under the names the programs use: `None` for an export
 whose artifacts hold their weights. The pt2 runner attaches them to the graph-only program
-(export/trace.with_weights); the ORT runner hands them to ONNX Runtime as the initializers the graph points
-at a file that never exists (`ort_initializers`, export/onnx_weights.reference_weights).
+(exporter/trace.with_weights); the ORT runner hands them to ONNX Runtime as the initializers the graph points
+at a file that never exists (`ort_initializers`, exporter/onnx_weights.reference_weights).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def ort_initializers(path: Path, weights: dict[str, torch.Tensor]) -> dict:
     import onnx
     import onnxruntime as ort
 
-    from ..export.onnx_weights import REFERENCE_LOCATION
+    from ..exporter.onnx_weights import REFERENCE_LOCATION
 
     model = onnx.load(str(path), load_external_data=False)
     out = {}

@@ -126,7 +126,7 @@ def serving_entry(export_dir: Path | ExportFolder) -> dict:
 def load_pt2_artifact(folder: ExportFolder, options: RunnerOptions, what: str):
     """The folder's pt2 program: hashed (unless options.check_hashes is off), checked and loaded from one
     open file (folder/trust.py `checked_pt2`), so the path cannot be swapped between check and load."""
-    from ..export.trace import load_pt2
+    from ..exporter.trace import load_pt2
     from ..folder.trust import UnsafeArtifactError, checked_pt2
 
     path = artifact_files(folder, "pt2", replace(options, check_hashes=False))[0]  # hashed below, from the open file
@@ -143,7 +143,7 @@ def load_pt2_artifact(folder: ExportFolder, options: RunnerOptions, what: str):
         raise RunnerError(f"{path}: cannot load {what}: {e}") from None
     if weights is None:
         return ep
-    from ..export.trace import with_weights
+    from ..exporter.trace import with_weights
 
     return with_weights(ep, weights)
 
@@ -183,8 +183,8 @@ def _trt(folder: ExportFolder, options: RunnerOptions) -> Runner:
 
 def load_aoti_artifact(folder: ExportFolder, options: RunnerOptions) -> tuple[Callable, str]:
     """(the folder's AOTI package, loaded; the device it was compiled for). The package is trusted native
-    code (export/aoti.py): loaded only once its sha256 matches, whatever options.check_hashes says."""
-    from ..export.aoti import load_aoti
+    code (exporter/aoti.py): loaded only once its sha256 matches, whatever options.check_hashes says."""
+    from ..exporter.aoti import load_aoti
 
     path = artifact_files(folder, "aoti", replace(options, check_hashes=True))[0]
     return load_aoti(path), str(folder.manifest["artifacts"]["aoti"].get("device", "cpu"))

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..export.ranks import rank_folder, read_parallel
+from ..exporter.ranks import rank_folder, read_parallel
 from ..folder.artifacts import ExportFolder, ManifestError
 from ..model.config import K3Config
 from ..model.options import CacheOptions

@@ -127,8 +127,8 @@ def mini_cli_export(request) -> CliExport:
 @pytest.fixture(scope="session")
 def serving_export(request) -> Path:
     """k3-mini (random weights, seed 0) exported with --serving, block size 8, pt2 + onnx."""
-    from k3x.export.options import ExportOptions, Target
-    from k3x.export.pipeline import export
+    from k3x.exporter.options import ExportOptions, Target
+    from k3x.exporter.pipeline import export
 
     def build(root: Path) -> None:
         export(ExportOptions((Target.PT2, Target.ONNX), root / "k3-mini", preset="k3-mini", serving=True,

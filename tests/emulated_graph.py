@@ -1,4 +1,4 @@
-"""A CUDA graph emulated on CPU tensors, shared by the graph tests of runtime/ and export/ (no GPU here)."""
+"""A CUDA graph emulated on CPU tensors, shared by the graph tests of runtime/ and exporter/ (no GPU here)."""
 
 from __future__ import annotations
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-# bottom first: a module may import its own package or one listed before it. The cli/ package and __main__
-# are the top. "" is the root package (__version__ only).
+# bottom first: a module may import its own package or one listed before it. cli.py (with its flag types,
+# cli_flags.py) and __main__ are the top. "" is the root package (__version__ only); console.py (what commands
+# print) imports no project module.
 PACKAGE_ORDER: tuple[tuple[str, ...], ...] = (
-    ("", "fileio"), ("plan",), ("trt",), ("custom_ops",), ("model",), ("text",), ("checkpoint",), ("folder",),
-    ("export",), ("runtime",), ("bench",), ("cli", "__main__"),
+    ("", "fileio", "console"), ("plan",), ("plugins",), ("custom_ops",), ("model",), ("text",), ("checkpoint",), ("folder",),
+    ("exporter",), ("runtime",), ("bench",), ("cli", "cli_flags", "__main__"),
 )
 
 

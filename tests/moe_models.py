@@ -1,5 +1,5 @@
-"""One k3::MoE node as an `ort` flavor model (its function bodies attached by export/onnx_flavors.py
-`ort_pass`), with random weights and tokens: the MoE body tests (tests/export/test_onnx_moe_body.py) run it
+"""One k3::MoE node as an `ort` flavor model (its function bodies attached by exporter/onnx_flavors.py
+`ort_pass`), with random weights and tokens: the MoE body tests (tests/exporter/test_onnx_moe_body.py) run it
 on ONNX Runtime's own ops, the kernel tests (tests/runtime/test_ort_kernels.py) on the k3x kernels."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import onnx_ir as ir
 import torch
 from onnx import TensorProto, helper
 
-from k3x.export.onnx_flavors import ort_pass
+from k3x.exporter.onnx_flavors import ort_pass
 from k3x.plan import onnx_node
 
 ONNX_TYPE = {torch.float32: TensorProto.FLOAT, torch.bfloat16: TensorProto.BFLOAT16}

@@ -24,8 +24,8 @@ class MiniExport:
 def export_folder(checkpoint: Path, out: Path, ep=None) -> tuple[Path, torch.export.ExportedProgram]:
     from k3x.checkpoint.files import load_checkpoint
     from k3x.checkpoint.reference import checkpoint_hash
-    from k3x.export.onnx import onnx_stage
-    from k3x.export.trace import op_counts, trace
+    from k3x.exporter.onnx import onnx_stage
+    from k3x.exporter.trace import op_counts, trace
     from k3x.folder.artifacts import init_manifest, write_artifact
 
     model = load_checkpoint(checkpoint, dtype=torch.float32)

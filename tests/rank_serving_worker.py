@@ -10,7 +10,7 @@ SPEC: {"prompts": [[ids], ...], "max_new_tokens": [n per prompt], "backend": "pt
                        "prompts", "max_new_tokens", "save_state", "load_state": optional}}}.
 "prompts" / "max_new_tokens" in a run: its own (else SPEC's); "save_state" / "load_state": a state file of
 its first prompt (session.serving_state, as `k3x run --save-state/--load-state`: each rank its own file).
-"draft": every rank loads the draft export as `k3x run --draft DIR --speculate-tokens K` does (cli/serve.make_drafter,
+"draft": every rank loads the draft export as `k3x run --draft DIR --speculate-tokens K` does (runtime/serve_prompts.make_drafter,
 its ONNX on ort); "skew": the ranks other than 0 alter their drafts after proposing them (`Skewed`: a draft model
 whose argmax is not the same on every rank), so only the agreement on rank 0's drafts keeps the ranks' steps alike.
 OUT: {name: [{"index", "tokens", "logits", "cached", "drafted", "accepted"} per prompt], "agree": whether every
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from k3x.cli.serve import Speculation, make_drafter
+from k3x.runtime.serve_prompts import Speculation, make_drafter
 from k3x.runtime import session as sessions
 from k3x.runtime.runners import RunnerOptions
 from k3x.runtime.serve import ServeOptions

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from k3x.checkpoint.files import load_checkpoint
 from k3x.cli import app
-from k3x.cli.console import printable
+from k3x.console import printable
 from k3x.runtime.generate import full_logits, generate
 from k3x.text.sampling import SamplingOptions
 from k3x.text.tokenizer import find_tokenizer

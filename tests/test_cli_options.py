@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from k3x import __version__
 from k3x.cli import app
-from k3x.cli.options import Backend, Runtime
+from k3x.cli_flags import Backend, Runtime
 
 COMMANDS = ("init-checkpoint", "inspect", "export", "build-engine", "build-ort-kernels", "generate", "run", "logits",
             "verify")
@@ -75,7 +75,7 @@ def test_verbose_prints_debug_lines_only_when_asked():
 
 
 def test_choices_match_the_library_tables():
-    from k3x.export.engine import RUNTIMES
+    from k3x.exporter.engine import RUNTIMES
     from k3x.runtime.runners import RUNNERS
 
     assert {b.value for b in Backend} == set(RUNNERS)

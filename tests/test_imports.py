@@ -15,7 +15,7 @@ import torch
 from typer.testing import CliRunner
 from k3x.cli import app
 from k3x.model import build_model, empty_state, preset
-from k3x.export.trace import op_counts, trace
+from k3x.exporter.trace import op_counts, trace
 
 assert CliRunner().invoke(app, ["--help"]).exit_code == 0
 cfg = preset("k3-mini")

@@ -66,7 +66,7 @@ def test_every_family_has_every_role(family):
 
 
 def test_no_module_outside_custom_ops_names_a_family():
-    """export/, runtime/, trt/, cli.py and the other top-level modules iterate the registry instead."""
+    """exporter/, runtime/, plugins/, cli.py and the other top-level modules iterate the registry instead."""
     words = family_words()
     # the ops themselves, the model definition, checkpoint names (config.json's and the tensors'), benchmarks
     exempt = ("custom_ops", "model", "checkpoint", "bench")
@@ -125,7 +125,7 @@ def test_no_import_cycle_across_packages():
 def test_no_import_circle_between_modules():
     """No two project modules import each other, directly or around a loop, at module top or inside a
     function: what two modules share lives in a third below both (runtime/base.py, folder/schema.py,
-    export/options.py, custom_ops/<family>/limits.py). A heavy library imported lazily (triton, onnxruntime,
+    exporter/options.py, custom_ops/<family>/limits.py). A heavy library imported lazily (triton, onnxruntime,
     tensorrt) is not a project module and so never forms a circle."""
     cycles = module_cycles([edge for p in sources() for edge in project_imports(p, ROOT)])
     assert not cycles, "modules importing each other: " + "; ".join(" <-> ".join(c) for c in cycles)

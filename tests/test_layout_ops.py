@@ -1,7 +1,7 @@
 """Layout guards for the op families and the TensorRT plumbing (docs/architecture.md): no private name is
-imported from, or read off, another module under plan/, trt/ and custom_ops/ (a module another one needs makes
+imported from, or read off, another module under plan/, plugins/ and custom_ops/ (a module another one needs makes
 it public), and the plan machinery (dtypes, launch plans, signatures) sits below both: it imports no other
-project module, and trt/ never reaches into custom_ops/ (custom_ops/trt_plugins.py registers the families'
+project module, and plugins/ never reaches into custom_ops/ (custom_ops/trt_plugins.py registers the families'
 plugins). Imports are resolved by the one scanner the package guards use (tests/import_graph.py)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 from import_graph import module_aliases, module_name, private_imports, project_imports
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("plan", "trt", "custom_ops")
+PACKAGES = ("plan", "plugins", "custom_ops")
 PLAN_LEAVES = {"k3x.plan.dtypes", "k3x.plan.launch", "k3x.plan.signature"}
 
 
@@ -54,10 +54,10 @@ def test_the_private_name_guard_can_fail(tmp_path):
 
 def test_the_plan_machinery_sits_below_ops_and_plugins():
     """dtypes, launch and signature import no other project module (so ops and plugins use them from below);
-    trt/ imports nothing from custom_ops/ (it sits below the families)."""
+    plugins/ imports nothing from custom_ops/ (it sits below the families)."""
     up = [f"{p.relative_to(ROOT)}:{line}: {mod}" for p in files() if module_name(p, ROOT) in PLAN_LEAVES
           for _, line, mod in project_imports(p, ROOT) if mod not in PLAN_LEAVES]
     assert not up, "the plan machinery imports other project modules:\n" + "\n".join(up)
-    back = [f"{p.relative_to(ROOT)}:{line}: {mod}" for p in (ROOT / "trt").rglob("*.py")
+    back = [f"{p.relative_to(ROOT)}:{line}: {mod}" for p in (ROOT / "plugins").rglob("*.py")
             for _, line, mod in project_imports(p, ROOT) if mod.startswith("k3x.custom_ops")]
-    assert not back, "trt/ imports op-family modules:\n" + "\n".join(back)
+    assert not back, "plugins/ imports op-family modules:\n" + "\n".join(back)

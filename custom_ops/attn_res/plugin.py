@@ -10,7 +10,7 @@ code. Paths: IPluginV3 "aot" and QDP `aot_impl` embed the same cubin; "jit" runs
 
 from __future__ import annotations
 
-from ...trt.core import PluginSpec, dims_match
+from ...plugins.core import PluginSpec, dims_match
 from . import triton as kt
 from .limits import KERNEL_MAX_BANK
 from .op import SIGNATURE

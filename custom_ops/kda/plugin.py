@@ -15,7 +15,7 @@ IPluginV3 path for prefill engines. "jit" runs the same plan with Triton's JIT.
 
 from __future__ import annotations
 
-from ...trt.core import PluginSpec, dims_match
+from ...plugins.core import PluginSpec, dims_match
 from . import triton as kt
 from .limits import KERNEL_HEAD_DIM
 from .op import SIGNATURE

@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from ...trt.core import PluginSpec
+from ...plugins.core import PluginSpec
 from ..kda.plugin import check_dims
 from . import triton as kt
 from .op import SIGNATURE

@@ -14,7 +14,7 @@ sequence (exact for any step, slow for long prefills) — use the IPluginV3 path
 
 from __future__ import annotations
 
-from ...trt.core import PluginSpec
+from ...plugins.core import PluginSpec
 from ..kda.plugin import check_dims
 from . import triton as kt
 from .op import SIGNATURE

@@ -15,7 +15,7 @@ does); QDP has no `aot_impl` (one kernel, no workspace), so QDP runs the plan wi
 
 from __future__ import annotations
 
-from ...trt.core import PluginSpec, dims_match
+from ...plugins.core import PluginSpec, dims_match
 from . import triton as kt
 from .limits import KERNEL_MAX_LATENT
 from .op import SIGNATURE

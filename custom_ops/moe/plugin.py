@@ -16,7 +16,7 @@ with Triton's JIT (debugging). QDP (TensorRT 11): `impl` only — `aot_impl` car
 
 from __future__ import annotations
 
-from ...trt.core import PluginSpec, dims_match
+from ...plugins.core import PluginSpec, dims_match
 from . import triton as kt
 from .op import SIGNATURE
 

@@ -30,7 +30,7 @@ unused tail blocks are skipped), and swap-AB below `SWAP_BELOW` rows per block (
 rows × BM tokens, so the weight rows fill the MMA's 64-wide M side and 16 tokens its N side; wgmma on sm_90a
 instead of 16-row mma.sync). GEMM2's weight tiles come through a TMA descriptor built on the device (sm_90+,
 rows of w2 16-byte multiples; 128 B of global scratch per program, which the AOT plugin carves out of its
-workspace: trt/adapter.run_plan); everything else is pointer loads pipelined by Triton (cp.async): the
+workspace: plugins/adapter.run_plan); everything else is pointer loads pipelined by Triton (cp.async): the
 activation rows are gathered by token (no TMA gather before sm_100) and GEMM1's interleaved gate/up operand is
 two tensors' rows, not one TMA box.
 Precision of the down projection: each routed expert's weighted row is rounded once to z's dtype in y (bf16:

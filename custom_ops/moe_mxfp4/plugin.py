@@ -14,7 +14,7 @@ LINEAR only; N dynamic, d/L/E/I static. QDP (TensorRT 11): `impl` only, as k3::M
 
 from __future__ import annotations
 
-from ...trt.core import PluginSpec, dims_match
+from ...plugins.core import PluginSpec, dims_match
 from ..moe import plugin as dense
 from . import triton as kt
 from .codec import BLOCK

@@ -17,8 +17,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 @pytest.fixture(scope="module")
 def mini_serving(tmp_path_factory) -> Path:
-    from k3x.export.options import ExportOptions, Target
-    from k3x.export.pipeline import export
+    from k3x.exporter.options import ExportOptions, Target
+    from k3x.exporter.pipeline import export
 
     out = tmp_path_factory.mktemp("serving-bench") / "x"
     # flat layers: serving_length attributes the profile's inlined k3 bodies to their callers in the main graph

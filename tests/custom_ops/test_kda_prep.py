@@ -67,7 +67,7 @@ def test_shape_rule_on_tensorrt_expressions(monkeypatch):
     """V = (C - 2·H·K) // H on both front ends: IPluginV3's `_Sym` over an expression builder (`-` is SUB) and
     QDP's ShapeExprs (no reflected operators: the rule keeps a dim on the left), with builders that compute on ints."""
     from k3x.custom_ops.kda_prep.plugin import SPEC
-    from k3x.trt import adapter, qdp
+    from k3x.plugins import adapter, qdp
 
     want = [(5, 2, 16), (5, 2, 16), (5, 2, 16), (5, 2, 16), (5, 2), (2, 96, 3)]
     ops = {"SUM": operator.add, "SUB": operator.sub, "PROD": operator.mul, "FLOOR_DIV": operator.floordiv}

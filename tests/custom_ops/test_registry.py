@@ -71,7 +71,7 @@ FILES = {
     "plugin.py": '''
         from . import triton as kt
         from .op import SIGNATURE
-        from k3x.trt.core import PluginSpec
+        from k3x.plugins.core import PluginSpec
 
         SPEC = PluginSpec.of(SIGNATURE, dims=kt.dims, check=lambda shapes, attrs: None, plan=kt.plan)
     ''',
@@ -104,9 +104,9 @@ def test_new_family_reaches_every_stage(toy_family):
     import onnxruntime as ort
 
     from k3x.custom_ops.trt_plugins import specs
-    from k3x.export.onnx import translation_table
-    from k3x.export.onnx_collectives import translation_table as collectives
-    from k3x.export.onnx_flavors import ort_pass, trt_pass
+    from k3x.exporter.onnx import translation_table
+    from k3x.exporter.onnx_collectives import translation_table as collectives
+    from k3x.exporter.onnx_flavors import ort_pass, trt_pass
     from k3x.model.config import ConfigError, preset
 
     toy_family.op  # noqa: B018  (registers torch.ops.k3.toy)

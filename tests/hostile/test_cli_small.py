@@ -9,8 +9,8 @@ import time
 
 from hostile_util import k3x
 
-from k3x.cli.app import hoist_global_flags
-from k3x.cli.console import Progress
+from k3x.cli import hoist_global_flags
+from k3x.console import Progress
 
 
 def test_verify_defaults_to_every_backend_of_the_export(export_dir):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from k3x.export import engine as trt
+from k3x.exporter import engine as trt
 
 
 def test_auto_picks_trt_rtx_without_tensorrt(monkeypatch):
@@ -40,7 +40,7 @@ def test_build_engine_trt_rtx_in_a_fresh_shell(export_dir):
 def test_missing_trt_rtx_names_the_pip_extra(monkeypatch):
     import importlib.util
 
-    from k3x.export import engine
+    from k3x.exporter import engine
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "tensorrt_rtx_libs" else real(n, *a))

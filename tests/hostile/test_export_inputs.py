@@ -13,7 +13,7 @@ import subprocess
 import pytest
 from hostile_util import edit_manifest, k3x
 
-from k3x.export import engine
+from k3x.exporter import engine
 
 
 def _errors(out: str) -> list[str]:
@@ -116,7 +116,7 @@ def test_genai_token_id_outside_the_vocabulary_writes_no_genai_config(ckpt_dir, 
 
 
 def test_genai_eos_outside_the_vocabulary_is_named():
-    from k3x.export.genai import _outside_vocab
+    from k3x.exporter.genai import _outside_vocab
     from k3x.model.config import preset
 
     cfg = preset("k3-mini")

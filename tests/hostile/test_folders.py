@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from hostile_util import k3x
 
-from k3x.export import pipeline as export_mod
+from k3x.exporter import pipeline as export_mod
 from k3x.folder import staging
 from k3x.folder.artifacts import ExportFolder
 
@@ -69,7 +69,7 @@ def test_a_failing_stage_leaves_the_old_export_and_no_leftovers(export_dir, monk
 
 
 def test_a_full_disk_in_the_pt2_write_is_an_oserror_not_an_abort(tmp_path):
-    code = ("import torch\nfrom k3x.export.trace import save_pt2\n"
+    code = ("import torch\nfrom k3x.exporter.trace import save_pt2\n"
             "class M(torch.nn.Module):\n  def __init__(s): super().__init__(); s.l = torch.nn.Linear(64, 64)\n"
             "  def forward(s, x): return s.l(x)\n"
             "ep = torch.export.export(M(), (torch.ones(1, 64),))\n"
@@ -93,7 +93,7 @@ def test_leftovers_of_a_killed_export_are_swept(export_dir):
 
 def test_a_killed_export_leaves_the_destination_as_it_was(export_dir):
     before = sorted(os.listdir(export_dir))
-    script = ("import os, signal\nfrom k3x.export import pipeline as e\n"
+    script = ("import os, signal\nfrom k3x.exporter import pipeline as e\n"
               "def die(ep, ctx): os.kill(os.getpid(), signal.SIGKILL)\n"
               "e.STAGES['pt2'] = die\n"
               "from k3x.cli import app\n"
@@ -117,7 +117,7 @@ def test_concurrent_export_into_one_folder_is_refused(export_dir):
 def test_engine_build_takes_the_folder_lock_and_sweeps_a_killed_build(export_dir, monkeypatch):
     """build-engine holds the same lock as export (refused while another writer holds it, nothing touched)
     and removes the staging folder a killed build left inside the export."""
-    from k3x.export import engine
+    from k3x.exporter import engine
 
     leftover = export_dir / ".tmp-trt-killed"
     leftover.mkdir()

@@ -147,7 +147,7 @@ def test_bytes_after_the_end_record_are_refused(export_dir, tmp_path):
 
 def test_the_checked_file_is_the_file_loaded(export_dir, tmp_path):
     """The path swapped for a hostile archive after the check: the load reads the open, checked file."""
-    from k3x.export.trace import load_pt2
+    from k3x.exporter.trace import load_pt2
     from k3x.folder.trust import checked_pt2
 
     marker, pt2 = tmp_path / "marker", export_dir / "model.pt2"

@@ -159,7 +159,7 @@ def test_a_generated_id_the_tokenizer_lacks_is_one_line(ckpt_dir):
 def test_a_token_that_decodes_to_a_terminal_escape_is_printed_escaped(ckpt_dir, capsys):
     import torch
 
-    from k3x.cli.console import Printer
+    from k3x.console import Printer
     from k3x.text.tokenizer import find_tokenizer
 
     _tiktoken("G1sySg== 256\n")(ckpt_dir)  # token 256 = ESC [ 2 J (clear the screen)

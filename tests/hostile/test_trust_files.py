@@ -22,7 +22,7 @@ import pytest
 from hostile_util import edit_manifest, k3x, rehash
 
 from k3x.checkpoint.files import INDEX
-from k3x.export.ranks import read_parallel
+from k3x.exporter.ranks import read_parallel
 from k3x.folder.artifacts import ExportFolder, update_manifest
 
 SECRET = "TOP-SECRET-7f3a payload marker"

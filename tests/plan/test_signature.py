@@ -12,7 +12,7 @@ import torch
 from k3x.custom_ops.registry import FAMILIES, Family
 from k3x.plan.onnx_node import AttrType, NodeSpec
 from k3x.plan.signature import REQUIRED, TYPE_VARS, Attr, Signature, TensorPort
-from k3x.trt.core import PluginSpec
+from k3x.plugins.core import PluginSpec
 
 
 def parts(sig: Signature) -> tuple[str, NodeSpec, PluginSpec]:

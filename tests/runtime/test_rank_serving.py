@@ -34,8 +34,8 @@ from typer.testing import CliRunner
 from k3x.bench.speculate import echo_model
 from k3x.checkpoint.files import save_checkpoint
 from k3x.cli import app
-from k3x.export.options import ExportOptions, Target
-from k3x.export.pipeline import export
+from k3x.exporter.options import ExportOptions, Target
+from k3x.exporter.pipeline import export
 from k3x.folder.artifacts import read_manifest
 from k3x.model import preset
 from k3x.runtime.state_file import Shard, StateFileError, load_state, shard_path

@@ -29,7 +29,7 @@ from typer.testing import CliRunner
 import k3x
 from k3x.checkpoint.files import save_checkpoint
 from k3x.cli import app
-from k3x.export.onnx_functions import model_nodes
+from k3x.exporter.onnx_functions import model_nodes
 from k3x.folder.artifacts import ExportFolder, read_manifest
 from k3x.model import build_model, preset
 

@@ -14,8 +14,8 @@ from serving_cases import assert_records_match_solo, prompts, solo
 from typer.testing import CliRunner
 
 from k3x.cli import app
-from k3x.export.options import ExportOptions, Target
-from k3x.export.pipeline import export
+from k3x.exporter.options import ExportOptions, Target
+from k3x.exporter.pipeline import export
 from k3x.model import build_model, preset
 from k3x.runtime.runners import RunnerError
 from k3x.runtime.serve import ServeOptions, serve, serving_runner

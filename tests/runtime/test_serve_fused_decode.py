@@ -61,7 +61,7 @@ def test_fused_decode_on_all_decode_steps_only(model):
 def test_traced_step_keeps_the_packed_path(model):
     """torch.export of the step at a decode-shaped example (3 sequences of one token, N and B dynamic): the
     graph has k3::kda_packed and no k3::kda_decode (the choice is never baked into a graph)."""
-    from k3x.export import serving as es
+    from k3x.exporter import serving as es
 
     ids, cu, past, slots, table, rows, pools = es.example_inputs(CFG, 4, dtype=torch.float32, device="cpu")
     decode = (ids[:3], torch.arange(4, dtype=torch.int32), past, slots, table, torch.arange(3), pools)

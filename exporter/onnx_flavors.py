@@ -1,0 +1,98 @@
+"""Flavor passes over an exported model with bare `k3::<Op>` nodes (each pass edits the onnx_ir model in place).
+
+- `trt`: checks every k3 node carries all its plugin fields and `plugin_namespace`, and that no k3
+  function bodies are attached (TensorRT must resolve the nodes as plugins). Collective nodes of a rank
+  program stay plugin nodes; in `ort` they become onnxruntime-extensions Python ops (onnx_collectives.py).
+- `ort`: attaches one FunctionProto per k3 op type the model uses — the family's `onnx.function` body
+  (custom_ops/<family>/onnx.py) — so ONNX Runtime inlines them and needs no extra library; and the body of
+  every `k3x.fused` function those bodies call (custom_ops/fused.py; the k3::MoE body's SiTU-GLU, routing and
+  combine).
+Neither pass names an op family: both go through the registry. Both must leave the model's own nodes as they
+found them: a rank program's converted model goes through trt and ort once per rank (rewrites of those nodes
+are made once, at conversion: exporter/onnx_rewrites.py).
+
+Byte tensors (packed weights, scale bytes) feeding k3 nodes are UINT8 in the `ort` flavor and INT8 (the same
+bytes) in the `trt` flavor: TensorRT plugins take no UINT8 formats and its ONNX parser widens UINT8
+initializers to INT32 (4x the bytes). An external-data tensor is retyped in place (same file, offset, length).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import onnx_ir as ir
+
+from ..custom_ops.fused import FUNCTIONS, FUSED_DOMAIN
+from ..custom_ops.registry import by_onnx_op
+from ..plan.onnx_node import COMMON_ATTRIBUTES, DOMAIN
+from . import onnx_collectives
+
+
+def k3_nodes(model: ir.Model) -> list[ir.Node]:
+    return [n for n in ir.traversal.RecursiveGraphIterator(model.graph) if n.domain == DOMAIN]
+
+
+def _check_attributes(nodes: list[ir.Node]) -> None:
+    for n in nodes:
+        try:
+            spec = by_onnx_op(n.op_type).onnx.NODE
+        except KeyError as e:
+            raise ValueError(f"node {n.name!r}: {e.args[0]}") from None
+        missing = [f for f, _ in spec.fields if f not in n.attributes] + \
+                  [a for a in COMMON_ATTRIBUTES if a not in n.attributes]
+        if missing:
+            raise ValueError(f"node {n.name!r} (k3::{n.op_type}) lacks attribute(s) {missing}")
+
+
+def retype_bytes(model: ir.Model, dtype: ir.DataType) -> None:
+    """Every UINT8/INT8 initializer feeding a k3 node becomes `dtype`, bytes unchanged."""
+    for v in {v for n in k3_nodes(model) for v in n.inputs if v is not None and v.const_value is not None}:
+        t = v.const_value
+        if t.dtype not in (ir.DataType.UINT8, ir.DataType.INT8) or t.dtype == dtype:
+            continue
+        if isinstance(t, ir.ExternalTensor):
+            v.const_value = ir.ExternalTensor(t.location, t.offset, t.length, dtype, shape=t.shape, name=t.name,
+                                              base_dir=t.base_dir)
+        else:
+            v.const_value = ir.Tensor(t.numpy().view(dtype.numpy()), dtype, name=t.name)
+        v.dtype = dtype
+
+
+def trt_pass(model: ir.Model) -> ir.Model:
+    """Bare plugin nodes: attributes complete, no k3 function bodies, byte tensors INT8."""
+    _check_attributes(k3_nodes(model))
+    retype_bytes(model, ir.DataType.INT8)
+    onnx_collectives.trt_pass(model)
+    for key in [k for k in model.functions if k[0] == DOMAIN]:
+        del model.functions[key]
+    return model
+
+
+def ort_pass(model: ir.Model) -> ir.Model:
+    """Attach the ONNX Runtime function body of every k3 op type the model uses; byte tensors UINT8."""
+    nodes = k3_nodes(model)
+    _check_attributes(nodes)
+    retype_bytes(model, ir.DataType.UINT8)
+    onnx_collectives.ort_pass(model)
+    opset = model.opset_imports[""]
+    if opset < 18:
+        raise ValueError(f"ort flavor needs ai.onnx opset >= 18 (ReduceMean axes as input), model has {opset}")
+    for op_type in sorted({n.op_type for n in nodes}):
+        proto, opsets = by_onnx_op(op_type).onnx.function(opset, [n for n in nodes if n.op_type == op_type])
+        fn = ir.serde.deserialize_function(proto)
+        model.functions[fn.identifier()] = fn
+        for domain, version in opsets.items():
+            model.opset_imports[domain] = version
+    called: dict[str, set[tuple[int, int]]] = {}  # op type -> the (input, output) counts of its calls
+    for n in (n for f in model.functions.values() for n in f if n.domain == FUSED_DOMAIN):
+        called.setdefault(n.op_type, set()).add((len(n.inputs), len(n.outputs)))
+    for op_type, ports in sorted(called.items()):
+        if len(ports) != 1:
+            raise ValueError(f"{FUSED_DOMAIN}::{op_type} called with (inputs, outputs) {sorted(ports)}: one body "
+                             "serves every call, so they must agree")
+        fn = ir.serde.deserialize_function(FUNCTIONS[op_type](opset, ports.pop()))
+        model.functions.setdefault(fn.identifier(), fn)
+    return model
+
+
+FLAVOR_PASSES: dict[str, Callable[[ir.Model], ir.Model]] = {"ort": ort_pass, "trt": trt_pass}

@@ -1,0 +1,171 @@
+"""Rewrites of the converted model's own nodes (not the k3 function bodies), made once in exporter/onnx.py
+`to_onnx_ir` so every flavor file (and every rank, which reuses the converted model) holds the same graph:
+standard ops in a form ONNX Runtime's graph optimizer fuses; TensorRT gets the same math.
+
+- `rsqrt_as_div`: `x * Reciprocal(Sqrt(a))` (how torch.onnx writes `x * torch.rsqrt(a)`) becomes
+  `Div(x, Sqrt(a))`. RMSNorm (`model/layers.py rms_norm`) is then Pow -> ReduceMean -> Add -> Sqrt -> Div ->
+  Mul(weight), the pattern ONNX Runtime fuses into one SimplifiedLayerNormalization kernel (7 nodes and 6
+  passes over the activations -> 1); the l2 norms of KDA's q/k lose their Reciprocal. Same math, one rounding
+  less.
+- `merge_sibling_gemms`: `Concat(Gemm(x, W1ᵀ), Gemm(x, W2ᵀ), ..., axis=-1)` (KDA's q, k, v projections, which
+  the short conv reads as one [N, 3P] tensor) becomes `Gemm(x, Concat(W1, W2, ...)ᵀ)`: one GEMM over the
+  three weights and no copy of their outputs. The weights' Concat is a node over the initializers, which ONNX
+  Runtime and TensorRT fold into one constant at load: no weight is copied at export (streamed and weightless
+  exports are unchanged). Same dot products; measured on k3-bench prefill in the note of this change.
+- `fuse_situ_glu`: the nine standard ops torch.onnx writes for a SiTU-GLU (custom_ops/moe/reference.py `glu`:
+  the dense FFN and the shared experts) become one call of the local function `k3x.fused::SiTUGLU(a, u, beta,
+  linear_beta)` whose body is those same ops (custom_ops/fused.py): every runtime inlines it to the
+  same math, and ONNX Runtime runs it on one CPU kernel when the k3x kernel library is built.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from ..custom_ops.fused import FUSED_DOMAIN, SITU_GLU, situ_glu_function
+
+
+def _is(node: ir.Node | None, op_type: str) -> bool:
+    return node is not None and node.op_type == op_type and node.domain == ""
+
+
+def rsqrt_as_div(model: ir.Model) -> int:
+    """Rewrite every top-level `Mul(x, Reciprocal(Sqrt(a)))` (either operand order) into `Div(x, Sqrt(a))`;
+    returns how many Muls were rewritten. A Reciprocal left without users is removed."""
+    graph, done = model.graph, 0
+    for rec in [n for n in graph if _is(n, "Reciprocal") and _is(n.inputs[0].producer(), "Sqrt")]:
+        r, root = rec.outputs[0], rec.inputs[0]
+        for mul, index in list(r.uses()):
+            if not _is(mul, "Mul") or mul.graph is not graph or mul.outputs[0].is_graph_output():
+                continue
+            x = mul.inputs[1 - index]
+            div = ir.node("Div", [x, root], name=f"{mul.name}/rsqrt_as_div")
+            div.outputs[0].dtype, div.outputs[0].shape = mul.outputs[0].dtype, mul.outputs[0].shape
+            graph.insert_before(mul, div)
+            ir.convenience.replace_all_uses_with(mul.outputs[0], div.outputs[0])
+            graph.remove(mul, safe=True)
+            done += 1
+        if not r.uses() and not r.is_graph_output():
+            graph.remove(rec, safe=True)
+    return done
+
+
+def _attr(node: ir.Node, name: str, default):
+    a = node.attributes.get(name)
+    return default if a is None else a.value
+
+
+def _plain_gemm(node: ir.Node | None, graph: ir.Graph) -> bool:
+    """x @ Wᵀ with W a weight (no producer: an initializer or, in a weightless export, a graph input), no bias,
+    unscaled, its one use the caller's."""
+    if not _is(node, "Gemm") or node.graph is not graph or len([i for i in node.inputs if i is not None]) != 2:
+        return False
+    if (_attr(node, "transA", 0), _attr(node, "transB", 0), _attr(node, "alpha", 1.0)) != (0, 1, 1.0):
+        return False
+    out = node.outputs[0]
+    return node.inputs[1].producer() is None and len(out.uses()) == 1 and not out.is_graph_output()
+
+
+def merge_sibling_gemms(model: ir.Model) -> int:
+    """Rewrite every top-level `Concat(Gemm(x, W1, transB=1), ..., axis=-1)` of two or more plain Gemms of one
+    x into `Gemm(x, Concat(W1, ..., axis=0), transB=1)`; returns how many Concats were rewritten."""
+    graph, done = model.graph, 0
+    for cat in [n for n in graph if _is(n, "Concat") and len(n.inputs) >= 2]:
+        gemms = [v.producer() for v in cat.inputs]
+        rank = len(cat.outputs[0].shape) if cat.outputs[0].shape is not None else None
+        if rank is None or _attr(cat, "axis", 0) not in (-1, rank - 1) or cat.outputs[0].is_graph_output():
+            continue
+        if not all(_plain_gemm(g, graph) for g in gemms) or len({id(g.inputs[0]) for g in gemms}) != 1:
+            continue
+        weights = [g.inputs[1] for g in gemms]
+        if len({w.dtype for w in weights}) != 1 or len(set(map(id, gemms))) != len(gemms):
+            continue
+        stacked = ir.node("Concat", weights, attributes={"axis": 0}, name=f"{cat.name}/merged_weights")
+        stacked.outputs[0].dtype = weights[0].dtype
+        gemm = ir.node("Gemm", [gemms[0].inputs[0], stacked.outputs[0]], attributes={"transB": 1},
+                       name=f"{cat.name}/merged_gemm")
+        gemm.outputs[0].dtype, gemm.outputs[0].shape = cat.outputs[0].dtype, cat.outputs[0].shape
+        graph.insert_before(cat, [stacked, gemm])
+        ir.convenience.replace_all_uses_with(cat.outputs[0], gemm.outputs[0])
+        graph.remove([cat, *gemms], safe=True)
+        done += 1
+    return done
+
+
+def _scalar(v: ir.Value | None) -> float | None:
+    """The value of a one-element constant (an initializer or a Constant node's output), else None."""
+    if v is None:
+        return None
+    t = v.const_value
+    if t is None and _is(v.producer(), "Constant") and "value" in v.producer().attributes:
+        t = v.producer().attributes["value"].value
+    if t is None or t.size != 1:  # never reads a weight (a streamed or meta one has no data here)
+        return None
+    return float(t.numpy().reshape(-1)[0])
+
+
+def _single_use(v: ir.Value) -> bool:
+    return len(v.uses()) == 1 and not v.is_graph_output()
+
+
+def _scaled_tanh(v: ir.Value, graph: ir.Graph) -> tuple[ir.Value, float, list[ir.Node]] | None:
+    """v = Mul(Tanh(Div(x, β)), β) (either Mul operand order), every step used once -> (x, β, its nodes)."""
+    mul = v.producer()
+    if not _is(mul, "Mul") or mul.graph is not graph:
+        return None
+    for i in (0, 1):
+        tanh, beta = mul.inputs[i].producer(), _scalar(mul.inputs[1 - i])
+        if beta is None or not _is(tanh, "Tanh") or not _single_use(tanh.outputs[0]):
+            continue
+        div = tanh.inputs[0].producer()
+        if _is(div, "Div") and _single_use(div.outputs[0]) and _scalar(div.inputs[1]) == beta:
+            return div.inputs[0], beta, [mul, tanh, div]
+    return None
+
+
+def _situ_glu(out: ir.Node, graph: ir.Graph) -> tuple[ir.Value, ir.Value, float, float, list[ir.Node]] | None:
+    """`out` = Mul(Mul(scaled_tanh(a, β1), Sigmoid(a)), scaled_tanh(u, β2)) (any operand orders, every
+    intermediate used once) -> (a, u, β1, β2, the chain's nodes)."""
+    if not _is(out, "Mul") or out.graph is not graph:
+        return None
+    for i in (0, 1):
+        left, right = out.inputs[i], out.inputs[1 - i]
+        gated = left.producer()
+        r = _scaled_tanh(right, graph) if _single_use(right) else None
+        if r is None or not _is(gated, "Mul") or not _single_use(left) or gated.graph is not graph:
+            continue
+        for j in (0, 1):
+            sig, lt = gated.inputs[j].producer(), gated.inputs[1 - j]
+            l_ = _scaled_tanh(lt, graph) if _single_use(lt) else None
+            if l_ is None or not _is(sig, "Sigmoid") or not _single_use(sig.outputs[0]) or sig.inputs[0] is not l_[0]:
+                continue
+            return l_[0], r[0], l_[1], r[1], [out, gated, sig, *l_[2], *r[2]]
+    return None
+
+
+def fuse_situ_glu(model: ir.Model) -> int:
+    """Rewrite every top-level traced SiTU-GLU chain into `k3x.fused::SiTUGLU(a, u, β1, β2)` (scalar Constants)
+    and attach that function (and the domain's import) when any was rewritten; returns how many."""
+    graph, done = model.graph, 0
+    for out in [n for n in graph if _is(n, "Mul")]:
+        if out.graph is not graph or out.outputs[0].is_graph_output():
+            continue  # removed by an earlier rewrite, or a graph output (its name must stay)
+        found = _situ_glu(out, graph)
+        if found is None:
+            continue
+        a, u, b1, b2, chain = found
+        betas = [ir.node("Constant", [], attributes={"value": ir.tensor(np.array(b, np.float32))},
+                         name=f"{out.name}/situ_glu_{what}") for b, what in ((b1, "beta"), (b2, "linear_beta"))]
+        fused = ir.node(SITU_GLU, [a, u, *(c.outputs[0] for c in betas)], domain=FUSED_DOMAIN,
+                        name=f"{out.name}/situ_glu")
+        fused.outputs[0].dtype, fused.outputs[0].shape = out.outputs[0].dtype, out.outputs[0].shape
+        graph.insert_before(out, [*betas, fused])
+        ir.convenience.replace_all_uses_with(out.outputs[0], fused.outputs[0])
+        graph.remove(chain, safe=True)
+        done += 1
+    if done:
+        fn = ir.serde.deserialize_function(situ_glu_function(model.opset_imports[""]))
+        model.functions[fn.identifier()] = fn
+        model.opset_imports[FUSED_DOMAIN] = 1
+    return done

@@ -1,0 +1,129 @@
+"""MXFP8 activations in the ONNX Runtime body (custom_ops/moe_mxfp4/onnx.mxfp8): the standard-op rounding equals
+the torch quantizer bit for bit on the hard cases (every E4M3 value, tie and neighbour at several scales, amax at
+and below powers of two across fp32, saturation, zero and NaN/Inf blocks), and a whole k3::MoEMXFP4 node with
+activations="mxfp8" run by ONNX Runtime's CPU provider equals the reference within the fp32 tolerance (save tokens
+whose GLU output lies at an MXFP8 rounding boundary, `_ambiguous_tokens`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from k3x.custom_ops.moe_mxfp4.mxfp8 import fake_quantize
+from k3x.custom_ops.moe_mxfp4.onnx import mxfp8
+from k3x.plan.onnx_node import Body
+from mxfp8_cases import scale_blocks
+
+ort = pytest.importorskip("onnxruntime")
+
+
+def _hard_rows() -> torch.Tensor:
+    rows = [scale_blocks(s) for s in (-127, -126, -60, -9, 0, 7, 119)]
+    p2 = []
+    for k in range(-149, 128, 3):
+        p = np.float32(2.0 ** k)
+        for amax in (p, np.nextafter(p, np.float32(0))):
+            row = (np.random.default_rng(k + 300).uniform(-1, 1, 32) * amax).astype(np.float32)
+            row[k % 32] = amax
+            p2.append(row)
+    big = np.finfo(np.float32).max
+    extra = [np.zeros(32, np.float32), np.full(32, -0.0, np.float32), np.full(32, big, np.float32),
+             (np.linspace(-1, 1, 32) * float(big)).astype(np.float32)]
+    x = np.concatenate(rows + [np.stack(p2 + extra)]).astype(np.float32)
+    x = np.concatenate([x, np.zeros((-len(x) % 4, 32), np.float32)]).reshape(-1, 128)
+    x[0, 5], x[1, 70] = np.nan, -np.inf
+    return torch.from_numpy(x)
+
+
+def test_body_mxfp8_is_the_quantizer_bit_for_bit():
+    x = _hard_rows()
+    b = Body("MXFP8")
+    out = mxfp8(b, "x")
+    graph = helper.make_graph(
+        b.nodes + [helper.make_node("Identity", [out], ["y"])], "mxfp8",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(x.shape))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=10)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (y,) = sess.run(None, {"x": x.numpy()})
+    want = fake_quantize(x).numpy()
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(y), nan) and nan.sum() == 64  # the two NaN / Inf blocks, nothing else
+    bad = np.argwhere((y.view(np.uint32) != want.view(np.uint32)) & ~nan)
+    assert not len(bad), [(tuple(i), float(x[tuple(i)]), float(y[tuple(i)]), float(want[tuple(i)])) for i in bad[:5]]
+
+
+def _moe_session(w: dict[str, torch.Tensor], top_k: int, activations: str):
+    """One k3::MoEMXFP4 node (packed experts as uint8 initializers) over the `ort` pass; x, z fp32 inputs."""
+    import onnx
+    import onnx_ir as ir
+
+    from k3x.exporter.onnx_flavors import ort_pass
+    from k3x.plan import onnx_node
+
+    E, I, half = w["w1"].shape
+    d = w["gate_weight"].shape[1]
+    inits = [helper.make_tensor(n, TensorProto.UINT8 if t.dtype == torch.uint8 else TensorProto.FLOAT,
+                                list(t.shape), t.contiguous().numpy().tobytes(), raw=True) for n, t in w.items()]
+    inits.append(helper.make_tensor("expert_offset", TensorProto.INT32, [1], [0]))
+    node = helper.make_node(
+        "MoEMXFP4", ["x", "z", *w, "expert_offset"], ["u"], domain=onnx_node.DOMAIN, top_k=top_k,
+        routed_scaling_factor=1.5, renormalize=1, activation="situ", situ_beta=4.0, situ_linear_beta=25.0,
+        num_experts=E, hidden_size=d, expert_dim=2 * half, intermediate_size=I, activations=activations,
+        **onnx_node.COMMON_ATTRIBUTES)
+    graph = helper.make_graph(
+        [node], "moe_mxfp4", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", d]),
+                              helper.make_tensor_value_info("z", TensorProto.FLOAT, ["N", 2 * half])],
+        [helper.make_tensor_value_info("u", TensorProto.FLOAT, ["N", 2 * half])], initializer=inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("k3", 1)],
+                              ir_version=10)
+    proto = ir.serde.serialize_model(ort_pass(ir.serde.deserialize_model(proto)))
+    onnx.checker.check_model(proto, full_check=True)
+    return ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def _ambiguous_tokens(x, z, w: dict, k: int) -> torch.Tensor:
+    """Tokens with a GLU output h (the down GEMM's input) within 1e-5 relative of an MXFP8 rounding boundary (an
+    E4M3 midpoint, or a block amax at a power of two): two fp32 GEMM1 sums differing in their last bits (ORT's
+    Gemm vs torch's matmul, MLAS's vectorised Tanh / Sigmoid, a few 1e-6 apart) may round such an h one E4M3 step
+    apart — the one deviation an exact emulation cannot rule out. Every other token must meet the tolerance table."""
+    from k3x.custom_ops.moe.reference import glu, route
+    from k3x.custom_ops.moe_mxfp4.codec import dequantize
+
+    ids, _ = route(x, w["gate_weight"], w["gate_bias"], k, 1.5, True)
+    zq = fake_quantize(z)
+    out = torch.zeros(len(z), dtype=torch.bool)
+    for t in range(len(z)):
+        for e in ids[t].tolist():
+            h = glu(zq[t] @ dequantize(w["w1"][e], w["w1_scale"][e]).t(),
+                    zq[t] @ dequantize(w["w3"][e], w["w3_scale"][e]).t(), "situ", 4.0, 25.0)
+            out[t] |= not torch.equal(fake_quantize(h * (1 + 1e-5)), fake_quantize(h * (1 - 1e-5)))
+    return out
+
+
+@pytest.mark.parametrize("activations", ["bf16", "mxfp8"])
+def test_moe_mxfp4_node_runs_the_activation_format_in_onnxruntime(activations):
+    from k3x.custom_ops.moe_mxfp4.reference import moe
+    from tolerances import assert_close
+
+    E, k, d, L, I = 6, 2, 24, 64, 32  # I: few h elements per token, few near a boundary
+    g = torch.Generator().manual_seed(5)
+    u8 = lambda *s: torch.randint(0, 256, s, generator=g, dtype=torch.uint8)  # noqa: E731
+    sc = lambda *s: torch.randint(118, 126, s, generator=g, dtype=torch.uint8)  # noqa: E731
+    w = {"gate_weight": torch.randn(E, d, generator=g) * d ** -0.5, "gate_bias": torch.randn(E, generator=g) * 0.1,
+         "w1": u8(E, I, L // 2), "w3": u8(E, I, L // 2), "w2": u8(E, L, I // 2), "w1_scale": sc(E, I, L // 32),
+         "w3_scale": sc(E, I, L // 32), "w2_scale": sc(E, L, I // 32)}
+    sess = _moe_session(w, k, activations)
+    for N in (1, 19, 40):
+        x, z = torch.randn(N, d, generator=g), torch.randn(N, L, generator=g) * 4
+        (u,) = sess.run(None, {"x": x.numpy(), "z": z.numpy()})
+        u = torch.from_numpy(u)
+        want = moe(x, z, *w.values(), k, 1.5, True, "situ", 4.0, 25.0, activations=activations)
+        keep = ~_ambiguous_tokens(x, z, w, k) if activations == "mxfp8" else torch.ones(N, dtype=torch.bool)
+        assert keep.float().mean() >= 0.8, f"{int((~keep).sum())} of {N} tokens near a rounding boundary"
+        assert_close(u[keep], want[keep], torch.float32, f"{activations} N={N}")
+        other = moe(x, z, *w.values(), k, 1.5, True, "situ", 4.0, 25.0,
+                    activations="bf16" if activations == "mxfp8" else "mxfp8")
+        assert not torch.allclose(u, other, atol=1e-3)  # the format is honoured

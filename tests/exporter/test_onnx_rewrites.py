@@ -1,0 +1,162 @@
+"""exporter/onnx_rewrites.py: the converted model's rsqrt products become Div, so ONNX Runtime fuses the model's
+RMSNorm (model/layers.py) into one SimplifiedLayerNormalization kernel; the norm's result is unchanged, a
+Reciprocal with another use survives, and an exported model holds no Reciprocal in either flavor. KDA's
+sibling projections become one Gemm; the traced SiTU-GLU becomes one k3x.fused::SiTUGLU call with the
+same outputs, and a chain whose intermediate is used elsewhere (or a SiLU-GLU) is left alone."""
+
+from __future__ import annotations
+
+import functools
+
+import onnx
+import onnx_ir as ir
+import pytest
+import torch
+
+from k3x.exporter.onnx_rewrites import fuse_situ_glu, merge_sibling_gemms, rsqrt_as_div
+from k3x.model.config import preset
+from k3x.model.layers import GatedMLP, RMSNorm
+from tolerances import assert_close
+
+ort = pytest.importorskip("onnxruntime")
+
+
+@functools.cache
+def _export() -> tuple[bytes, RMSNorm]:
+    norm = RMSNorm(48, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(48, generator=torch.Generator().manual_seed(0)))
+    x = torch.randn(1, 5, 48)
+    ep = torch.export.export(norm, (x,), dynamic_shapes={"x": {1: torch.export.Dim("T")}})
+    model = torch.onnx.export(ep, dynamo=True, opset_version=20, verbose=False).model
+    return ir.serde.serialize_model(model).SerializeToString(), norm
+
+
+def exported_norm() -> tuple[ir.Model, RMSNorm]:
+    """A fresh copy of the exported RMSNorm (one export per session), and the module."""
+    data, norm = _export()
+    return ir.serde.deserialize_model(onnx.load_from_string(data)), norm
+
+
+def test_rms_norm_runs_as_one_fused_kernel_with_the_same_result(tmp_path):
+    model, norm = exported_norm()
+    assert "Reciprocal" in [n.op_type for n in model.graph]  # torch.onnx writes rsqrt as Sqrt + Reciprocal
+    assert rsqrt_as_div(model) == 1
+    proto = ir.serde.serialize_model(model)
+    assert "Reciprocal" not in [n.op_type for n in proto.graph.node]
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "opt.onnx")
+    sess = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    assert [n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node] == ["SimplifiedLayerNormalization"]
+    x = torch.randn(1, 9, 48, generator=torch.Generator().manual_seed(1)) * 4
+    (y,) = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})
+    with torch.no_grad():
+        assert_close(torch.from_numpy(y), norm(x), torch.float32, "rms_norm")
+
+
+def test_a_reciprocal_with_another_use_is_kept():
+    model, _ = exported_norm()
+    (rec,) = [n for n in model.graph if n.op_type == "Reciprocal"]
+    model.graph.outputs.append(rec.outputs[0])  # the 1/rms itself is wanted too
+    assert rsqrt_as_div(model) == 1
+    assert [n.op_type for n in model.graph].count("Reciprocal") == 1
+    assert "Div" in [n.op_type for n in model.graph]
+
+
+class _QKV(torch.nn.Module):
+    """KDA's projections as the serving step writes them: three Linears of one x, concatenated."""
+
+    def __init__(self, spare_use: bool = False) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(2)
+        self.q, self.k, self.v = (torch.nn.Linear(24, n, bias=False) for n in (16, 16, 8))
+        with torch.no_grad():
+            for m in (self.q, self.k, self.v):
+                m.weight.copy_(torch.randn(m.weight.shape, generator=g))
+        self.spare_use = spare_use
+
+    def forward(self, x):
+        q = self.q(x)
+        y = torch.cat([q, self.k(x), self.v(x)], dim=-1) + 1  # the conv reads it (not a graph output)
+        return (y, q.sum(-1)) if self.spare_use else y
+
+
+def _exported(module: torch.nn.Module) -> ir.Model:
+    x = torch.randn(5, 24)
+    ep = torch.export.export(module, (x,), dynamic_shapes={"x": {0: torch.export.Dim("N")}})
+    return torch.onnx.export(ep, dynamo=True, opset_version=20, verbose=False).model
+
+
+def test_sibling_projections_become_one_gemm_with_the_same_result():
+    module = _QKV()
+    model = _exported(module)
+    assert [n.op_type for n in model.graph].count("Gemm") == 3
+    weights = dict(model.graph.initializers)
+    assert merge_sibling_gemms(model) == 1
+    ops = [n.op_type for n in model.graph]
+    assert ops.count("Gemm") == 1 and ops.count("Concat") == 1  # the weights' Concat, folded at load
+    assert dict(model.graph.initializers) == weights  # no weight copied at export
+    sess = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    x = torch.randn(7, 24, generator=torch.Generator().manual_seed(3))
+    (y,) = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})
+    with torch.no_grad():
+        assert_close(torch.from_numpy(y), module(x), torch.float32, "merged q|k|v")
+
+
+def test_a_projection_with_another_use_is_not_merged():
+    model = _exported(_QKV(spare_use=True))
+    assert merge_sibling_gemms(model) == 0
+    assert [n.op_type for n in model.graph].count("Gemm") == 3
+
+
+class _Mlp(torch.nn.Module):
+    """The dense FFN / shared experts (model/layers.py GatedMLP) of a config with `activation`; `spare_use`
+    also returns the gate's sigmoid (a chain value read elsewhere)."""
+
+    def __init__(self, activation: str = "situ", spare_use: bool = False) -> None:
+        super().__init__()
+        from dataclasses import replace
+
+        self.mlp = GatedMLP(replace(preset("k3-mini"), activation=activation), 24, 40)
+        g = torch.Generator().manual_seed(4)
+        with torch.no_grad():
+            for p in self.mlp.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 2)
+        self.spare_use = spare_use
+
+    def forward(self, x):
+        y = self.mlp(x)
+        return (y, torch.sigmoid(self.mlp.gate_proj(x))) if self.spare_use else y
+
+
+def _run(model: ir.Model, x: torch.Tensor) -> list:
+    sess = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, {sess.get_inputs()[0].name: x.numpy()})
+
+
+def test_the_situ_glu_becomes_one_fused_call_with_the_same_outputs():
+    module = _Mlp()
+    model, plain = _exported(module), _exported(module)
+    ops = [n.op_type for n in model.graph]
+    assert ops.count("Tanh") == 2 and ops.count("Sigmoid") == 1
+    assert fuse_situ_glu(model) == 1
+    ops = [(n.domain, n.op_type) for n in model.graph]
+    assert ("k3x.fused", "SiTUGLU") in ops and ("", "Tanh") not in ops and ("", "Sigmoid") not in ops
+    assert model.opset_imports["k3x.fused"] == 1 and ("k3x.fused", "SiTUGLU", "") in model.functions
+    call = next(n for n in model.graph if n.op_type == "SiTUGLU")
+    assert [float(v.producer().attributes["value"].value.numpy()) for v in call.inputs[2:]] == [4.0, 25.0]
+    x = torch.randn(7, 24, generator=torch.Generator().manual_seed(5)) * 3
+    (y,), (want,) = _run(model, x), _run(plain, x)
+    assert (y == want).all()  # the body is the traced ops on the same constants: bit-identical
+    with torch.no_grad():
+        assert_close(torch.from_numpy(y), module(x), torch.float32, "fused situ glu")
+    assert fuse_situ_glu(model) == 0  # nothing left to fuse
+
+
+@pytest.mark.parametrize("activation,spare_use", [("situ", True), ("silu", False)])
+def test_a_chain_read_elsewhere_or_a_silu_glu_is_left_alone(activation, spare_use):
+    model = _exported(_Mlp(activation, spare_use))
+    before = [n.op_type for n in model.graph]
+    assert before.count("Sigmoid") == 1  # with spare_use the exporter's CSE shares the chain's Sigmoid
+    assert fuse_situ_glu(model) == 0
+    assert [n.op_type for n in model.graph] == before and not model.functions
