@@ -9,33 +9,36 @@ before it inlines the model's function of that name (and still inlines the nodes
 for), so the library is optional and an export is the same file with or without it: the function bodies stay
 the portable fallback, and the kernels are checked against the references (tests/runtime/test_ort_kernels.py).
 
-- Built by `k3x build-ort-kernels` (`build`): g++ and ONNX Runtime's C/C++ API headers, taken from
-  K3X_ORT_INCLUDE (a folder holding onnxruntime_cxx_api.h) or else from Debian's libonnxruntime-dev package
-  (`HEADERS`: fetched from deb.debian.org, sha256 checked; its API version 21 is served by onnxruntime-gpu
-  1.31). The library needs nothing else: it gets the API from the session that loads it.
-- Written to the cache, $XDG_CACHE_HOME/k3x/ort-kernels/<key>/ (default ~/.cache), key = sha256 of the
-  sources and the compiler command, through a temporary name renamed into place (never half-written).
+- Built by `k3x build-ort-kernels` (`build`): g++ and ONNX Runtime's C/C++ API headers as a package manager
+  installed them (`headers`): K3X_ORT_INCLUDE (a folder holding onnxruntime_cxx_api.h), else the compiler's
+  standard include folders (CPLUS_INCLUDE_PATH, CPATH, <python prefix>/include, /usr/local/include,
+  /usr/include, each also with onnxruntime/: Debian's and Ubuntu's libonnxruntime-dev put them in
+  /usr/include/onnxruntime), else an installed Python package that ships them (site-packages/<package>/include
+  or .../capi); nothing is downloaded. Their ORT_API_VERSION must be one the installed onnxruntime serves (the
+  library asks the session for that version). The library needs nothing else: it gets the API from the session
+  that loads it.
+- Cached by key (runtime/kernel_cache.py: where, and when a cached library is trusted), key = sha256 of the
+  sources, the compiler's version and the target -march=native resolved to on this CPU (`-Q --help=target`:
+  a cache shared by machines of two CPU kinds holds one library for each), and the headers.
 - Loaded (`library`) by CPU sessions only: the kernels are fp32 host code. K3X_ORT_KERNELS=0 turns it off.
-  Loading a library runs its code: it is as trusted as the cache folder, which only its owner should write.
+  Loading a library runs its code: only a library that is the user's own and what was built is loaded.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import io
 import os
+import re
 import shutil
 import subprocess
-import tarfile
+import sys
 import tempfile
-import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from .base import RunnerError
-
-LIBRARY = "libk3x_ort_kernels.so"
+from .kernel_cache import LIBRARY, check, prepare, store, trusted
 # -fno-trapping-math: without it g++ 12 if-converts no float compare-and-select, so no loop holding a clamp or a
 # select (exp_approx, tanh_ratio, every softplus / sigmoid) vectorises and each ran scalar (the SiTU-GLU loop of
 # the time, one thread on a Zen 3: ~20 ns an element scalar, ~6 vectorised); it changes no value, only whether a
@@ -44,16 +47,10 @@ FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-trapping-math", "-std=c+
          "-fvisibility=hidden")
 
 
-@dataclass(frozen=True)
-class HeaderPackage:
-    url: str
-    sha256: str
-    folder: str  # inside the package's data archive
-
-
-HEADERS = HeaderPackage(
-    "http://deb.debian.org/debian/pool/main/o/onnxruntime/libonnxruntime-dev_1.21.0+dfsg-1_amd64.deb",
-    "14f7d959d5deacbcf1504830d4189f91fc67382b399ed9ae9d3aa9c4050ced08", "./usr/include/onnxruntime/")
+HEADER = "onnxruntime_cxx_api.h"
+INSTALL = ("apt install libonnxruntime-dev (Debian 13 and later; on Debian 12 `bash .ci/ort_headers` in a k3x "
+           "checkout copies its headers into .venv/include), or set K3X_ORT_INCLUDE to a folder holding "
+           "onnxruntime_cxx_api.h")
 
 ENTRY = """#define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
@@ -107,117 +104,118 @@ def _compiler() -> str:
     return cxx
 
 
-def _cache() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "k3x" / "ort-kernels"
-
-
-def _cpu() -> str:
-    """The CPU's instruction-set flags (-march=native code must not run on another CPU sharing the cache)."""
+def installed_api() -> int | None:
+    """The newest ORT_API_VERSION the installed onnxruntime serves (1.N serves N), or None when unknown."""
     try:
-        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        import platform
+        import onnxruntime
 
-        return platform.processor() or platform.machine()
+        return int(onnxruntime.__version__.split(".")[1])
+    except (ImportError, IndexError, ValueError):
+        return None
 
 
-def _key(cxx: str) -> str:
-    """The library's cache key: its sources, the compiler command, the headers it is built against, the CPU."""
+def include_folders() -> Iterator[Path]:
+    """Where ONNX Runtime's headers are looked for, in order (K3X_ORT_INCLUDE aside): the compiler's standard
+    include folders, each also with onnxruntime/, then the include folders of installed Python packages."""
+    bases = [Path(p) for var in ("CPLUS_INCLUDE_PATH", "CPATH") for p in os.environ.get(var, "").split(":")
+             if os.path.isabs(p)]
+    for base in (*bases, Path(sys.prefix) / "include", Path("/usr/local/include"), Path("/usr/include")):
+        yield from (base / "onnxruntime", base)
+    import sysconfig
+
+    for site in dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib")):
+        for pattern in ("*/include", "*/include/onnxruntime", "*/capi", "*/*/include"):
+            yield from sorted(p for p in Path(site).glob(pattern) if p.is_dir())
+
+
+def headers() -> Path:
+    """The folder holding onnxruntime_cxx_api.h (module docstring), its API version served by the installed
+    onnxruntime; RunnerError in one line saying what to install."""
+    given = os.environ.get("K3X_ORT_INCLUDE")
+    if given:
+        if not (Path(given) / HEADER).is_file():
+            raise RunnerError(f"K3X_ORT_INCLUDE={given}: no {HEADER} there: {INSTALL}")
+        found = Path(given)
+    else:
+        found = next((f for f in include_folders() if (f / HEADER).is_file()), None)
+        if found is None:
+            raise RunnerError(f"ONNX Runtime's C/C++ API headers ({HEADER}) are in no standard include folder "
+                              f"(/usr/include/onnxruntime, ...) nor installed Python package: {INSTALL}")
+    try:
+        version = re.search(rb"^#define ORT_API_VERSION (\d+)", (found / "onnxruntime_c_api.h").read_bytes(), re.M)
+    except OSError:
+        version = None
+    if version is None:
+        raise RunnerError(f"{found}: no onnxruntime_c_api.h with its ORT_API_VERSION beside {HEADER}")
+    served = installed_api()
+    if served is not None and int(version[1]) > served:
+        raise RunnerError(f"{found}: ONNX Runtime's headers of API version {int(version[1])}, newer than the "
+                          f"installed onnxruntime 1.{served} serves; install headers of 1.{served} or older")
+    return found
+
+
+@functools.lru_cache(maxsize=8)
+def resolved_target(cxx: str) -> bytes:
+    """The compiler's version and the target FLAGS (-march=native) resolve to on this CPU: every -m option
+    as g++ settles it (`-Q --help=target`). Code built for one CPU must not run on another sharing the cache.
+    Memoised per process (the CPU does not change under it; `resolved_target.cache_clear()` forgets)."""
+    out = b""
+    for args in (["--version"], [*FLAGS, "-Q", "--help=target"]):
+        r = subprocess.run([cxx, *args], capture_output=True, stdin=subprocess.DEVNULL)
+        if r.returncode:
+            raise RunnerError(f"{cxx} {' '.join(args)} failed ({r.returncode})")
+        out += r.stdout
+    return out
+
+
+def _key(cxx: str, include: Path) -> str:
+    """The library's cache key: its sources, the compiler and its resolved target, the headers' API."""
     h = hashlib.sha256(_entry().encode())
     for name, path in sorted(sources().items()):
         h.update(name.encode() + path.read_bytes())
     h.update((_custom_ops() / "ort_kernel.h").read_bytes())
-    given = os.environ.get("K3X_ORT_INCLUDE")
-    headers = (Path(given) / "onnxruntime_c_api.h").read_bytes() if given and Path(given).is_dir() else HEADERS.sha256
-    h.update(" ".join((cxx, *FLAGS, _cpu())).encode() + (headers if isinstance(headers, bytes) else headers.encode()))
+    h.update(" ".join((cxx, *FLAGS)).encode() + resolved_target(shutil.which(cxx) or cxx))
+    h.update((include / "onnxruntime_c_api.h").read_bytes())
     return h.hexdigest()[:16]
 
 
 def library() -> Path | None:
-    """The built library for these sources, this compiler and this CPU, or None (not built, or
+    """The built library for these sources, this compiler, this CPU and these headers, when it is trusted
+    (runtime/kernel_cache.py; a line on stderr when it is not), or None (not built, no compiler or headers, or
     K3X_ORT_KERNELS=0)."""
     if os.environ.get("K3X_ORT_KERNELS", "1") == "0" or not sources():
         return None
-    try:
-        path = _cache() / _key(os.environ.get("CXX", "g++")) / LIBRARY
-    except OSError:  # K3X_ORT_INCLUDE without the headers: `build` names it
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
         return None
-    return path if path.is_file() else None
-
-
-def _ar_member(archive: bytes, prefix: str) -> bytes:
-    """The first member of a Unix ar archive (a .deb) whose name starts with `prefix`."""
-    if not archive.startswith(b"!<arch>\n"):
-        raise RunnerError("not an ar archive")
-    at = 8
-    while at + 60 <= len(archive):
-        name, size = archive[at:at + 16].decode().strip().rstrip("/"), int(archive[at + 48:at + 58])
-        if name.startswith(prefix):
-            return archive[at + 60:at + 60 + size]
-        at += 60 + size + (size & 1)
-    raise RunnerError(f"no {prefix}* member")
-
-
-def _headers(progress: Callable[[str], None]) -> Path:
-    """A folder holding onnxruntime_cxx_api.h: K3X_ORT_INCLUDE, or the Debian package's (cached)."""
-    given = os.environ.get("K3X_ORT_INCLUDE")
-    if given:
-        if not (Path(given) / "onnxruntime_cxx_api.h").is_file():
-            raise RunnerError(f"K3X_ORT_INCLUDE={given}: no onnxruntime_cxx_api.h there")
-        return Path(given)
-    folder = _cache() / f"headers-{HEADERS.sha256[:16]}"
-    if (folder / "onnxruntime_cxx_api.h").is_file():
-        return folder
-    progress(f"fetching ONNX Runtime's API headers: {HEADERS.url}")
     try:
-        with urllib.request.urlopen(HEADERS.url, timeout=60) as r:
-            deb = r.read()
-    except OSError as e:
-        raise RunnerError(f"{HEADERS.url}: cannot fetch ({e}); set K3X_ORT_INCLUDE to a folder holding "
-                          "onnxruntime_cxx_api.h") from None
-    if hashlib.sha256(deb).hexdigest() != HEADERS.sha256:
-        raise RunnerError(f"{HEADERS.url}: sha256 {hashlib.sha256(deb).hexdigest()} is not the pinned "
-                          f"{HEADERS.sha256}; refusing it")
-    try:
-        with tarfile.open(fileobj=io.BytesIO(_ar_member(deb, "data.tar")), mode="r:*") as tar:
-            headers = {m.name[len(HEADERS.folder):]: tar.extractfile(m).read() for m in tar.getmembers()
-                       if m.isfile() and m.name.startswith(HEADERS.folder) and m.name.endswith(".h")
-                       and "/" not in m.name[len(HEADERS.folder):]}
-    except (RunnerError, tarfile.TarError, ValueError) as e:
-        raise RunnerError(f"{HEADERS.url}: cannot read its headers ({e})") from None
-    if "onnxruntime_cxx_api.h" not in headers:
-        raise RunnerError(f"{HEADERS.url}: no onnxruntime_cxx_api.h in it")
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".headers-", dir=folder.parent))
-    try:
-        for name, data in headers.items():
-            (staging / name).write_bytes(data)
-        os.replace(staging, folder)  # whole or not at all; a folder another process put there first stays
-    except OSError:
-        if not (folder / "onnxruntime_cxx_api.h").is_file():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return folder
+        key = _key(cxx, headers())
+    except (RunnerError, OSError):  # no headers, or a compiler that does not run: `build` names it
+        return None
+    return trusted(key)
 
 
-def compiler_command(progress: Callable[[str], None] = lambda _: None) -> list[str]:
-    """The compiler, its flags and the include folders every kernel source is built with (the headers fetched
-    once, or K3X_ORT_INCLUDE checked); sources and output to append."""
-    return [_compiler(), *FLAGS, f"-I{_headers(progress)}", f"-I{_custom_ops()}"]
+def compiler_command(include: Path | None = None) -> list[str]:
+    """The compiler, its flags and the include folders every kernel source is built with (`include`, else the
+    `headers` found); sources and output to append."""
+    return [_compiler(), *FLAGS, f"-I{include or headers()}", f"-I{_custom_ops()}"]
 
 
 def build(progress: Callable[[str], None] = lambda _: None) -> Path:
-    """Compile the library for the current sources (no-op when it is built); returns its path."""
+    """Compile the library for the current sources (no-op when a trusted build is cached; an untrusted one is
+    rebuilt, said by `progress`); returns its path."""
     if not sources():
         raise RunnerError("no op family has an ort_kernel.cc")
-    command = compiler_command(progress)
-    cxx = command[0]
-    out = _cache() / _key(cxx) / LIBRARY
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+    include = headers()
+    command = compiler_command(include)
+    cxx, key = command[0], _key(command[0], include)
+    folder = prepare(key, progress)
+    if os.path.lexists(folder / LIBRARY):
+        try:
+            return check(key)
+        except RunnerError as e:
+            progress(f"{e}; rebuilding it")
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
         entry = Path(tmp) / "entry.cc"
         entry.write_text(_entry())
         target = Path(tmp) / LIBRARY
@@ -226,5 +224,4 @@ def build(progress: Callable[[str], None] = lambda _: None) -> Path:
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode:
             raise RunnerError(f"{cxx} failed ({r.returncode}):\n{r.stderr.strip()[-4000:]}")
-        os.replace(target, out)
-    return out
+        return store(target, key)

@@ -1,5 +1,5 @@
 """The k3 ops' ONNX Runtime CPU kernels (runtime/ort_kernels.py): built from source (g++, ONNX Runtime's
-headers from Debian's package) into this module's own cache, each kernel checked against its family's
+installed headers) into this module's own cache, each kernel checked against its family's
 reference in a model that has no function body beside the node (so the kernel, not a body, ran), and a
 serving step with the library loaded equal to the same step on the function bodies."""
 
