@@ -197,7 +197,7 @@ def build_engine(export_dir: EngineExportDir, min_: ProfileMin = None, opt: Prof
 def build_ort_kernels() -> None:
     """Compile the k3 ops' ONNX Runtime CPU kernels into one library in the user cache; CPU sessions load it
     from then on (K3X_ORT_KERNELS=0: not). Needs g++ (or $CXX) and ONNX Runtime's C/C++ API headers, installed:
-    apt install libonnxruntime-dev (Debian 13 and later; on Debian 12, `bash .ci/ort_headers` in a k3x checkout),
+    apt install libonnxruntime-dev (Debian 13 and later; on Debian 12, `bash scripts/ort_headers.sh` in a k3x checkout),
     found in the standard include folders or an installed Python package; K3X_ORT_INCLUDE names another folder."""
     from .runtime.ort_kernels import build, sources
 

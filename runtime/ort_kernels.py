@@ -48,7 +48,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-trapping-math", "-std=c+
 
 
 HEADER = "onnxruntime_cxx_api.h"
-INSTALL = ("apt install libonnxruntime-dev (Debian 13 and later; on Debian 12 `bash .ci/ort_headers` in a k3x "
+INSTALL = ("apt install libonnxruntime-dev (Debian 13 and later; on Debian 12 `bash scripts/ort_headers.sh` in a k3x "
            "checkout copies its headers into .venv/include), or set K3X_ORT_INCLUDE to a folder holding "
            "onnxruntime_cxx_api.h")
 
