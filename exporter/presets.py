@@ -8,7 +8,7 @@ Notable choices:
   (the test compares the README's table with it, so the two cannot drift).
 - `--dtype auto` (the default of `export` and `inspect`): a checkpoint's stored dtype (config.json's
   `torch_dtype` / `dtype`, else the safetensors': checkpoint/stored_dtype.py), a preset's default dtype (bf16
-  for the published models, fp32 for the small CPU presets). float16 checkpoints export as fp32 (k3x exports
+  for the published models, fp32 for the small CPU presets; fp32 for one registered at run time). float16 checkpoints export as fp32 (k3x exports
   fp32 or bf16; fp32 holds every fp16 value). The choice and its reason are one line of the export's output.
 - ONNX Runtime's CPU provider has no bf16 kernels (MatMul and the rest): a bf16 model.onnx runs on its CUDA
   provider only, so a bf16 ONNX export says so in the same line and names `--dtype fp32`; the ORT runner's
@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .options import config_error
 
 
 @dataclass(frozen=True)
@@ -54,8 +53,11 @@ def model_dtype(asked: str, preset: str | None, checkpoint: Path | None) -> tupl
 
         name, where = stored_dtype(checkpoint)
         return EXPORT_DTYPE[name], f"auto: {where}"
-    if preset not in PRESET_USES:  # model/config.preset's own refusal
-        raise config_error(f"preset={preset!r}: unknown; valid presets: {', '.join(sorted(PRESET_USES))}")
+    if preset not in PRESET_USES:  # a preset registered at run time (model/config.PRESETS), or none: refused there
+        from ..model.config import preset as lookup
+
+        lookup(str(preset))  # ConfigError listing the valid presets when it is none
+        return "fp32", f"auto: preset {preset} names no default dtype"
     return PRESET_USES[preset].dtype, f"auto: preset {preset}'s default"
 
 

@@ -54,3 +54,8 @@ def test_auto_dtype_of_a_preset_is_its_default():
     assert model_dtype("bf16", "k3-mini", None) == ("bf16", "--dtype")
     with pytest.raises(ConfigError, match="preset='k9': unknown; valid presets: k3, k3-bench"):
         model_dtype("auto", "k9", None)
+
+
+def test_auto_dtype_of_a_preset_registered_at_run_time(monkeypatch):
+    monkeypatch.setitem(PRESETS, "k3-mine", PRESETS["k3-mini"])
+    assert model_dtype("auto", "k3-mine", None) == ("fp32", "auto: preset k3-mine names no default dtype")
