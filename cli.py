@@ -19,15 +19,15 @@ from typing import Any, Callable
 import typer
 
 from .cli_flags import Activations, Backend, Backends, Batch, BatchFile, BlockSize, CacheBlocks, Chat, Checkpoint, \
-    CheckpointRequired, CudaGraph, DType, Draft, EP, EngineExportDir, EngineRuntime, ExpertActivations, \
-    ExpertFormat, Experts, ExportDir, ExportOut, FitBatch, FitContext, InitExperts, InitOut, InitPreset, InputIds, \
+    CheckpointRequired, CudaGraph, DType, Draft, EP, EngineExportDir, EngineRuntime, ExpertActivations, ExpertFormat, \
+    Experts, ExportDir, ExportOut, FitBatch, FitContext, InitExperts, InitOut, InitPreset, InputIds, InspectExport, \
     Json, JsonOut, JsonReport, KernelChoice, Kernels, LoadState, LogitsBackend, LogitsExportDir, LogitsOut, \
     MaxContext, MaxNewTokens, MaxSequences, MaxStepTokens, ModelDType, NoWeights, OnnxFunctions, OrtProvider, \
     PluginPath, Plugins, PoolDType, PrefixCache, PrefixCacheMB, Preset, PresetSeed, ProfileMax, ProfileMin, \
-    ProfileOpt, PromptIds, PromptLen, PromptSeed, PromptText, PromptsFile, Provider, ReferenceCheckpoint, \
-    RunBackend, Runtime, SM, SamplerSeed, SaveState, Sequences, Serving, SkipHashCheck, Speculate, SpeculateTokens, \
-    StepChunk, Steps, StripWeights, TP, Target, Targets, Temperature, Tokenizer, TopK, TopP, TraceMode, TraceModes, \
-    Verbose, Version, WeightSeed, WeightSource, WeightsFrom
+    ProfileOpt, PromptIds, PromptLen, PromptSeed, PromptText, PromptsFile, Provider, ReferenceCheckpoint, RunBackend, \
+    Runtime, SM, SamplerSeed, SaveState, Sequences, Serving, SkipHashCheck, Speculate, SpeculateTokens, StepChunk, \
+    Steps, StripWeights, TP, Target, Targets, Temperature, Tokenizer, TopK, TopP, TraceMode, TraceModes, Verbose, \
+    Version, WeightSeed, WeightSource, WeightsFrom
 from .console import Printer, Progress, debug, echo, fail, one_line, timed
 
 
@@ -111,10 +111,17 @@ def init_checkpoint(preset: InitPreset = "k3-mini", out: InitOut = Path("k3-mini
 @app.command()
 def inspect(preset: Preset = None, checkpoint: Checkpoint = None, json_out: Json = False, tp: TP = 1, ep: EP = 1,
             batch: FitBatch = 1, context: FitContext = 131072, sequences: Sequences = None,
-            dtype: PoolDType = DType.AUTO, chunk: StepChunk = None) -> None:
+            dtype: PoolDType = DType.AUTO, chunk: StepChunk = None, export: InspectExport = None) -> None:
     """Layer plan, total/active parameters, cache sizes, bytes by storage format (meta device: no weights);
-    with --tp/--ep: per-rank bytes, collective bytes and the fit on H200 / B200 / GB300."""
+    with --tp/--ep: per-rank bytes, collective bytes and the fit on H200 / B200 / GB300; with --export: each
+    ONNX file's inputs and outputs."""
     from .checkpoint.config_source import config_of
+
+    if export is not None:
+        from .folder.artifacts import read_manifest
+        from .folder.onnx_io import onnx_io_report
+
+        return echo(onnx_io_report(read_manifest(export), str(export)))
     from .model.parallel_budget import budget, format_budget
     from .model.summary import format_summary, summarize
 

@@ -104,6 +104,10 @@ EP = Annotated[int, typer.Option("--ep", min=1, help="Expert-parallel ranks (rou
 FitBatch = Annotated[int, typer.Option("--batch", min=1, help="inspect --tp/--ep: sequences for the fit table.")]
 FitContext = Annotated[int, typer.Option("--context", min=1, help="inspect --tp/--ep: tokens per sequence.")]
 
+InspectExport = Annotated[Optional[Path], typer.Option(
+    "--export", callback=must_exist, help="An export folder: each ONNX file's inputs and outputs (name, dtype, "
+                                          "shape) from its manifest, for your own ONNX Runtime loop.")]
+
 # export
 ExportOut = Annotated[Path, typer.Option("--out", help="Export folder (created; each artifact renamed into place).")]
 Targets = Annotated[list[Target], typer.Option("--target", help="Artifact(s) to build from the one trace "

@@ -8,8 +8,9 @@ Notable choices:
   (the test compares the README's table with it, so the two cannot drift).
 - `--dtype auto` (the default of `export` and `inspect`): a checkpoint's stored dtype (config.json's
   `torch_dtype` / `dtype`, else the safetensors': checkpoint/stored_dtype.py), a preset's default dtype (bf16
-  for the published models, fp32 for the small CPU presets; fp32 for one registered at run time). float16 checkpoints export as fp32 (k3x exports
-  fp32 or bf16; fp32 holds every fp16 value). The choice and its reason are one line of the export's output.
+  for the published models, fp32 for the small CPU presets; fp32 for one registered at run time). float16
+  checkpoints export as fp32 (k3x exports fp32 or bf16; fp32 holds every fp16 value). The choice and its
+  reason are one line of the export's output.
 - ONNX Runtime's CPU provider has no bf16 kernels (MatMul and the rest): a bf16 model.onnx runs on its CUDA
   provider only, so a bf16 ONNX export says so in the same line and names `--dtype fp32`; the ORT runner's
   refusal on a CPU names that flag too (runtime/ort_runner.py).
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-
 
 
 @dataclass(frozen=True)

@@ -147,3 +147,15 @@ def test_out_naming_a_source_folder_is_refused_and_named(name, monkeypatch):
     code, out = k3x("export", "--preset", "k3-mini", "--no-weights", "--target", "pt2", "--out", name)
     assert code == 1 and f"{name}: not empty and not a k3x export folder" in out and "--out" in out, out
     assert sorted(os.listdir(name)) == before and not list(Path(".").glob(f".{name}.k3x-*"))
+
+
+def test_inspect_export_shows_each_onnx_input_and_output(mini_cli_export, export_dir):
+    code, out = k3x("inspect", "--export", mini_cli_export.export)
+    assert code == 0 and "model.onnx (ort flavor)" in out and "model.trt.onnx (trt flavor)" in out, out
+    lines = [line.split() for line in out.splitlines()]
+    assert ["input_ids", "int64", "[batch,", "seq]"] in lines and ["logits", "float32", "[batch,", "seq,", "512]"] in lines
+    manifest = json.loads((export_dir / "manifest.json").read_text())
+    del manifest["artifacts"]["onnx"]  # as a pt2-only export's
+    (export_dir / "manifest.json").write_text(json.dumps(manifest))
+    code, out = k3x("inspect", "--export", export_dir)
+    assert code == 1 and out.strip() == f"error: {export_dir}: no ONNX artifact (export with --target onnx)", out
