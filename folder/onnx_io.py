@@ -16,7 +16,10 @@ def onnx_io_report(manifest: dict, where: str) -> str:
     or was written before the manifest recorded them."""
     entry = manifest.get("artifacts", {}).get("onnx")
     if not isinstance(entry, dict):
-        raise ManifestError(f"{where}: no ONNX artifact (export with --target onnx)")
+        ranks = (manifest.get("parallel") or {}).get("ranks") or []
+        hint = f"; each rank folder holds its own: --export {where}/{ranks[0]['dir']}" if ranks else \
+            " (export with --target onnx)"
+        raise ManifestError(f"{where}: no ONNX artifact{hint}")
     io, flavors = entry.get("io"), entry.get("flavors") or {}
     if not isinstance(io, dict) or not io:
         raise ManifestError(f"{where}: its manifest does not record the ONNX inputs and outputs (re-export it)")

@@ -159,3 +159,11 @@ def test_inspect_export_shows_each_onnx_input_and_output(mini_cli_export, export
     (export_dir / "manifest.json").write_text(json.dumps(manifest))
     code, out = k3x("inspect", "--export", export_dir)
     assert code == 1 and out.strip() == f"error: {export_dir}: no ONNX artifact (export with --target onnx)", out
+
+
+def test_inspect_export_of_rank_programs_names_a_rank_folder():
+    from k3x.folder.onnx_io import onnx_io_report
+    from k3x.folder.schema import ManifestError
+
+    with pytest.raises(ManifestError, match="tp2: no ONNX artifact; each rank folder holds its own: --export tp2/rank-000"):
+        onnx_io_report({"artifacts": {}, "parallel": {"ranks": [{"dir": "rank-000"}, {"dir": "rank-001"}]}}, "tp2")
