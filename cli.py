@@ -19,15 +19,15 @@ from typing import Any, Callable
 import typer
 
 from .cli_flags import Activations, Backend, Backends, Batch, BatchFile, BlockSize, CacheBlocks, Chat, Checkpoint, \
-    CheckpointRequired, CudaGraph, DType, Draft, EP, EngineExportDir, EngineRuntime, ExpertActivations, \
-    ExpertFormat, Experts, ExportDir, ExportOut, FitBatch, FitContext, InitExperts, InitOut, InitPreset, InputIds, \
+    CheckpointRequired, CudaGraph, DType, Draft, EP, EngineExportDir, EngineRuntime, ExpertActivations, ExpertFormat, \
+    Experts, ExportDir, ExportOut, FitBatch, FitContext, InitExperts, InitOut, InitPreset, InputIds, InspectExport, \
     Json, JsonOut, JsonReport, KernelChoice, Kernels, LoadState, LogitsBackend, LogitsExportDir, LogitsOut, \
     MaxContext, MaxNewTokens, MaxSequences, MaxStepTokens, ModelDType, NoWeights, OnnxFunctions, OrtProvider, \
     PluginPath, Plugins, PoolDType, PrefixCache, PrefixCacheMB, Preset, PresetSeed, ProfileMax, ProfileMin, \
-    ProfileOpt, PromptIds, PromptLen, PromptSeed, PromptText, PromptsFile, Provider, ReferenceCheckpoint, \
-    RunBackend, Runtime, SM, SamplerSeed, SaveState, Sequences, Serving, SkipHashCheck, Speculate, SpeculateTokens, \
-    StepChunk, Steps, StripWeights, TP, Target, Targets, Temperature, Tokenizer, TopK, TopP, TraceMode, TraceModes, \
-    Verbose, Version, WeightSeed, WeightSource, WeightsFrom
+    ProfileOpt, PromptIds, PromptLen, PromptSeed, PromptText, PromptsFile, Provider, ReferenceCheckpoint, RunBackend, \
+    Runtime, SM, SamplerSeed, SaveState, Sequences, Serving, SkipHashCheck, Speculate, SpeculateTokens, StepChunk, \
+    Steps, StripWeights, TP, Target, Targets, Temperature, Tokenizer, TopK, TopP, TraceMode, TraceModes, Verbose, \
+    Version, WeightSeed, WeightSource, WeightsFrom
 from .console import Printer, Progress, debug, echo, fail, one_line, timed
 
 
@@ -111,19 +111,29 @@ def init_checkpoint(preset: InitPreset = "k3-mini", out: InitOut = Path("k3-mini
 @app.command()
 def inspect(preset: Preset = None, checkpoint: Checkpoint = None, json_out: Json = False, tp: TP = 1, ep: EP = 1,
             batch: FitBatch = 1, context: FitContext = 131072, sequences: Sequences = None,
-            dtype: PoolDType = DType.BF16, chunk: StepChunk = None) -> None:
+            dtype: PoolDType = DType.AUTO, chunk: StepChunk = None, export: InspectExport = None) -> None:
     """Layer plan, total/active parameters, cache sizes, bytes by storage format (meta device: no weights);
-    with --tp/--ep: per-rank bytes, collective bytes and the fit on H200 / B200 / GB300."""
+    with --tp/--ep: per-rank bytes, collective bytes and the fit on H200 / B200 / GB300; with --export: each
+    ONNX file's inputs and outputs."""
     from .checkpoint.config_source import config_of
+
+    if export is not None:
+        from .folder.artifacts import read_manifest
+        from .folder.onnx_io import onnx_io_report
+
+        return echo(onnx_io_report(read_manifest(export), str(export)))
     from .model.parallel_budget import budget, format_budget
     from .model.summary import format_summary, summarize
 
     cfg = config_of(preset, checkpoint)
     debug("config %s (hash %s) from %s", cfg.name, cfg.hash()[:12], checkpoint or f"preset {preset}")
     if sequences is not None:  # serving pools
+        from .exporter.presets import model_dtype
         from .model.summary import pools_report
 
-        return echo(pools_report(cfg, context, sequences, tp=tp, ep=ep, dtype=dtype.value, chunk=chunk))
+        name, why = model_dtype(dtype.value, preset, checkpoint)
+        debug("latent dtype %s (%s)", name, why)
+        return echo(pools_report(cfg, context, sequences, tp=tp, ep=ep, dtype=name, chunk=chunk))
     with timed("inspect"):
         if tp * ep > 1:
             from .model.parallel import ParallelPlan
@@ -136,7 +146,7 @@ def inspect(preset: Preset = None, checkpoint: Checkpoint = None, json_out: Json
 
 @app.command()
 def export(out: ExportOut, preset: Preset = None, checkpoint: Checkpoint = None, target: Targets = [Target.PT2],
-           no_weights: NoWeights = False, dtype: ModelDType = DType.FP32, seed: PresetSeed = 0,
+           no_weights: NoWeights = False, dtype: ModelDType = DType.AUTO, seed: PresetSeed = 0,
            kernels: Kernels = KernelChoice.REFERENCE, tp: TP = 1, ep: EP = 1, expert_format: Experts = None,
            max_context: MaxContext = None, serving: Serving = False, block_size: BlockSize = 16,
            activations: ExpertActivations = Activations.BF16, trace_mode: TraceModes = TraceMode.STAMPED,
@@ -172,9 +182,12 @@ def build_engine(export_dir: EngineExportDir, min_: ProfileMin = None, opt: Prof
                  max_: ProfileMax = None, sm: SM = None, runtime: EngineRuntime = Runtime.AUTO,
                  plugin_path: Plugins = PluginPath.AOT, strip_weights: StripWeights = False) -> None:
     """Build model.engine from the trt-flavour ONNX with the k3 plugins (profile over the export's dynamic dims;
-    a serving export's: tokens, seqs, table_blocks, logits_rows, slots, blocks).
-    TensorRT-RTX (builds on a CPU): pip install -e '.[trt-rtx]'."""
+    a serving export's: tokens, seqs, table_blocks, logits_rows, slots, blocks). An engine serves one SM:
+    TensorRT 11 (--runtime trt) builds for the GPU it runs on (H100 / H200: sm_90); TensorRT-RTX (--runtime
+    trt-rtx, builds on a CPU: pip install -e '.[trt-rtx]') for RTX-class GPUs (sm_89 by default: RTX 40xx, L4,
+    L40S); its engines do not run on an H100 / H200. The line printed at the end names the GPUs it serves."""
     from .exporter.engine import EngineOptions, build_engine as build, parse_profile
+    from .exporter.engine_targets import serves
 
     try:
         dims = parse_profile({"min": min_ or [], "opt": opt or [], "max": max_ or []})
@@ -189,8 +202,11 @@ def build_engine(export_dir: EngineExportDir, min_: ProfileMin = None, opt: Prof
         where = f" ({e.filename})" if e.filename else ""
         fail(f"build-engine in {export_dir} failed: {e.strerror or e}{where}; nothing was written")
     stripped = f", weight-stripped ({len(art.meta['weights'])} weights refitted at load)" if art.meta["stripped"] else ""
+    if art.replaced:
+        echo(f"replaced in {export_dir}: {', '.join(art.replaced)}")
     echo(f"{art.path}: {art.meta['bytes'] / 2**20:.1f} MiB{stripped}, sm_{art.meta['sm']}, {art.meta['runtime']} "
-         f"{art.meta['tensorrt_version']}, plugins " + ", ".join(f"{k}={v}" for k, v in art.meta["plugin_paths"].items()))
+         f"{art.meta['tensorrt_version']}, plugins " + ", ".join(f"{k}={v}" for k, v in art.meta["plugin_paths"].items())
+         + f"; {serves(art.meta['runtime'], art.meta['sm'], art.meta['tensorrt_version'])}")
 
 
 @app.command("build-ort-kernels")

@@ -4,7 +4,9 @@ aliases, so a flag's name, help, default checks and choices are written once.
 Notable choices:
 - Arguments are checked while parsing, before a command imports torch (4-8 s): folders that must exist
   (`must_exist`), and choices as Enums whose values mirror the library's tables (torch-free here;
-  tests/test_cli_options.py checks they match runtime/runners.RUNNERS and exporter/engine.RUNTIMES).
+  tests/test_cli_options.py checks they match runtime/runners.RUNNERS and exporter/engine_targets.RUNTIMES);
+  the `--preset` help is one text made from exporter/presets.PRESET_USES, the `--runtime` help from
+  exporter/engine_targets (the GPUs each runtime's engines serve).
 - Booleans are plain flags (`--chat`) or `--x/--no-x` pairs, never `--chat true`.
 - `--cuda-graph` runs the torch runners (eager, pt2) on CUDA and replays repeated-shape decode steps as CUDA
   graphs (runtime/cuda_graph.py); where no graph can be captured the command is refused in one line.
@@ -20,6 +22,8 @@ import typer
 
 from . import __version__
 from .exporter.options import Activations, DType, ExpertFormat, KernelChoice, Target, TraceMode, WeightSource
+from .exporter.engine_targets import RUNTIME_HELP
+from .exporter.presets import PRESET_HELP
 from .console import fail
 
 __all__ = ["Activations", "DType", "ExpertFormat", "KernelChoice", "Target", "TraceMode", "WeightSource"]  # torch-free
@@ -61,7 +65,7 @@ class Provider(str, Enum):  # runtime/ort_runner: ONNX Runtime's execution provi
     CPU = "cpu"
 
 
-class Runtime(str, Enum):  # exporter/engine.RUNTIMES + auto
+class Runtime(str, Enum):  # exporter/engine_targets.RUNTIMES + auto
     AUTO = "auto"
     TRT = "trt"
     TRT_RTX = "trt-rtx"
@@ -78,7 +82,7 @@ Version = Annotated[bool, typer.Option("--version", callback=_print_version, is_
                                        help="Print the k3x version and exit.")]
 
 # model sources
-Preset = Annotated[Optional[str], typer.Option(help="Preset name (k3, kimi-linear-48b, k3-mini, k3-bench).")]
+Preset = Annotated[Optional[str], typer.Option(help=PRESET_HELP)]  # one text for every --preset (exporter/presets.py)
 Checkpoint = Annotated[Optional[Path], typer.Option(callback=must_exist,
                                                     help="Checkpoint folder (config.json + safetensors).")]
 CheckpointRequired = Annotated[Path, typer.Option("--checkpoint", callback=must_exist, help="Checkpoint folder.")]
@@ -86,7 +90,7 @@ ExportDir = Annotated[Path, typer.Argument(callback=must_exist, help="Export fol
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 
 # init-checkpoint
-InitPreset = Annotated[str, typer.Option("--preset", help="Preset to instantiate (k3-mini, k3-bench, ...).")]
+InitPreset = Annotated[str, typer.Option("--preset", help=PRESET_HELP)]
 InitOut = Annotated[Path, typer.Option("--out", help="Folder to create (must not exist or be empty).")]
 WeightSeed = Annotated[int, typer.Option("--seed", help="Random seed of the weights.")]
 InitExperts = Annotated[ExpertFormat, typer.Option("--expert-format",
@@ -100,6 +104,10 @@ EP = Annotated[int, typer.Option("--ep", min=1, help="Expert-parallel ranks (rou
 FitBatch = Annotated[int, typer.Option("--batch", min=1, help="inspect --tp/--ep: sequences for the fit table.")]
 FitContext = Annotated[int, typer.Option("--context", min=1, help="inspect --tp/--ep: tokens per sequence.")]
 
+InspectExport = Annotated[Optional[Path], typer.Option(
+    "--export", callback=must_exist, help="An export folder: each ONNX file's inputs and outputs (name, dtype, "
+                                          "shape) from its manifest, for your own ONNX Runtime loop.")]
+
 # export
 ExportOut = Annotated[Path, typer.Option("--out", help="Export folder (created; each artifact renamed into place).")]
 Targets = Annotated[list[Target], typer.Option("--target", help="Artifact(s) to build from the one trace "
@@ -108,8 +116,12 @@ NoWeights = Annotated[bool, typer.Option("--no-weights", help="Trace on the meta
 WeightsFrom = Annotated[WeightSource, typer.Option(
     "--weights", help="With --checkpoint: copy the weights into the pt2 / ONNX (default), or reference the "
     "checkpoint: graph-only artifacts, the weights read (and the checkpoint's files checked) at load.")]
-ModelDType = Annotated[DType, typer.Option("--dtype", help="Model dtype (states stay fp32).")]
-PoolDType = Annotated[DType, typer.Option("--dtype", help="inspect --sequences: the model dtype of the MLA latents.")]
+ModelDType = Annotated[DType, typer.Option("--dtype", help="Model dtype (states stay fp32): auto = the checkpoint's "
+                                           "(config.json torch_dtype, else its safetensors'; float16 -> fp32) or the "
+                                           "preset's default; the export prints what it chose. A bf16 model.onnx needs "
+                                           "ONNX Runtime's CUDA provider: --dtype fp32 to run it on a CPU.")]
+PoolDType = Annotated[DType, typer.Option("--dtype", help="inspect --sequences: the model dtype of the MLA latents "
+                                          "(auto: what export --dtype auto picks).")]
 PresetSeed = Annotated[int, typer.Option("--seed", help="Seed of a preset's random weights.")]
 Kernels = Annotated[KernelChoice, typer.Option(
     "--kernels", help="k3 custom-op implementation traced into the program: reference (PyTorch, any device) or "
@@ -136,10 +148,9 @@ EngineExportDir = Annotated[Path, typer.Argument(callback=must_exist, help="Expo
 ProfileMin = Annotated[Optional[list[str]], typer.Option("--min", help="Profile min, e.g. batch=1 (repeatable).")]
 ProfileOpt = Annotated[Optional[list[str]], typer.Option("--opt", help="Profile opt, e.g. seq=128.")]
 ProfileMax = Annotated[Optional[list[str]], typer.Option("--max", help="Profile max, e.g. batch=8.")]
-SM = Annotated[Optional[int], typer.Option("--sm", help="Target SM (default 90 for trt, 89 for trt-rtx).")]
-EngineRuntime = Annotated[Runtime, typer.Option("--runtime", help="auto (trt when TensorRT 11 and a GPU are here, "
-                                                "else trt-rtx) | trt (TensorRT 11) | trt-rtx (TensorRT-RTX, builds "
-                                                "on CPU).")]
+SM = Annotated[Optional[int], typer.Option("--sm", help="Target SM (default 90 for trt, 89 for trt-rtx); one the "
+                                           "runtime cannot build is refused before any work.")]
+EngineRuntime = Annotated[Runtime, typer.Option("--runtime", help=RUNTIME_HELP)]
 Plugins = Annotated[PluginPath, typer.Option("--plugin-path", help="aot (embedded cubins) | jit (Triton via torch).")]
 StripWeights = Annotated[bool, typer.Option("--strip-weights", help="Weight-stripped plan: the runner refits its "
                                             "weights at load from the export's ONNX data (sources in the metadata).")]

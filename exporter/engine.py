@@ -1,7 +1,8 @@
 """Stage: `trt`-flavour ONNX -> serialized TensorRT engine (`model.engine`) with the k3 plugins.
 
 - Runtimes: "trt" (TensorRT 11, package `tensorrt`, needs the GPU it builds for) and "trt-rtx"
-  (TensorRT-RTX 1.7 from PyPI, builds on a CPU-only machine; targets SM75/80/86/89/120/121, not SM90).
+  (TensorRT-RTX 1.7 from PyPI, builds on a CPU-only machine; targets SM75/80/86/89/120/121, not SM90): the
+  targets and the GPUs each serves are exporter/engine_targets.py, checked when the options are made.
 - Optimisation profile: one, derived from the export's recorded dynamic dims (every input dim named batch /
   seq / past_seq gets that dim's min/opt/max; a serving export's are its `serving.dims`: tokens, seqs
   (`seqs + 1` for cu_seqlens), table_blocks, logits_rows, slots, blocks; the block size is static).
@@ -26,7 +27,8 @@
 - `--runtime auto` (default): TensorRT 11 when `tensorrt` is importable and a CUDA GPU is visible (it
   builds for the GPU it runs on), else TensorRT-RTX.
 - Output: `model.engine`, `model.engine.json` (TensorRT version, runtime, SM, plugin paths, profile, ONNX
-  hash) and `timing.cache` renamed into place together and recorded as the manifest's `trt` artifact; the runner refuses an engine whose SM or TensorRT version differs.
+  hash) and `timing.cache` renamed into place together (replacing an earlier build's: `EngineArtifact.replaced`)
+  and recorded as the manifest's `trt` artifact; the runner refuses an engine whose SM or TensorRT version differs.
 """
 
 from __future__ import annotations
@@ -41,16 +43,11 @@ from pathlib import Path
 
 from ..folder.artifacts import ExportFolder, ManifestError, refuse_unlisted, write_artifact
 from ..folder.dims import DYNAMIC_DIMS, DimRange
+from .engine_targets import DEFAULT_SM, RUNTIMES, check_target
 from .engine_weights import checkpoint_ranges, parse_onnx, strip_plan
 
 log = logging.getLogger("k3x.plugins")
 ENGINE_FILE, ENGINE_META, TIMING_CACHE, ONNX_FILE = "model.engine", "model.engine.json", "timing.cache", "model.trt.onnx"
-RUNTIMES = {  # runtime -> (import names, pip packages)
-    "trt": (("tensorrt",), "tensorrt-cu13 (TensorRT 11; the libs come from NVIDIA's package index)"),
-    "trt-rtx": (("tensorrt_rtx", "tensorrt_rtx_bindings"),
-                "the trt-rtx extra: pip install -e '.[trt-rtx]' (k3x build-engine finds its libraries itself)"),
-}
-DEFAULT_SM = {"trt": 90, "trt-rtx": 89}
 
 
 class EngineBuildError(RuntimeError):
@@ -73,6 +70,7 @@ class EngineOptions:
             raise ValueError(f"runtime={self.runtime!r}: choose from {sorted(RUNTIMES)}")
         if self.plugin_path not in ("aot", "jit"):
             raise ValueError(f"plugin_path={self.plugin_path!r}: choose 'aot' or 'jit'")
+        check_target(self.runtime, self.target_sm)  # an sm the runtime cannot build: refused before any work
 
     @property
     def target_sm(self) -> int:
@@ -83,6 +81,7 @@ class EngineOptions:
 class EngineArtifact:
     path: Path
     meta: dict
+    replaced: tuple[str, ...] = ()  # the earlier build's files this one replaced
 
 
 def resolve_runtime(runtime: str) -> str:
@@ -359,7 +358,7 @@ def _build_engine(export_dir: Path, options: EngineOptions) -> EngineArtifact:
             "build_seconds": round(seconds, 2), "onnx_sha256": onnx_sha256, "stripped": sources is not None}
     if sources is not None:
         meta["weights"] = sources
-    # engine, metadata and timing cache renamed into place together
+    replaced = tuple(n for n in (ENGINE_FILE, ENGINE_META, TIMING_CACHE) if (export_dir / n).exists())
     with write_artifact(export_dir, "trt", extra=meta, primary=ENGINE_FILE) as tmp:
         (tmp / ENGINE_FILE).write_bytes(data)
         (tmp / ENGINE_META).write_text(json.dumps(meta, indent=2, sort_keys=True))
@@ -367,7 +366,7 @@ def _build_engine(export_dir: Path, options: EngineOptions) -> EngineArtifact:
             (tmp / TIMING_CACHE).write_bytes(bytes(config.get_timing_cache().serialize()))
     log.info("engine %s: %.1f MiB in %.1f s (%s %s, sm_%d)", export_dir / ENGINE_FILE, len(data) / 2**20, seconds,
              options.runtime, trt.__version__, sm)
-    return EngineArtifact(export_dir / ENGINE_FILE, meta)
+    return EngineArtifact(export_dir / ENGINE_FILE, meta, replaced)
 
 
 def _strip_hint(options: EngineOptions) -> str:

@@ -87,6 +87,7 @@ class OnnxArtifact:
     collectives: dict[str, int] = field(default_factory=dict)  # AllReduce / AllGather nodes (rank programs)
     digests: dict[str, str] = field(default_factory=dict)  # file name -> sha256 taken while writing
     layer_functions: dict[str, dict] = field(default_factory=dict)  # flavor -> onnx_functions.save's entry
+    io: dict[str, dict] = field(default_factory=dict)  # flavor -> graph_io: each input's / output's dtype and shape
 
 
 # --- custom translations: torch.ops.k3.<family> -> k3::<Op> nodes (attributes = plugin fields) ---------
@@ -253,6 +254,17 @@ def to_onnx_ir(ep: ExportedProgram, cfg: K3Config, *, weights: bool = True, opti
     return model
 
 
+def graph_io(model: ir.Model) -> dict[str, list[dict]]:
+    """{"inputs": [...], "outputs": [...]}: each graph input's and output's name, dtype (numpy's name: int64,
+    float32, bfloat16) and shape (ints for static dims, the dim's name for a dynamic one, None when unnamed), as
+    ONNX Runtime's InferenceSession reports them: what a user's own ONNX Runtime loop must feed and expect."""
+    def entry(v: ir.Value) -> dict:
+        shape = None if v.shape is None else [d if isinstance(d, int) else d.value for d in v.shape]
+        return {"name": v.name, "dtype": v.dtype.numpy().name, "shape": shape}
+
+    return {"inputs": [entry(v) for v in model.graph.inputs], "outputs": [entry(v) for v in model.graph.outputs]}
+
+
 def _weight_bytes(model: ir.Model) -> int:
     return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
 
@@ -288,12 +300,13 @@ def export_onnx(ep: ExportedProgram, cfg: K3Config, out_dir: Path, options: Onnx
         ir.external_data.unload_from_model(model, out_dir, EXTERNAL_DATA, size_threshold_bytes=1024)
         data_path = out_dir / EXTERNAL_DATA
     kinds = [cfg.layer_kind(i) for i in range(cfg.num_layers)] if options.layer_functions else None
-    layer_functions = {}
+    layer_functions, io = {}, {}
     for flavor in ("trt", "ort"):  # trt first: the ort pass adds functions to the same model
         if flavor in options.flavors:
             model.opset_imports.clear()  # a model written before (rank programs) carries the last pass's imports
             model.opset_imports.update(model.meta.get(OPSET_IMPORTS, {}))
             FLAVOR_PASSES[flavor](model)
+            io[flavor] = graph_io(model)
             layer_functions[flavor] = save_layers(model, out_dir / FLAVOR_FILES[flavor], kinds,
                                                   set(ep.state_dict) | set(ep.constants))
     files = {f: out_dir / FLAVOR_FILES[f] for f in FLAVOR_FILES if f in options.flavors}
@@ -302,7 +315,7 @@ def export_onnx(ep: ExportedProgram, cfg: K3Config, out_dir: Path, options: Onnx
 
     return OnnxArtifact(files=files, external_data=data_path, num_nodes=len(model.graph),
                         op_counts=dict(sorted(counts.items())), collectives=collective_counts(model),
-                        digests=digests, layer_functions=layer_functions)
+                        digests=digests, layer_functions=layer_functions, io=io)
 
 
 def onnx_stage(out_dir: Path, ep: ExportedProgram, cfg: K3Config, options: OnnxOptions = OnnxOptions(),
@@ -310,7 +323,8 @@ def onnx_stage(out_dir: Path, ep: ExportedProgram, cfg: K3Config, options: OnnxO
     """Export into the export folder `out_dir` (manifest already initialised) as artifact `onnx`.
 
     Files land atomically through folder/artifacts.write_artifact; the manifest entry records which
-    file is which flavor (`flavors`), the external data file, the opset and the k3 node counts.
+    file is which flavor (`flavors`), the external data file, the opset, the k3 node counts and each flavor
+    file's inputs and outputs with their dtypes and shapes (`io`: graph_io).
     """
     from ..folder.artifacts import write_artifact
 
@@ -322,10 +336,11 @@ def onnx_stage(out_dir: Path, ep: ExportedProgram, cfg: K3Config, options: OnnxO
         extra.update(flavors={f: p.name for f, p in art.files.items()}, opset=options.opset,
                      weights=REFERENCED if options.reference else options.weights,
                      external_data=art.external_data.name if art.external_data else None,
-                     nodes=art.num_nodes, k3_nodes=art.op_counts, layer_functions=art.layer_functions)
+                     nodes=art.num_nodes, k3_nodes=art.op_counts, layer_functions=art.layer_functions,
+                     io=art.io)
         if art.collectives:  # the ort flavor needs onnxruntime-extensions' Python ops (onnx_collectives.py)
             extra["collectives"] = art.collectives
     files = {f: Path(out_dir) / p.name for f, p in art.files.items()}
     data = Path(out_dir) / art.external_data.name if art.external_data else None
     return OnnxArtifact(files=files, external_data=data, num_nodes=art.num_nodes, op_counts=art.op_counts,
-                        collectives=art.collectives, layer_functions=art.layer_functions)
+                        collectives=art.collectives, layer_functions=art.layer_functions, io=art.io)

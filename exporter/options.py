@@ -36,6 +36,7 @@ class Target(str, Enum):
 
 
 class DType(str, Enum):
+    AUTO = "auto"  # the checkpoint's dtype, or the preset's default (exporter/presets.model_dtype)
     FP32 = "fp32"
     BF16 = "bf16"
 
@@ -78,7 +79,7 @@ class ExportOptions:
     preset: str | None = None  # exactly one of preset / checkpoint
     checkpoint: Path | None = None
     weights: bool = True  # False: trace on the meta device, nothing allocated
-    dtype: DType = DType.FP32
+    dtype: DType = DType.AUTO
     seed: int = 0  # random init of a preset with weights
     kernels: KernelChoice = KernelChoice.REFERENCE  # k3 custom-op implementation in the traced program
     expert_format: ExpertFormat | None = None  # routed experts: None = as the checkpoint stores them (presets: dense)
@@ -174,3 +175,4 @@ class ExportJob:
     checkpoint_hash: str | None
     weight_source: dict | None  # --weights reference: the manifest's checkpoint reference (checkpoint/reference.py)
     stream: bool  # pt2 / ONNX from a checkpoint: traced on meta, weights streamed into each artifact
+    dtype_note: str = ""  # the output line saying which dtype was chosen and why (exporter/presets.dtype_line)

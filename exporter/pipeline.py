@@ -9,10 +9,12 @@ Notable choices:
 - `kernels` (reference | triton) is the k3 custom-op implementation baked into the traced program; it is
   not the runner (`k3x run --backend`).
 - Any rank count through the one `export` call: the options are resolved once (`resolve`: architecture
-  + `ModelOptions`) and checked (`_job`); the plan (`tp` x `ep`) picks the writer: one program
+  + `ModelOptions`) and checked (`resolve_job`); the plan (`tp` x `ep`) picks the writer: one program
   (`write_program`) or one program per rank (exporter/ranks.write_ranks). The manifest records the
   architecture (`config`), the build and cache options (`options`) and, for ranks, the plan (`parallel`).
 - `weights=False` builds on the meta device: any size traces on an ordinary CPU machine.
+- `dtype=auto` (the default): the checkpoint's stored dtype or the preset's default (exporter/presets.py);
+  the export's first output line says which and why. A re-export's last line names what it replaced.
 - From a checkpoint, pt2 and ONNX never hold the model: it is traced on meta and each stage streams the
   checkpoint's tensors into its artifact (`StageContext.weight_stream`); aoti (AOTInductor compiles real
   weights) loads the model as before.
@@ -178,12 +180,14 @@ def _check_fits_in_memory(cfg: K3Config, build, dtype: torch.dtype) -> None:
                             f"{free / 2**30:,.0f} GiB is free; trace it with --no-weights")
 
 
-def _job(options: ExportOptions) -> ExportJob:
+def resolve_job(options: ExportOptions) -> ExportJob:
     """Resolve and check everything before anything is built: ConfigError naming the field."""
     from ..folder import artifacts
+    from .presets import dtype_line, model_dtype
 
-    dtype = artifacts.DTYPES[DType(options.dtype).value]
     stages, plan = options.stages(), options.plan()
+    name, why = model_dtype(DType(options.dtype).value, options.preset, options.checkpoint)
+    dtype = artifacts.DTYPES[name]
     cfg, model = resolve(options)
     # the TensorRT flavor of the ONNX export runs the Triton kernels in its plugins: their limits apply
     model.check(cfg, kernel_limits="onnx" in stages)
@@ -208,7 +212,8 @@ def _job(options: ExportOptions) -> ExportJob:
         ckpt_hash = checkpoint_hash(options.checkpoint)
     if options.checkpoint is not None:  # a tokenizer file out of the folder refused now (the copy checks again)
         tokenizer_files(options.checkpoint)
-    return ExportJob(options, cfg, model, plan, dtype, ckpt_hash, source, stream)
+    return ExportJob(options, cfg, model, plan, dtype, ckpt_hash, source, stream,
+                     dtype_line(name, why, onnx="onnx" in stages))
 
 
 def _build(job: ExportJob):
@@ -277,7 +282,7 @@ def export(options: ExportOptions, progress: Progress | None = None) -> ExportRe
     per rank of the plan (exporter/ranks.py). Raises ConfigError (bad config or options, before anything is
     built) or the failing stage's error (nothing half-written: the folder is staged, folder/staging.py)."""
     from ..folder import artifacts
-    from ..folder.staging import staged_export
+    from ..folder.staging import replaced_files, replaced_line, staged_export
 
     progress = progress or (lambda name, seconds: None)
     timings: dict[str, float] = {}
@@ -286,11 +291,14 @@ def export(options: ExportOptions, progress: Progress | None = None) -> ExportRe
         return timed_step(name, progress, timings)
 
     with timed("config"):
-        job = _job(options)
+        job = resolve_job(options)
     if job.plan.world == 1:
         write = write_program
     else:
         from .ranks import write_ranks as write
     with staged_export(options.out_dir) as work:
-        notes = write(work, job, timed)
+        notes = [job.dtype_note] + write(work, job, timed)
+        replaced = replaced_files(options.out_dir)  # the lock held: what the rename is about to replace
+    if replaced:
+        notes.append(replaced_line(options.out_dir, replaced))
     return ExportResult(options.out_dir, artifacts.read_manifest(options.out_dir), timings, notes)

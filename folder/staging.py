@@ -17,6 +17,7 @@ Rules (the one rule for every command that writes a folder):
 - The holder of the lock sweeps `.<name>.k3x-tmp-*` / `.<name>.k3x-old-*` beside `out`: with the lock
   held, those can only be leftovers of a killed export.
 - Replacing: the old export is renamed aside, the new one renamed in, then the old one deleted.
+  `replaced_files` names what goes (the files the old manifest lists), for the command's one line saying so.
 """
 
 from __future__ import annotations
@@ -74,6 +75,24 @@ def check_destination(out: Path) -> None:
         more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
         raise FolderError(f"{out / foreign[0]}{more}: not listed in {out}'s manifest; refusing to replace the "
                           "export folder and lose it (move it out, or choose another --out)")
+
+
+def replaced_files(out: Path) -> list[str]:
+    """The files of the earlier k3x export in `out` that replacing it deletes (its manifest's list, sorted,
+    manifest.json last); [] when `out` is missing, empty or not an export."""
+    from .artifacts import ManifestError, listed_files, read_manifest
+
+    try:
+        files = listed_files(read_manifest(out))[0]
+    except (ManifestError, OSError):
+        return []
+    return sorted(f for f in files if os.path.lexists(out / f) and f != "manifest.json") + ["manifest.json"]
+
+
+def replaced_line(out: Path, files: list[str], most: int = 12) -> str:
+    """One line naming what a write into `out` replaced (the first `most` names, then a count)."""
+    more = f" and {len(files) - most} more" if len(files) > most else ""
+    return f"replaced in {out}: {', '.join(files[:most])}{more}"
 
 
 @contextlib.contextmanager

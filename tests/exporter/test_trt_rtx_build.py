@@ -146,6 +146,11 @@ def test_good_kda_node_builds_and_missing_runtime_is_named(bare_export):
     _kda_model(bare_export / "model.trt.onnx", g_type=TensorProto.FLOAT, v_heads=2)
     r = _build(bare_export, "--max", "seq=32", "--opt", "seq=8", "--max", "batch=2")
     assert r.returncode == 0, r.stderr[-3000:]
+    # the success line says which GPUs the engine serves; nothing was there to replace
+    assert "serves sm_89 GPUs (Ada: RTX 40xx, L4, L40S) with TensorRT-RTX 1.7" in r.stdout, r.stdout
+    assert "not H100 / H200" in r.stdout and "replaced in" not in r.stdout
+    r = _build(bare_export, "--max", "seq=32", "--opt", "seq=8", "--max", "batch=2")  # a rebuild says what it replaced
+    assert r.returncode == 0 and f"replaced in {bare_export}: model.engine, model.engine.json, timing.cache" in r.stdout
     r = subprocess.run([sys.executable, "-c", "from k3x.cli import app; app()", "build-engine", str(bare_export),
                         "--runtime", "trt"], capture_output=True, text=True, timeout=120)
     if importlib.util.find_spec("tensorrt") is None:
@@ -226,3 +231,14 @@ def test_inline_weights_are_refused_for_stripping(tmp_path):
     save(helper.make_model(g), str(tmp_path / "model.trt.onnx"))
     with pytest.raises(WeightSourceError, match="every weight is inside the graph"):
         weight_sources(tmp_path / "model.trt.onnx")
+
+
+def test_trt_rtx_targets_are_the_installed_librarys():
+    """exporter/engine_targets.TRT_RTX_SMS (checked before any import) is TensorRT-RTX's ComputeCapability list."""
+    from k3x.exporter.engine_targets import TRT_RTX_SMS
+
+    code = ("import tensorrt_rtx_bindings as t; "
+            "print(sorted(int(n[2:]) for n in t.ComputeCapability.__members__ if n[2:].isdigit()))")
+    r = subprocess.run([sys.executable, "-c", code], env=_rtx_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout) == sorted(TRT_RTX_SMS)

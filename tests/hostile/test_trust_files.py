@@ -241,10 +241,12 @@ def test_reexport_refuses_a_folder_holding_a_users_file(export_dir, name):
 def test_reexport_replaces_listed_files_and_rank_folders(export_dir, sharded_dir):
     (export_dir / "model.engine").write_bytes(b"an engine k3x built")
     update_manifest(export_dir, "trt", ["model.engine"])  # listed: k3x's to replace
-    for out in (export_dir, sharded_dir):
+    for out, listed in ((export_dir, "model.engine, model.genai.onnx, model.onnx"), (sharded_dir, "rank-000/")):
         code, text = k3x("export", "--preset", "k3-mini", *FAST, "--out", out)
         assert code == 0, text
         assert sorted(os.listdir(out)) == ["manifest.json", "model.pt2"]
+        replaced = [line for line in text.splitlines() if line.startswith("replaced in ")]  # one line says what went
+        assert len(replaced) == 1 and replaced[0].startswith(f"replaced in {out}: ") and listed in replaced[0], text
 
 
 def test_reexport_refuses_a_users_file_inside_a_rank_folder(sharded_dir):

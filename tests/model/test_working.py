@@ -16,6 +16,7 @@ from k3x.cli import app
 from k3x.model import build_model, preset
 from k3x.model.serving import K3ServingStep
 from k3x.model.state import pool_bytes
+from k3x.model.summary import scaled_bytes
 from k3x.custom_ops.attn_res import reference as attn_res_ref
 from k3x.custom_ops.kda_packed import reference as kda_packed_ref
 from k3x.custom_ops.mla_paged import blocked
@@ -76,5 +77,5 @@ def test_inspect_prints_the_step_working_memory_and_peak():
     assert r.exit_code == 0, r.output
     w = step_working_bytes(CFG, 64, 16)["total_bytes"]
     pools = pool_bytes(CFG, 4096, 1, 16, dtype=torch.float32)["total_bytes"]
-    assert f"step working memory (64 tokens, MLA key blocks of 512): {w / 2 ** 20:,.1f} MiB" in r.output
-    assert f"peak (pools + step): {(pools + w) / 2 ** 20:,.1f} MiB" in r.output
+    assert f"step working memory (64 tokens, MLA key blocks of 512): {scaled_bytes(w)}" in r.output
+    assert f"peak (pools + step): {scaled_bytes(pools + w)}" in r.output
