@@ -18,7 +18,9 @@ layout of the architecture (checkpoint/published.py). Packed experts need config
 `quantization_config` (`published.check_quantization`), else the checkpoint is refused.
 
 A checkpoint folder is not trusted: every file read from it (config.json, the index, every shard the index
-names, the tokenizer files) must resolve (symlinks followed) directly inside the folder (`checkpoint_file`); a tensor in two shards, a tensor in a shard that the index does not list, or one the index
+names, the tokenizer files) must resolve (symlinks followed) directly inside the folder, or into its repository's
+blobs/ when the folder is a Hugging Face hub snapshot (`checkpoint_file`, fileio.confined); a tensor in two shards,
+a tensor in a shard that the index does not list, or one the index
 lists in a shard that lacks it is a `CheckpointError` naming tensor and files. Each shard is opened
 once (`Shards`). `checkpoint_hash` (checkpoint/reference.py) covers exactly the files the weights come from (config.json, the
 index, the shards in use), so any change to them reads as "changed since the export".
@@ -90,7 +92,8 @@ class Shards(dict):
 
 def checkpoint_file(path: Path, name: object) -> Path:
     """`path / name` for any file read from a checkpoint folder (config, index, shards, tokenizer files),
-    refused unless it resolves directly inside the folder (fileio.confined)."""
+    refused unless it resolves directly inside the folder (or, in a hub snapshot, its repository's blobs/:
+    fileio.confined)."""
     return confined(path, name, error=CheckpointError, what="checkpoint folder")
 
 
