@@ -19,11 +19,11 @@ layout of the architecture (checkpoint/published.py). Packed experts need config
 
 A checkpoint folder is not trusted: every file read from it (config.json, the index, every shard the index
 names, the tokenizer files) must resolve (symlinks followed) directly inside the folder, or into its repository's
-blobs/ when the folder is a Hugging Face hub snapshot (`checkpoint_file`, fileio.confined); a tensor in two shards,
-a tensor in a shard that the index does not list, or one the index
-lists in a shard that lacks it is a `CheckpointError` naming tensor and files. Each shard is opened
-once (`Shards`). `checkpoint_hash` (checkpoint/reference.py) covers exactly the files the weights come from (config.json, the
-index, the shards in use), so any change to them reads as "changed since the export".
+blobs/ when the folder is a Hugging Face hub snapshot (`checkpoint_file`, fileio.confined); a tensor in two
+shards, a tensor in a shard that the index does not list, or one the index lists in a shard that lacks it is a
+`CheckpointError` naming tensor and files. Each shard is opened once (`Shards`). `checkpoint_hash`
+(checkpoint/reference.py) covers exactly the files the weights come from (config.json, the index, the shards in
+use), so any change to them reads as "changed since the export".
 """
 
 from __future__ import annotations
