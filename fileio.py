@@ -8,7 +8,11 @@ which files of a folder may be read.
 - `confined(folder, name)`: the one confinement rule for every file k3x reads out of a folder it was given
   (checkpoint files of every kind, export artifacts, rank folders): `name` is a bare file name and the
   path, symlinks followed, is an entry directly in `folder`. A symlink to a sibling is fine; one that
-  leaves the folder (a private file elsewhere) is refused.
+  leaves the folder (a private file elsewhere) is refused. One exception, the Hugging Face hub cache's
+  own layout: in a folder that is a hub snapshot (`.../models--ORG--NAME/snapshots/<commit>/`, the folder
+  as resolved), a file may also resolve to an entry directly in that repository's `blobs/` (the hub
+  stores each file there under its hash and links `../../blobs/<hash>` from the snapshot); nothing may
+  resolve anywhere else, inside `models--ORG--NAME/` or out of it.
 - `copy_file(src, dst)`: a copy whose permissions are the normal rule narrowed by the source's, so a
   private (0600) file never becomes world-readable by being copied.
 """
@@ -42,9 +46,20 @@ def confined(folder: str | Path, name: Any, *, error: type[Exception] = OutsideF
         real = p.resolve()
     except (OSError, RuntimeError) as e:  # a symlink loop
         raise error(f"{p}: cannot be resolved ({e}); refused") from None
-    if real.parent != Path(folder).resolve():
-        raise error(f"{p}: resolves to {real}, outside the {what}; refused")
+    home = Path(folder).resolve()
+    if real.parent != home and real.parent != hub_blobs(home):
+        hub = "" if hub_blobs(home) is None else f" and its hub repository's {hub_blobs(home)}"
+        raise error(f"{p}: resolves to {real}, outside the {what}{hub}; refused")
     return p
+
+
+def hub_blobs(folder: Path) -> Path | None:
+    """`models--ORG--NAME/blobs` when the (resolved) `folder` is a Hugging Face hub snapshot
+    (`models--ORG--NAME/snapshots/<commit>`), else None."""
+    repo = folder.parent.parent
+    if folder.parent.name == "snapshots" and repo.name.startswith("models--") and len(repo.name) > len("models--"):
+        return repo / "blobs"
+    return None
 
 
 def sha256(path: str | Path, *, h=None) -> str:

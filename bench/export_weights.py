@@ -43,6 +43,7 @@ SHARD = 2 << 30
 def synth_checkpoint(cfg, path: Path, seed: int = 0) -> int:
     """An MXFP4 checkpoint of `cfg` with random contents; returns its tensor bytes."""
     from k3x.checkpoint.hf_config import config_to_hf
+    from k3x.checkpoint.published import quantization_config
     from k3x.model import build_model
     from k3x.model.options import BuildOptions
 
@@ -95,7 +96,9 @@ def synth_checkpoint(cfg, path: Path, seed: int = 0) -> int:
         os.replace(path / old, path / new)
     index = {"metadata": {"total_size": total}, "weight_map": {k: names[v] for k, v in weight_map.items()}}
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
-    (path / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2))
+    block = quantization_config({k: tuple(m.shape) for k, m in state.items()})  # packed experts need it
+    (path / "config.json").write_text(json.dumps(config_to_hf(cfg, dtype=torch.bfloat16, quantization=block),
+                                                 indent=2))
     return total
 
 

@@ -12,13 +12,18 @@ the model then holds `experts.w1` u8 `[E, I, L/2]` + `experts.w1_scale` u8 `[E, 
 checkpoint's bytes); `expert_format="dense"` decodes them on load into float experts.
 `A_log` may be stored longer than the head count (K3 stores 128 for 96 heads) or as `[1, 1, H, 1]` (Kimi
 Linear): the first H values are used. A `language_model.` prefix is stripped; vision-tower tensors are ignored.
-Names as transformers 5 writes them are renamed at load (`hf_transformers.WEIGHT_RENAMES`).
+Names as transformers 5 writes them are renamed at load (`hf_transformers.WEIGHT_RENAMES`). So both k3x's
+earlier layout (no prefix, `A_log` `[H]`) and the published ones read; `save_checkpoint` writes the published
+layout of the architecture (checkpoint/published.py). Packed experts need config.json's compressed-tensors
+`quantization_config` (`published.check_quantization`), else the checkpoint is refused.
 
 A checkpoint folder is not trusted: every file read from it (config.json, the index, every shard the index
-names, the tokenizer files) must resolve (symlinks followed) directly inside the folder (`checkpoint_file`); a tensor in two shards, a tensor in a shard that the index does not list, or one the index
-lists in a shard that lacks it is a `CheckpointError` naming tensor and files. Each shard is opened
-once (`Shards`). `checkpoint_hash` (checkpoint/reference.py) covers exactly the files the weights come from (config.json, the
-index, the shards in use), so any change to them reads as "changed since the export".
+names, the tokenizer files) must resolve (symlinks followed) directly inside the folder, or into its repository's
+blobs/ when the folder is a Hugging Face hub snapshot (`checkpoint_file`, fileio.confined); a tensor in two
+shards, a tensor in a shard that the index does not list, or one the index lists in a shard that lacks it is a
+`CheckpointError` naming tensor and files. Each shard is opened once (`Shards`). `checkpoint_hash`
+(checkpoint/reference.py) covers exactly the files the weights come from (config.json, the index, the shards in
+use), so any change to them reads as "changed since the export".
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ from ..model.init import build_model
 from ..model.model import K3ForCausalLM
 from ..model.options import BuildOptions
 from ..plan.kernels import Kernels
-from .hf_config import config_from_hf, config_to_hf
+from . import published
+from .hf_config import config_from_hf, config_to_hf, raw_config
 from .hf_transformers import rename_weight
 
 INDEX = "model.safetensors.index.json"
@@ -86,7 +92,8 @@ class Shards(dict):
 
 def checkpoint_file(path: Path, name: object) -> Path:
     """`path / name` for any file read from a checkpoint folder (config, index, shards, tokenizer files),
-    refused unless it resolves directly inside the folder (fileio.confined)."""
+    refused unless it resolves directly inside the folder (or, in a hub snapshot, its repository's blobs/:
+    fileio.confined)."""
     return confined(path, name, error=CheckpointError, what="checkpoint folder")
 
 
@@ -216,8 +223,11 @@ def checkpoint_config(path: str | Path, expert_format: str | None = None, files:
     if expert_format not in (None, "dense", "mxfp4"):
         raise CheckpointError(f"expert_format={expert_format!r}: expected 'dense', 'mxfp4' or None (as stored)")
     try:
-        cfg = config_from_hf(checkpoint_file(path, "config.json"))
-        fmt = expert_format or stored_expert_format(tensor_files(path) if files is None else files)
+        config = checkpoint_file(path, "config.json")
+        cfg = config_from_hf(config)
+        files = tensor_files(path) if files is None else files
+        published.check_quantization(raw_config(config), published.holds_packed(files), str(config))
+        fmt = expert_format or stored_expert_format(files)
         return cfg, BuildOptions(Kernels(kernels), fmt, activations)
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
@@ -308,12 +318,13 @@ def stream_tensors(path: str | Path, *, dtype: torch.dtype = torch.float32, expe
 
 
 def _hf_tensors(model: K3ForCausalLM, expert_format: str):
-    """Yield (checkpoint name, tensor) in the on-disk layout (a packed model's experts are written as held)."""
+    """Yield (checkpoint name, tensor) in the on-disk layout, model naming (a packed model's experts are written
+    as held); `A_log` as the published layout stores it."""
     state = model.state_dict()
     for name, t in state.items():
         m = re.match(r"^(.*\.experts)\.(w[123])(_scale)?$", name)
         if not m:
-            yield name, t.detach().contiguous()
+            yield name, (published.stored_a_log(model.cfg, t) if name.endswith(".A_log") else t).detach().contiguous()
             continue
         if m.group(3):
             continue  # written with its packed weight
@@ -335,8 +346,10 @@ def _hf_tensors(model: K3ForCausalLM, expert_format: str):
 
 def save_checkpoint(model: K3ForCausalLM, path: str | Path, *, expert_format: str = "mxfp4",
                     max_shard_bytes: int = 2 << 30, extra_files: dict[str, bytes] | None = None) -> Path:
-    """Write config.json + sharded safetensors + index atomically (temp folder renamed into place).
-    `extra_files` ({plain file name: bytes}, e.g. the tokenizer's) are written into the same folder."""
+    """Write config.json + sharded safetensors + index atomically (temp folder renamed into place), in the
+    published layout of the model's architecture (checkpoint/published.py: names, `A_log`, the
+    `quantization_config` of packed experts). `extra_files` ({plain file name: bytes}, e.g. the tokenizer's)
+    are written into the same folder."""
     for name in extra_files or {}:
         if Path(name).name != name or name in ("config.json", INDEX) or name.endswith(".safetensors"):
             raise ValueError(f"extra file {name!r}: must be a plain file name other than the checkpoint's own")
@@ -360,7 +373,7 @@ def save_checkpoint(model: K3ForCausalLM, path: str | Path, *, expert_format: st
             if shards[-1] and size + nbytes > max_shard_bytes:
                 shards.append({})
                 size = 0
-            shards[-1][name] = t
+            shards[-1][published.stored_name(model.cfg, name)] = t
             size += nbytes
         weight_map = {}
         for i, shard in enumerate(shards):
@@ -369,7 +382,10 @@ def save_checkpoint(model: K3ForCausalLM, path: str | Path, *, expert_format: st
             weight_map.update({k: fname for k in shard})
         total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
         (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-        (tmp / "config.json").write_text(json.dumps(config_to_hf(model.cfg), indent=2))
+        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        block = published.quantization_config(shapes) if published.holds_packed(weight_map) else None
+        config = config_to_hf(model.cfg, dtype=model.lm_head.weight.dtype, quantization=block)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
         for name, data in (extra_files or {}).items():
             (tmp / name).write_bytes(data)
         for f in [tmp, *tmp.iterdir()]:  # mkdtemp creates 0700, safetensors writes 0600: for everyone to read

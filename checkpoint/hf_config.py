@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..model.config import LIMITS, AttnResConfig, ConfigError, K3Config, KDAConfig, MLAConfig, MoEConfig
-from . import hf_transformers
+from . import hf_transformers, published
+
+if TYPE_CHECKING:
+    import torch
 
 _MAX_DEPTH = 32
 _MAX_BYTES = 16 << 20
@@ -207,8 +210,12 @@ def config_from_hf(path: str | Path) -> K3Config:
     )
 
 
-def config_to_hf(cfg: K3Config) -> dict[str, Any]:
-    """The `config.json` k3x writes next to a checkpoint (`kimi_k3` wrapper around a `kimi_linear` text config)."""
+def config_to_hf(cfg: K3Config, *, dtype: torch.dtype | None = None,
+                 quantization: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The `config.json` k3x writes next to a checkpoint, in the published layout of its architecture
+    (checkpoint/published.py): K3's `kimi_k3` wrapper around a `kimi_linear` text config, or Kimi Linear's
+    plain `kimi_linear` config. `dtype`: the stored weights' (`torch_dtype`); `quantization`: the
+    `quantization_config` block of packed experts."""
     text: dict[str, Any] = {
         "model_type": "kimi_linear",
         "hidden_size": cfg.hidden_size,
@@ -255,5 +262,20 @@ def config_to_hf(cfg: K3Config) -> dict[str, Any]:
         text["attn_res_block_size"] = cfg.attn_res.block_size
     if _mlp_types(text, cfg.num_layers, "config_to_hf") != cfg.mlp_types:
         raise ConfigError(f"mlp_types={cfg.mlp_types}: not expressible as first_k_dense_replace + moe_layer_freq=1")
-    return {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
-            "_name_or_path": cfg.name, "tie_word_embeddings": cfg.tie_word_embeddings, "text_config": text}
+    if dtype is not None:
+        text["torch_dtype"] = str(dtype).removeprefix("torch.")
+    if not published.is_k3(cfg):
+        return {"architectures": [published.KIMI_LINEAR_ARCHITECTURE], "_name_or_path": cfg.name, **text,
+                **({"quantization_config": quantization} if quantization is not None else {})}
+    out = {"model_type": "kimi_k3", "architectures": [published.K3_ARCHITECTURE], "_name_or_path": cfg.name,
+           "tie_word_embeddings": cfg.tie_word_embeddings, "text_config": text}
+    if dtype is not None:
+        out["torch_dtype"] = text["torch_dtype"]
+    if quantization is not None:
+        out["quantization_config"] = quantization
+    return out
+
+
+def raw_config(path: str | Path) -> dict[str, Any]:
+    """config.json as a dict, read with the strict rules of `config_from_hf` (ConfigError naming the file)."""
+    return _read_json(Path(path), str(path))

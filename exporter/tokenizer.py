@@ -10,7 +10,8 @@ from pathlib import Path
 
 def tokenizer_files(checkpoint: Path) -> tuple[Path, ...]:
     """The checkpoint's tokenizer / generation files (text/tokenizer.TOKENIZER_FILES), each resolved inside the
-    checkpoint folder (a symlink to a file elsewhere is refused, CheckpointError)."""
+    checkpoint folder or, in a hub snapshot, its repository's blobs/ (a symlink to a file elsewhere is refused,
+    CheckpointError; fileio.confined). They are copied under these names, as files."""
     import os
 
     from ..checkpoint.files import checkpoint_file

@@ -14,6 +14,7 @@ from k3x.model import build_model, preset
 from k3x.model import mxfp4
 
 EXPERT = "model.layers.1.block_sparse_moe.experts"
+P = "language_model."  # the published K3 layout's prefix of every stored name (checkpoint/published.py)
 
 
 @pytest.fixture(scope="module")
@@ -32,14 +33,14 @@ def test_dense_round_trip_is_exact(model, dense_ckpt):
     for k in sd:
         assert torch.equal(sd[k], back[k]), k
     files = load_file(str(next(dense_ckpt.glob("*.safetensors"))))
-    assert f"{EXPERT}.7.w2.weight" in files and files[f"{EXPERT}.7.w2.weight"].shape == (64 // 2, 32)
+    assert f"{P}{EXPERT}.7.w2.weight" in files and files[f"{P}{EXPERT}.7.w2.weight"].shape == (64 // 2, 32)
 
 
 def test_mxfp4_experts_are_dequantised_on_dense_load(tmp_path, model):
     path = save_checkpoint(model, tmp_path / "mx", max_shard_bytes=60_000)
     index = json.loads((path / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # sharded
-    assert f"{EXPERT}.3.w1.weight_packed" in index["weight_map"]
+    assert f"{P}{EXPERT}.3.w1.weight_packed" in index["weight_map"]
     loaded = load_checkpoint(path, expert_format="dense")
     w = model.state_dict()[f"{EXPERT}.w1"][3]
     expect = mxfp4.dequantize(*mxfp4.quantize(w))
@@ -64,11 +65,12 @@ def rewrite(path, edit):
 
 
 @pytest.mark.parametrize("edit,message", [
-    (lambda t: {k: v for k, v in t.items() if k != "lm_head.weight"}, "missing tensor 'lm_head.weight'"),
-    (lambda t: {k: v for k, v in t.items() if k != f"{EXPERT}.5.w3.weight"}, f"missing tensor {EXPERT}.5.w3.weight"),
-    (lambda t: t | {"model.layers.0.self_attn.bogus": torch.zeros(2)}, "unexpected tensor 'model.layers.0.self_attn.bogus'"),
-    (lambda t: t | {"model.norm.weight": torch.zeros(65)}, r"'model.norm.weight' .* shape \[65\], expected \[64\]"),
-    (lambda t: t | {"model.norm.weight": torch.zeros(64, dtype=torch.int32)}, "'model.norm.weight' .* dtype I32"),
+    (lambda t: {k: v for k, v in t.items() if k != P + "lm_head.weight"}, "missing tensor 'lm_head.weight'"),
+    (lambda t: {k: v for k, v in t.items() if k != f"{P}{EXPERT}.5.w3.weight"}, f"missing tensor {EXPERT}.5.w3.weight"),
+    (lambda t: t | {P + "model.layers.0.self_attn.bogus": torch.zeros(2)},
+     f"unexpected tensor '{P}model.layers.0.self_attn.bogus'"),
+    (lambda t: t | {P + "model.norm.weight": torch.zeros(65)}, r"'language_model.model.norm.weight' .* shape \[65\], expected \[64\]"),
+    (lambda t: t | {P + "model.norm.weight": torch.zeros(64, dtype=torch.int32)}, f"'{P}model.norm.weight' .* dtype I32"),
 ], ids=["missing", "missing-expert", "unexpected", "shape", "dtype"])
 def test_bad_tensors_are_named(dense_ckpt, edit, message):
     rewrite(dense_ckpt, edit)
@@ -79,12 +81,12 @@ def test_bad_tensors_are_named(dense_ckpt, edit, message):
 def test_a_log_stored_longer_than_heads(dense_ckpt, model):
     name = "model.layers.0.self_attn.A_log"
     real = model.state_dict()[name]
-    rewrite(dense_ckpt, lambda t: t | {name: torch.cat([real, torch.full((5,), 99.0)])})
+    rewrite(dense_ckpt, lambda t: t | {P + name: torch.cat([real, torch.full((5,), 99.0)])})
     assert torch.equal(load_checkpoint(dense_ckpt).state_dict()[name], real)
 
 
-def test_language_model_prefix_and_vision_tensors(dense_ckpt, model):
-    rewrite(dense_ckpt, lambda t: {f"language_model.{k}": v for k, v in t.items()}
+def test_names_without_the_prefix_and_vision_tensors(dense_ckpt, model):
+    rewrite(dense_ckpt, lambda t: {k.removeprefix(P): v for k, v in t.items()}
             | {"vision_tower.patch_embed.weight": torch.zeros(3)})
     back = load_checkpoint(dense_ckpt).state_dict()
     assert torch.equal(back["lm_head.weight"], model.state_dict()["lm_head.weight"])
@@ -139,7 +141,7 @@ def test_save_is_atomic_and_refuses_non_empty(tmp_path, model, monkeypatch):
 def test_hash_changes_with_weights(dense_ckpt):
     h = checkpoint_hash(dense_ckpt)
     assert h == checkpoint_hash(dense_ckpt)
-    rewrite(dense_ckpt, lambda t: t | {"model.norm.weight": t["model.norm.weight"] + 1})
+    rewrite(dense_ckpt, lambda t: t | {P + "model.norm.weight": t[P + "model.norm.weight"] + 1})
     assert checkpoint_hash(dense_ckpt) != h
 
 
@@ -155,7 +157,7 @@ def test_saved_folder_has_normal_permissions(tmp_path, model):
 def test_kimi_linear_a_log_layout(dense_ckpt, model):
     name = "model.layers.0.self_attn.A_log"
     real = model.state_dict()[name]
-    rewrite(dense_ckpt, lambda t: t | {name: real.view(1, 1, -1, 1)})  # Kimi Linear stores [1, 1, H, 1]
+    rewrite(dense_ckpt, lambda t: t | {P + name: real.view(1, 1, -1, 1)})  # Kimi Linear stores [1, 1, H, 1]
     assert torch.equal(load_checkpoint(dense_ckpt).state_dict()[name], real)
 
 
@@ -163,7 +165,7 @@ def test_mxfp4_nan_scale_is_named(tmp_path, model):
     path = save_checkpoint(model, tmp_path / "mx")
     shard = next(path.glob("*.safetensors"))
     t = load_file(str(shard))
-    key = f"{EXPERT}.2.w2.weight_scale"
+    key = f"{P}{EXPERT}.2.w2.weight_scale"
     t[key] = torch.full_like(t[key], 0xFF)
     save_file(t, str(shard))
     with pytest.raises(CheckpointError, match=f"{key}.*0xFF"):

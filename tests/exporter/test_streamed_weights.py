@@ -67,7 +67,7 @@ def test_copied_scales_are_still_checked(ckpt, tmp_path):
 
     bad = tmp_path / "bad"
     shutil.copytree(ckpt, bad)
-    name = "model.layers.1.block_sparse_moe.experts.2.w3.weight_scale"
+    name = "language_model.model.layers.1.block_sparse_moe.experts.2.w3.weight_scale"  # the published K3 names
     shard = bad / json.loads((bad / "model.safetensors.index.json").read_text())["weight_map"][name]
     tensors = load_file(str(shard))
     tensors[name][0, 0] = 0xFF

@@ -18,6 +18,7 @@ from k3x.checkpoint.files import INDEX, CheckpointError, load_checkpoint
 from k3x.checkpoint.reference import checkpoint_hash
 
 SHARD = "model-00001-of-00001.safetensors"
+HEAD = "language_model.lm_head.weight"  # as the published K3 layout stores it
 
 
 def _index(ckpt):
@@ -65,17 +66,17 @@ def _split(ckpt, duplicate: str | None = None):
 
 def test_duplicate_tensor_across_shards_without_index_is_named(ckpt_dir):
     (ckpt_dir / INDEX).unlink()
-    names = _split(ckpt_dir, duplicate="lm_head.weight")
+    names = _split(ckpt_dir, duplicate=HEAD)
     assert len(names) > 2
-    with pytest.raises(CheckpointError, match="'lm_head.weight' is in both a.safetensors and b.safetensors"):
+    with pytest.raises(CheckpointError, match=f"'{HEAD}' is in both a.safetensors and b.safetensors"):
         load_checkpoint(ckpt_dir)
 
 
 def test_tensor_in_a_shard_but_not_in_the_index_is_named(ckpt_dir):
     idx = _index(ckpt_dir)
-    del idx["weight_map"]["lm_head.weight"]
+    del idx["weight_map"][HEAD]
     _write_index(ckpt_dir, idx)
-    with pytest.raises(CheckpointError, match="'lm_head.weight' is in this shard but not in"):
+    with pytest.raises(CheckpointError, match=f"'{HEAD}' is in this shard but not in"):
         load_checkpoint(ckpt_dir)
 
 

@@ -108,7 +108,7 @@ def test_checkpoint_changed_after_export_is_named(tmp_path):
     (folder / "manifest.json").write_text(json.dumps(manifest))
     shard = next(ckpt.glob("*.safetensors"))
     t = load_file(str(shard))
-    t["model.norm.weight"] = t["model.norm.weight"] * 2
+    t["language_model.model.norm.weight"] = t["language_model.model.norm.weight"] * 2  # the published K3 names
     save_file(t, str(shard))
     res = cli.invoke(app, ["verify", str(folder), "--backends", "pt2", "--steps", "1"])
     assert res.exit_code == 1 and "changed since the export" in res.output, res.output
