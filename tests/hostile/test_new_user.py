@@ -22,7 +22,11 @@ SOURCE_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _set_config(ckpt: Path, **fields) -> None:
+    """config.json naming its dtype only by `fields` (init-checkpoint writes torch_dtype at both levels)."""
     cfg = json.loads((ckpt / "config.json").read_text())
+    for d in (cfg, cfg.get("text_config", {})):
+        d.pop("torch_dtype", None)
+        d.pop("dtype", None)
     cfg.update(fields)
     (ckpt / "config.json").write_text(json.dumps(cfg))
 
@@ -45,7 +49,7 @@ def test_the_default_export_says_which_dtype_it_chose(mini_cli_export):
     manifest = json.loads((mini_cli_export.export / "manifest.json").read_text())
     assert manifest["dtype"] == "fp32"
     lines = [line for line in mini_cli_export.output.splitlines() if line.startswith("dtype:")]
-    assert lines == ["dtype: fp32 (auto: the safetensors store float32)"], mini_cli_export.output
+    assert lines == ["dtype: fp32 (auto: config.json torch_dtype float32)"], mini_cli_export.output
 
 
 def test_a_bf16_checkpoint_exports_as_bf16(ckpt_dir, tmp_path):
@@ -55,6 +59,7 @@ def test_a_bf16_checkpoint_exports_as_bf16(ckpt_dir, tmp_path):
 
 
 def test_the_safetensors_decide_without_a_config_dtype(ckpt_dir, tmp_path):
+    _set_config(ckpt_dir)
     _store_floats_as(ckpt_dir, torch.bfloat16)
     job = _job_of(ckpt_dir, tmp_path / "out", Target.ONNX)
     assert job.dtype == torch.bfloat16
