@@ -1,0 +1,83 @@
+"""Every dispatch candidate (custom_ops/<family>/candidates.py) against the reference before it may be picked:
+the project's kernels and launch entries, fla-core's KDA kernels, torch._grouped_mm experts.
+
+Under the interpreter (fp32, tiny shapes) every candidate runs except fla's `chunk_kda`, whose intra kernel
+calls a helper the interpreter cannot run (it needs a GPU: bench/gpu_check.py's tune section checks it there,
+with every other candidate, before timing it). A candidate whose package is absent is skipped, with that reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3x.custom_ops.kda import candidates as kda
+from k3x.custom_ops.kda import reference as kda_ref
+from k3x.custom_ops.moe import candidates as moe
+from k3x.custom_ops.moe import reference as moe_ref
+from tolerances import assert_close
+
+INTERPRETER_CANNOT = {(kda.PREFILL, "fla-chunk"): "fla's chunk_kda intra kernel does not run under the interpreter"}
+
+
+def _runnable(op: str, c, device: str) -> None:
+    if c.missing():
+        pytest.skip(c.missing())
+    if device == "cpu" and (op, c.name) in INTERPRETER_CANNOT:
+        pytest.skip(INTERPRETER_CANNOT[(op, c.name)])
+
+
+V_TEST = 32  # the value width of the KDA cases: state entries of BV >= 32 run as BV = 32 here
+
+
+def _kda_cases():
+    """(op, T, candidate name) for every candidate; under the interpreter (where warps and stages are ignored) one
+    state-kernel entry per distinct block width at V_TEST, the rest being the same program there."""
+    import os
+
+    interpreted, seen, out = os.environ.get("TRITON_INTERPRET") == "1", set(), []
+    for op, cands in kda.CANDIDATES.items():
+        for c in cands:
+            width = c.name.split("-")[2].split("x")[0] if c.name.startswith("k3x-state-") else c.name
+            if width.isdigit():
+                if interpreted and min(int(width), V_TEST) in seen:
+                    continue
+                seen.add(min(int(width), V_TEST))
+            out += [pytest.param(op, T, c.name, id=f"{op}-T{T}-{c.name}") for T in ((70,) if op == kda.PREFILL else (1, 3))]
+    return out
+
+
+@pytest.mark.parametrize("op, T, name", _kda_cases())
+def test_kda_candidate_matches_reference(op, T, name, device):
+    cand = {c.name: c for c in kda.CANDIDATES[op]}[name]
+    _runnable(op, cand, device)
+    torch.manual_seed(0)
+    B, H, K, V = 2, 2, 16, V_TEST
+    q, k = (kda_ref.l2norm(torch.randn(B, T, H, K, device=device)) for _ in range(2))
+    v = torch.randn(B, T, H, V, device=device)
+    g = torch.rand(B, T, H, K, device=device) * -5.0
+    beta = torch.rand(B, T, H, device=device)
+    h0 = torch.randn(B, H, K, V, device=device) * 0.1
+    o, s = cand.run(q, k, v, g, beta, K ** -0.5, h0, -5.0)
+    ro, rs = kda_ref.kda_recurrent(q, k, v, g, beta, scale=K ** -0.5, initial_state=h0)
+    assert o.dtype == v.dtype and s.dtype == torch.float32
+    assert_close(o, ro, torch.float32, what=f"{op} {name}: o")
+    assert_close(s, rs, torch.float32, what=f"{op} {name}: final state")
+
+
+@pytest.mark.parametrize("name", [c.name for c in moe.CANDIDATES])
+@pytest.mark.parametrize("offset", [None, 2])
+def test_moe_candidate_matches_reference(name, offset, device):
+    """Whole op and an expert-parallel rank (experts 2..5 of 8 local: pairs routed elsewhere left out)."""
+    cand = {c.name: c for c in moe.CANDIDATES}[name]
+    _runnable(moe.EXPERTS, cand, device)
+    torch.manual_seed(0)
+    N, d, L, I, EG, k = 9, 24, 16, 24, 8, 3
+    E = EG if offset is None else 4
+    x, z = torch.randn(N, d, device=device), torch.randn(N, L, device=device)
+    gw, gb = torch.randn(EG, d, device=device) * d ** -0.5, torch.randn(EG, device=device) * 0.1
+    w1, w3 = (torch.randn(E, I, L, device=device) * L ** -0.5 for _ in range(2))
+    w2 = torch.randn(E, L, I, device=device) * I ** -0.5
+    off = None if offset is None else torch.tensor([offset], dtype=torch.int32, device=device)
+    args = (x, z, gw, gb, w1, w3, w2, k, 1.0, True, "situ", 4.0, 25.0, off)
+    assert_close(cand.run(*args), moe_ref.moe(*args), torch.float32, what=f"moe {name} offset {offset}")
