@@ -43,10 +43,12 @@ class DispatchError(RuntimeError):
 @dataclass(frozen=True)
 class Candidate:
     """One implementation of an op's contract. `requires`: the top-level package it imports (None: always
-    present); looked up without importing it."""
+    present); looked up without importing it. `interprets`: whether it runs under the Triton interpreter (where
+    CPU parity tests and gpu_check's self-test run every candidate that does)."""
     name: str
     run: Callable[..., Any]
     requires: str | None = None
+    interprets: bool = True
 
     def missing(self) -> str | None:
         """Why it cannot run in this environment (None if it can)."""

@@ -70,7 +70,7 @@ CANDIDATES = {
     PREFILL: (Candidate("k3x", _k3x_chunked(None)),
               *(Candidate(entry_name(key), _k3x_chunked(key)) for key in triton.STATE_RESOURCES_SM90
                 if triton.state_config_runs_right(key)),
-              Candidate("fla-chunk", _fla_chunk, requires=FLA)),
+              Candidate("fla-chunk", _fla_chunk, requires=FLA, interprets=False)),  # its intra kernel needs a GPU
     DECODE: (Candidate("k3x", _k3x_recurrent), Candidate("fla-recurrent", _fla_recurrent, requires=FLA)),
 }
 DEFAULT = {PREFILL: ("k3x",), DECODE: ("k3x",)}

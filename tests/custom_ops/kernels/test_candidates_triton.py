@@ -17,14 +17,11 @@ from k3x.custom_ops.moe import candidates as moe
 from k3x.custom_ops.moe import reference as moe_ref
 from tolerances import assert_close
 
-INTERPRETER_CANNOT = {(kda.PREFILL, "fla-chunk"): "fla's chunk_kda intra kernel does not run under the interpreter"}
-
-
 def _runnable(op: str, c, device: str) -> None:
     if c.missing():
         pytest.skip(c.missing())
-    if device == "cpu" and (op, c.name) in INTERPRETER_CANNOT:
-        pytest.skip(INTERPRETER_CANNOT[(op, c.name)])
+    if device == "cpu" and not c.interprets:
+        pytest.skip(f"{op} {c.name} does not run under the interpreter")
 
 
 V_TEST = 32  # the value width of the KDA cases: state entries of BV >= 32 run as BV = 32 here
