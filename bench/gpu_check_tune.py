@@ -1,11 +1,12 @@
 """The `tune` section of bench/gpu_check.py: spends a lease on the dispatch table (custom_ops/dispatch.py).
 
-For every dispatched op (`kda.prefill`, `kda.decode`, `moe.experts`) every candidate the op's candidates.py
+For every dispatched op (`kda.prefill`, `kda.decode`, `attn_res.mix`, `moe.experts`) every candidate the op's candidates.py
 declares is first checked against the reference at a parity shape (K3's head and expert dims: KDA B=1, T=300 /
 B=8, T=1 at H=96 against the fp64 reference; MoE 64 tokens over 896 experts, top-16, against the fp32
 reference), then the candidates that passed are timed (device time, `gpu_check_timing.device_time_within`) at
 K3's shapes: KDA prefill B=1 at T = 4K, 16K, 1K (H=96, K=V=128); decode B = 1, 64, 8, 256; MoE 8192, 1024,
-4096, 1, 64, 256 and 16 tokens (E=896, top-16, d=7168, L=3584, I=3072). Each shape lands in its op's shape
+4096, 1, 64, 256 and 16 tokens (E=896, top-16, d=7168, L=3584, I=3072); AttnRes R = 8192 rows over 8 sources
+and 1, then 1024, 64, 1 rows over 8 (d=7168; parity R=64 against the fp64 reference). Each shape lands in its op's shape
 class; the class's entry lists the passing candidates fastest first, the form `plan.dispatch.read_table` reads.
 
 The table is written to $OUT/tuned/<GPU kind>.json (atomically) after every class, "complete" false until the
@@ -15,7 +16,7 @@ rest is done. Each class is also a result row: the candidates' times, the pick, 
 H200 beside it where there is one (fla, grouped GEMM; the same candidates run here, so the row compares them on
 this GPU directly). A candidate whose package is absent is reported and left out; in the CPU self-test
 (interpreter, tiny fp32 shapes, times of one call: the flow, not a measurement) so are those that do not
-interpret, and one state-kernel entry stands for all (the interpreter ignores warps and stages).
+interpret, and one launch entry stands for all of its op's (the interpreter ignores warps and stages).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from pathlib import Path
 ANCHORS = {("kda.prefill", "bf16-tokens<=4096"): ("fla chunk_kda H200", 1.341),
            ("kda.decode", "bf16-rows<=1"): ("fla fused_recurrent H200", 0.0387),
            ("kda.decode", "bf16-rows<=64"): ("fla fused_recurrent H200", 0.2244),
-           ("moe.experts", "bf16-tokens<=8192"): ("grouped_mm GEMMs only H200", 15.70 + 8.00)}
+           ("moe.experts", "bf16-tokens<=8192"): ("grouped_mm GEMMs only H200", 15.70 + 8.00),
+           ("attn_res.mix", "bf16-S9-R<=8192"): ("copy of its bytes at 4.25 TB/s H200", 10 * 8192 * 7168 * 2 / 4.25e9)}
 
 
 def kda_specs(ctx) -> list:
@@ -58,6 +60,32 @@ def kda_case(ctx, gc, op: str, B: int, T: int):
         return f(*(x.double() for x in (q, k, v, g, beta)), scale=K ** -0.5, initial_state=h0.double())
     return (kc.shape_class(op, B, T, ctx.dtype), lambda c: c.run(q, k, v, g, beta, K ** -0.5, h0, -5.0), reference,
             ("o", "final_state"))
+
+
+def attn_specs(ctx) -> list:
+    """AttnRes over 8 bank sources (and 1) at d = 7168: decode batches to prefill chunks of rows."""
+    from k3x.custom_ops.attn_res import candidates as ac
+
+    timed = [("R3-N2", 3, 2)] if ctx.selftest else [(f"R{R}-N{N}", R, N) for R, N in
+                                                     ((8192, 8), (8192, 1), (1024, 8), (64, 8), (1, 8))]
+    return [(ac.MIX, ac.CANDIDATES, ("R3-N2", 3, 2) if ctx.selftest else ("R64-N8", 64, 8), timed)]
+
+
+def attn_case(ctx, gc, R: int, N: int):
+    import torch
+
+    from k3x.custom_ops.attn_res import candidates as ac
+
+    d = 100 if ctx.selftest else 7168
+    prefix = (torch.randn(R, d, device=ctx.device) * 4).to(ctx.dtype)
+    bank = torch.randn(R, N, d, device=ctx.device).to(ctx.dtype)
+    nw, pw = 1 + 0.1 * torch.randn(d, device=ctx.device), torch.randn(d, device=ctx.device) * 0.05
+
+    def reference():
+        from k3x.custom_ops.attn_res import reference as ref
+
+        return (ref.attn_res(prefix.double(), bank, nw, pw, 1e-5),)
+    return (ac.shape_class(R, N, ctx.dtype), lambda c: (c.run(prefix, bank, nw, pw, 1e-5),), reference, ("out",))
 
 
 def moe_specs(ctx) -> list:
@@ -125,9 +153,9 @@ def run_op(ctx, gc, table: dict, spec, case, out: list, save) -> bool:
     runnable = []
     for c in cands:
         why = c.missing() or (None if c.interprets or not ctx.selftest else "does not run under the interpreter")
-        if why is None and ctx.selftest and c.name.startswith("k3x-state-") and any(
-                r.name.startswith("k3x-state-") for r in runnable):
-            why = "self-test: one state entry stands for all"
+        if why is None and ctx.selftest and c.name.startswith("k3x-") and any(
+                r.name.startswith("k3x-") for r in runnable):
+            why = "self-test: one launch entry stands for all"
         if why:
             out.append(gc.Result(f"tune {op} {c.name}", "info", None, note=f"left out: {why}"))
         else:
@@ -202,6 +230,8 @@ def tune(ctx) -> list:
     save = lambda: write(path, table)  # noqa: E731
     finished = all(run_op(ctx, gc, table, spec, lambda B, T: kda_case(ctx, gc, spec[0], B, T), out, save)
                    for spec in kda_specs(ctx))
+    finished = finished and all(run_op(ctx, gc, table, spec, lambda R, N: attn_case(ctx, gc, R, N), out, save)
+                                for spec in attn_specs(ctx))
     finished = finished and ctx.time_left() > 10
     if finished:
         weights = MoEWeights(ctx)

@@ -90,14 +90,16 @@ def test_malformed_table_is_refused_with_its_path(tmp_path, body, match):
 
 
 def test_families_call_the_pick(tmp_path, monkeypatch):
-    """k3::kda (prefill and decode) and k3::moe's CUDA paths run the candidate the table picks for their class
+    """k3::kda (prefill and decode), k3::moe and k3::attn_res' CUDA paths run the candidate the table picks for their class
     (fakes stand for the kernels: this is the wiring, the kernels' parity is tests/custom_ops/kernels)."""
+    from k3x.custom_ops.attn_res import candidates as attn
     from k3x.custom_ops.kda import candidates as kda
     from k3x.custom_ops.moe import candidates as moe
 
     table(tmp_path, "H200", {"kda.prefill": {"bf16-tokens<=4096": {"order": ["fla-chunk", "k3x"]}},
                              "kda.decode": {"bf16-rows<=64": {"order": ["k3x-b"]}},
-                             "moe.experts": {"bf16-tokens<=8192": {"order": ["grouped_mm", "k3x"]}}})
+                             "moe.experts": {"bf16-tokens<=8192": {"order": ["grouped_mm", "k3x"]}},
+                             "attn_res.mix": {"bf16-S9-R<=8192": {"order": ["k3x-2048x4", "k3x"]}}})
     d = Dispatcher(tmp_path, lambda: "H200")
     monkeypatch.setattr(kda, "DISPATCH", d)
     monkeypatch.setattr(moe, "DISPATCH", d)
@@ -111,15 +113,21 @@ def test_families_call_the_pick(tmp_path, monkeypatch):
     assert kda.kda(step, step, step, step, step, 1.0, step, -5.0) == "k3x-b"
     z = torch.zeros(5000, 2, dtype=torch.bfloat16)
     assert moe.moe(z, z) == "grouped_mm"
-    assert {p.op for p in d.picks()} == {"kda.prefill", "kda.decode", "moe.experts"}
+    monkeypatch.setattr(attn, "DISPATCH", d)
+    monkeypatch.setattr(attn, "CANDIDATES", (fake("k3x"), fake("k3x-2048x4")))
+    rows, bank = torch.zeros(8192, 4, dtype=torch.bfloat16), torch.zeros(8192, 8, 4, dtype=torch.bfloat16)
+    assert attn.attn_res(rows, bank, None, None, 1e-6) == "k3x-2048x4"
+    assert {p.op for p in d.picks()} == {"kda.prefill", "kda.decode", "moe.experts", "attn_res.mix"}
 
 
 def test_candidate_names_are_distinct_and_defaults_exist():
+    from k3x.custom_ops.attn_res import candidates as attn
     from k3x.custom_ops.kda import candidates as kda
     from k3x.custom_ops.moe import candidates as moe
 
-    for op, cands in [*kda.CANDIDATES.items(), (moe.EXPERTS, moe.CANDIDATES)]:
+    defaults = kda.DEFAULT | {moe.EXPERTS: moe.DEFAULT, attn.MIX: attn.DEFAULT}
+    for op, cands in [*kda.CANDIDATES.items(), (moe.EXPERTS, moe.CANDIDATES), (attn.MIX, attn.CANDIDATES)]:
         names = [c.name for c in cands]
         assert len(set(names)) == len(names), op
-        default = kda.DEFAULT.get(op, moe.DEFAULT)
+        default = defaults[op]
         assert set(default) <= set(names) and all(cands[names.index(n)].requires is None for n in default), op

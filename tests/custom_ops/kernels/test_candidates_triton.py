@@ -1,5 +1,6 @@
 """Every dispatch candidate (custom_ops/<family>/candidates.py) against the reference before it may be picked:
-the project's kernels and launch entries, fla-core's KDA kernels, torch._grouped_mm experts.
+the project's kernels and launch entries (KDA's state kernel, AttnRes' tiles), fla-core's KDA kernels,
+torch._grouped_mm experts.
 
 Under the interpreter (fp32, tiny shapes) every candidate runs except fla's `chunk_kda`, whose intra kernel
 calls a helper the interpreter cannot run (it needs a GPU: bench/gpu_check.py's tune section checks it there,
@@ -11,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from k3x.custom_ops.attn_res import candidates as attn
+from k3x.custom_ops.attn_res import reference as attn_ref
 from k3x.custom_ops.kda import candidates as kda
 from k3x.custom_ops.kda import reference as kda_ref
 from k3x.custom_ops.moe import candidates as moe
@@ -78,3 +81,23 @@ def test_moe_candidate_matches_reference(name, offset, device):
     off = None if offset is None else torch.tensor([offset], dtype=torch.int32, device=device)
     args = (x, z, gw, gb, w1, w3, w2, k, 1.0, True, "situ", 4.0, 25.0, off)
     assert_close(cand.run(*args), moe_ref.moe(*args), torch.float32, what=f"moe {name} offset {offset}")
+
+
+def _attn_cases():
+    """Every launch entry on the GPU; under the interpreter (one tile at these sizes, warps ignored) two."""
+    import os
+
+    names = [c.name for c in attn.CANDIDATES]
+    return names[:2] if os.environ.get("TRITON_INTERPRET") == "1" else names
+
+
+@pytest.mark.parametrize("name", _attn_cases())
+def test_attn_res_candidate_matches_reference(name, device):
+    cand = {c.name: c for c in attn.CANDIDATES}[name]
+    _runnable(attn.MIX, cand, device)
+    torch.manual_seed(0)
+    R, N, d = 3, 8, 100
+    prefix, bank = torch.randn(R, d, device=device) * 4, torch.randn(R, N, d, device=device)
+    nw, pw = 1 + 0.1 * torch.randn(d, device=device), torch.randn(d, device=device) * 0.05
+    assert_close(cand.run(prefix, bank, nw, pw, 1e-5), attn_ref.attn_res(prefix, bank, nw, pw, 1e-5), torch.float32,
+                 what=f"attn_res {name}")
