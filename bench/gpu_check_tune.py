@@ -234,6 +234,8 @@ def tune(ctx) -> list:
                                 for spec in attn_specs(ctx))
     finished = finished and ctx.time_left() > 10
     if finished:
+        if ctx.device == "cuda":
+            torch.cuda.empty_cache()  # K3's experts are ~59 GB: the KDA and AttnRes cases' cached blocks go first
         weights = MoEWeights(ctx)
         finished = all(run_op(ctx, gc, table, spec, lambda N, _: moe_case(ctx, gc, weights, N), out, save)
                        for spec in moe_specs(ctx))
