@@ -1,12 +1,14 @@
 """The `tune` section of bench/gpu_check.py: spends a lease on the dispatch table (custom_ops/dispatch.py).
 
-For every dispatched op (`kda.prefill`, `kda.decode`, `attn_res.mix`, `moe.experts`) every candidate the op's candidates.py
+For every dispatched op (`kda.prefill`, `kda.decode`, `kda_packed.step`, `attn_res.mix`, `moe.experts`) every candidate the op's candidates.py
 declares is first checked against the reference at a parity shape (K3's head and expert dims: KDA B=1, T=300 /
 B=8, T=1 at H=96 against the fp64 reference; MoE 64 tokens over 896 experts, top-16, against the fp32
 reference), then the candidates that passed are timed (device time, `gpu_check_timing.device_time_within`) at
 K3's shapes: KDA prefill B=1 at T = 4K, 16K, 1K (H=96, K=V=128); decode B = 1, 64, 8, 256; MoE 8192, 1024,
 4096, 1, 64, 256 and 16 tokens (E=896, top-16, d=7168, L=3584, I=3072); AttnRes R = 8192 rows over 8 sources
-and 1, then 1024, 64, 1 rows over 8 (d=7168; parity R=64 against the fp64 reference). Each shape lands in its op's shape
+and 1, then 1024, 64, 1 rows over 8 (d=7168; parity R=64 against the fp64 reference); the serving step's KDA
+at decode steps of 1, 64, 256 sequences and prefill chunks of 4K, 1K, 16K rows (parity on steps of each kind).
+Parity verdicts are kept per op and parity shape. Each shape lands in its op's shape
 class; the class's entry lists the passing candidates fastest first, the form `plan.dispatch.read_table` reads.
 
 The table is written to $OUT/tuned/<GPU kind>.json (atomically) after every class, "complete" false until the
@@ -88,6 +90,36 @@ def attn_case(ctx, gc, R: int, N: int):
     return (ac.shape_class(R, N, ctx.dtype), lambda c: (c.run(prefix, bank, nw, pw, 1e-5),), reference, ("out",))
 
 
+def packed_specs(ctx) -> list:
+    """The serving step's KDA: decode steps of 1, 64 and 256 sequences (the short candidates), prefill chunks of
+    4096, 1024 and 16384 rows (the chunked ones), each set checked at a step of its own kind first."""
+    from k3x.custom_ops.kda_packed import candidates as pc
+
+    st = ctx.selftest
+    short = [("B2", (1, 1), 0)] if st else [(f"B{B}", (1,) * B, 0) for B in (1, 64, 256)]
+    chunks = [("N21", (20, 1), 0)] if st else [(f"N{n}", (n,), 0) for n in (4096, 1024, 16384)]
+    return [(pc.STEP, pc.SHORT, ("B9-short", (1,) * 8 + (3,), 0), short),
+            (pc.STEP, pc.MIXED, ("N40-mixed", (20, 1, 5, 14), 0) if st else ("N323-mixed", (300, 1, 5, 17), 0),
+             chunks)]
+
+
+def packed_case(ctx, lens: tuple):
+    import torch
+
+    import gpu_check_serving as serving  # noqa: E402 (bench/)
+    from k3x.custom_ops.kda_packed import candidates as pc
+
+    H, K, V = (2, 16, 32) if ctx.selftest else (96, 128, 128)
+    a = serving.kda_packed_inputs(list(lens), H, K, V, ctx.dtype, ctx.device)
+
+    def reference():
+        from k3x.custom_ops.kda_packed import reference as ref
+
+        return ref.kda_packed(*(x.double() if x.is_floating_point() else x for x in a), scale=K ** -0.5)
+    return (pc.shape_class(sum(lens), len(lens), ctx.dtype), lambda c: c.run(*a, K ** -0.5, -5.0), reference,
+            ("o", "final_state"))
+
+
 def moe_specs(ctx) -> list:
     from k3x.custom_ops.moe import candidates as mc
 
@@ -149,7 +181,7 @@ def timed(ctx, gc, fn) -> tuple[float, str]:
 def run_op(ctx, gc, table: dict, spec, case, out: list, save) -> bool:
     """Parity, then timing, of one op's candidates; False when the section's budget ran out."""
     op, cands, parity_case, timed_cases = spec
-    verdicts = table.setdefault("parity", {}).setdefault(op, {})
+    verdicts = table.setdefault("parity", {}).setdefault(f"{op}@{parity_case[0]}", {})
     runnable = []
     for c in cands:
         why = c.missing() or (None if c.interprets or not ctx.selftest else "does not run under the interpreter")
@@ -230,6 +262,8 @@ def tune(ctx) -> list:
     save = lambda: write(path, table)  # noqa: E731
     finished = all(run_op(ctx, gc, table, spec, lambda B, T: kda_case(ctx, gc, spec[0], B, T), out, save)
                    for spec in kda_specs(ctx))
+    finished = finished and all(run_op(ctx, gc, table, spec, lambda lens, _: packed_case(ctx, lens), out, save)
+                                for spec in packed_specs(ctx))
     finished = finished and all(run_op(ctx, gc, table, spec, lambda R, N: attn_case(ctx, gc, R, N), out, save)
                                 for spec in attn_specs(ctx))
     finished = finished and ctx.time_left() > 10

@@ -35,7 +35,8 @@ def test_cut_run_resumes_and_the_dispatcher_reads_the_table(tmp_path):
     done = {"order": ["k3x"], "ms": {"k3x": 1.0}, "shape": "resumed", "timing": {}}
     table_a["ops"] = {"kda.prefill": {"fp32-tokens<=1024": done}, "kda.decode": {"fp32-rows<=1": done,
                                                                                  "fp32-rows<=8": done}}
-    table_a["parity"] = {op: {c.name: {"ok": True} for c in cands} for op, cands in kda.CANDIDATES.items()}
+    table_a["parity"] = {f"{op}@{shape}": {c.name: {"ok": True} for c in kda.CANDIDATES[op]}
+                         for op, shape in ((kda.PREFILL, "T70"), (kda.DECODE, "B3"))}
     partial = tmp_path / "partial.json"
     partial.write_text(json.dumps(table_a))
     proc = _tune(tmp_path / "b", "--tune-from", str(partial))
@@ -45,7 +46,7 @@ def test_cut_run_resumes_and_the_dispatcher_reads_the_table(tmp_path):
     assert table["complete"] and table["ops"]["kda.prefill"]["fp32-tokens<=1024"] == done, out
     assert "resumed: ['k3x']" in out and "tune parity kda" not in out, out  # neither re-checked nor re-timed
     moe = table["ops"]["moe.experts"]["fp32-tokens<=16"]
-    assert sorted(moe["order"]) == ["grouped_mm", "k3x"] and table["parity"]["moe.experts"]["grouped_mm"]["ok"]
+    assert sorted(moe["order"]) == ["grouped_mm", "k3x"] and table["parity"]["moe.experts@N9"]["grouped_mm"]["ok"]
     assert moe["order"] == sorted(moe["ms"], key=moe["ms"].get)
 
     d = Dispatcher(tmp_path / "b" / "tuned", lambda: "cpu")

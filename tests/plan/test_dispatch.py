@@ -94,12 +94,15 @@ def test_families_call_the_pick(tmp_path, monkeypatch):
     (fakes stand for the kernels: this is the wiring, the kernels' parity is tests/custom_ops/kernels)."""
     from k3x.custom_ops.attn_res import candidates as attn
     from k3x.custom_ops.kda import candidates as kda
+    from k3x.custom_ops.kda_packed import candidates as packed
     from k3x.custom_ops.moe import candidates as moe
 
     table(tmp_path, "H200", {"kda.prefill": {"bf16-tokens<=4096": {"order": ["fla-chunk", "k3x"]}},
                              "kda.decode": {"bf16-rows<=64": {"order": ["k3x-b"]}},
                              "moe.experts": {"bf16-tokens<=8192": {"order": ["grouped_mm", "k3x"]}},
-                             "attn_res.mix": {"bf16-S9-R<=8192": {"order": ["k3x-2048x4", "k3x"]}}})
+                             "attn_res.mix": {"bf16-S9-R<=8192": {"order": ["k3x-2048x4", "k3x"]}},
+                             "kda_packed.step": {"bf16-tokens<=4096": {"order": ["fla-chunk-varlen", "k3x"]},
+                                                 "bf16-short-B<=8": {"order": ["fla-recurrent-varlen"]}}})
     d = Dispatcher(tmp_path, lambda: "H200")
     monkeypatch.setattr(kda, "DISPATCH", d)
     monkeypatch.setattr(moe, "DISPATCH", d)
@@ -117,7 +120,14 @@ def test_families_call_the_pick(tmp_path, monkeypatch):
     monkeypatch.setattr(attn, "CANDIDATES", (fake("k3x"), fake("k3x-2048x4")))
     rows, bank = torch.zeros(8192, 4, dtype=torch.bfloat16), torch.zeros(8192, 8, 4, dtype=torch.bfloat16)
     assert attn.attn_res(rows, bank, None, None, 1e-6) == "k3x-2048x4"
-    assert {p.op for p in d.picks()} == {"kda.prefill", "kda.decode", "moe.experts", "attn_res.mix"}
+    monkeypatch.setattr(packed, "DISPATCH", d)
+    monkeypatch.setattr(packed, "SHORT", (fake("k3x"), fake("fla-recurrent-varlen")))
+    monkeypatch.setattr(packed, "MIXED", (fake("k3x"), fake("fla-chunk-varlen")))
+    rows, one = torch.zeros(4096, 1, 1, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.int32)
+    assert packed.kda_packed(rows, rows, rows, rows, rows, rows, one, one, 1.0, -5.0) == "fla-chunk-varlen"
+    steps = torch.zeros(64, 1, 1, dtype=torch.bfloat16)
+    assert packed.kda_packed(steps, steps, steps, steps, steps, steps, one, torch.zeros(64), 1.0, -5.0) == "k3x"
+    assert {p.op for p in d.picks()} == {"kda.prefill", "kda.decode", "moe.experts", "attn_res.mix", "kda_packed.step"}
 
 
 def test_candidate_names_are_distinct_and_defaults_exist():
@@ -125,8 +135,11 @@ def test_candidate_names_are_distinct_and_defaults_exist():
     from k3x.custom_ops.kda import candidates as kda
     from k3x.custom_ops.moe import candidates as moe
 
-    defaults = kda.DEFAULT | {moe.EXPERTS: moe.DEFAULT, attn.MIX: attn.DEFAULT}
-    for op, cands in [*kda.CANDIDATES.items(), (moe.EXPERTS, moe.CANDIDATES), (attn.MIX, attn.CANDIDATES)]:
+    from k3x.custom_ops.kda_packed import candidates as packed
+
+    defaults = kda.DEFAULT | {moe.EXPERTS: moe.DEFAULT, attn.MIX: attn.DEFAULT, packed.STEP: packed.DEFAULT}
+    for op, cands in [*kda.CANDIDATES.items(), (moe.EXPERTS, moe.CANDIDATES), (attn.MIX, attn.CANDIDATES),
+                      (packed.STEP, packed.SHORT), (packed.STEP, packed.MIXED)]:
         names = [c.name for c in cands]
         assert len(set(names)) == len(names), op
         default = defaults[op]

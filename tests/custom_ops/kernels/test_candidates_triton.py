@@ -16,6 +16,8 @@ from k3x.custom_ops.attn_res import candidates as attn
 from k3x.custom_ops.attn_res import reference as attn_ref
 from k3x.custom_ops.kda import candidates as kda
 from k3x.custom_ops.kda import reference as kda_ref
+from k3x.custom_ops.kda_packed import candidates as packed
+from k3x.custom_ops.kda_packed import reference as packed_ref
 from k3x.custom_ops.moe import candidates as moe
 from k3x.custom_ops.moe import reference as moe_ref
 from tolerances import assert_close
@@ -101,3 +103,24 @@ def test_attn_res_candidate_matches_reference(name, device):
     nw, pw = 1 + 0.1 * torch.randn(d, device=device), torch.randn(d, device=device) * 0.05
     assert_close(cand.run(prefix, bank, nw, pw, 1e-5), attn_ref.attn_res(prefix, bank, nw, pw, 1e-5), torch.float32,
                  what=f"attn_res {name}")
+
+
+@pytest.mark.parametrize("lens, which", [([1, 1, 1], "short"), ([1, 3, 2], "short"), ([1, 40, 2], "mixed")])
+def test_kda_packed_candidates_match_reference(lens, which, device):
+    """Every candidate of the step's class: decode-like steps (no sequence past RECURRENT_MAX_T) and a step with
+    a prefill chunk, pool rows picked out of order."""
+    torch.manual_seed(0)
+    H, K, V, N, B = 2, 16, 32, sum(lens), len(lens)
+    q, k = (kda_ref.l2norm(torch.randn(N, H, K, device=device)) for _ in range(2))
+    v, g = torch.randn(N, H, V, device=device), torch.rand(N, H, K, device=device) * -5.0
+    beta, pool = torch.rand(N, H, device=device), torch.randn(B + 2, H, K, V, device=device) * 0.3
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    slots = torch.tensor([B + 1, 0, 2][:B], dtype=torch.int32, device=device)
+    assert packed.short(N, B) == (which == "short")
+    want = packed_ref.kda_packed(q, k, v, g, beta, pool, cu, slots, scale=K ** -0.5)
+    for cand in packed.SHORT if which == "short" else packed.MIXED:
+        if cand.missing() or (device == "cpu" and not cand.interprets):
+            continue
+        o, s = cand.run(q, k, v, g, beta, pool, cu, slots, K ** -0.5, -5.0)
+        assert_close(o, want[0], torch.float32, what=f"kda_packed {cand.name} {lens}: o")
+        assert_close(s, want[1], torch.float32, what=f"kda_packed {cand.name} {lens}: final state")
