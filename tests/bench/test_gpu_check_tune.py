@@ -44,7 +44,7 @@ def test_cut_run_resumes_and_the_dispatcher_reads_the_table(tmp_path):
     assert proc.returncode == 0, out
     table = read_table(tmp_path / "b" / "tuned" / "cpu.json")
     assert table["complete"] and table["ops"]["kda.prefill"]["fp32-tokens<=1024"] == done, out
-    assert "resumed: ['k3x']" in out and "tune parity kda" not in out, out  # neither re-checked nor re-timed
+    assert "resumed: ['k3x']" in out and "tune parity kda." not in out, out  # neither re-checked nor re-timed
     moe = table["ops"]["moe.experts"]["fp32-tokens<=16"]
     assert sorted(moe["order"]) == ["grouped_mm", "k3x"] and table["parity"]["moe.experts@N9"]["grouped_mm"]["ok"]
     assert moe["order"] == sorted(moe["ms"], key=moe["ms"].get)
