@@ -158,9 +158,12 @@ def moe_case(ctx, gc, w: MoEWeights, N: int):
 
 
 def load(ctx, path: Path) -> dict:
-    """The table to resume: --tune-from, else one a previous process of this run left at `path`."""
-    src = ctx.tune_from if ctx.tune_from is not None else (path if path.is_file() else None)
-    return json.loads(Path(src).read_text()) if src is not None else {}
+    """The table to resume: --tune-from, else a cut one (complete: false) at `path`, as a process of this run
+    leaves it before gpu_check_restart hands the rest to a fresh one; a finished table there is replaced."""
+    if ctx.tune_from is not None:
+        return json.loads(Path(ctx.tune_from).read_text())
+    table = json.loads(path.read_text()) if path.is_file() else {}
+    return table if table.get("complete") is False else {}
 
 
 def write(path: Path, table: dict) -> None:

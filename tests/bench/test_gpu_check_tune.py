@@ -60,3 +60,21 @@ def test_a_table_of_another_gpu_is_refused(tmp_path):
     other.write_text(json.dumps({"format": 1, "kind": "H100", "ops": {}}))
     proc = _tune(tmp_path, "--tune-from", str(other))
     assert proc.returncode == 1 and "--tune-from holds a H100 table, this is cpu" in proc.stdout, proc.stdout
+
+
+def test_only_a_cut_table_left_in_out_is_resumed(tmp_path):
+    """A process restarted after a device fault finds its predecessor's cut table in $OUT and goes on from it; a
+    finished table there (a previous run's) is replaced; --tune-from is always read."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_check_tune
+
+    path = tmp_path / "cpu.json"
+    ctx = SimpleNamespace(tune_from=None)
+    assert gpu_check_tune.load(ctx, path) == {}
+    path.write_text(json.dumps({"complete": False, "ops": {"op": {}}}))
+    assert gpu_check_tune.load(ctx, path)["ops"] == {"op": {}}
+    path.write_text(json.dumps({"complete": True, "ops": {"op": {}}}))
+    assert gpu_check_tune.load(ctx, path) == {}
+    assert gpu_check_tune.load(SimpleNamespace(tune_from=path), tmp_path / "absent.json")["complete"] is True
