@@ -1,7 +1,7 @@
 """The `tune` section of bench/gpu_check.py: spends a lease on the dispatch table (custom_ops/dispatch.py).
 
-For every dispatched op (`kda.prefill`, `kda.decode`, `kda_packed.step`, `attn_res.mix`, `moe.experts`) every candidate the op's candidates.py
-declares is first checked against the reference at a parity shape (K3's head and expert dims: KDA B=1, T=300 /
+For every dispatched op (`kda.prefill`, `kda.decode`, `kda_packed.step`, `attn_res.mix`, `moe.experts`) every
+candidate the op's candidates.py declares is first checked against the reference at a parity shape (K3's head and expert dims: KDA B=1, T=300 /
 B=8, T=1 at H=96 against the fp64 reference; MoE 64 tokens over 896 experts, top-16, against the fp32
 reference), then the candidates that passed are timed (device time, `gpu_check_timing.device_time_within`) at
 K3's shapes: KDA prefill B=1 at T = 4K, 16K, 1K (H=96, K=V=128); decode B = 1, 64, 8, 256; MoE 8192, 1024,
@@ -104,8 +104,6 @@ def packed_specs(ctx) -> list:
 
 
 def packed_case(ctx, lens: tuple):
-    import torch
-
     import gpu_check_serving as serving  # noqa: E402 (bench/)
     from k3x.custom_ops.kda_packed import candidates as pc
 
@@ -255,7 +253,8 @@ def tune(ctx) -> list:
     path = Path(os.environ.get("OUT", "./out")) / "tuned" / f"{kind}.json"
     table = load(ctx, path)
     if table and table.get("kind") != kind:
-        return [gc.Result("tune", "error", False, note=f"--tune-from holds a {table.get('kind')} table, this is {kind}")]
+        note = f"--tune-from holds a {table.get('kind')} table, this is {kind}"
+        return [gc.Result("tune", "error", False, note=note)]
     fla = None if ctx.selftest else gc._fla()[1]  # fla's autotuners cut before its kernels first run
     table |= {"format": FORMAT, "kind": kind, "complete": False, "selftest": ctx.selftest,
               "device": torch.cuda.get_device_name() if ctx.device == "cuda" else "cpu (interpreter)",

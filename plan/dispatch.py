@@ -89,7 +89,8 @@ def read_table(path: Path) -> dict:
     except (OSError, ValueError) as exc:
         raise DispatchError(f"{path}: not a readable JSON table ({exc})") from None
     if not isinstance(table, dict) or table.get("format") != FORMAT:
-        raise DispatchError(f"{path}: format must be {FORMAT}, got {table.get('format') if isinstance(table, dict) else table!r}")
+        got = table.get("format") if isinstance(table, dict) else table
+        raise DispatchError(f"{path}: format must be {FORMAT}, got {got!r}")
     ops = table.get("ops")
     if not isinstance(ops, dict):
         raise DispatchError(f"{path}: 'ops' must be an object")
@@ -161,7 +162,10 @@ class Dispatcher:
             return by_name[done.name]
         kind, table = self.table()
         entry = ((table or {}).get("ops", {}).get(op) or {}).get(shape_class)
-        order, reason = (entry["order"], f"table {kind}") if entry else (list(default), f"default order (no table entry for {kind})")
+        if entry:
+            order, reason = entry["order"], f"table {kind}"
+        else:
+            order, reason = list(default), f"default order (no table entry for {kind})"
         skipped = []
         for name in order:
             c = by_name.get(name)

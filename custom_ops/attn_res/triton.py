@@ -125,6 +125,7 @@ def attn_res(prefix: Tensor, bank: Tensor, norm_weight: Tensor, proj_weight: Ten
     bank_3d = bank.reshape(-1, N, d).contiguous()  # [R, N, d]
     out = torch.empty_like(prefix_2d)
     d_ = dims([prefix_2d.shape, bank_3d.shape])
-    run(plan(d_, [], {"eps": eps, "entry": entry}), {"prefix": prefix_2d, "bank": bank_3d, "norm_weight": norm_weight.contiguous(),
-                                     "proj_weight": proj_weight.reshape(-1).contiguous(), "out": out}, d_)
+    run(plan(d_, [], {"eps": eps, "entry": entry}),
+        {"prefix": prefix_2d, "bank": bank_3d, "norm_weight": norm_weight.contiguous(),
+         "proj_weight": proj_weight.reshape(-1).contiguous(), "out": out}, d_)
     return out.reshape(prefix.shape)

@@ -8,8 +8,8 @@ every class and writes the table custom_ops/dispatch.py reads):
   `chunk_kda`, safe-gate kernels when the op's gate bound allows them).
 - `kda.decode` (T <= RECURRENT_MAX_T), classes by B·T rows (<= 1, 8, 64, 256, more): `k3x` (the recurrent
   kernel), `fla-recurrent` (fla-core's `fused_recurrent_kda`).
-Shape classes carry the dtype. Default order (no table): the project's kernels only, so an op never runs fla unless a table measured on this
-GPU kind says fla won there. Every candidate has the op's contract: (o in v's dtype, final_state fp32).
+Shape classes carry the dtype. Default order (no table): the project's kernels only, so an op never runs fla
+unless a table measured on this GPU kind says fla won there. Every candidate has the op's contract: (o in v's dtype, final_state fp32).
 """
 
 from __future__ import annotations

@@ -489,7 +489,8 @@ def kda_chunk_launch_config(B: int, T: int, H: int, K: int, V: int,
     AOT compilers: give pointers and the K/V-sized int arguments `tt.divisibility=16` as the JIT does
     for such values; without it loads are not vectorised and the state kernel spills."""
     BK_state = _np2(K)
-    if state_entry is not None and (state_entry not in STATE_RESOURCES_SM90 or not state_config_runs_right(state_entry)):
+    if state_entry is not None and not (state_entry in STATE_RESOURCES_SM90
+                                        and state_config_runs_right(state_entry)):
         raise ValueError(f"kda: state kernel entry {state_entry} is not one that runs right")
     BV_state, w_state, s_state = _pick_state(B, H, V) if state_entry is None else state_entry
     BV_state = max(16, min(BV_state * 128 // max(BK_state, 128), _np2(V)))

@@ -64,7 +64,8 @@ def test_absent_candidate_is_skipped_and_reported(tmp_path, caplog):
 
 def test_a_candidate_the_table_does_not_list_is_never_picked(tmp_path):
     table(tmp_path, "H200", {"op": {"B<=1": {"order": ["retired", "own"]}}})
-    assert Dispatcher(tmp_path, lambda: "H200").pick("op", "B<=1", (fake("field"), fake("own")), ("field",)).name == "own"
+    d = Dispatcher(tmp_path, lambda: "H200")
+    assert d.pick("op", "B<=1", (fake("field"), fake("own")), ("field",)).name == "own"
 
 
 def test_forced(tmp_path):
@@ -90,7 +91,8 @@ def test_malformed_table_is_refused_with_its_path(tmp_path, body, match):
 
 
 def test_families_call_the_pick(tmp_path, monkeypatch):
-    """k3::kda (prefill and decode), k3::moe and k3::attn_res' CUDA paths run the candidate the table picks for their class
+    """k3::kda (prefill and decode), k3::kda_packed, k3::moe and k3::attn_res' CUDA paths run the candidate the
+    table picks for their class
     (fakes stand for the kernels: this is the wiring, the kernels' parity is tests/custom_ops/kernels)."""
     from k3x.custom_ops.attn_res import candidates as attn
     from k3x.custom_ops.kda import candidates as kda

@@ -45,7 +45,8 @@ def _kda_cases():
                 if interpreted and min(int(width), V_TEST) in seen:
                     continue
                 seen.add(min(int(width), V_TEST))
-            out += [pytest.param(op, T, c.name, id=f"{op}-T{T}-{c.name}") for T in ((70,) if op == kda.PREFILL else (1, 3))]
+            steps = (70,) if op == kda.PREFILL else (1, 3)
+            out += [pytest.param(op, T, c.name, id=f"{op}-T{T}-{c.name}") for T in steps]
     return out
 
 
