@@ -3,6 +3,7 @@
     python bench/gpu_check.py                 # on CUDA: parity + benchmarks, < 8 min; JSON to $OUT/gpu_check.json
     python bench/gpu_check.py --quick         # fewer shapes and shorter timings: < 5 min
     python bench/gpu_check.py --parity-only   # skip the benchmarks
+    python bench/gpu_check.py --only tune --budget 540 [--tune-from TABLE]   # the dispatch table, resumable
     TRITON_INTERPRET=1 python bench/gpu_check.py --cpu-selftest   # same parity code path, tiny fp32 shapes, CPU
 
 Always reports: the JSON is rewritten (atomically) before and after every section, with the section in
@@ -12,9 +13,8 @@ section has its own time budget (`BUDGETS_S`, scaled down by --quick) inside the
 a section checks it between cases and reports what it skipped. The import path needs only torch, triton
 and this repository (the GPU machine has torch 2.11 + triton 3.6 + fla, no onnx, no TensorRT, no network):
 tests/bench/test_gpu_check_imports.py runs every section's imports where onnx/onnxruntime/tensorrt fail.
-fla's autotuners are cut to a few configs (`limit_fla_autotune`) so a fresh machine does not spend its
-budget autotuning ~75 configs per kernel and shape. Decode figures are device time: one CUDA graph of many
-launches replayed and timed with events (`gpu_check_timing.device_time`), not host launch overhead.
+fla's autotuners are cut to a few configs (`limit_fla_autotune`: a fresh machine would autotune ~75 per
+kernel and shape). Decode figures are device time: a CUDA graph of many launches timed with events.
 
 Parity: every Triton kernel on bf16 inputs vs the eager references run on the same inputs upcast.  The
 KDA and AttnRes references compute in fp64 when given fp64 inputs: that is their oracle.  The MoE oracle
@@ -22,15 +22,14 @@ is the fp32 reference (same routing decisions as the kernel), run on the GPU wit
 the one table in k3x/runtime/tolerances.py.  fla's own bf16 error against the same oracle is reported when
 fla-core is installed (it travels as a wheel and may be absent: those rows are skipped with a note).
 
-Benchmarks (`triton.testing.do_bench`, warm-up 50 ms, 300 ms of repeats, as in anchors.md): the copy and
-GEMM ceilings, KDA prefill (H=64 and K3's H=96, T=4096 and 32768) and decode (B=1, 64) vs fla, AttnRes
-vs the copy ceiling, MoE expert GEMMs vs `torch._grouped_mm` at K3's expert shape, and the W4A8 expert GEMMs
-(MXFP4 × MXFP8, bench/gpu_check_w4a8.py: parity at decode and prefill shapes, and timing at decode batches of
-1, 16, 64 tokens and a 4096-token prefill beside the bf16-activation MXFP4 GEMMs and `torch._grouped_mm`).
+Benchmarks (`triton.testing.do_bench`, warm-up 50 ms, 300 ms of repeats): copy and GEMM ceilings, KDA
+prefill (H=64, 96; T=4096, 32768) and decode (B=1, 64) vs fla, AttnRes vs copy, MoE expert GEMMs vs
+`torch._grouped_mm` at K3's expert shape, W4A8 experts (bench/gpu_check_w4a8.py) beside W4A16 and grouped_mm.
+Tune (`--only tune`, bench/gpu_check_tune.py): every dispatch candidate of every op checked, then timed at
+K3's shapes; the winners' table to $OUT/tuned/<GPU kind>.json (the form custom_ops/dispatch.py reads).
 
-Extension point: `CHECKS` is the list of check functions run in order; each takes a `Context` and returns
-a list of `Result`.  Add one with `@check` (e.g. a TensorRT-plugin check that launches the AOT-compiled
-kernels).  Exit status is 1 if any parity result fails or any check raises.
+`CHECKS`: the check functions run in order, each `fn(Context) -> list[Result]` (add one with `@check`).
+Exit status is 1 if any parity result fails or any check raises.
 """
 
 from __future__ import annotations
@@ -56,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BUDGETS_S = {"parity_kda": 45, "parity_attn_res": 20, "parity_moe": 45, "parity_moe_w4a8": 20, "bench_ceilings": 15,
              "bench_kda": 75, "bench_attn_res": 15, "bench_moe": 45, "bench_moe_w4a8": 40, "bench_decode_graph": 90,
              "plugin_aot_kernels": 50, "parity_model_end_to_end": 30, "parity_serving": 40, "bench_serving": 45,
-             "serving_end_to_end": 90, "kda_state_configs": 90}
+             "serving_end_to_end": 90, "kda_state_configs": 90, "tune": 480}
 # a device lease is 15 minutes, a command at most 10: a whole run plus the machine's start leaves room to rerun
 DEFAULT_BUDGET_S, QUICK_BUDGET_S, QUICK = 480.0, 300.0, 0.6
 
@@ -70,6 +69,7 @@ class Context:
     quick: bool = False
     budget_s: float = DEFAULT_BUDGET_S  # the whole run
     copy_tbps: float | None = None  # measured copy ceiling, set by bench_ceilings
+    tune_from: Path | None = None  # a cut tune run's table: the tune section resumes from it
     t0: float = field(default_factory=time.perf_counter)
     deadline: float = float("inf")  # of the running section (perf_counter time)
 
@@ -264,9 +264,10 @@ _after("bench_moe", W4A8.bench_moe_w4a8)
 _after("bench_moe_w4a8", SERVING.bench_serving)
 
 
+CHECKS.append(__import__("gpu_check_tune").tune)  # last: `--only tune` spends a lease on the dispatch table
+
+
 # ------------------------------------------------------------------------------------------------ main
-
-
 
 
 def _make_k3x_importable() -> None:
@@ -343,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                    f"{DEFAULT_BUDGET_S:.0f}, {QUICK_BUDGET_S:.0f} with --quick)")
     p.add_argument("--only", help="comma-separated sections to run, in this order (a rerun of what failed): "
                    + ", ".join(fn.__name__ for fn in CHECKS))
+    p.add_argument("--tune-from", type=Path, help="the table of a cut tune run ($OUT/tuned/<GPU>.json): resume it")
     p.add_argument("--continue-from", type=Path, help=argparse.SUPPRESS)  # set when a fresh process takes over
     args = p.parse_args(argv)
     only = None if args.only is None else [n.strip() for n in args.only.split(",") if n.strip()]
@@ -357,13 +359,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     budget = args.budget if args.budget is not None else (QUICK_BUDGET_S if args.quick else DEFAULT_BUDGET_S)
+    common = {"quick": args.quick, "budget_s": budget, "tune_from": args.tune_from}
     if args.cpu_selftest:
-        ctx = Context("cpu", torch.float32, selftest=True, bench=False, quick=args.quick, budget_s=budget)
+        ctx = Context("cpu", torch.float32, selftest=True, bench=False, **common)
     elif torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 oracle
         torch.backends.cudnn.allow_tf32 = False
-        ctx = Context("cuda", torch.bfloat16, selftest=False, bench=not args.parity_only, quick=args.quick,
-                      budget_s=budget)
+        ctx = Context("cuda", torch.bfloat16, selftest=False, bench=not args.parity_only, **common)
     else:
         print("no CUDA device: run with --cpu-selftest (and TRITON_INTERPRET=1) on CPU", file=sys.stderr)
         return 2

@@ -73,7 +73,8 @@ FLA_AUTOTUNE_CONFIGS = 2
 def limit_fla_autotune(keep: int = FLA_AUTOTUNE_CONFIGS) -> int:
     """Cut every Triton autotuner in the imported fla.ops modules to `keep` configs, preferring 4 warps and 2
     stages (a heuristic, not a tuned table: fla's figures may lose what full autotuning would find; every fla
-    figure carries `fla_autotune_configs`). Returns the number of autotuners cut."""
+    figure carries `fla_autotune_configs`). Autotuners under `@triton.heuristics` are reached through `.fn`.
+    Returns the number of autotuners cut."""
     from triton.runtime.autotuner import Autotuner
 
     cut = 0
@@ -81,7 +82,9 @@ def limit_fla_autotune(keep: int = FLA_AUTOTUNE_CONFIGS) -> int:
         if not name.startswith("fla.") or mod is None:
             continue
         for obj in list(vars(mod).values()):
-            if isinstance(obj, Autotuner) and len(obj.configs) > keep:
-                obj.configs = sorted(obj.configs, key=lambda c: (abs(c.num_warps - 4), abs(c.num_stages - 2)))[:keep]
-                cut += 1
+            for _ in range(4):  # an autotuner may sit under @triton.heuristics: follow the .fn chain
+                if isinstance(obj, Autotuner) and len(obj.configs) > keep:
+                    obj.configs = sorted(obj.configs, key=lambda c: (abs(c.num_warps - 4), abs(c.num_stages - 2)))[:keep]
+                    cut += 1
+                obj = getattr(obj, "fn", None)
     return cut

@@ -15,7 +15,14 @@ divisibility, warps, stages), then read back:
 - wgmma (`wgmma.mma_async` in the PTX, Hopper), tcgen05 (`tcgen05.mma`, Blackwell), block-scaled MMAs
   (`block_scale`: MXFP4/MXFP8 operands with E8M0 scales in the tensor core) and TMA (`cp.async.bulk.tensor`)
   use; `mma`: every distinct MMA instruction of the PTX (shape and operand types, e.g.
-  `wgmma.mma_async.m64n16k32.f32.e4m3.e4m3`: Hopper's FP8 MMA of the W4A8 GEMMs).
+  `wgmma.mma_async.m64n16k32.f32.e4m3.e4m3`: Hopper's FP8 MMA of the W4A8 GEMMs; `tf32` operands: fp32 math
+  on tensor cores where bf16 would do); `mma_sass` / `ffma`: tensor-core and fp32 FMA instructions in the SASS
+  (an FMA loop where an MMA belongs shows as many FFMA beside no MMA);
+- `extra`: the op call's roofline (bench/kernel_roofline.py: GFLOP, compulsory MB, FLOP per byte, which ceiling
+  binds and the floor time on the SM's GPUs: H100 and H200 for sm_90a, B200 for sm_100a), to set beside the
+  times gpu_check measures.
+
+Every family has cases, the serving step's (kda_packed, kda_prep, mla_paged: `serving_cases`) included.
 
 Which kernels a case runs is the plan's own choice (`Plan.select(dims)`), so the table follows the plan: a
 variant the plan does not pick at a shape is not compiled for it. A case whose plan cannot be built (e.g. a
@@ -33,6 +40,8 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from .kernel_roofline import estimates
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,8 @@ class Resources:
     mx_mma: bool = False  # block-scaled MMA (tcgen05 kind::mxf*, E8M0 scales applied by the tensor core)
     tma: bool = False
     mma: str = ""  # the PTX's distinct MMA instructions (`mma_kinds`)
+    mma_sass: int = 0  # tensor-core instructions in the SASS (HMMA, HGMMA, QGMMA, Blackwell's UTC*MMA)
+    ffma: int = 0  # fp32 FMA instructions in the SASS: many beside no MMA = an FMA loop where an MMA may belong
     sass: int = 0  # SASS instructions
     error: str = ""
     extra: dict = field(default_factory=dict)
@@ -135,7 +146,33 @@ def decode_bytes(d: dict) -> dict:
             "moved_vs_state": round(moved / state, 3)}
 
 
-MOE_TOKENS = (1, 16, 64, 4096)  # decode batches and a prefill chunk  # decode batches and a prefill chunk
+MOE_TOKENS = (1, 16, 64, 4096)  # decode batches and a prefill chunk
+_PACKED_PORTS = {"q": "bf16", "k": "bf16", "v": "bf16", "g": "fp32", "beta": "fp32", "state_pool": "fp32",
+                 "cu_seqlens": "int32", "slots": "int32", "o": "bf16", "final_state": "fp32"}
+_PREP_PORTS = {"qkv": "bf16", "f": "bf16", "b": "bf16", "conv_weight": "bf16", "A_log": "fp32", "dt_bias": "fp32",
+               "conv_pool": "fp32", "cu_seqlens": "int32", "slots": "int32", "q": "bf16", "k": "bf16", "v": "bf16",
+               "g": "fp32", "beta": "fp32", "new_conv": "fp32"}
+_MLA_PORTS = {"q_latent": "bf16", "q_rope": "bf16", "latent": "bf16", "latent_pool": "bf16", "block_table": "int32",
+              "past_lens": "int32", "cu_seqlens": "int32", "o": "bf16"}
+
+
+def serving_cases() -> list[Case]:
+    """The serving step's packed / paged families at K3's heads (KDA H=96, K=V=128; MLA H=96, C=512, R=64, blocks
+    of 64): a 64-sequence decode step, a 4096-token prefill chunk of one sequence; MLA decode at B=1 past 1M and
+    B=32 past 16K, and a 4096-row prefill chunk after 0 and 61,440 positions (`past`: the roofline's only)."""
+    kda = {"H": 96, "K": 128, "V": 128}
+    lb = {"scale": 128 ** -0.5, "gate_lower_bound": -5.0}
+    out = [Case("kda_packed", f"N{N}-B{B}-H96", {"N": N, "B": B} | kda, ("bf16",), lb, _PACKED_PORTS)
+           for N, B in ((64, 64), (4096, 1))]
+    out += [Case("kda_prep", f"N{N}-B{B}-H96", {"N": N, "B": B, "W": 4} | kda, ("bf16",), {"gate_lower_bound": -5.0},
+                 _PREP_PORTS) for N, B in ((64, 64), (4096, 1))]
+    for B, rows, past in ((1, 1, 1 << 20), (32, 1, 16384), (1, 4096, 0), (1, 4096, 61440)):
+        MB = -(-(past + rows) // 64)
+        dims = {"N": B * rows, "H": 96, "C": 512, "R": 64, "NB": B * MB, "BS": 64, "L": 576, "B": B, "MB": MB,
+                "past": past}
+        out.append(Case("mla_paged", f"B{B}-rows{rows}-past{past}", dims, ("bf16",), {"scale": 192 ** -0.5},
+                        _MLA_PORTS))
+    return out
 
 
 def moe_case(N: int, *, packed: bool = False, activations: str = "bf16") -> Case:
@@ -164,6 +201,7 @@ def cases() -> list[Case]:
              {"eps": 1e-6}, _AR_PORTS),
         *(moe_case(N, packed=p) for p in (False, True) for N in MOE_TOKENS),
         *(moe_case(N, packed=True, activations="mxfp8") for N in MOE_TOKENS),
+        *serving_cases(),
     ]
 
 
@@ -209,7 +247,8 @@ def read_cubin(cubin: bytes, ptx: str, kernel: str) -> dict:
     instrs = re.findall(r"/\*[0-9a-f]{4,}\*/\s+([A-Z][A-Z0-9_.]*)", sass)
     ops = [i.split(".")[0] for i in instrs]
     return {"regs": int(m.group(1)), "stack": int(m.group(2)), "spill_ld": ops.count("LDL"),
-            "spill_st": ops.count("STL"), "sass": len(instrs), "wgmma": "wgmma.mma_async" in ptx,
+            "spill_st": ops.count("STL"), "sass": len(instrs), "ffma": ops.count("FFMA"),
+            "mma_sass": sum(ops.count(o) for o in ("HMMA", "HGMMA", "QGMMA", "UTCHMMA", "UTCQMMA", "UTCOMMA")), "wgmma": "wgmma.mma_async" in ptx,
             "tcgen05": "tcgen05.mma" in ptx, "mx_mma": "block_scale" in ptx, "tma": "cp.async.bulk.tensor" in ptx,
             "mma": mma_kinds(ptx)}
 
@@ -240,12 +279,19 @@ def measure_launch(case: Case, plan, launch, sm: SM) -> Resources:
         g = [int(x) for x in launch.grid(case.dims)]
         r.grid_ctas = g[0] * (g[1] if len(g) > 1 else 1) * (g[2] if len(g) > 2 else 1)
         r.waves = round(r.grid_ctas / max(r.ctas_per_sm * sm.sms, 1), 2)
-        if case.family == "kda_decode":
-            r.extra = decode_bytes(case.dims)
+        r.extra = (decode_bytes(case.dims) if case.family == "kda_decode" else {}) | roofline(case, sm.arch)
     except Exception as e:  # noqa: BLE001 - one row per failure, the table goes on
         r.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
     _MEASURED[key] = r
     return r
+
+
+def roofline(case: Case, sm: int) -> dict:
+    """The op call's FLOPs, compulsory bytes and floor time on the GPUs of `sm` (bench/kernel_roofline.py)."""
+    try:
+        return estimates(case.family, case.dims, case.attrs, sm)
+    except KeyError:
+        return {}
 
 
 def family_plan(case: Case, sm: int = 90):
@@ -268,7 +314,7 @@ def measure_case(case: Case, sm: SM, *, kernels: tuple[str, ...] | None = None) 
 
 COLUMNS = ("family", "case", "kernel", "sm", "warps", "stages", "regs", "stack", "spill_ld", "spill_st", "shared",
            "ctas_per_sm", "limited_by", "grid_ctas", "waves", "wgmma", "tcgen05", "mx_mma", "tma",
-           "mma", "sass", "extra")
+           "mma", "mma_sass", "ffma", "sass", "extra")
 
 
 def markdown(rows: list[Resources]) -> str:

@@ -2,6 +2,7 @@
 
     k3::attn_res(prefix [..., d], bank [..., N, d], norm_weight [d], proj_weight [d], eps, kernels) -> [..., d]
 Same contract as `reference.attn_res` (docs/model.md §4.2): RMSNorm-score-softmax-mix over N + 1 sources.
+On CUDA the kernel runs with the launch entry `candidates.py` picks for its shape class (one graph node).
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ SIGNATURE = Signature(
 def _attn_res(prefix: Tensor, bank: Tensor, norm_weight: Tensor, proj_weight: Tensor, eps: float,
               kernels: str) -> Tensor:
     if require_kernels("k3::attn_res", kernels, prefix, bank, norm_weight, proj_weight) is Kernels.TRITON:
-        from . import triton
+        from . import candidates  # the launch entry picked for this shape class (custom_ops/dispatch.py)
 
-        return triton.attn_res(prefix, bank, norm_weight, proj_weight, eps)
+        return candidates.attn_res(prefix, bank, norm_weight, proj_weight, eps)
     return reference.attn_res(prefix, bank, norm_weight, proj_weight, eps)
 
 

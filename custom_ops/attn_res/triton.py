@@ -79,12 +79,17 @@ def _attn_res_kernel(
         x = x_next
 
 
-def attn_res_launch_config(rows: int, n_bank: int, d: int) -> dict:
+def attn_res_launch_config(rows: int, n_bank: int, d: int, entry: tuple[int, int] | None = None) -> dict:
     """One program per row; the [NS, BD] tile holds ~4096 fp32 values, two tiles in flight (double-buffered by
-    hand: Triton's pipeliner does not take these masked gather loads, so `num_stages` stays 1)."""
+    hand: Triton's pipeliner does not take these masked gather loads, so `num_stages` stays 1). `entry`:
+    (tile values NS·BD, warps) named instead (a candidate the dispatcher picks by measurement, candidates.py)."""
     NS = triton.next_power_of_2(n_bank + 1)
-    BD = max(16, min(triton.next_power_of_2(d), 4096 // NS))
-    return {"NS": NS, "BD": BD, "num_warps": 4 if NS * BD <= 2048 else 8, "num_stages": 1}
+    values, warps = (4096, None) if entry is None else entry
+    BD = max(16, min(triton.next_power_of_2(d), values // NS))
+    return {"NS": NS, "BD": BD, "num_warps": warps or (4 if NS * BD <= 2048 else 8), "num_stages": 1}
+
+
+ENTRIES = tuple((values, warps) for values in (1024, 2048, 4096, 8192) for warps in (2, 4, 8))  # launch candidates
 
 
 def dims(shapes) -> dict:
@@ -99,14 +104,15 @@ def dims(shapes) -> dict:
 def plan(d: dict, dtypes: list[str], attrs: dict) -> Plan:
     """One launch, one program per row, with N, d and eps specialised into the code: its runtime arguments
     (prefix, bank, norm_weight, proj_weight, out) are already TensorRT QDP order."""
-    c = attn_res_launch_config(max(int(d["R"]), 1), d["N"], d["d"])
+    c = attn_res_launch_config(max(int(d["R"]), 1), d["N"], d["d"], attrs.get("entry"))
     launch = Launch(_attn_res_kernel, ("prefix", "bank", "norm_weight", "proj_weight", "out"),
                     {"N": d["N"], "d": d["d"], "eps": float(attrs["eps"]), "NS": c["NS"], "BD": c["BD"]},
                     grid=lambda x: (x["R"], 1, 1), num_warps=c["num_warps"], num_stages=c["num_stages"])
     return Plan((Variant("rows", (launch,)),))
 
 
-def attn_res(prefix: Tensor, bank: Tensor, norm_weight: Tensor, proj_weight: Tensor, eps: float) -> Tensor:
+def attn_res(prefix: Tensor, bank: Tensor, norm_weight: Tensor, proj_weight: Tensor, eps: float,
+             entry: tuple[int, int] | None = None) -> Tensor:
     if bank.shape[:-2] != prefix.shape[:-1] or bank.shape[-1] != prefix.shape[-1]:
         raise ValueError(f"attn_res: bank {tuple(bank.shape)} does not match prefix {tuple(prefix.shape)}")
     d, N = prefix.shape[-1], bank.shape[-2]
@@ -119,6 +125,7 @@ def attn_res(prefix: Tensor, bank: Tensor, norm_weight: Tensor, proj_weight: Ten
     bank_3d = bank.reshape(-1, N, d).contiguous()  # [R, N, d]
     out = torch.empty_like(prefix_2d)
     d_ = dims([prefix_2d.shape, bank_3d.shape])
-    run(plan(d_, [], {"eps": eps}), {"prefix": prefix_2d, "bank": bank_3d, "norm_weight": norm_weight.contiguous(),
-                                     "proj_weight": proj_weight.reshape(-1).contiguous(), "out": out}, d_)
+    run(plan(d_, [], {"eps": eps, "entry": entry}),
+        {"prefix": prefix_2d, "bank": bank_3d, "norm_weight": norm_weight.contiguous(),
+         "proj_weight": proj_weight.reshape(-1).contiguous(), "out": out}, d_)
     return out.reshape(prefix.shape)

@@ -7,6 +7,8 @@ Same contract as `reference.kda_recurrent`. Prefill and decode are the same op: 
 `gate_lower_bound` is the caller's promise that g >= it everywhere (K3's safe gate: -5); 0.0 means no bound
 (one encoding for the op, the ONNX attribute and the TensorRT plugin field, since a real bound is < 0). The
 Triton kernels pick the chunked variant compiled without the unbounded-gate fallback from it, on the host.
+On CUDA the op runs the candidate `candidates.py` picks for its shape class (own kernels, their launch entries,
+fla-core's where a table measured on this GPU kind says so); the graph holds one node whichever runs.
 """
 
 from __future__ import annotations
@@ -59,10 +61,9 @@ SIGNATURE = Signature(
 def _kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor, scale: float,
          kernels: str, gate_lower_bound: float = 0.0) -> tuple[Tensor, Tensor]:
     if require_kernels("k3::kda", kernels, q, k, v, g, beta, initial_state) is Kernels.TRITON:
-        from . import triton
+        from . import candidates  # the candidate picked for this shape class (custom_ops/dispatch.py)
 
-        return triton.kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                          gate_lower_bound=gate_lower_bound)
+        return candidates.kda(q, k, v, g, beta, scale, initial_state, gate_lower_bound or None)
     if q.shape[1] == 1:
         return reference.kda_recurrent(q, k, v, g, beta, scale=scale, initial_state=initial_state)
     return reference.kda_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state)

@@ -476,17 +476,23 @@ def _pick_intra() -> tuple[int, int, int]:
     return min(INTRA_RESOURCES_SM90, key=cost)
 
 
-def kda_chunk_launch_config(B: int, T: int, H: int, K: int, V: int) -> dict:
+def kda_chunk_launch_config(B: int, T: int, H: int, K: int, V: int,
+                            state_entry: tuple[int, int, int] | None = None) -> dict:
     """Block sizes, warps and stages of the two chunked kernels, chosen from their compiled sm_90 resources
     (tables above, measured at K = V = 128; larger K shrinks BV to keep the [K, BV] fp32 state slice the same
     size). With the tables: intra BK=16, 4 warps, 2 stages (246 registers, 2 CTAs per SM, no spills); state
     BV=64, 4 warps, 2 stages at K3's B=1, H=96 (208 registers, 144 KB, one CTA per SM: 192 CTAs in two waves;
     the single-stage BV=32 entry that filled one wave ran wrong on an H200, `state_config_runs_right`).
+    `state_entry`: the state kernel's (BV, warps, stages) named instead of chosen (a candidate the dispatcher
+    picks by measurement, kda/candidates.py); it must be one that runs right.
 
     AOT compilers: give pointers and the K/V-sized int arguments `tt.divisibility=16` as the JIT does
     for such values; without it loads are not vectorised and the state kernel spills."""
     BK_state = _np2(K)
-    BV_state, w_state, s_state = _pick_state(B, H, V)
+    if state_entry is not None and not (state_entry in STATE_RESOURCES_SM90
+                                        and state_config_runs_right(state_entry)):
+        raise ValueError(f"kda: state kernel entry {state_entry} is not one that runs right")
+    BV_state, w_state, s_state = _pick_state(B, H, V) if state_entry is None else state_entry
     BV_state = max(16, min(BV_state * 128 // max(BK_state, 128), _np2(V)))
     BK, w_intra, s_intra = _pick_intra()
     return {
@@ -562,7 +568,7 @@ def chunked_launches(d: dict, dtypes: list[str], attrs: dict, *, varlen: bool,
     sized for the longest possible sequence, N rows)."""
     B, H, K, V = d["B"], d["H"], d["K"], d["V"]
     t_hint, t_arg, tokens, h0 = _layout(d, varlen)
-    c = kda_chunk_launch_config(B, max(t_hint, RECURRENT_MAX_T + 1), H, K, V)
+    c = kda_chunk_launch_config(B, max(t_hint, RECURRENT_MAX_T + 1), H, K, V, attrs.get("state_entry"))
     dot_bf16 = dtypes[0] == "bf16"
     idt = "bf16" if dot_bf16 else "fp32"  # dtype of the intermediates
     nt = lambda x: cdiv(t_arg(x), BT)  # noqa: E731
@@ -598,7 +604,8 @@ def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_sta
 
 
 def _run(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None, h0: Tensor | None,
-         ht: Tensor | None, chunked: bool, gate_lower_bound: float | None = None) -> tuple[Tensor, Tensor]:
+         ht: Tensor | None, chunked: bool, gate_lower_bound: float | None = None,
+         state_entry: tuple[int, int, int] | None = None) -> tuple[Tensor, Tensor]:
     """Execute `plan`'s recurrent or chunked variant on torch tensors: (o, final_state); ht may alias h0
     (in-place decode)."""
     B, T, H, K = q.shape
@@ -609,7 +616,8 @@ def _run(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float 
     ht = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32) if ht is None else ht
     o = torch.empty(B, T, H, V, device=q.device, dtype=v.dtype)
     d = dims([q.shape, k.shape, v.shape])
-    p = plan(d, [dtype_name(q.dtype)], {"scale": scale, "gate_lower_bound": gate_lower_bound})
+    p = plan(d, [dtype_name(q.dtype)], {"scale": scale, "gate_lower_bound": gate_lower_bound,
+                                        "state_entry": state_entry})
     wanted = p.variants[1 if chunked else 0]
     run(Plan((Variant(wanted.name, wanted.launches),), p.workspace),
         {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": h0, "o": o, "final_state": ht}, d)
@@ -618,9 +626,11 @@ def _run(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float 
 
 def kda_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
                 initial_state: Tensor | None = None, chunk_size: int = 64,
-                gate_lower_bound: float | None = None) -> tuple[Tensor, Tensor]:
+                gate_lower_bound: float | None = None,
+                state_entry: tuple[int, int, int] | None = None) -> tuple[Tensor, Tensor]:
     """Chunked prefill. `gate_lower_bound`: the caller's promise that g >= it everywhere (K3: -5); with a bound
-    of at least -SPAN_MAX/16 the intra kernel is the one compiled without the unbounded-gate fallback."""
+    of at least -SPAN_MAX/16 the intra kernel is the one compiled without the unbounded-gate fallback.
+    `state_entry`: the state kernel's launch entry (None: chosen from its resources)."""
     _check(q, k, v, g, beta, initial_state)
     if chunk_size != BT:
         raise ValueError(f"kda_chunked (triton): chunk_size={chunk_size}, only {BT} is implemented")
@@ -628,7 +638,7 @@ def kda_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale:
     lo, hi = KERNEL_HEAD_DIM
     if not (lo <= K <= hi and lo <= V <= hi):
         raise ValueError(f"kda_chunked (triton): needs {lo} <= K, V <= {hi}, got K={K}, V={V}")
-    return _run(q, k, v, g, beta, scale, initial_state, None, True, gate_lower_bound)
+    return _run(q, k, v, g, beta, scale, initial_state, None, True, gate_lower_bound, state_entry)
 
 
 def kda_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,

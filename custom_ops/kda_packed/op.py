@@ -9,6 +9,7 @@ state pool (the serving step, issue 20). Torch-only; Triton is imported lazily.
 Sequence b starts from state_pool[slots[b]] and runs the gated delta rule of k3::kda over its rows;
 final_state[b] is its state after its last row. Pure: the pool is read, never written (the runtime writes
 final_state back to the pool rows). `gate_lower_bound` as in k3::kda.
+On CUDA the op runs the candidate `candidates.py` picks for the step's class (one graph node either way).
 """
 
 from __future__ import annotations
@@ -60,9 +61,9 @@ def _kda_packed(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_
                 gate_lower_bound: float = 0.0) -> tuple[Tensor, Tensor]:
     tensors = (q, k, v, g, beta, state_pool, cu_seqlens, slots)
     if require_kernels("k3::kda_packed", kernels, *tensors) is Kernels.TRITON:
-        from . import triton
+        from . import candidates  # the candidate picked for this step's class (custom_ops/dispatch.py)
 
-        return triton.kda_packed(*tensors, scale=scale, gate_lower_bound=gate_lower_bound)
+        return candidates.kda_packed(*tensors, scale, gate_lower_bound or None)
     return reference.kda_packed(*tensors, scale=scale)
 
 

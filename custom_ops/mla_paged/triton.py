@@ -20,8 +20,11 @@ Variants (`plan`):
   unnormalised [BH, C]) to the workspace, an empty split (-inf, 0, 0); `_mla_paged_combine_kernel` per (b, BH
   heads) merges them with weights 2^(m_s - max m). NSPLIT = cdiv(MB·BS, KEYS_PER_SPLIT): the step's longest
   sequence sets it, shorter ones leave their tail splits empty.
-fp32 inputs multiply in IEEE fp32 (tl.dot input_precision="ieee"); bf16/fp16 inputs are widened to fp32 and
-multiplied in tf32, exact for their mantissas (the probabilities are rounded to tf32 in the second product).
+fp32 inputs multiply in IEEE fp32 (tl.dot input_precision="ieee", `WIDE`); bf16/fp16 inputs stay in their
+dtype and multiply on the tensor cores' 16-bit MMAs with fp32 accumulation (wgmma on sm_90a), the
+probabilities rounded to the inputs' dtype for the second product, as flash attention does: half the
+registers of widened tiles (a [BK, 512] key tile), and 16-bit MMAs rather than tf32 (bench/kernel_resources.py
+shows which).
 """
 
 from __future__ import annotations
@@ -38,9 +41,10 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _load_keys(pool, latent, table_row, p, past, n_keys, start, o_d, D, off, BS: tl.constexpr, L):
-    """Keys [BK, BD] fp32 of positions p (zeros at p >= n_keys): from the pool through the block table below
-    `past`, else from this step's latent rows (start + p - past); columns off + o_d (< off + D) of the row."""
+def _load_keys(pool, latent, table_row, p, past, n_keys, start, o_d, D, off, BS: tl.constexpr, L, WIDE: tl.constexpr):
+    """Keys [BK, BD] of positions p (zeros at p >= n_keys), fp32 when WIDE else in the pool's dtype: from the pool
+    through the block table below `past`, else from this step's latent rows (start + p - past); columns
+    off + o_d (< off + D) of the row (one of the two masked loads is zero, so their sum is exact)."""
     in_pool = p < past
     blk = tl.load(table_row + p // BS, mask=in_pool, other=0).to(tl.int64)
     m_d = (o_d < D)[None, :]
@@ -49,38 +53,50 @@ def _load_keys(pool, latent, table_row, p, past, n_keys, start, o_d, D, off, BS:
     row = (start + p - past).to(tl.int64)
     in_step = (p >= past) & (p < n_keys)
     from_step = tl.load(latent + row[:, None] * L + off + o_d[None, :], mask=in_step[:, None] & m_d, other=0.0)
-    return from_pool.to(tl.float32) + from_step.to(tl.float32)
+    if WIDE:
+        return from_pool.to(tl.float32) + from_step.to(tl.float32)
+    return from_pool + from_step.to(from_pool.dtype)
 
 
 @triton.jit
-def _load_q(q_latent, q_rope, q_off, live, C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr):
-    """The queries of rows q_off ([M] = packed row * H + head): q_latent [M, BC], q_rope [M, BR], fp32."""
+def _load_q(q_latent, q_rope, q_off, live, C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
+            WIDE: tl.constexpr):
+    """The queries of rows q_off ([M] = packed row * H + head): q_latent [M, BC], q_rope [M, BR], fp32 when WIDE."""
     o_c, o_r = tl.arange(0, BC), tl.arange(0, BR)
     ql = tl.load(q_latent + q_off[:, None] * C + o_c[None, :], mask=live[:, None] & (o_c < C)[None, :], other=0.0)
     qr = tl.load(q_rope + q_off[:, None] * R + o_r[None, :], mask=live[:, None] & (o_r < R)[None, :], other=0.0)
-    return ql.to(tl.float32), qr.to(tl.float32)
+    if WIDE:
+        return ql.to(tl.float32), qr.to(tl.float32)
+    return ql, qr
 
 
 @triton.jit
 def _attend(ql, qr, qpos, m_i, l_i, acc, pool, latent, table_row, past, n_keys, start, k_lo, k_hi,
             QK_SCALE: tl.constexpr, C: tl.constexpr, R: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr,
-            BR: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+            BR: tl.constexpr, BK: tl.constexpr, WIDE: tl.constexpr):
     """Online softmax of queries at positions qpos [M] over keys [k_lo, k_hi) (k_lo <= every qpos): the running
     (max, sum, [M, BC] accumulator) updated; scores in log2 units."""
     o_c, o_r = tl.arange(0, BC), tl.arange(0, BR)
     for k0 in range(k_lo, k_hi, BK):
         p = k0 + tl.arange(0, BK)
-        kc = _load_keys(pool, latent, table_row, p, past, n_keys, start, o_c, C, 0, BS, C + R)  # [BK, BC]
-        kr = _load_keys(pool, latent, table_row, p, past, n_keys, start, o_r, R, C, BS, C + R)  # [BK, BR]
-        s = tl.dot(ql, tl.trans(kc), input_precision=PRECISION)
-        s += tl.dot(qr, tl.trans(kr), input_precision=PRECISION)
+        kc = _load_keys(pool, latent, table_row, p, past, n_keys, start, o_c, C, 0, BS, C + R, WIDE)  # [BK, BC]
+        kr = _load_keys(pool, latent, table_row, p, past, n_keys, start, o_r, R, C, BS, C + R, WIDE)  # [BK, BR]
+        if WIDE:
+            s = tl.dot(ql, tl.trans(kc), input_precision="ieee")
+            s += tl.dot(qr, tl.trans(kr), input_precision="ieee")
+        else:
+            s = tl.dot(ql, tl.trans(kc))
+            s += tl.dot(qr, tl.trans(kr))
         seen = (p[None, :] <= qpos[:, None]) & (p < k_hi)[None, :]
         s = tl.where(seen, s * QK_SCALE, float("-inf"))  # [M, BK]
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         prob = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(prob, 1)
-        acc = acc * alpha[:, None] + tl.dot(prob, kc, input_precision=PRECISION)
+        if WIDE:
+            acc = acc * alpha[:, None] + tl.dot(prob, kc, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(prob.to(kc.dtype), kc)
         m_i = m_new
     return m_i, l_i, acc
 
@@ -93,7 +109,7 @@ def _mla_paged_kernel(
     QK_SCALE: tl.constexpr,  # scale * log2(e)
     H: tl.constexpr, C: tl.constexpr, R: tl.constexpr, BS: tl.constexpr,
     BMR: tl.constexpr, BH: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
-    PRECISION: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     """One program: BMR query rows of sequence b x BH heads, over all the keys they see."""
     b = tl.program_id(0)
@@ -107,13 +123,13 @@ def _mla_paged_kernel(
     row, head = r0 + i // BH, tl.program_id(2) * BH + i % BH  # [M]
     live = (row < T) & (head < H)
     q_off = ((start + row).to(tl.int64) * H + head)
-    ql, qr = _load_q(q_latent, q_rope, q_off, live, C, R, BC, BR)
+    ql, qr = _load_q(q_latent, q_rope, q_off, live, C, R, BC, BR, WIDE)
     m_i = tl.full([BMR * BH], float("-inf"), tl.float32)
     l_i = tl.zeros([BMR * BH], tl.float32)
     acc = tl.zeros([BMR * BH, BC], tl.float32)
     n_keys = past + tl.minimum(T, r0 + BMR)
     m_i, l_i, acc = _attend(ql, qr, past + row, m_i, l_i, acc, latent_pool, latent, block_table + b.to(tl.int64) * MB,
-                            past, n_keys, start, 0, n_keys, QK_SCALE, C, R, BS, BC, BR, BK, PRECISION)
+                            past, n_keys, start, 0, n_keys, QK_SCALE, C, R, BS, BC, BR, BK, WIDE)
     out = acc / tl.where(live, l_i, 1.0)[:, None]
     o_c = tl.arange(0, BC)
     tl.store(o + q_off[:, None] * C + o_c[None, :], out.to(o.dtype.element_ty), mask=live[:, None] & (o_c < C)[None, :])
@@ -126,7 +142,7 @@ def _mla_paged_split_kernel(
     part_acc, part_ml,  # workspace: [B, NSPLIT, H, C] unnormalised outputs, [B, NSPLIT, H, 2] (max, sum)
     QK_SCALE: tl.constexpr, H: tl.constexpr, C: tl.constexpr, R: tl.constexpr, BS: tl.constexpr,
     BH: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, KPS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     """Decode (one row per sequence): keys [s * KPS, (s + 1) * KPS) of sequence b for BH heads; an empty split
     leaves (-inf, 0, 0)."""
@@ -134,7 +150,7 @@ def _mla_paged_split_kernel(
     start, past = tl.load(cu_seqlens + b), tl.load(past_lens + b)
     head = tl.program_id(2) * BH + tl.arange(0, BH)
     live = head < H
-    ql, qr = _load_q(q_latent, q_rope, start.to(tl.int64) * H + head, live, C, R, BC, BR)
+    ql, qr = _load_q(q_latent, q_rope, start.to(tl.int64) * H + head, live, C, R, BC, BR, WIDE)
     m_i = tl.full([BH], float("-inf"), tl.float32)
     l_i = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, BC], tl.float32)
@@ -142,7 +158,7 @@ def _mla_paged_split_kernel(
     k_hi = tl.minimum(k_lo + KPS, past + 1)
     m_i, l_i, acc = _attend(ql, qr, past + head * 0, m_i, l_i, acc, latent_pool, latent,
                             block_table + b.to(tl.int64) * MB, past, past + 1, start, k_lo, k_hi,
-                            QK_SCALE, C, R, BS, BC, BR, BK, PRECISION)
+                            QK_SCALE, C, R, BS, BC, BR, BK, WIDE)
     slot = (b.to(tl.int64) * NSPLIT + split) * H + head  # [BH]
     o_c = tl.arange(0, BC)
     tl.store(part_acc + slot[:, None] * C + o_c[None, :], acc, mask=live[:, None] & (o_c < C)[None, :])
@@ -206,7 +222,7 @@ def plan(d: dict, dtypes: list[str], attrs: dict) -> Plan:
     if d["C"] + d["R"] > KERNEL_MAX_LATENT:
         raise ValueError(f"mla_paged (triton): C + R = {d['C'] + d['R']} > {KERNEL_MAX_LATENT}")
     static = {"QK_SCALE": float(attrs["scale"]) * LOG2E, "H": d["H"], "C": d["C"], "R": d["R"], "BS": d["BS"],
-              "PRECISION": "ieee" if not dtypes or dtypes[0] == "fp32" else "tf32"}
+              "WIDE": not dtypes or dtypes[0] == "fp32"}
     heads, m = triton.next_power_of_2(d["H"]), 64 if d["C"] <= 256 else 32  # [M, C] fp32 accumulator: 64 KB at C = 512
     rh, dh = min(heads, 16), max(16, min(heads, m))  # heads per program: rows, decode
     rm = m // rh  # query rows per program

@@ -8,6 +8,8 @@ Same contract as `reference.moe` (docs/model.md §5.1 steps 1–6): routing, exp
 experts of gate_weight, only the (token, slot) pairs whose expert is in [offset, offset + E_local) are
 computed, and u is this rank's partial sum. None (single GPU): offset 0 and E_local = E, the whole sum.
 A tensor, not an attribute, so EP ranks differ in data only and one trace serves them all.
+On CUDA the op runs the candidate `candidates.py` picks for its shape class (the Triton plan, or
+torch._grouped_mm experts where a table measured on this GPU kind says so); one graph node either way.
 """
 
 from __future__ import annotations
@@ -77,9 +79,9 @@ def _moe(x: Tensor, z: Tensor, gate_weight: Tensor, gate_bias: Tensor, w1: Tenso
     args = (x, z, gate_weight, gate_bias, w1, w3, w2, top_k, routed_scaling_factor, renormalize, activation,
             situ_beta, situ_linear_beta, expert_offset)
     if require_kernels("k3::moe", kernels, x, z, gate_weight, w1) is Kernels.TRITON:
-        from . import triton
+        from . import candidates  # the candidate picked for this shape class (custom_ops/dispatch.py)
 
-        return triton.moe(*args)
+        return candidates.moe(*args)
     return reference.moe(*args)
 
 

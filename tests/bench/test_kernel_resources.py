@@ -231,3 +231,13 @@ def test_fused_decode_one_wave_no_spills(sm):
             launch = kr.family_plan(case).select(case.dims).launches[0]
             key = (launch.num_warps, launch.constexprs["TILES"] > 1)
             assert dt.DECODE_RESOURCES_SM90[key] == (r.regs, r.shared, r.spills), (key, r.regs, r.shared)
+
+
+def test_mla_decode_multiplies_bf16_on_tensor_cores():
+    """The MLA split kernel at K3's decode (B=32, past 16K, H=96, C=512, R=64): bf16 operands into 16-bit MMAs
+    (it widened to fp32 and ran tf32 MMAs before, with a 368-byte spill stack), fp32 accumulation."""
+    case = next(c for c in kr.cases() if c.family == "mla_paged" and c.name == "B32-rows1-past16384")
+    r = {x.kernel: x for x in kr.measure_case(case, H200)}["_mla_paged_split_kernel"]
+    assert not r.error, r.error
+    assert "f32.bf16.bf16" in r.mma and "tf32" not in r.mma and r.mma_sass > 0, r.mma
+    assert r.stack <= 64, (r.stack, r.spill_ld, r.spill_st)

@@ -63,6 +63,16 @@ def test_awkward_dims(H, C, R, device):
     _check([(7, 1), (20, 1)], 4, H, C, R, device)  # decode variant
 
 
+@pytest.mark.parametrize("seqs", [
+    pytest.param([(33, 1), (0, 1), (300, 1)], id="decode-split"),
+    pytest.param([(7, 5), (0, 9)], id="rows"),
+])
+def test_16bit_inputs_on_16bit_mma(seqs, device):
+    """16-bit inputs stay 16-bit into the dots (fp32 accumulation; probabilities rounded to the inputs' dtype),
+    as on the GPU's bf16 MMAs. fp16 here: the interpreter multiplies fp16 but not bf16 (it dots bf16's raw bits)."""
+    _check(seqs, 4, 3, 24, 8, device, dtype=torch.float16)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("seqs", [[(1000, 1)] * 4, [(300, 64), (5000, 1)]], ids=["decode-B4", "mixed"])
 def test_k3_sizes_bf16_gpu(seqs, device):
