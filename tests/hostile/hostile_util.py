@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import threading
 from pathlib import Path
+from typing import Callable, Iterator
 
 from typer.testing import CliRunner
 
@@ -45,3 +49,31 @@ class Payload:
 
     def __reduce__(self):
         return exec, (f"open({str(self.marker)!r}, 'w').write('pwned')",)
+
+
+@contextlib.contextmanager
+def released_fifo(path: Path, after: float = 4.0) -> Iterator[Callable[[], bool]]:
+    """A FIFO at `path` that cannot hang the suite: a reader blocked on it is released after `after` seconds
+    (a writer opens it and closes it empty). Yields `waited()`: whether a reader had to be released (the code
+    under test opened the FIFO and waited on it)."""
+    os.mkfifo(path)
+    stop, released = threading.Event(), []
+
+    def writer() -> None:
+        if stop.wait(after):
+            return
+        while not stop.wait(0.05):
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:  # no reader: nothing waits on it now
+                continue
+            released.append(True)
+            os.close(fd)
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    try:
+        yield lambda: bool(released)
+    finally:
+        stop.set()
+        thread.join()
