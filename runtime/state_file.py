@@ -23,8 +23,9 @@ state of the export's context can be (a FIFO, device or folder is refused, never
 bytes it read (nothing is mapped or opened again), then checks the file against the loading export's
 contract (layer, kind, shape per sequence, axes, dtype), config hash and weights, the sequence's length
 against the model's context and every float value finite, before any tensor is used: every problem is a
-`StateFileError`, one line naming the file and the tensor or field. A serving export (`serving_hooks`) writes and reads the same file: its slot's KDA rows and
-the sequence's latent rows from its blocks, per sequence as the contract names them.
+`StateFileError`, one line naming the file and the tensor or field. A serving export (`serving_hooks`)
+writes and reads the same file: its slot's KDA rows and the sequence's latent rows from its blocks, per
+sequence as the contract names them.
 """
 
 from __future__ import annotations
