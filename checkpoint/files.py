@@ -97,24 +97,38 @@ def tensor_files(path: Path, shards: Shards | None = None) -> dict[str, Path]:
     if not checkpoint_file(path, "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json (not a checkpoint folder)")
     if checkpoint_file(path, INDEX).is_file():
-        try:
-            weight_map = json.loads((path / INDEX).read_bytes().decode("utf-8"))["weight_map"]
-        except (ValueError, KeyError, TypeError, RecursionError) as e:
-            raise CheckpointError(f"{path / INDEX}: unreadable index ({str(e)[:200]})") from None
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{path / INDEX}: weight_map must be an object {{tensor: shard file}}")
-        files = {k: checkpoint_file(path, f) for k, f in weight_map.items()}
-        missing = sorted({f.name for f in files.values() if not f.is_file()})
-        if missing:
-            raise CheckpointError(f"{path / INDEX}: shard file(s) missing: {', '.join(missing)}")
-        for f in sorted(set(files.values())):
-            for k in shards[f].keys():
-                if k not in files:
-                    raise CheckpointError(f"{f}: tensor {k!r} is in this shard but not in {INDEX}")
-                if files[k] != f:
-                    raise CheckpointError(f"{f}: tensor {k!r} is also in this shard; {INDEX} says {files[k].name}")
-        return files
-    found = sorted(path.glob("*.safetensors"))
+        return index_files(path, weight_map(path, (path / INDEX).read_bytes()), shards)
+    return header_files(path, sorted(path.glob("*.safetensors")), shards)
+
+
+def weight_map(path: Path, index: bytes) -> dict[str, str]:
+    """The {tensor: shard file name} of `index` (the bytes of `path`'s index)."""
+    try:
+        names = json.loads(index.decode("utf-8"))["weight_map"]
+        if not isinstance(names, dict):
+            raise TypeError("weight_map must be an object {tensor: shard file}")
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise CheckpointError(f"{path / INDEX}: unreadable index ({str(e)[:200]})") from None
+    return names
+
+
+def index_files(path: Path, names: dict[str, str], shards: Shards) -> dict[str, Path]:
+    """tensor name -> file as the index's `names` say, checked against the shards' own headers."""
+    files = {k: checkpoint_file(path, f) for k, f in names.items()}
+    missing = sorted({f.name for f in files.values() if not f.is_file()})
+    if missing:
+        raise CheckpointError(f"{path / INDEX}: shard file(s) missing: {', '.join(missing)}")
+    for f in sorted(set(files.values())):
+        for k in shards[f].keys():
+            if k not in files:
+                raise CheckpointError(f"{f}: tensor {k!r} is in this shard but not in {INDEX}")
+            if files[k] != f:
+                raise CheckpointError(f"{f}: tensor {k!r} is also in this shard; {INDEX} says {files[k].name}")
+    return files
+
+
+def header_files(path: Path, found: list[Path], shards: Shards) -> dict[str, Path]:
+    """tensor name -> file from the headers of the shards `found` (no index): a name in two is an error."""
     if not found:
         raise CheckpointError(f"{path}: no *.safetensors files")
     out: dict[str, Path] = {}
@@ -209,14 +223,15 @@ def stored_expert_format(files: dict[str, Path]) -> str:
 
 
 def checkpoint_config(path: str | Path, expert_format: str | None = None, files: dict[str, Path] | None = None,
-                      kernels: Kernels = Kernels.REFERENCE, activations: str = "bf16") -> tuple[K3Config, BuildOptions]:
-    """(config.json's architecture, the build: `kernels`, experts as stored or as `expert_format` asks, the
-    expert-GEMM `activations`)."""
+                      kernels: Kernels = Kernels.REFERENCE, activations: str = "bf16", config: bytes | None = None
+                      ) -> tuple[K3Config, BuildOptions]:
+    """(config.json's architecture (`config`: its bytes, already read), the build: `kernels`, experts as
+    stored or as `expert_format` asks, the expert-GEMM `activations`)."""
     path = Path(path)
     if expert_format not in (None, "dense", "mxfp4"):
         raise CheckpointError(f"expert_format={expert_format!r}: expected 'dense', 'mxfp4' or None (as stored)")
     try:
-        cfg = config_from_hf(checkpoint_file(path, "config.json"))
+        cfg = config_from_hf(checkpoint_file(path, "config.json"), config)
         fmt = expert_format or stored_expert_format(tensor_files(path) if files is None else files)
         return cfg, BuildOptions(Kernels(kernels), fmt, activations)
     except ConfigError as e:
@@ -291,20 +306,20 @@ def stream_tensors(path: str | Path, *, dtype: torch.dtype = torch.float32, expe
     would (same names, dtypes, packing): an exporter writes each and drops it, so at most one model tensor
     (one stacked expert tensor at most) plus 256 MiB of mapped shard pages is resident. Validation happens
     before the first tensor."""
-    cfg, plan, handles, meta = open_checkpoint(Path(path), dtype, Kernels.REFERENCE, expert_format)
+    return tensors_of(*open_checkpoint(Path(path), dtype, Kernels.REFERENCE, expert_format))
+
+
+def tensors_of(cfg: K3Config, plan: dict, handles: Shards, meta: K3ForCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
+    """`stream_tensors` of a checkpoint already opened and validated (`open_checkpoint`'s result)."""
     state = meta.state_dict()
     pieces = stored_pieces(plan, dict(meta.named_parameters()) | dict(meta.named_buffers()))
-
-    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        with torch.no_grad():
-            for name, m in state.items():
-                t = torch.empty(m.shape, dtype=m.dtype)
-                read_into(t, pieces[name], plan, handles, unmap_every=256 << 20)
-                handles.clear()  # mapped shard pages count as resident: read what one tensor needs, unmap
-                yield name, t
-                del t  # before the next tensor is allocated
-
-    return tensors()
+    with torch.no_grad():
+        for name, m in state.items():
+            t = torch.empty(m.shape, dtype=m.dtype)
+            read_into(t, pieces[name], plan, handles, unmap_every=256 << 20)
+            handles.clear()  # mapped shard pages count as resident: read what one tensor needs, unmap
+            yield name, t
+            del t  # before the next tensor is allocated
 
 
 def _hf_tensors(model: K3ForCausalLM, expert_format: str):

@@ -197,8 +197,7 @@ def parse_onnx(parser, onnx_path: Path, folder, checkpoint: tuple[Path, dict] | 
 
     model = onnx.load(str(onnx_path), load_external_data=False)
     names = {i.name for i in model.graph.initializer if _external(i).get("location") == REFERENCE_LOCATION}
-    prefix = str(folder.manifest["weight_source"].get("prefix", ""))
-    keep = [(n, t.contiguous()) for n, t in referenced_tensors(checkpoint[0], dtype=folder.dtype(), prefix=prefix,
+    keep = [(n, t.contiguous()) for n, t in referenced_tensors(folder.manifest["weight_source"], dtype=folder.dtype(),
                                                                expert_format=folder.options().build.expert_format)
             if n in names]
     parsed = parser.load_model_proto(onnx_path.read_bytes(), str(onnx_path)) and \
