@@ -96,6 +96,10 @@ class MappedShard:
             out.numpy()[:] = np.frombuffer(self.data, np.uint8, n, at)
         return out.view(_DTYPES[dtype]).reshape(shape)
 
+    def header(self) -> dict[str, tuple[str, int, int]]:
+        """tensor -> (dtype, absolute offset, nbytes), as checkpoint/byte_ranges reads a header."""
+        return {k: (dtype, at, n) for k, (dtype, _, at, n) in self.entries.items()}
+
     def release(self) -> None:
         """Drop the pages read so far from this process's resident memory (they are read again if needed)."""
         if isinstance(self.data, mmap.mmap) and len(self.data):
@@ -149,6 +153,16 @@ def recorded_tensors(entry: dict, *, dtype: torch.dtype, expert_format: str | No
     from the recorded files of the checkpoint `entry` (a manifest's `weight_source`) as the module docstring
     says. CheckpointError (one line naming the file) for a missing, changed or unrecorded file; every file is
     opened, checked and validated before the first tensor."""
+    with recorded_checkpoint(entry, dtype=dtype, expert_format=expert_format, check_hash=check_hash) as opened:
+        yield from tensors_of(*opened)
+
+
+@contextlib.contextmanager
+def recorded_checkpoint(entry: dict, *, dtype: torch.dtype, expert_format: str | None, check_hash: bool = True
+                        ) -> Iterator[tuple[Any, dict, RecordedShards, torch.nn.Module]]:
+    """(config, validated plan, shard handles, meta model) of the checkpoint `entry` references, as
+    `files.open_checkpoint` gives them, served from the recorded files (`recorded_tensors`); on leaving, a
+    file written to while it was open is refused."""
     if not isinstance(entry, dict) or not isinstance(entry.get("files"), list):
         raise CheckpointError(f"weight_source {str(entry)[:80]!r}: not a checkpoint reference")
     folder = Path(str(entry.get("resolved")))
@@ -174,7 +188,7 @@ def recorded_tensors(entry: dict, *, dtype: torch.dtype, expert_format: str | No
         cfg, build = checkpoint_config(folder, expert_format, files, Kernels.REFERENCE,
                                        config=bytes(opened["config.json"][1]))
         plan = validate(cfg, build, files, shards)
-        yield from tensors_of(cfg, plan, shards, build_model(cfg, build, device="meta", dtype=dtype, seed=None))
+        yield cfg, plan, shards, build_model(cfg, build, device="meta", dtype=dtype, seed=None)
         for path, _, fd, stamp in opened.values():
             if _stamp(os.fstat(fd)) != stamp:
                 raise CheckpointError(f"{path}: changed while it was being loaded; refused")

@@ -85,22 +85,26 @@ def range_sha256(path: Path, offset: int, length: int) -> str:
 
 def checkpoint_ranges(folder) -> tuple[Path, dict[str, list[dict]]] | None:
     """For an export folder (ExportFolder) that references its checkpoint (manifest `weight_source`; None for
-    any other): (the checkpoint, checked as the runners check it: checkpoint/reference.referenced_checkpoint;
-    {program weight name: its ranges in the checkpoint's shards} for every weight stored there as the program
-    holds it). WeightSourceError (one line naming the file) when the checkpoint is missing or changed."""
+    any other): (the checkpoint, read as the runners read it: its recorded files only, each checked,
+    checkpoint/recorded.py; {program weight name: its ranges in the checkpoint's shards} for every weight
+    stored there as the program holds it). WeightSourceError (one line naming the file) when the checkpoint
+    is missing or changed."""
     from ..checkpoint.byte_ranges import StoredTensor, stream_weights
     from ..checkpoint.files import CheckpointError
-    from ..checkpoint.reference import referenced_checkpoint
+    from ..checkpoint.recorded import recorded_checkpoint
 
     entry = folder.manifest.get("weight_source")
     if entry is None:
         return None
     try:
-        ckpt = referenced_checkpoint(entry)
         prefix, out = str(entry.get("prefix", "")), {}
-        for name, t in stream_weights(ckpt, dtype=folder.dtype(), expert_format=folder.options().build.expert_format):
-            if isinstance(t, StoredTensor):
-                out[prefix + name] = [{"file": r.file.name, "offset": r.offset, "length": r.nbytes} for r in t.ranges]
+        build = folder.options().build
+        with recorded_checkpoint(entry, dtype=folder.dtype(), expert_format=build.expert_format) as opened:
+            ckpt = Path(str(entry["resolved"]))  # the recorded files only: ranges in no other file
+            for name, t in stream_weights(ckpt, opened=opened):
+                if isinstance(t, StoredTensor):
+                    out[prefix + name] = [{"file": r.file.name, "offset": r.offset, "length": r.nbytes}
+                                          for r in t.ranges]
     except (CheckpointError, OSError) as e:
         raise WeightSourceError(f"{folder.path}: weights referenced in the checkpoint: {e}") from None
     return ckpt, out

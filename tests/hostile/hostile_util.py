@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import threading
+import subprocess
+import sys
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -51,29 +52,32 @@ class Payload:
         return exec, (f"open({str(self.marker)!r}, 'w').write('pwned')",)
 
 
+_RELEASER = """
+import os, sys, time
+path, marker, after = sys.argv[1], sys.argv[2], float(sys.argv[3])
+time.sleep(after)
+while True:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # succeeds only while a reader has it open
+        open(marker, "w").close()  # before the close: the reader sees its end of file after this
+        os.close(fd)
+    except OSError:
+        pass
+    time.sleep(0.05)
+"""
+
+
 @contextlib.contextmanager
 def released_fifo(path: Path, after: float = 4.0) -> Iterator[Callable[[], bool]]:
     """A FIFO at `path` that cannot hang the suite: a reader blocked on it is released after `after` seconds
-    (a writer opens it and closes it empty). Yields `waited()`: whether a reader had to be released (the code
-    under test opened the FIFO and waited on it)."""
+    by another process (a writer opens it and closes it empty; a process, because the blocked call may hold
+    this one's GIL). Yields `waited()`: whether a reader had to be released (the code under test opened the
+    FIFO and waited on it)."""
     os.mkfifo(path)
-    stop, released = threading.Event(), []
-
-    def writer() -> None:
-        if stop.wait(after):
-            return
-        while not stop.wait(0.05):
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
-            except OSError:  # no reader: nothing waits on it now
-                continue
-            released.append(True)
-            os.close(fd)
-
-    thread = threading.Thread(target=writer, daemon=True)
-    thread.start()
+    marker = Path(f"{path}.released")
+    child = subprocess.Popen([sys.executable, "-c", _RELEASER, str(path), str(marker), str(after)])
     try:
-        yield lambda: bool(released)
+        yield marker.exists
     finally:
-        stop.set()
-        thread.join()
+        child.kill()
+        child.wait()

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 from hostile_util import edit_manifest, released_fifo
 
-from k3x.exporter.engine_weights import WeightSourceError, read_weight
+from k3x.exporter.engine_weights import WeightSourceError, checkpoint_ranges, read_weight
 from k3x.fileio import sha256
 from k3x.runtime.base import RunnerError
 from k3x.runtime.engine_refit import resolve_sources
+from k3x.runtime.runners import open_folder
 
 DATA = bytes(range(16))  # four fp32 values
 SHARD = "model-00001-of-00001.safetensors"
@@ -132,3 +133,16 @@ def test_the_table_a_build_writes_is_checked_as_it_is_read(referencing):
     table = json.loads(json.dumps({"w": _ranged(SHARD)}))
     assert resolve_sources(referencing, table) is not None and table == {"w": _ranged(SHARD)}
     assert os.path.exists(referencing / "manifest.json")
+
+
+def test_a_build_takes_its_ranges_from_the_recorded_files_only(referencing, ckpt_dir):
+    """`build-engine --strip-weights` on a referencing export (exporter/engine_weights.checkpoint_ranges) reads
+    the checkpoint as the runners do: an unrecorded shard (a FIFO here; the index was not recorded either) is
+    never opened, every range lies in a recorded file."""
+    (ckpt_dir / "model.safetensors.index.json").unlink()
+    (ckpt_dir / "extra.safetensors").unlink()
+    with released_fifo(ckpt_dir / "zz.safetensors") as waited:
+        folder, ranges = checkpoint_ranges(open_folder(referencing))
+        assert not waited(), "the build waited on an unrecorded FIFO"
+    assert folder == ckpt_dir.resolve() and ranges
+    assert {r["file"] for rs in ranges.values() for r in rs} == {SHARD}

@@ -59,16 +59,28 @@ def test_nan_or_inf_in_a_state_is_refused(built, saved, tmp_path, name, value):
     assert code == 1 and _refused(out, f"{name}: holds NaN or inf"), out
 
 
-def test_a_state_longer_than_the_context_is_refused(built, saved, tmp_path):
+@pytest.fixture(scope="module")
+def served(serving_export, tmp_path_factory) -> Path:
+    """The state of PROMPT after its prefill on the session's serving export (pt2), saved once."""
+    state = tmp_path_factory.mktemp("served") / "s.safetensors"
+    code, out = k3x("run", serving_export, "--backend", "pt2", "--prompt-ids", PROMPT, "--max-new-tokens", "1",
+                    "--save-state", state)
+    assert code == 0, out
+    return state
+
+
+@pytest.mark.parametrize("path", ["batch", "serving"])
+def test_a_state_longer_than_the_context_is_refused(request, built, serving_export, path, tmp_path):
     positions = 4097  # k3-mini's context is 4096
+    export, state = (built / "export", "saved") if path == "batch" else (serving_export, "served")
 
     def lengthen(t):
         t["tokens"] = torch.ones(positions, dtype=torch.int64)
         for k in [k for k in t if k.endswith("mla_latent")]:
             t[k] = torch.cat([t[k], torch.zeros(positions - t[k].shape[0], t[k].shape[1])])
 
-    bad = _edit(saved, tmp_path / "long.safetensors", lengthen)
-    code, out = k3x("run", built / "export", "--backend", "pt2", "--load-state", bad, "--max-new-tokens", "1")
+    bad = _edit(request.getfixturevalue(state), tmp_path / "long.safetensors", lengthen)
+    code, out = k3x("run", export, "--backend", "pt2", "--load-state", bad, "--max-new-tokens", "1")
     assert code == 1 and _refused(out, "4097 positions, over the model's context (4096)"), out
 
 
