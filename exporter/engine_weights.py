@@ -253,11 +253,12 @@ def _range(path: Path, offset: int, length: int, where: str) -> None:
         raise WeightSourceError(f"{where}: bytes {offset}+{length} pass the end of {path} ({st.st_size} bytes)")
 
 
-def _source(folder: Path, name: str, src: Any, checkpoint: dict[str, Path], where: str, memory: int) -> None:
+def _source(folder: Path, src: Any, checkpoint: dict[str, Path], where: str, memory: int) -> None:
     if not isinstance(src, dict):
         raise WeightSourceError(f"{where}: must be an object {{dtype, shape, length, sha256, ...}}")
     if src.get("dtype") not in ELEMENT_BYTES:
-        raise WeightSourceError(f"{where}.dtype = {str(src.get('dtype'))[:40]!r}: must be one of {sorted(ELEMENT_BYTES)}")
+        raise WeightSourceError(f"{where}.dtype = {str(src.get('dtype'))[:40]!r}: must be one of "
+                                f"{sorted(ELEMENT_BYTES)}")
     shape = src.get("shape")
     if not isinstance(shape, list) or len(shape) > 8 or not all(isinstance(d, int) and d >= 0 for d in shape):
         raise WeightSourceError(f"{where}.shape = {str(shape)[:60]}: must be a list of sizes")
@@ -274,7 +275,7 @@ def _source(folder: Path, name: str, src: Any, checkpoint: dict[str, Path], wher
             raise WeightSourceError(f"{where}.ranges: must be a non-empty list of {{file, offset, length}}")
         for i, r in enumerate(ranges):
             at = f"{where}.ranges[{i}]"
-            if r.get("file") not in checkpoint:
+            if not isinstance(r.get("file"), str) or r["file"] not in checkpoint:
                 raise WeightSourceError(f"{at}.file = {str(r.get('file'))[:80]!r}: not one of the files the export's "
                                         "referenced checkpoint recorded; refused")
             _range(checkpoint[r["file"]], _int(r, "offset", at), _int(r, "length", at), at)
@@ -300,5 +301,5 @@ def check_sources(table: Any, folder: Path, checkpoint: dict[str, Path] | None =
         raise WeightSourceError(f"{where}: weights must be an object {{weight name: source}}")
     memory = psutil.virtual_memory().available
     for name, src in table.items():
-        _source(Path(folder), name, src, checkpoint or {}, f"{where}: weights[{name[:80]!r}]", memory)
+        _source(Path(folder), src, checkpoint or {}, f"{where}: weights[{name[:80]!r}]", memory)
     return table

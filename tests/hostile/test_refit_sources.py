@@ -119,6 +119,8 @@ def test_checkpoint_ranges_resolve_in_the_recorded_files_only(referencing, ckpt_
     _refused(referencing, {"w": _ranged(SHARD, offset=size - 8)}, f"pass the end of {ckpt_dir / SHARD}")
     _refused(referencing, {"w": _ranged(SHARD, length=1 << 40)}, "more than the memory available")
     _refused(referencing, {"w": _ranged(SHARD, ranges=[])}, "weights['w'].ranges: must be a non-empty list")
+    _refused(referencing, {"w": _ranged(SHARD, ranges=[{"file": [SHARD], "offset": 0, "length": 16}])},
+             "weights['w'].ranges[0].file = \"['model-00001-of-00001.safetensors']\": not one of the files")
     _refused(referencing, {"w": _ranged(SHARD, ranges=[{"file": SHARD, "offset": -4, "length": 16}])},
              "weights['w'].ranges[0].offset = -4: must be an integer >= 0")
 
