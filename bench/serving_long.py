@@ -71,7 +71,7 @@ def long_export(a: argparse.Namespace) -> Iterator[Path]:
     if a.export is not None:
         yield a.export
         return
-    from k3x.checkpoint.files import save_checkpoint
+    from k3x.checkpoint.save import save_checkpoint
     from k3x.exporter.options import ExportOptions, Target
     from k3x.exporter.pipeline import export
     from k3x.model import build_model, preset

@@ -45,7 +45,7 @@ def echo_model(preset_name: str, mix: float, seed: int = 0):
 def export_echo(preset_name: str, mix: float, out: Path, *, seed: int = 0, block_size: int = 16,
                 targets: tuple[str, ...] = ("onnx",)) -> Path:
     """The echo model saved as a checkpoint (out/ckpt) and exported with --serving (out/export) -> the export."""
-    from k3x.checkpoint.files import save_checkpoint
+    from k3x.checkpoint.save import save_checkpoint
     from k3x.exporter.options import ExportOptions, Target
     from k3x.exporter.pipeline import export
 

@@ -100,14 +100,15 @@ def _check_scales(name: str, ranges: tuple[ByteRange, ...]) -> None:
                                           "the E8M0 NaN encoding")
 
 
-def stream_weights(path: str | Path, *, dtype: torch.dtype = torch.float32, expert_format: str | None = None
-                   ) -> Iterator[tuple[str, torch.Tensor | StoredTensor]]:
+def stream_weights(path: str | Path, *, dtype: torch.dtype = torch.float32, expert_format: str | None = None,
+                   opened: tuple | None = None) -> Iterator[tuple[str, torch.Tensor | StoredTensor]]:
     """The model's state_dict in order: a `StoredTensor` where the bytes can be copied as stored, else a filled
-    tensor (at most one alive at a time). Validation happens before the first entry."""
-    cfg, plan, handles, meta = open_checkpoint(Path(path), dtype, Kernels.REFERENCE, expert_format)
+    tensor (at most one alive at a time). Validation happens before the first entry. `opened`: the checkpoint
+    already opened (checkpoint/recorded.recorded_checkpoint: its headers are served from there)."""
+    cfg, plan, handles, meta = opened or open_checkpoint(Path(path), dtype, Kernels.REFERENCE, expert_format)
     state = meta.state_dict()
     pieces = stored_pieces(plan, dict(meta.named_parameters()) | dict(meta.named_buffers()))
-    headers: dict[Path, dict] = {}
+    headers: dict[Path, dict] = {} if opened is None else {f: h.header() for f, h in handles.items()}
 
     def entries() -> Iterator[tuple[str, torch.Tensor | StoredTensor]]:
         with torch.no_grad():

@@ -23,25 +23,21 @@ blobs/ when the folder is a Hugging Face hub snapshot (`checkpoint_file`, fileio
 shards, a tensor in a shard that the index does not list, or one the index lists in a shard that lacks it is a
 `CheckpointError` naming tensor and files. Each shard is opened once (`Shards`). `checkpoint_hash`
 (checkpoint/reference.py) covers exactly the files the weights come from (config.json, the index, the shards in
-use), so any change to them reads as "changed since the export".
+use), so any change to them reads as "changed since the export". Writing one: checkpoint/save.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from ..fileio import confined, normal_permissions
+from ..fileio import confined
 from ..model import mxfp4
 from ..model.config import ConfigError, K3Config
 from ..model.init import build_model
@@ -49,7 +45,7 @@ from ..model.model import K3ForCausalLM
 from ..model.options import BuildOptions
 from ..plan.kernels import Kernels
 from . import published
-from .hf_config import config_from_hf, config_to_hf, raw_config
+from .hf_config import config_from_hf, raw_config
 from .hf_transformers import rename_weight
 
 INDEX = "model.safetensors.index.json"
@@ -104,24 +100,38 @@ def tensor_files(path: Path, shards: Shards | None = None) -> dict[str, Path]:
     if not checkpoint_file(path, "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json (not a checkpoint folder)")
     if checkpoint_file(path, INDEX).is_file():
-        try:
-            weight_map = json.loads((path / INDEX).read_bytes().decode("utf-8"))["weight_map"]
-        except (ValueError, KeyError, TypeError, RecursionError) as e:
-            raise CheckpointError(f"{path / INDEX}: unreadable index ({str(e)[:200]})") from None
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{path / INDEX}: weight_map must be an object {{tensor: shard file}}")
-        files = {k: checkpoint_file(path, f) for k, f in weight_map.items()}
-        missing = sorted({f.name for f in files.values() if not f.is_file()})
-        if missing:
-            raise CheckpointError(f"{path / INDEX}: shard file(s) missing: {', '.join(missing)}")
-        for f in sorted(set(files.values())):
-            for k in shards[f].keys():
-                if k not in files:
-                    raise CheckpointError(f"{f}: tensor {k!r} is in this shard but not in {INDEX}")
-                if files[k] != f:
-                    raise CheckpointError(f"{f}: tensor {k!r} is also in this shard; {INDEX} says {files[k].name}")
-        return files
-    found = sorted(path.glob("*.safetensors"))
+        return index_files(path, weight_map(path, (path / INDEX).read_bytes()), shards)
+    return header_files(path, sorted(path.glob("*.safetensors")), shards)
+
+
+def weight_map(path: Path, index: bytes) -> dict[str, str]:
+    """The {tensor: shard file name} of `index` (the bytes of `path`'s index)."""
+    try:
+        names = json.loads(index.decode("utf-8"))["weight_map"]
+        if not isinstance(names, dict):
+            raise TypeError("weight_map must be an object {tensor: shard file}")
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise CheckpointError(f"{path / INDEX}: unreadable index ({str(e)[:200]})") from None
+    return names
+
+
+def index_files(path: Path, names: dict[str, str], shards: Shards) -> dict[str, Path]:
+    """tensor name -> file as the index's `names` say, checked against the shards' own headers."""
+    files = {k: checkpoint_file(path, f) for k, f in names.items()}
+    missing = sorted({f.name for f in files.values() if not f.is_file()})
+    if missing:
+        raise CheckpointError(f"{path / INDEX}: shard file(s) missing: {', '.join(missing)}")
+    for f in sorted(set(files.values())):
+        for k in shards[f].keys():
+            if k not in files:
+                raise CheckpointError(f"{f}: tensor {k!r} is in this shard but not in {INDEX}")
+            if files[k] != f:
+                raise CheckpointError(f"{f}: tensor {k!r} is also in this shard; {INDEX} says {files[k].name}")
+    return files
+
+
+def header_files(path: Path, found: list[Path], shards: Shards) -> dict[str, Path]:
+    """tensor name -> file from the headers of the shards `found` (no index): a name in two is an error."""
     if not found:
         raise CheckpointError(f"{path}: no *.safetensors files")
     out: dict[str, Path] = {}
@@ -216,17 +226,18 @@ def stored_expert_format(files: dict[str, Path]) -> str:
 
 
 def checkpoint_config(path: str | Path, expert_format: str | None = None, files: dict[str, Path] | None = None,
-                      kernels: Kernels = Kernels.REFERENCE, activations: str = "bf16") -> tuple[K3Config, BuildOptions]:
-    """(config.json's architecture, the build: `kernels`, experts as stored or as `expert_format` asks, the
-    expert-GEMM `activations`)."""
+                      kernels: Kernels = Kernels.REFERENCE, activations: str = "bf16", config: bytes | None = None
+                      ) -> tuple[K3Config, BuildOptions]:
+    """(config.json's architecture (`config`: its bytes, already read), the build: `kernels`, experts as
+    stored or as `expert_format` asks, the expert-GEMM `activations`)."""
     path = Path(path)
     if expert_format not in (None, "dense", "mxfp4"):
         raise CheckpointError(f"expert_format={expert_format!r}: expected 'dense', 'mxfp4' or None (as stored)")
     try:
-        config = checkpoint_file(path, "config.json")
-        cfg = config_from_hf(config)
+        config_path = checkpoint_file(path, "config.json")
+        cfg = config_from_hf(config_path, config)
         files = tensor_files(path) if files is None else files
-        published.check_quantization(raw_config(config), published.holds_packed(files), str(config))
+        published.check_quantization(raw_config(config_path, config), published.holds_packed(files), str(config_path))
         fmt = expert_format or stored_expert_format(files)
         return cfg, BuildOptions(Kernels(kernels), fmt, activations)
     except ConfigError as e:
@@ -301,99 +312,17 @@ def stream_tensors(path: str | Path, *, dtype: torch.dtype = torch.float32, expe
     would (same names, dtypes, packing): an exporter writes each and drops it, so at most one model tensor
     (one stacked expert tensor at most) plus 256 MiB of mapped shard pages is resident. Validation happens
     before the first tensor."""
-    cfg, plan, handles, meta = open_checkpoint(Path(path), dtype, Kernels.REFERENCE, expert_format)
+    return tensors_of(*open_checkpoint(Path(path), dtype, Kernels.REFERENCE, expert_format))
+
+
+def tensors_of(cfg: K3Config, plan: dict, handles: Shards, meta: K3ForCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
+    """`stream_tensors` of a checkpoint already opened and validated (`open_checkpoint`'s result)."""
     state = meta.state_dict()
     pieces = stored_pieces(plan, dict(meta.named_parameters()) | dict(meta.named_buffers()))
-
-    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        with torch.no_grad():
-            for name, m in state.items():
-                t = torch.empty(m.shape, dtype=m.dtype)
-                read_into(t, pieces[name], plan, handles, unmap_every=256 << 20)
-                handles.clear()  # mapped shard pages count as resident: read what one tensor needs, unmap
-                yield name, t
-                del t  # before the next tensor is allocated
-
-    return tensors()
-
-
-def _hf_tensors(model: K3ForCausalLM, expert_format: str):
-    """Yield (checkpoint name, tensor) in the on-disk layout, model naming (a packed model's experts are written
-    as held); `A_log` as the published layout stores it."""
-    state = model.state_dict()
-    for name, t in state.items():
-        m = re.match(r"^(.*\.experts)\.(w[123])(_scale)?$", name)
-        if not m:
-            yield name, (published.stored_a_log(model.cfg, t) if name.endswith(".A_log") else t).detach().contiguous()
-            continue
-        if m.group(3):
-            continue  # written with its packed weight
-        for e in range(t.shape[0]):
-            base = f"{m.group(1)}.{e}.{m.group(2)}"
-            if t.dtype == torch.uint8:
-                if expert_format != "mxfp4":
-                    raise ValueError(f"{name}: the model holds MXFP4 experts; expert_format={expert_format!r} "
-                                     "would need a decode (save with expert_format='mxfp4')")
-                yield f"{base}.weight_packed", t[e].contiguous()
-                yield f"{base}.weight_scale", state[f"{name}_scale"][e].contiguous()
-            elif expert_format == "mxfp4":
-                packed, scale = mxfp4.quantize(t[e])
-                yield f"{base}.weight_packed", packed
-                yield f"{base}.weight_scale", scale
-            else:
-                yield f"{base}.weight", t[e].detach().contiguous()
-
-
-def save_checkpoint(model: K3ForCausalLM, path: str | Path, *, expert_format: str = "mxfp4",
-                    max_shard_bytes: int = 2 << 30, extra_files: dict[str, bytes] | None = None) -> Path:
-    """Write config.json + sharded safetensors + index atomically (temp folder renamed into place), in the
-    published layout of the model's architecture (checkpoint/published.py: names, `A_log`, the
-    `quantization_config` of packed experts). `extra_files` ({plain file name: bytes}, e.g. the tokenizer's)
-    are written into the same folder."""
-    for name in extra_files or {}:
-        if Path(name).name != name or name in ("config.json", INDEX) or name.endswith(".safetensors"):
-            raise ValueError(f"extra file {name!r}: must be a plain file name other than the checkpoint's own")
-    if expert_format not in ("mxfp4", "dense"):
-        raise ValueError(f"expert_format={expert_format!r}: expected 'mxfp4' or 'dense'")
-    if expert_format == "mxfp4":
-        for dim, what in ((model.cfg.expert_dim, "expert input width"), (model.cfg.moe.intermediate_size,
-                                                                           "moe.intermediate_size")):
-            if dim % mxfp4.BLOCK:
-                raise ConfigError(f"{what}={dim}: MXFP4 needs a multiple of {mxfp4.BLOCK}; use expert_format='dense'")
-    path = Path(path)
-    if path.exists() and any(path.iterdir()):
-        raise FileExistsError(f"{path}: exists and is not empty")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
-        shards: list[dict[str, torch.Tensor]] = [{}]
-        size = 0
-        for name, t in _hf_tensors(model, expert_format):
-            nbytes = t.numel() * t.element_size()
-            if shards[-1] and size + nbytes > max_shard_bytes:
-                shards.append({})
-                size = 0
-            shards[-1][published.stored_name(model.cfg, name)] = t
-            size += nbytes
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(tmp / fname), metadata={"format": "pt"})
-            weight_map.update({k: fname for k in shard})
-        total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
-        (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        block = published.quantization_config(shapes) if published.holds_packed(weight_map) else None
-        config = config_to_hf(model.cfg, dtype=model.lm_head.weight.dtype, quantization=block)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        for name, data in (extra_files or {}).items():
-            (tmp / name).write_bytes(data)
-        for f in [tmp, *tmp.iterdir()]:  # mkdtemp creates 0700, safetensors writes 0600: for everyone to read
-            normal_permissions(f)
-        if path.exists():
-            path.rmdir()
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+    with torch.no_grad():
+        for name, m in state.items():
+            t = torch.empty(m.shape, dtype=m.dtype)
+            read_into(t, pieces[name], plan, handles, unmap_every=256 << 20)
+            handles.clear()  # mapped shard pages count as resident: read what one tensor needs, unmap
+            yield name, t
+            del t  # before the next tensor is allocated

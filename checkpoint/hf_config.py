@@ -57,14 +57,15 @@ def _depth(v: Any, where: str, level: int = 0) -> None:
         _depth(x, where, level + 1)
 
 
-def _read_json(path: Path, where: str) -> dict[str, Any]:
+def _read_json(path: Path, where: str, data: bytes | None = None) -> dict[str, Any]:
     def no_constant(name: str) -> None:
         raise ConfigError(f"{where}: {name} is not a valid JSON number")
 
     try:
-        if path.stat().st_size > _MAX_BYTES:
-            raise ConfigError(f"{where}: {path.stat().st_size} bytes; a config.json is at most {_MAX_BYTES}")
-        raw = json.loads(path.read_bytes().decode("utf-8"), parse_constant=no_constant)
+        size = path.stat().st_size if data is None else len(data)
+        if size > _MAX_BYTES:
+            raise ConfigError(f"{where}: {size} bytes; a config.json is at most {_MAX_BYTES}")
+        raw = json.loads((path.read_bytes() if data is None else data).decode("utf-8"), parse_constant=no_constant)
     except FileNotFoundError:
         raise ConfigError(f"{where}: no such file (no config.json: not a checkpoint folder)") from None
     except UnicodeDecodeError as e:
@@ -139,12 +140,14 @@ def _refuse_unsupported(raw: dict[str, Any], text: dict[str, Any], where: str) -
                               "sigmoid routing without expert groups, NoPE MLA, an untied head, no MTP layers)")
 
 
-def config_from_hf(path: str | Path) -> K3Config:
+def config_from_hf(path: str | Path, data: bytes | None = None) -> K3Config:
+    """The architecture config.json at `path` (a file or its folder) describes; `data`: its bytes, already
+    read (then `path` only names it)."""
     path = Path(path)
-    if path.is_dir():
+    if data is None and path.is_dir():
         path = path / "config.json"
     where = str(path)
-    raw = _read_json(path, where)
+    raw = _read_json(path, where, data)
     model_type = raw.get("model_type")
     if model_type == "kimi_k3":
         text = _get(raw, "text_config", where, "dict")
@@ -276,6 +279,7 @@ def config_to_hf(cfg: K3Config, *, dtype: torch.dtype | None = None,
     return out
 
 
-def raw_config(path: str | Path) -> dict[str, Any]:
-    """config.json as a dict, read with the strict rules of `config_from_hf` (ConfigError naming the file)."""
-    return _read_json(Path(path), str(path))
+def raw_config(path: str | Path, data: bytes | None = None) -> dict[str, Any]:
+    """config.json as a dict, read with the strict rules of `config_from_hf` (ConfigError naming the file);
+    `data`: its bytes, already read."""
+    return _read_json(Path(path), str(path), data)

@@ -9,7 +9,8 @@ from pathlib import Path
 from ..model.config import K3Config, preset
 from ..model.init import build_model
 from ..text.tiny_tokenizer import tokenizer_files
-from .files import CheckpointError, save_checkpoint
+from .files import CheckpointError
+from .save import save_checkpoint
 
 
 def init_checkpoint(preset_name: str, out: Path, *, seed: int = 0, expert_format: str = "mxfp4",

@@ -8,10 +8,11 @@ The export folder then holds graphs only; the manifest's `weight_source` entry n
      "files": [{"name": "config.json", "bytes": N, "sha256": "..."}, ...],   # every file the weights come from
      "prefix": "lm."}   # only when the programs name the weights with a prefix (a serving step: exporter/serving.py)
 
-A runner loads the weights from there (`referenced_checkpoint` first: every recorded file present in the
-folder, not a link leaving it (fileio.confined), of the recorded size and, unless the hash check is skipped,
-sha256; else one line naming the file), then reads them tensor by tensor (`referenced_tensors`, the names
-and dtypes a copying export writes).
+A runner loads the weights from there tensor by tensor (`referenced_tensors`, the names and dtypes a copying
+export writes) from exactly the recorded files, each opened once, checked (present in the folder, not a link
+leaving it (fileio.confined), a regular file of the recorded size and, unless the hash check is skipped,
+sha256) and loaded from the same open file (checkpoint/recorded.py); else one line naming the file.
+`referenced_checkpoint` checks the files by path (an engine build, the refit's ranges).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from typing import Iterator
 import torch
 
 from ..fileio import sha256
-from .files import INDEX, CheckpointError, checkpoint_file, stream_tensors, tensor_files
+from .files import INDEX, CheckpointError, checkpoint_file, tensor_files
+from .recorded import recorded_tensors
 
 KIND = "checkpoint"
 
@@ -90,9 +92,11 @@ def referenced_checkpoint(entry: dict, *, check_hash: bool = True) -> Path:
     return folder
 
 
-def referenced_tensors(folder: Path, *, dtype: torch.dtype, expert_format: str, prefix: str = ""
+def referenced_tensors(entry: dict, *, dtype: torch.dtype, expert_format: str, check_hash: bool = True
                        ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The weights as a copying export writes them (`prefix` + state_dict name, packed MXFP4 as stored),
-    one tensor at a time."""
-    for name, t in stream_tensors(folder, dtype=dtype, expert_format=expert_format):
+    """The weights of the checkpoint a manifest's `weight_source` `entry` references, as a copying export
+    writes them (the entry's `prefix` + state_dict name, packed MXFP4 as stored), one tensor at a time, read
+    from the recorded files only (checkpoint/recorded.py)."""
+    prefix = str(entry.get("prefix", "")) if isinstance(entry, dict) else ""
+    for name, t in recorded_tensors(entry, dtype=dtype, expert_format=expert_format, check_hash=check_hash):
         yield prefix + name, t

@@ -13,7 +13,7 @@ import typer
 from ..console import Printer, debug, echo, fail, one_line, timed
 from . import session as sessions
 from .runners import RunnerError, RunnerOptions
-from .state_file import Shard, shard_path, state_hooks
+from .state_file import Shard, shard_path, state_hooks, weights_origin
 
 
 def runner_options(provider: str, skip_hash_check: bool, checkpoint: Path | None = None,
@@ -82,7 +82,8 @@ def decode_export(export_dir: Path, folder, backend: str, prepared, options: Run
     import torch
 
     try:  # a state file is checked before any runner loads
-        ids, state = state_hooks(save_state, load_state, folder.state_contract(), folder.config(), prepared.ids)
+        ids, state = state_hooks(save_state, load_state, folder.state_contract(), folder.config(), prepared.ids,
+                                 origin=weights_origin(folder.manifest))
     except RunnerError as e:
         fail(str(e))
     s = open_session(export_dir, [backend], options, default_ort=True)

@@ -1,9 +1,10 @@
 """Weights of an export that references its checkpoint (`k3x export --weights reference`), read at load.
 
-`referenced_weights` checks the checkpoint the manifest's `weight_source` entry names
-(checkpoint/reference.py: every file present, confined to its folder, of the recorded size and sha256
-unless `check_hashes` is off) and reads its tensors under the names the programs use: `None` for an export
-whose artifacts hold their weights. The pt2 runner attaches them to the graph-only program
+`referenced_weights` reads the tensors of the checkpoint the manifest's `weight_source` entry names under
+the names the programs use (checkpoint/reference.referenced_tensors: exactly the recorded files, each
+opened once, a regular file confined to its folder, of the recorded size and sha256 unless `check_hashes`
+is off, and loaded from the bytes that were checked): `None` for an export whose artifacts hold their
+weights. The pt2 runner attaches them to the graph-only program
 (exporter/trace.with_weights); the ORT runner hands them to ONNX Runtime as the initializers the graph points
 at a file that never exists (`ort_initializers`, exporter/onnx_weights.reference_weights).
 """
@@ -28,12 +29,11 @@ def referenced_weights(folder: ExportFolder, check_hashes: bool = True) -> dict[
     if entry is None:
         return None
     from ..checkpoint.files import CheckpointError
-    from ..checkpoint.reference import referenced_checkpoint, referenced_tensors
+    from ..checkpoint.reference import referenced_tensors
 
     try:
-        ckpt = referenced_checkpoint(entry, check_hash=check_hashes)
-        return dict(referenced_tensors(ckpt, dtype=folder.dtype(), expert_format=folder.options().build.expert_format,
-                                       prefix=str(entry.get("prefix", ""))))
+        return dict(referenced_tensors(entry, dtype=folder.dtype(), expert_format=folder.options().build.expert_format,
+                                       check_hash=check_hashes))
     except (CheckpointError, OSError) as e:
         raise RunnerError(f"{folder.path}: weights referenced in the checkpoint: {e}") from None
 

@@ -115,11 +115,32 @@ def _eager(d: ExportFolder, options: RunnerOptions) -> Runner:
 
 
 def serving_entry(export_dir: Path | ExportFolder) -> dict:
-    """The manifest's `serving` entry (block_size, inputs, outputs) of a `k3x export --serving` folder."""
-    entry = open_folder(export_dir).manifest.get("serving")
+    """The manifest's `serving` entry (block_size, inputs, outputs) of a `k3x export --serving` folder, its
+    `inputs` and `outputs` checked against the step program's own order (model/serving.py: the step inputs,
+    then the pools in layer order): the pt2 and aoti runners feed the pools by position, so two names swapped
+    in the manifest would feed a layer another layer's state. RunnerError naming the first entry that differs."""
+    from ..model.serving import STEP_INPUTS, pool_names
+
+    folder = open_folder(export_dir)
+    entry = folder.manifest.get("serving")
     if not isinstance(entry, dict) or not isinstance(entry.get("block_size"), int):
         raise RunnerError(f"{export_dir}: not a serving export (no `serving` entry in manifest.json); "
                           "export with --serving")
+    try:
+        names = pool_names(folder.config())
+    except ManifestError as e:
+        raise RunnerError(str(e)) from None
+    order = {"inputs": [*STEP_INPUTS, *(p for p, _ in names)], "outputs": ["logits", *(n for _, n in names)]}
+    for key, want in order.items():
+        got = entry.get(key)
+        if got != want:
+            got = got if isinstance(got, list) else []
+            i = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), min(len(got), len(want)))
+            seen = repr(got[i])[:60] if i < len(got) else "missing"
+            takes = repr(want[i]) if i < len(want) else f"none (it has {len(want)})"
+            raise RunnerError(f"{folder.path / 'manifest.json'}: serving.{key}[{i}] is {seen}, the step program's "
+                              f"{key[:-1]} {i} is {takes} (its own order: step inputs, then the pools in layer "
+                              "order); refused")
     return entry
 
 

@@ -81,7 +81,9 @@ class StepModuleRunner:
 def serving_runner(backend: str, export_dir, options=None):
     """The runner of a serving export (`k3x export --serving`): pt2 (the step program's module), aoti (its
     AOTInductor package), ort (the ort flavor through IO binding) or trt (the engine of `k3x build-engine`:
-    TensorRT 11 and a GPU); ort and trt bind the pools by pointer, no copy per step on the runner's device."""
+    TensorRT 11 and a GPU); ort and trt bind the pools by pointer, no copy per step on the runner's device.
+    pt2 and aoti take the pools by position: the manifest's order is the program's own (`serving_entry`), and
+    the pt2 program's signature has as many inputs."""
     from .runners import (RunnerError, RunnerOptions, load_aoti_artifact, load_pt2_artifact, make_runner, open_folder,
                           serving_entry)
 
@@ -96,6 +98,10 @@ def serving_runner(backend: str, export_dir, options=None):
     if backend != "pt2":
         raise RunnerError(f"backend={backend!r}: a serving export runs on pt2, aoti, ort or trt")
     ep = load_pt2_artifact(folder, options, "the serving step")
+    takes = list(ep.graph_signature.user_inputs)  # the program's own signature: the step inputs, then pools_0...
+    if len(takes) != len(entry["inputs"]) or takes[: len(STEP_INPUTS)] != list(STEP_INPUTS):
+        raise RunnerError(f"{folder.path}: the step program takes {len(takes)} inputs ({', '.join(takes[:8])[:120]}), "
+                          f"the manifest's serving.inputs lists {len(entry['inputs'])}; refused")
     return StepModuleRunner("pt2", ep.module(), entry["inputs"], entry["outputs"], options.device)
 
 

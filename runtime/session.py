@@ -198,11 +198,12 @@ def serve_prompts(s: Session, backend: str, prompts: list[list[int]], sampling, 
 def serving_state(s: Session, save: Path | None, load: Path | None, prompt: list[int]):
     """runtime/state_file.serving_hooks for this program of a serving session: (the prompt, serve's `resume` /
     `on_prefill`); rank programs: this rank's file (`FILE.rank{r}of{W}`) under its contract (its pools), the
-    whole model's config hash and vocabulary (the logits are whole on every rank)."""
-    from .state_file import Shard, serving_hooks
+    whole model's config hash and vocabulary (the logits are whole on every rank), the export's weights."""
+    from .state_file import Shard, serving_hooks, weights_origin
 
     shard = Shard(s.rank, s.plan.world, f"tp={s.plan.tp} ep={s.plan.ep}")
-    return serving_hooks(save, load, s.contract, s.cfg, prompt, shard)
+    origin = weights_origin(open_folder(s.export_dir).manifest)
+    return serving_hooks(save, load, s.contract, s.cfg, prompt, shard, origin=origin)
 
 
 def check(s: Session, *, batch: int, prompt_len: int, new_tokens: int, backends: list[str]) -> None:

@@ -11,20 +11,30 @@ per-sequence form (model/state_contract.py: the batch / slot axis dropped), inte
   runner returned;
 - `tokens` int64 [T]: the sequence the state holds (T = positions); `logits` fp32 [vocab]: its last
   position's logits, from which the next token is chosen;
-- metadata: `format` (k3x-state), `version`, `config_hash`, the state `contract` of the export that wrote it,
-  and the `rank`, `world` and `plan` of the program that wrote it (`Shard`; one program: rank 0 of 1).
+- metadata: `format` (k3x-state), `version`, `config_hash`, `weights` (the weights the state was computed
+  with, `weights_origin`: the checkpoint hash the export recorded, else a digest of its artifacts' sha256s, so
+  a state of another export of the same architecture is refused), the state `contract` of the export that
+  wrote it, and the `rank`, `world` and `plan` of the program that wrote it (`Shard`; one program: rank 0 of 1).
 Rank programs (a `--serving --tp/--ep` export): every rank writes and reads its own file, `FILE.rank{r}of{W}`
 (`shard_path`), holding its pools' rows under its own contract (its KDA heads, the replicated latent); a file
 is refused by a program of another rank, rank count or plan.
-Loading checks the file against the loading export's contract (layer, kind, shape per sequence, axes, dtype)
-and config hash before any tensor is used: every problem is a `StateFileError`, one line naming the file and
-the tensor or field. A serving export (`serving_hooks`) writes and reads the same file: its slot's KDA rows and
-the sequence's latent rows from its blocks, per sequence as the contract names them.
+Loading opens the path once without blocking and reads it only when it is a regular file no larger than a
+state of the export's context can be (a FIFO, device or folder is refused, never waited on), parses the
+bytes it read (nothing is mapped or opened again), then checks the file against the loading export's
+contract (layer, kind, shape per sequence, axes, dtype), config hash and weights, the sequence's length
+against the model's context and every float value finite, before any tensor is used: every problem is a
+`StateFileError`, one line naming the file and the tensor or field. A serving export (`serving_hooks`)
+writes and reads the same file: its slot's KDA rows and the sequence's latent rows from its blocks, per
+sequence as the contract names them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import stat
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +47,8 @@ from ..model.state_contract import tensor_label
 from ..plan.dtypes import dtype_name, torch_dtype
 from .base import Feeds, RunnerError
 
-FORMAT, VERSION = "k3x-state", "1"
+FORMAT, VERSION = "k3x-state", "2"  # 2: the `weights` origin recorded
+_HEADER_ROOM = 1 << 20  # a state file's safetensors header and metadata, beyond the contract's own JSON
 _SAME = ("layer", "kind", "shape", "axes", "dtype")  # what a state must agree on, whatever the interface
 
 
@@ -64,6 +75,19 @@ class StateFileError(RunnerError):
     """A state file cannot be written or does not fit the export that loads it; one line naming the file."""
 
 
+def weights_origin(manifest: dict[str, Any]) -> str:
+    """What identifies an export's weights: the checkpoint hash its manifest records (any artifact, copied or
+    referenced weights), else a digest of every artifact's sha256 and the rank programs' entries (an export
+    of initialised weights: its files are its weights)."""
+    ckpt = manifest.get("checkpoint")
+    if isinstance(ckpt, dict) and isinstance(ckpt.get("hash"), str):
+        return f"checkpoint {ckpt['hash']}"
+    files = {name: [f.get("sha256") for f in entry.get("files", [])]
+             for name, entry in (manifest.get("artifacts") or {}).items() if isinstance(entry, dict)}
+    blob = json.dumps([files, manifest.get("parallel")], sort_keys=True, default=str).encode()
+    return f"artifacts {hashlib.sha256(blob).hexdigest()[:16]}"
+
+
 @dataclass(frozen=True)
 class SavedState:
     tokens: list[int]  # the sequence the state holds
@@ -79,7 +103,7 @@ def _per_sequence(t: dict[str, Any], x: Tensor) -> Tensor:
 
 
 def save_state(path: Path, contract: dict[str, Any], config_hash: str, outputs: Feeds, tokens: list[int],
-               shard: Shard = Shard()) -> None:
+               shard: Shard = Shard(), *, origin: str) -> None:
     """Write the state of a batch of one (`outputs` of the step that consumed `tokens`) to `path`, renamed into
     place once complete."""
     from safetensors.torch import save
@@ -87,21 +111,64 @@ def save_state(path: Path, contract: dict[str, Any], config_hash: str, outputs: 
     tensors = {_key(t): _per_sequence(t, outputs[t["output"]]).detach().cpu().contiguous() for t in contract["tensors"]}
     tensors["tokens"] = torch.tensor(tokens, dtype=torch.int64)
     tensors["logits"] = outputs["logits"][0, -1].detach().float().cpu().contiguous()
-    meta = {"format": FORMAT, "version": VERSION, "config_hash": config_hash, "contract": json.dumps(contract),
-            **shard.meta()}
+    meta = {"format": FORMAT, "version": VERSION, "config_hash": config_hash, "weights": origin,
+            "contract": json.dumps(contract), **shard.meta()}
     try:
         atomic_write_bytes(Path(path), save(tensors, metadata=meta))
     except OSError as e:
         raise StateFileError(f"--save-state {path}: cannot write it ({e})") from None
 
 
-def _read(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
-    from safetensors import SafetensorError, safe_open
+def largest_state(contract: dict[str, Any], context: int, vocab_size: int) -> int:
+    """The most bytes a state file of this contract can take: every tensor at `context` positions, the tokens,
+    the logits and the header."""
+    total = _HEADER_ROOM + 2 * len(json.dumps(contract)) + 8 * context + 4 * vocab_size
+    for t in contract["tensors"]:
+        n = torch_dtype(t["dtype"]).itemsize
+        for d in t["shape"]:
+            n *= context if d == "position" else int(d)
+        total += n
+    return total
 
+
+def _file_bytes(path: Path, limit: int) -> bytes:
+    """The bytes of `path`, opened once without blocking and read only when it is a regular file of at most
+    `limit` bytes."""
     try:
-        with safe_open(str(path), framework="pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
-    except (SafetensorError, OSError, ValueError) as e:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise StateFileError(f"{path}: cannot open it ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise StateFileError(f"{path}: not a regular file (a state file is one); refused")
+        if st.st_size > limit:
+            raise StateFileError(f"{path}: {st.st_size} bytes, more than a state of this export's context can "
+                                 f"take ({limit} bytes); refused")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as e:
+        raise StateFileError(f"{path}: cannot read it ({e.strerror})") from None
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise StateFileError(f"{path}: grew past {limit} bytes while it was read; refused")
+    return data
+
+
+def _read(path: Path, limit: int) -> tuple[dict[str, Tensor], dict[str, str]]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    data = _file_bytes(path, limit)
+    try:
+        tensors = load(data)  # the header checked by safetensors: its metadata is then read from it
+        (n,) = struct.unpack_from("<Q", data)
+        meta = json.loads(data[8:8 + n]).get("__metadata__") or {}
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            raise ValueError("its metadata is not a string map")
+        return tensors, meta
+    except (SafetensorError, ValueError, struct.error, AttributeError, RecursionError) as e:
         raise StateFileError(f"{path}: not a k3x state file (safetensors: {str(e)[:200]})") from None
 
 
@@ -132,10 +199,11 @@ def _tensor_problem(t: dict[str, Any], x: Tensor | None, positions: int) -> str 
 
 
 def load_state(path: Path, contract: dict[str, Any], config_hash: str, vocab_size: int,
-               shard: Shard = Shard()) -> SavedState:
-    """The state in `path`, checked against the loading program's `shard`, `contract` and config hash, as the
-    outputs a runner would have returned (batch of one)."""
-    tensors, meta = _read(Path(path))
+               shard: Shard = Shard(), *, origin: str, context: int) -> SavedState:
+    """The state in `path`, checked against the loading program's `shard`, `contract`, config hash, weights
+    (`origin`, `weights_origin`) and `context` (the most positions a sequence may hold), as the outputs a
+    runner would have returned (batch of one)."""
+    tensors, meta = _read(Path(path), largest_state(contract, context, vocab_size))
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise StateFileError(f"{path}: not a k3x state file (format {str(meta.get('format'))[:40]!r}, version "
                              f"{str(meta.get('version'))[:10]!r}; this k3x reads {FORMAT!r} {VERSION})")
@@ -145,6 +213,9 @@ def load_state(path: Path, contract: dict[str, Any], config_hash: str, vocab_siz
     if meta.get("config_hash") != config_hash:
         raise StateFileError(f"{path}: saved by an export of another model (config_hash "
                              f"{str(meta.get('config_hash'))[:16]}, this export's {config_hash[:16]})")
+    if meta.get("weights") != origin:
+        raise StateFileError(f"{path}: saved by an export of other weights ({str(meta.get('weights'))[:48]}, this "
+                             f"export's {origin}); refused")
     problem = _contract_problem(meta.get("contract"), contract)
     if problem:
         raise StateFileError(f"{path}: {problem}")
@@ -152,6 +223,8 @@ def load_state(path: Path, contract: dict[str, Any], config_hash: str, vocab_siz
     if tokens is None or tokens.dtype != torch.int64 or tokens.dim() != 1 or not tokens.numel() \
             or int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size:
         raise StateFileError(f"{path}: tokens: need int64 [T], T >= 1, ids in [0, {vocab_size})")
+    if tokens.numel() > context:
+        raise StateFileError(f"{path}: tokens: {tokens.numel()} positions, over the model's context ({context})")
     if logits is None or logits.dtype != torch.float32 or list(logits.shape) != [vocab_size]:
         raise StateFileError(f"{path}: logits: need float32 [{vocab_size}]")
     extra = sorted(set(tensors) - {"tokens", "logits"} - {_key(t) for t in contract["tensors"]})
@@ -164,34 +237,40 @@ def load_state(path: Path, contract: dict[str, Any], config_hash: str, vocab_siz
         if problem:
             raise StateFileError(f"{path}: {_key(t)}: {problem}")
         outputs[t["output"]] = x if t["kind"] == "length" else x[None]
+    for name, x in [("logits", logits)] + [(_key(t), tensors[_key(t)]) for t in contract["tensors"]]:
+        if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+            raise StateFileError(f"{path}: {name}: holds NaN or inf; refused")
     return SavedState(tokens.tolist(), outputs)
 
 
 def state_hooks(save: Path | None, load: Path | None, contract: dict[str, Any], cfg, prompt: list[int],
-                shard: Shard = Shard()) -> tuple[list[int], dict[str, Any]]:
+                shard: Shard = Shard(), *, origin: str) -> tuple[list[int], dict[str, Any]]:
     """(the sequence to decode, runners.generate's `start` / `on_prefill`) of `k3x run --save-state / --load-state`:
     decode from the state in `load` (its tokens replace `prompt`), and/or write the state after the prefill
-    to `save` (rank programs: this rank's files of them, `shard_path`)."""
+    to `save` (rank programs: this rank's files of them, `shard_path`). `origin`: the export's
+    `weights_origin`."""
     hooks: dict[str, Any] = {}
     if load is not None:
-        saved = load_state(shard_path(load, shard), contract, cfg.hash(), cfg.vocab_size, shard)
+        saved = load_state(shard_path(load, shard), contract, cfg.hash(), cfg.vocab_size, shard, origin=origin,
+                           context=cfg.max_position_embeddings)
         prompt, hooks["start"] = saved.tokens, saved.outputs
     if save is not None:
         if not Path(save).parent.is_dir() or Path(save).is_dir():
             raise StateFileError(f"--save-state {save}: not a file in an existing folder")
         tokens, file = list(prompt), shard_path(save, shard)
-        hooks["on_prefill"] = lambda outputs: save_state(file, contract, cfg.hash(), outputs, tokens, shard)
+        hooks["on_prefill"] = lambda outputs: save_state(file, contract, cfg.hash(), outputs, tokens, shard,
+                                                         origin=origin)
     return prompt, hooks
 
 
 def serving_hooks(save: Path | None, load: Path | None, contract: dict[str, Any], cfg, prompt: list[int],
-                  shard: Shard = Shard()) -> tuple[list[int], dict[str, Any]]:
+                  shard: Shard = Shard(), *, origin: str) -> tuple[list[int], dict[str, Any]]:
     """`state_hooks` for a serving export: (the prompt, runtime/serve.serve's `resume` / `on_prefill` for
     prompt 0). The file is the same (per-sequence tensors named by the contract): the slot's KDA rows and the
     sequence's latent rows map to the contract's `input` pool names."""
     from .serve import SlotState
 
-    prompt, hooks = state_hooks(save, load, contract, cfg, prompt, shard)
+    prompt, hooks = state_hooks(save, load, contract, cfg, prompt, shard, origin=origin)
     out: dict[str, Any] = {}
     if "start" in hooks:
         saved = hooks["start"]

@@ -40,7 +40,7 @@ def export_folder(checkpoint: Path, out: Path, ep=None) -> tuple[Path, torch.exp
 
 @functools.lru_cache(maxsize=1)
 def mini_export() -> MiniExport:
-    from k3x.checkpoint.files import save_checkpoint
+    from k3x.checkpoint.save import save_checkpoint
     from k3x.model import build_model, preset
 
     root = scratch_dir("k3x-test-mini-")

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from k3x.folder.artifacts import ExportFolder
 from k3x.runtime.runners import RunnerOptions, generate, make_runner, serving_entry
 from k3x.runtime.serve import ServeOptions, serve, serving_runner
-from k3x.runtime.state_file import serving_hooks, state_hooks
+from k3x.runtime.state_file import serving_hooks, state_hooks, weights_origin
 from k3x.text.sampling import SamplingOptions
 
 PROMPT = [5, 17, 300, 2, 9, 41, 7]
@@ -47,7 +47,7 @@ def split(mode: str, folder: Path, state: Path, out: Path, new_tokens: int = 6) 
 
 def serving(mode: str, folder: ExportFolder, file: str, backend: str, new_tokens: int) -> dict[str, torch.Tensor]:
     ids, hooks = serving_hooks(file if mode == "save" else None, file if mode == "load" else None,
-                               folder.state_contract(), folder.config(), PROMPT)
+                               folder.state_contract(), folder.config(), PROMPT, origin=weights_origin(folder.manifest))
     options = ServeOptions(block_size=serving_entry(folder)["block_size"], keep_logits=True)
     (record,) = serve(serving_runner(backend, folder, RunnerOptions(provider="cpu")), folder.config(), [ids],
                       SamplingOptions(1 if mode == "save" else new_tokens), options, **hooks)
@@ -63,7 +63,7 @@ def main(mode: str, export: str, state: str, out: str, new_tokens: int) -> None:
             results |= serving(mode, folder, file, backend, new_tokens)
             continue
         ids, hooks = state_hooks(file if mode == "save" else None, file if mode == "load" else None, contract, cfg,
-                                 PROMPT)
+                                 PROMPT, origin=weights_origin(folder.manifest))
         logits = [hooks["start"]["logits"][0, -1]] if mode == "load" else []
         runner = Recording(make_runner(backend, folder, RunnerOptions(provider="cpu")), logits)
         g = generate(runner, cfg, torch.tensor([ids]), SamplingOptions(1 if mode == "save" else new_tokens),

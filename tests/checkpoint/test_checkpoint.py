@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from k3x.checkpoint.files import CheckpointError, load_checkpoint, save_checkpoint
+from k3x.checkpoint.files import CheckpointError, load_checkpoint
+from k3x.checkpoint.save import save_checkpoint
 from k3x.checkpoint.reference import checkpoint_hash
 from k3x.model import build_model, preset
 from k3x.model import mxfp4
@@ -123,7 +124,7 @@ def test_missing_shard_and_missing_config(dense_ckpt, tmp_path):
 
 
 def test_save_is_atomic_and_refuses_non_empty(tmp_path, model, monkeypatch):
-    import k3x.checkpoint.files as ck
+    import k3x.checkpoint.save as ck
 
     def boom(*a, **k):
         raise RuntimeError("disk full")

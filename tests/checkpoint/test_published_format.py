@@ -15,7 +15,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from k3x.checkpoint.files import INDEX, load_checkpoint, save_checkpoint
+from k3x.checkpoint.files import INDEX, load_checkpoint
+from k3x.checkpoint.save import save_checkpoint
 from k3x.checkpoint.published import stored_a_log
 from k3x.model import build_model, preset
 from k3x.runtime.generate import full_logits

@@ -65,7 +65,7 @@ def test_export_no_weights_traces_on_meta_and_runs_once_weights_are_attached(tmp
 
 
 def test_export_from_checkpoint_records_its_hash_and_copies_its_tokenizer(tmp_path):
-    from k3x.checkpoint.files import save_checkpoint
+    from k3x.checkpoint.save import save_checkpoint
     from k3x.checkpoint.reference import checkpoint_hash
     from k3x.text.tiny_tokenizer import tokenizer_files
     from k3x.text.tokenizer import find_tokenizer

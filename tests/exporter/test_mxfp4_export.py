@@ -49,7 +49,7 @@ def test_body_decode_is_the_codec_bit_for_bit():
 @functools.lru_cache(maxsize=1)
 def packed_exports() -> tuple[Path, Path, Path]:
     """(pt2 export, ONNX export, checkpoint): ONNX alone from a checkpoint is the streamed path."""
-    from k3x.checkpoint.files import save_checkpoint
+    from k3x.checkpoint.save import save_checkpoint
     from k3x.exporter.options import ExportOptions, Target
     from k3x.exporter.pipeline import export
     from k3x.model import build_model, preset

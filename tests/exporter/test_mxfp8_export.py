@@ -23,7 +23,7 @@ ort = pytest.importorskip("onnxruntime")
 @functools.lru_cache(maxsize=1)
 def w4a8_export() -> tuple[Path, Path]:
     """(export folder with pt2 + onnx built --activations mxfp8, the packed checkpoint)."""
-    from k3x.checkpoint.files import save_checkpoint
+    from k3x.checkpoint.save import save_checkpoint
     from k3x.model import build_model, preset
 
     root = scratch_dir("k3x-test-mxfp8-")

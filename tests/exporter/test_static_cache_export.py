@@ -23,7 +23,7 @@ C = 24
 
 @pytest.fixture(scope="module")
 def static_export(tmp_path_factory):
-    from k3x.checkpoint.files import save_checkpoint
+    from k3x.checkpoint.save import save_checkpoint
     from k3x.model import build_model, preset
 
     root = tmp_path_factory.mktemp("static")

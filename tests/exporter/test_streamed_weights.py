@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from k3x.checkpoint.byte_ranges import StoredTensor, stream_weights
-from k3x.checkpoint.files import CheckpointError, load_checkpoint, save_checkpoint
+from k3x.checkpoint.files import CheckpointError, load_checkpoint
+from k3x.checkpoint.save import save_checkpoint
 from k3x.exporter.options import ExportOptions, Target
 from k3x.exporter.pipeline import export
 from k3x.exporter.trace import load_pt2

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
+from typing import Callable, Iterator
 
 from typer.testing import CliRunner
 
@@ -45,3 +50,34 @@ class Payload:
 
     def __reduce__(self):
         return exec, (f"open({str(self.marker)!r}, 'w').write('pwned')",)
+
+
+_RELEASER = """
+import os, sys, time
+path, marker, after = sys.argv[1], sys.argv[2], float(sys.argv[3])
+time.sleep(after)
+while True:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # succeeds only while a reader has it open
+        open(marker, "w").close()  # before the close: the reader sees its end of file after this
+        os.close(fd)
+    except OSError:
+        pass
+    time.sleep(0.05)
+"""
+
+
+@contextlib.contextmanager
+def released_fifo(path: Path, after: float = 4.0) -> Iterator[Callable[[], bool]]:
+    """A FIFO at `path` that cannot hang the suite: a reader blocked on it is released after `after` seconds
+    by another process (a writer opens it and closes it empty; a process, because the blocked call may hold
+    this one's GIL). Yields `waited()`: whether a reader had to be released (the code under test opened the
+    FIFO and waited on it)."""
+    os.mkfifo(path)
+    marker = Path(f"{path}.released")
+    child = subprocess.Popen([sys.executable, "-c", _RELEASER, str(path), str(marker), str(after)])
+    try:
+        yield marker.exists
+    finally:
+        child.kill()
+        child.wait()

@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from k3x.checkpoint.files import CheckpointError, load_checkpoint, save_checkpoint
+from k3x.checkpoint.files import CheckpointError, load_checkpoint
+from k3x.checkpoint.save import save_checkpoint
 from k3x.model import build_model, mxfp4, preset
 from k3x.model.options import BuildOptions
 from k3x.model.state import empty_state

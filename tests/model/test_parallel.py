@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3x.checkpoint.files import save_checkpoint
+from k3x.checkpoint.save import save_checkpoint
 from k3x.checkpoint.rank_slices import load_rank
 from k3x.model import build_model, preset, state_specs
 from k3x.model.parallel import ParallelError, ParallelPlan, merge_states, split_of, split_states

@@ -32,7 +32,7 @@ from serving_cases import assert_records_match, prompts, solo
 from typer.testing import CliRunner
 
 from k3x.bench.speculate import echo_model
-from k3x.checkpoint.files import save_checkpoint
+from k3x.checkpoint.save import save_checkpoint
 from k3x.cli import app
 from k3x.exporter.options import ExportOptions, Target
 from k3x.exporter.pipeline import export
@@ -171,7 +171,7 @@ def test_a_rank_state_file_is_refused_by_another_rank_plan_or_rank_count(ranks, 
     file = shard_path(served["state"], Shard(0, 4))
     for shard in (Shard(1, 4, "tp=2 ep=2"), Shard(0, 4, "tp=4 ep=1")):  # checked before the contract
         with pytest.raises(StateFileError, match=r"saved by rank 0 of 4 \(tp=2 ep=2\), loaded by rank"):
-            load_state(file, {}, "", CFG.vocab_size, shard)
+            load_state(file, {"tensors": []}, "", CFG.vocab_size, shard, origin="", context=64)
     r = cli.invoke(app, ["run", str(draft_export), "--load-state", str(file), "--max-new-tokens", "2"])
     assert r.exit_code == 1 and r.output.strip().count("\n") == 0 and "Traceback" not in r.output, r.output
     assert "saved by rank 0 of 4 (tp=2 ep=2), loaded by rank 0 of 1 (tp=1 ep=1)" in r.output

@@ -27,7 +27,7 @@ from dist_launch import LAUNCH_TIMEOUT_S, env, launch
 from typer.testing import CliRunner
 
 import k3x
-from k3x.checkpoint.files import save_checkpoint
+from k3x.checkpoint.save import save_checkpoint
 from k3x.cli import app
 from k3x.exporter.onnx_functions import model_nodes
 from k3x.folder.artifacts import ExportFolder, read_manifest

@@ -17,7 +17,7 @@ from state_split import split
 from typer.testing import CliRunner
 
 import k3x.runtime.serving_check as serving_check
-from k3x.checkpoint.files import save_checkpoint
+from k3x.checkpoint.save import save_checkpoint
 from k3x.cli import app
 from k3x.folder.artifacts import ExportFolder
 from k3x.model import build_model, preset
