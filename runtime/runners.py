@@ -116,9 +116,10 @@ def _eager(d: ExportFolder, options: RunnerOptions) -> Runner:
 
 def serving_entry(export_dir: Path | ExportFolder) -> dict:
     """The manifest's `serving` entry (block_size, inputs, outputs) of a `k3x export --serving` folder."""
-    entry = open_folder(export_dir).manifest.get("serving")
+    folder = open_folder(export_dir)
+    entry = folder.manifest.get("serving")
     if not isinstance(entry, dict) or not isinstance(entry.get("block_size"), int):
-        raise RunnerError(f"{export_dir}: not a serving export (no `serving` entry in manifest.json); "
+        raise RunnerError(f"{folder.path}: not a serving export (no `serving` entry in manifest.json); "
                           "export with --serving")
     return entry
 
