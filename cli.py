@@ -111,8 +111,8 @@ def init_checkpoint(preset: InitPreset = "k3-mini", out: InitOut = Path("k3-mini
 
 
 @app.command()
-def inspect(ctx: typer.Context, preset: Preset = None, checkpoint: Checkpoint = None, json_out: Json = False, tp: TP = 1, ep: EP = 1,
-            batch: FitBatch = 1, context: FitContext = 131072, sequences: Sequences = None,
+def inspect(ctx: typer.Context, preset: Preset = None, checkpoint: Checkpoint = None, json_out: Json = False,
+            tp: TP = 1, ep: EP = 1, batch: FitBatch = 1, context: FitContext = 131072, sequences: Sequences = None,
             dtype: PoolDType = DType.BF16, chunk: StepChunk = None) -> None:
     """Layer plan, total/active parameters, cache sizes, bytes by storage format (meta device: no weights);
     with --tp/--ep: per-rank bytes, collective bytes and the fit on H200 / B200 / GB300."""

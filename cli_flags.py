@@ -76,7 +76,7 @@ def run_rules(ctx: typer.Context, serving: bool) -> None:
     else:
         refuse_given(ctx, ["cuda_graph"], "a serving export's step is not replayed as CUDA graphs; drop it")
     if p["prompts"] is not None:
-        refuse_given(ctx, ["prompt", "prompt_ids"], "the prompts come from --prompts; give one of them")
+        refuse_given(ctx, ["prompt", "prompt_ids", "chat"], "not with --prompts: the requests come from the file")
     else:
         refuse_given(ctx, ["prompts_format"], "applies to --prompts FILE")
     if not p["prefix_cache"]:

@@ -167,7 +167,8 @@ VERIFY = {"backends": (["--backends", "pt2"], []), "steps": (["--steps", "2"], [
 @pytest.mark.parametrize("kind", ["batch", "serving"])
 def test_every_verify_flag_applies_or_is_refused(kind, export_dir, serving_dir, built, tmp_path, recorded):
     folder = export_dir if kind == "batch" else serving_dir
-    flags = VERIFY | {"checkpoint": (["--checkpoint", built / "ckpt"], []), "json_out": (["--json", tmp_path / "v"], [])}
+    flags = VERIFY | {"checkpoint": (["--checkpoint", built / "ckpt"], []),
+                      "json_out": (["--json", tmp_path / "v"], [])}
     params = {p.name: p.opts[0] for p in COMMANDS["verify"].params if p.name != "export_dir"}
     assert set(flags) == set(params), "walk every flag of verify"
     seen = {name: _walk(["verify", folder], name, params[name], flag, companion, recorded)
