@@ -24,10 +24,11 @@ from .cli_flags import Activations, Backend, Backends, Batch, BatchFile, BlockSi
     Json, JsonOut, JsonReport, KernelChoice, Kernels, LoadState, LogitsBackend, LogitsExportDir, LogitsOut, \
     MaxContext, MaxNewTokens, MaxSequences, MaxStepTokens, ModelDType, NoWeights, OnnxFunctions, OrtProvider, \
     PluginPath, Plugins, PoolDType, PrefixCache, PrefixCacheMB, Preset, PresetSeed, ProfileMax, ProfileMin, \
-    ProfileOpt, PromptIds, PromptLen, PromptSeed, PromptText, PromptsFile, Provider, ReferenceCheckpoint, RunBackend, \
-    Runtime, SM, SamplerSeed, SaveState, Sequences, Serving, SkipHashCheck, Speculate, SpeculateTokens, StepChunk, \
-    Steps, StripWeights, TP, Target, Targets, Temperature, Tokenizer, TopK, TopP, TraceMode, TraceModes, Verbose, \
-    Version, WeightSeed, WeightSource, WeightsFrom
+    ProfileOpt, PromptIds, PromptLen, PromptSeed, PromptText, PromptsFile, PromptsFormat, Provider, \
+    ReferenceCheckpoint, RunBackend, Runtime, SM, SamplerSeed, SaveState, Sequences, Serving, SkipHashCheck, \
+    Speculate, SpeculateTokens, StepChunk, Steps, StripWeights, TP, Target, Targets, Temperature, Tokenizer, TopK, \
+    TopP, TraceMode, TraceModes, Verbose, Version, WeightSeed, WeightSource, WeightsFrom, inspect_rules, run_rules, \
+    verify_rules
 from .console import Printer, Progress, debug, echo, fail, one_line, timed
 
 
@@ -49,6 +50,7 @@ def input_errors() -> tuple[type[Exception], ...]:
     """The library's typed errors for bad input: each message names the file or field."""
     from .checkpoint.files import CheckpointError
     from .exporter.engine import EngineBuildError
+    from .fileio import OutputError
     from .folder.artifacts import ManifestError
     from .folder.staging import FolderError
     from .model.config import ConfigError
@@ -57,7 +59,7 @@ def input_errors() -> tuple[type[Exception], ...]:
     from .text.tokenizer import TokenizerError
 
     return (ConfigError, TokenizerError, PromptError, CheckpointError, ManifestError, FolderError, EngineBuildError,
-            RunnerError)
+            RunnerError, OutputError)
 
 
 def one_line_errors(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -109,8 +111,8 @@ def init_checkpoint(preset: InitPreset = "k3-mini", out: InitOut = Path("k3-mini
 
 
 @app.command()
-def inspect(preset: Preset = None, checkpoint: Checkpoint = None, json_out: Json = False, tp: TP = 1, ep: EP = 1,
-            batch: FitBatch = 1, context: FitContext = 131072, sequences: Sequences = None,
+def inspect(ctx: typer.Context, preset: Preset = None, checkpoint: Checkpoint = None, json_out: Json = False,
+            tp: TP = 1, ep: EP = 1, batch: FitBatch = 1, context: FitContext = 131072, sequences: Sequences = None,
             dtype: PoolDType = DType.AUTO, chunk: StepChunk = None, export: InspectExport = None) -> None:
     """Layer plan, total/active parameters, cache sizes, bytes by storage format (meta device: no weights);
     with --tp/--ep: per-rank bytes, collective bytes and the fit on H200 / B200 / GB300; with --export: each
@@ -125,6 +127,7 @@ def inspect(preset: Preset = None, checkpoint: Checkpoint = None, json_out: Json
     from .model.parallel_budget import budget, format_budget
     from .model.summary import format_summary, summarize
 
+    inspect_rules(ctx)
     cfg = config_of(preset, checkpoint)
     debug("config %s (hash %s) from %s", cfg.name, cfg.hash()[:12], checkpoint or f"preset {preset}")
     if sequences is not None:  # serving pools
@@ -246,26 +249,32 @@ def generate(checkpoint: CheckpointRequired, prompt: PromptText = None, prompt_i
 
 
 @app.command()
-def run(export_dir: ExportDir, backend: RunBackend = Backend.ORT, prompt: PromptText = None,
+def run(ctx: typer.Context, export_dir: ExportDir, backend: RunBackend = Backend.ORT, prompt: PromptText = None,
         prompt_ids: PromptIds = None, chat: Chat = False, max_new_tokens: MaxNewTokens = 16,
         temperature: Temperature = 0.0, top_k: TopK = 0, top_p: TopP = 1.0, seed: SamplerSeed = None,
         provider: OrtProvider = Provider.AUTO, skip_hash_check: SkipHashCheck = False,
-        cuda_graph: CudaGraph = False, prompts: PromptsFile = None, max_sequences: MaxSequences = 8,
-        cache_blocks: CacheBlocks = None, max_step_tokens: MaxStepTokens = 512, json_out: JsonOut = None,
-        save_state: SaveState = None, load_state: LoadState = None, prefix_cache: PrefixCache = False,
-        prefix_cache_mb: PrefixCacheMB = 1024.0, speculate: Speculate = None, draft: Draft = None,
-        speculate_tokens: SpeculateTokens = 4) -> None:
+        cuda_graph: CudaGraph = False, prompts: PromptsFile = None, prompts_format: PromptsFormat = None,
+        max_sequences: MaxSequences = 8, cache_blocks: CacheBlocks = None, max_step_tokens: MaxStepTokens = 512,
+        json_out: JsonOut = None, save_state: SaveState = None, load_state: LoadState = None,
+        prefix_cache: PrefixCache = False, prefix_cache_mb: PrefixCacheMB = 1024.0, speculate: Speculate = None,
+        draft: Draft = None, speculate_tokens: SpeculateTokens = 4) -> None:
     """Decode with an exported artifact: prefill, then decode steps carrying state; greedy by default.
-    Prints text as it comes when the export folder has a tokenizer (random weights give gibberish).
-    A serving export (export --serving) serves --prompts FILE (or the one prompt) by continuous batching,
-    optionally with a prefix cache and speculating (--speculate ngram:K, or --draft EXPORT --speculate-tokens K;
-    greedy). --save-state / --load-state hand a sequence's state from the prefill to a decode in another process."""
+    Prints text as it comes when the export folder has a tokenizer (random weights give gibberish; an id the
+    tokenizer lacks shows as <unk:ID>). A serving export (export --serving) serves --prompts FILE (or the one
+    prompt) by continuous batching, optionally with a prefix cache and speculating (--speculate ngram:K, or
+    --draft EXPORT --speculate-tokens K; greedy). --save-state / --load-state hand a sequence's state from the
+    prefill to a decode in another process. A flag that cannot apply to the export is refused."""
+    from .fileio import check_output
     from .folder.artifacts import ExportFolder
     from .runtime import command_session as cs
     from .text.prompt import Sampling, prepare
 
     folder = ExportFolder.open(export_dir)
     debug("export %s: %s, artifacts %s", export_dir, folder.config().name, ", ".join(folder.manifest["artifacts"]))
+    run_rules(ctx, "serving" in folder.manifest)
+    inputs = [("--prompts", prompts), ("--load-state", load_state), ("the export", export_dir), ("--draft", draft)]
+    if json_out is not None:
+        check_output(json_out, flag="--json", inputs=inputs + [("--save-state", save_state)], stream=True)
     p = prepare(export_dir, folder.config().vocab_size, prompt, prompt_ids, chat,
                 Sampling(max_new_tokens, temperature, top_k, top_p, seed), folder.tokenizer_files())
     if save_state is not None or load_state is not None:
@@ -275,18 +284,17 @@ def run(export_dir: ExportDir, backend: RunBackend = Backend.ORT, prompt: Prompt
         from .runtime.runners import serving_entry
         from .runtime.serve import ServeOptions
         from .runtime.serve_prompts import Speculation, run_prompts
-        from .text.prompts_file import read_prompts
+        from .text.prompts_file import PromptRequest, read_prompts
 
         block = int(serving_entry(folder)["block_size"])  # refused here, and the prompts read, before ranks spawn
-        ids = [p.ids] if prompts is None else read_prompts(prompts, p.tokenizer, folder.config().vocab_size)
+        requests = ([PromptRequest(p.ids, None, 0)] if prompts is None else
+                    read_prompts(prompts, p.tokenizer, folder.config().vocab_size, p.options, prompts_format))
         files = (save_state, load_state) if save_state is not None or load_state is not None else None
         names, notes = cs.ranks_here(export_dir, [backend.value], default_ort=True)
-        return run_prompts(folder, ids, p, (names[0], notes), ServeOptions(
+        return run_prompts(folder, requests, p, (names[0], notes), ServeOptions(
             max_sequences, cache_blocks, block, max_step_tokens, prefix_cache=prefix_cache,
-            prefix_cache_bytes=int(prefix_cache_mb * 1e6) if prefix_cache else 0), json_out,
+            prefix_cache_bytes=int(prefix_cache_mb * 1e6) if prefix_cache else 0), (json_out, inputs, prompts),
             cs.runner_options(provider.value, skip_hash_check), Speculation(speculate, draft, speculate_tokens), files)
-    if speculate is not None or draft is not None:
-        fail("--speculate / --draft: speculative decoding needs a serving export (export --serving)")
     cs.decode_export(export_dir, folder, backend.value, p, cs.runner_options(provider.value, skip_hash_check,
                      cuda_graph=cuda_graph), save_state=save_state, load_state=load_state)
 
@@ -309,32 +317,34 @@ def logits(out: LogitsOut, checkpoint: Checkpoint = None, input_ids: InputIds = 
     from .runtime.eager import checkpoint_logits
     from .runtime.command_session import runner_options
     from .runtime.logits import export_logits, read_ids_npy, save_npy
+    from .fileio import check_output
     from .text.prompt import parse_ids
 
+    inputs = [("--batch-file", batch_file), ("--checkpoint", checkpoint), ("--export-dir", export_dir)]
+    check_output(out, flag="--out", inputs=inputs)  # before any work
     ids = torch.from_numpy((np.array([parse_ids(input_ids, "--input-ids")]) if input_ids
                             else read_ids_npy(batch_file)).astype(np.int64))
     with timed(f"logits {list(ids.shape)} ({backend.value})"):
         result = (checkpoint_logits(checkpoint, ids) if backend == Backend.EAGER else
                   export_logits(ExportFolder.open(export_dir), backend.value, ids,
                                 runner_options(provider.value, skip_hash_check)))
-    try:
-        save_npy(out, result.numpy())
-    except OSError as e:
-        fail(f"{out}: cannot write ({e})")
+    save_npy(out, result.numpy(), inputs)
     echo(f"wrote logits {list(result.shape)} float32 to {out}")
 
 
 @app.command()
-def verify(export_dir: ExportDir, backends: Backends = "", steps: Steps = 8, prompt_len: PromptLen = 7,
+def verify(ctx: typer.Context, export_dir: ExportDir, backends: Backends = "", steps: Steps = 8, prompt_len: PromptLen = 7,
            batch: Batch = 1, seed: PromptSeed = 0, checkpoint: ReferenceCheckpoint = None,
            provider: OrtProvider = Provider.AUTO, json_out: JsonReport = None, skip_hash_check: SkipHashCheck = False,
            cuda_graph: CudaGraph = False) -> None:
     """Parity of every backend vs the eager reference over prefill + decode steps (any rank count; a serving
     export: its step with the true state handed in), and each backend's state against the export's state
     contract; exit 1 on any failure."""
+    from .folder.artifacts import ExportFolder
     from .runtime.command_session import runner_options
     from .runtime.verify_export import verify_export
 
+    verify_rules(ctx, "serving" in ExportFolder.open(export_dir).manifest)
     if not verify_export(export_dir, [b.strip() for b in backends.split(",") if b.strip()],
                          runner_options(provider.value, skip_hash_check, checkpoint, cuda_graph), steps=steps,
                          prompt_len=prompt_len, batch=batch, seed=seed, json_out=json_out):

@@ -10,6 +10,10 @@ Notable choices:
 - Booleans are plain flags (`--chat`) or `--x/--no-x` pairs, never `--chat true`.
 - `--cuda-graph` runs the torch runners (eager, pt2) on CUDA and replays repeated-shape decode steps as CUDA
   graphs (runtime/cuda_graph.py); where no graph can be captured the command is refused in one line.
+- A flag that cannot apply is refused in one line, never ignored (`refuse_given` and the rules of `run`,
+  `verify` and `inspect` below); whether a flag was given is click's parameter source, not its value.
+- Numbers are bounded where they are parsed when no export is needed to judge them (`finite`); bounds that
+  depend on the export (its traced maxima, the model's context) are checked by the library before any work.
 """
 
 from __future__ import annotations
@@ -34,6 +38,84 @@ def must_exist(path: Path | None) -> Path | None:
     if path is not None and not path.exists():
         fail(f"{path}: does not exist")
     return path
+
+
+def finite(param: typer.CallbackParam, value: float) -> float:
+    """Parameter callback: a finite number >= 0 (inf / nan / negative refused in one line naming the flag)."""
+    import math
+
+    if not (math.isfinite(value) and value >= 0):
+        fail(f"{param.opts[0]} {value}: must be a finite number >= 0")
+    return value
+
+
+def given(ctx: typer.Context) -> set[str]:
+    """The parameters the user gave (command line or environment), whatever their value."""
+    sources = {n: ctx.get_parameter_source(n) for n in ctx.params}  # typer's own click: its enum, by name
+    return {n for n, src in sources.items() if src is not None and src.name in ("COMMANDLINE", "ENVIRONMENT")}
+
+
+def flag_name(ctx: typer.Context, name: str) -> str:
+    """How the user spells parameter `name` (`--max-sequences`; an argument: its metavar)."""
+    param = next(p for p in ctx.command.params if p.name == name)
+    return param.opts[0] if param.opts and param.opts[0].startswith("-") else name.upper()
+
+
+def refuse_given(ctx: typer.Context, names, why: str) -> None:
+    """Fail (one line naming the flag) when any of `names` was given."""
+    for name in names:
+        if name in given(ctx):
+            fail(f"{flag_name(ctx, name)}: {why}")
+
+
+SERVING_FLAGS = ("prompts", "prompts_format", "max_sequences", "cache_blocks", "max_step_tokens", "json_out",
+                 "prefix_cache", "prefix_cache_mb", "speculate", "draft", "speculate_tokens")
+
+
+def run_rules(ctx: typer.Context, serving: bool) -> None:
+    """`k3x run`: every flag given applies to this export and these flags, or the command is refused."""
+    p = ctx.params
+    if not serving:
+        refuse_given(ctx, SERVING_FLAGS, "applies to a serving export (export --serving); this is a batch export")
+    else:
+        refuse_given(ctx, ["cuda_graph"], "a serving export's step is not replayed as CUDA graphs; drop it")
+    if p["prompts"] is not None:
+        refuse_given(ctx, ["prompt", "prompt_ids", "chat"], "not with --prompts: the requests come from the file")
+    else:
+        refuse_given(ctx, ["prompts_format"], "applies to --prompts FILE")
+    if not p["prefix_cache"]:
+        refuse_given(ctx, ["prefix_cache_mb"], "is the budget of --prefix-cache; give --prefix-cache")
+    if p["draft"] is None:
+        refuse_given(ctx, ["speculate_tokens"], "is the drafts per step of --draft EXPORT (ngram:K names its own)")
+    if p["save_state"] is not None:
+        refuse_given(ctx, ["load_state"], "give one of --save-state or --load-state (a loaded state has no prefill "
+                                         "to save)")
+    if p["temperature"] == 0:
+        refuse_given(ctx, ["seed"], "seeds the sampler; greedy decoding (--temperature 0) draws nothing")
+    if p["backend"] != Backend.ORT:
+        refuse_given(ctx, ["provider"], "applies to --backend ort")
+
+
+def verify_rules(ctx: typer.Context, serving: bool) -> None:
+    """`k3x verify`: every flag given applies to this export, or the command is refused."""
+    if serving:
+        refuse_given(ctx, ["batch"], "a serving export is verified one sequence at a time; drop it")
+        refuse_given(ctx, ["cuda_graph"], "a serving export's step is not replayed as CUDA graphs; drop it")
+    named = [b.strip() for b in ctx.params["backends"].split(",") if b.strip()]
+    if named and "ort" not in named:
+        refuse_given(ctx, ["provider"], "applies to the ort backend; --backends has none")
+
+
+def inspect_rules(ctx: typer.Context) -> None:
+    """`k3x inspect`: the serving-pools view (--sequences) and the parallel fit (--tp/--ep) take their own flags."""
+    p = ctx.params
+    if p["sequences"] is not None:
+        refuse_given(ctx, ["json_out"], "prints one JSON object of the model summary, not of --sequences' pools")
+        refuse_given(ctx, ["batch"], "is the fit table's batch (--tp/--ep); --sequences counts the sequences")
+        return
+    refuse_given(ctx, ["dtype", "chunk"], "applies to --sequences N (the serving pools)")
+    if p["tp"] * p["ep"] == 1:
+        refuse_given(ctx, ["batch", "context"], "applies to --tp/--ep (the fit table) or --sequences N")
 
 
 def state_file_exists(path: Path | None) -> Path | None:
@@ -211,8 +293,13 @@ LoadState = Annotated[Optional[Path], typer.Option(
 
 # serving (many prompts through one runtime: `run --prompts FILE`)
 PromptsFile = Annotated[Optional[Path], typer.Option(
-    "--prompts", help="Serving export: a file of prompts, one a line (text, or ids as 1,2,3), served together "
-                      "by continuous batching.")]
+    "--prompts", help="Serving export: a file of requests, one a line, served together by continuous batching. "
+                      "A .jsonl file (or --prompts-format jsonl): JSON lines, {\"prompt\": \"text\"} or "
+                      "{\"prompt_ids\": [1, 2, 3]}, optionally \"max_tokens\" (and temperature / top_p / top_k "
+                      "/ seed, equal to the run's). Any other file: each line is text, always (token ids only "
+                      "in .jsonl).")]
+PromptsFormat = Annotated[Optional[str], typer.Option(
+    "--prompts-format", help="text | jsonl: the format of --prompts (default: jsonl for a .jsonl file, else text).")]
 MaxSequences = Annotated[int, typer.Option(min=1, help="Serving: sequences in flight (state slots).")]
 CacheBlocks = Annotated[Optional[int], typer.Option(
     min=1, help="Serving: MLA latent cache blocks (default: enough for --max-sequences of the longest requests).")]
@@ -221,7 +308,7 @@ MaxStepTokens = Annotated[int, typer.Option(min=1, help="Serving: tokens per ste
 PrefixCache = Annotated[bool, typer.Option("--prefix-cache", help="Serving: reuse cached prompt prefixes "
                                            "(linear-attention state snapshots at block boundaries, shared latent "
                                            "blocks); reports the hit rate and the prefill tokens saved.")]
-PrefixCacheMB = Annotated[float, typer.Option("--prefix-cache-mb", min=0, help="--prefix-cache: memory budget in MB "
+PrefixCacheMB = Annotated[float, typer.Option("--prefix-cache-mb", callback=finite, help="--prefix-cache: memory budget in MB "
                                               "(snapshots + blocks only the cache holds; least recently used "
                                               "evicted first).")]
 JsonOut = Annotated[Optional[Path], typer.Option("--json", help="Serving: write one record per prompt (input "

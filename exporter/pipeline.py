@@ -192,6 +192,9 @@ def resolve_job(options: ExportOptions) -> ExportJob:
     # the TensorRT flavor of the ONNX export runs the Triton kernels in its plugins: their limits apply
     model.check(cfg, kernel_limits="onnx" in stages)
     plan.check(cfg)
+    if options.serving and options.block_size > cfg.max_position_embeddings:  # no run could fill one block
+        raise config_error(f"--block-size {options.block_size}: over the model's context of "
+                           f"{cfg.max_position_embeddings} positions (max_position_embeddings); a block must fit it")
     # pt2 / ONNX from a checkpoint: traced on meta, weights streamed tensor by tensor into each artifact
     # (exporter/pt2_weights.py, exporter/onnx_weights.py); AOTInductor compiles real weights: it loads the model
     stream = plan.world == 1 and options.checkpoint is not None and options.weights and set(stages) <= {"pt2", "onnx"}

@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..folder.artifacts import ExportFolder, atomic_write_bytes
+from ..fileio import write_output
+from ..folder.artifacts import ExportFolder
 from .runners import RunnerError, RunnerOptions, check_request, make_runner, prefill_logits
 
 
@@ -59,8 +60,9 @@ def export_logits(folder: ExportFolder, backend: str, ids: torch.Tensor, options
         raise RunnerError(f"backend {backend}: {type(e).__name__}: {lines[0][:300] if lines else ''}") from None
 
 
-def save_npy(path: Path, array: np.ndarray) -> None:
-    """`array` as a .npy file, written under a temporary name and renamed into place (OSError otherwise)."""
+def save_npy(path: Path, array: np.ndarray, inputs=()) -> None:
+    """`array` as a .npy file at `logits --out PATH`, under fileio.write_output's rule (`inputs`: the command's
+    (flag, path) inputs); OutputError (one line) otherwise."""
     buf = io.BytesIO()
     np.save(buf, array)
-    atomic_write_bytes(path, buf.getvalue())
+    write_output(path, buf.getvalue(), flag="--out", inputs=inputs)

@@ -124,7 +124,7 @@ def serving_entry(export_dir: Path | ExportFolder) -> dict:
     folder = open_folder(export_dir)
     entry = folder.manifest.get("serving")
     if not isinstance(entry, dict) or not isinstance(entry.get("block_size"), int):
-        raise RunnerError(f"{export_dir}: not a serving export (no `serving` entry in manifest.json); "
+        raise RunnerError(f"{folder.path}: not a serving export (no `serving` entry in manifest.json); "
                           "export with --serving")
     try:
         names = pool_names(folder.config())

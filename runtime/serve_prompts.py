@@ -2,7 +2,12 @@
 serving export's step (one program, or inside a launcher this rank's), the records printed and optionally
 written by the speaking rank.
 
-- Line i of FILE is record i of `--json OUT` (input order), whatever order the sequences finished in.
+- Line i of FILE is record i - 1 of `--json OUT` (input order), whatever order the sequences finished in; a
+  request's `max_tokens` (a .jsonl line's) replaces --max-new-tokens for it. Every bound (the flags against the
+  export's traced maxima, each request against the model's context) is checked before anything loads
+  (runtime/serve_bounds.py).
+- `--json OUT` is written under fileio.write_output's rule; `--json -` streams the records to standard
+  output (then the per-record lines are not printed: the JSON holds them).
 - A rank serving export is served by its ranks; rank 0 prints and writes `--json`. The prefix cache,
   speculation and state files work there too (every rank decides alike from rank 0's tokens; each keeps its own
   pools and snapshots, and writes and reads its own state file, FILE.rank{r}of{W}).
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..console import echo, fail, one_line
+from .serve_bounds import Served
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,8 @@ def make_drafter(spec: Speculation, backend: str, runner_options, vocab_size: in
     from .runners import serving_entry
 
     folder = ExportFolder.open(spec.draft)
+    if "serving" not in folder.manifest:
+        raise ValueError(f"--draft {spec.draft}: not a serving export (export --serving)")
     cfg = folder.config()
     if cfg.vocab_size != vocab_size:
         raise ValueError(f"--draft {spec.draft}: vocabulary of {cfg.vocab_size} tokens, the export's has {vocab_size}")
@@ -50,18 +58,36 @@ def make_drafter(spec: Speculation, backend: str, runner_options, vocab_size: in
                         block_size=int(serving_entry(folder)["block_size"]), dtype=folder.dtype())
 
 
-def run_prompts(folder, prompts: list[list[int]], prepared, backend: tuple[str, list[str]], options,
-                json_out: Path | None, runner_options, spec: Speculation = Speculation(None, None, 4),
+def requests_served(requests, default_new: int, prompts_file: Path | None) -> list[Served]:
+    """The requests (text/prompts_file.PromptRequest) with their new tokens and where each came from."""
+    return [Served(r.ids, r.max_tokens or default_new,
+                   f"--prompts {prompts_file}:{r.line}" if prompts_file is not None else "the prompt",
+                   f"{prompts_file}:{r.line}: max_tokens" if r.max_tokens else "--max-new-tokens") for r in requests]
+
+
+def run_prompts(folder, requests, prepared, backend: tuple[str, list[str]], options,
+                output: tuple[Path | None, list, Path | None], runner_options,
+                spec: Speculation = Speculation(None, None, 4),
                 state_files: tuple[Path | None, Path | None] | None = None) -> None:
-    """Serve the prompts (ids) with the export's serving step (`options`: runtime/serve.ServeOptions), one
-    program or (inside a launcher) this rank's; the speaking rank prints and optionally writes the records.
-    `backend`: (name, notes for the user); `spec`: --speculate / --draft; `state_files`: (--save-state,
-    --load-state) of the one prompt (runtime/session.serving_state; a loaded state replaces the prompt)."""
-    import json
-
+    """Serve the requests (text/prompts_file.PromptRequest) with the export's serving step (`options`:
+    runtime/serve.ServeOptions), one program or (inside a launcher) this rank's; the speaking rank prints and
+    optionally writes the records. `backend`: (name, notes for the user); `output`: (--json OUT, the
+    command's (flag, path) inputs it may not replace, --prompts FILE); `spec`: --speculate / --draft;
+    `state_files`: (--save-state, --load-state) of the one prompt (runtime/session.serving_state; a loaded
+    state replaces the prompt)."""
     from . import session as sessions
-    from .runners import RunnerError
+    from .runners import RunnerError, serving_entry
+    from .serve_bounds import check_serving
+    from .speculate import parse_speculate
 
+    json_out, inputs, prompts_file = output
+    served = requests_served(requests, prepared.options.max_new_tokens, prompts_file)
+    try:
+        drafts = parse_speculate(spec.ngram) if spec.ngram else spec.tokens if spec.draft else 0
+    except ValueError as e:
+        fail(str(e))
+    check_serving(serving_entry(folder), folder.config(), options, served, drafts)  # before anything loads
+    prompts, news = [r.ids for r in served], [r.new_tokens for r in served]
     name, notes, tok, s, state = backend[0], backend[1], prepared.tokenizer, None, {}
     try:
         s = sessions.open_serving(folder, name, runner_options)
@@ -71,31 +97,43 @@ def run_prompts(folder, prompts: list[list[int]], prepared, backend: tuple[str, 
         for line in notes if s.speaks else ():
             echo(line, err=line.startswith("note:"))
         drafter = make_drafter(spec, name, runner_options, folder.config().vocab_size)
-        records = sessions.serve_prompts(s, name, prompts, prepared.options, options, drafter=drafter, **state)
+        records = sessions.serve_prompts(s, name, prompts, prepared.options, options, drafter=drafter,
+                                         max_new_tokens=news, **state)
     except (RunnerError, ValueError) as e:
         fail(f"{s.who if s else ''}{e}")
     except Exception as e:  # noqa: BLE001 - one line (per rank), no traceback
         fail(f"{s.who if s else ''}backend {name}: {one_line(e)}")
-    if s.speaks:
-        out = [{"index": r.index, "prompt_tokens": len(r.prompt), "tokens": r.tokens,
-                **({"cached_tokens": r.cached} if options.prefix_cache else {}),
-                **({"text": tok.decode(r.tokens)} if tok is not None else {}),
-                **({"steps": r.counts.steps, "drafted": r.counts.drafted, "accepted": r.counts.accepted}
-                   if drafter is not None else {})} for r in records]
-        for rec in out:
-            echo(f"[{rec['index']}] tokens: " + ",".join(map(str, rec["tokens"]))
-                 + (f"  {rec['text']!r}" if "text" in rec else ""))
-        if options.prefix_cache:
-            echo(prefix_line(records))
-        if drafter is not None:
-            echo(speculation_line(records))
-        if s.plan.world > 1:
-            echo(f"served on {s.describe(name)}")
-        if json_out is not None:
-            from ..folder.artifacts import atomic_write_bytes
+    try:
+        if s.speaks:
+            _report(s, name, records, tok, options, drafter, json_out, inputs)
+    finally:
+        s.close()
 
-            atomic_write_bytes(json_out, (json.dumps(out, indent=1) + "\n").encode())
-    s.close()
+
+def _report(s, name: str, records, tok, options, drafter, json_out: Path | None, inputs: list) -> None:
+    """The speaking rank's lines and `--json` records (to standard output alone with `--json -`)."""
+    import json
+
+    from ..fileio import is_stdout, write_output
+
+    streamed = json_out is not None and is_stdout(json_out)
+    out = [{"index": r.index, "prompt_tokens": len(r.prompt), "tokens": r.tokens,
+            **({"cached_tokens": r.cached} if options.prefix_cache else {}),
+            **({"text": tok.decode(r.tokens)} if tok is not None else {}),
+            **({"steps": r.counts.steps, "drafted": r.counts.drafted, "accepted": r.counts.accepted}
+               if drafter is not None else {})} for r in records]
+    for rec in out if not streamed else ():
+        echo(f"[{rec['index']}] tokens: " + ",".join(map(str, rec["tokens"]))
+             + (f"  {rec['text']!r}" if "text" in rec else ""))
+    if options.prefix_cache:
+        echo(prefix_line(records), err=streamed)
+    if drafter is not None:
+        echo(speculation_line(records), err=streamed)
+    if s.plan.world > 1:
+        echo(f"served on {s.describe(name)}", err=streamed)
+    if json_out is not None:
+        write_output(json_out, (json.dumps(out, indent=1) + "\n").encode(), flag="--json", inputs=inputs,
+                     stream=True)
 
 
 def speculation_line(records) -> str:

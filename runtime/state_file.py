@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..folder.artifacts import atomic_write_bytes
+from ..fileio import OutputError, check_output, write_output
 from ..model.state_contract import tensor_label
 from ..plan.dtypes import dtype_name, torch_dtype
 from .base import Feeds, RunnerError
@@ -113,10 +113,10 @@ def save_state(path: Path, contract: dict[str, Any], config_hash: str, outputs: 
     tensors["logits"] = outputs["logits"][0, -1].detach().float().cpu().contiguous()
     meta = {"format": FORMAT, "version": VERSION, "config_hash": config_hash, "weights": origin,
             "contract": json.dumps(contract), **shard.meta()}
-    try:
-        atomic_write_bytes(Path(path), save(tensors, metadata=meta))
-    except OSError as e:
-        raise StateFileError(f"--save-state {path}: cannot write it ({e})") from None
+    try:  # the one rule for a file the user named (fileio.write_output)
+        write_output(Path(path), save(tensors, metadata=meta), flag="--save-state")
+    except OutputError as e:
+        raise StateFileError(str(e)) from None
 
 
 def largest_state(contract: dict[str, Any], context: int, vocab_size: int) -> int:
@@ -255,9 +255,11 @@ def state_hooks(save: Path | None, load: Path | None, contract: dict[str, Any], 
                            context=cfg.max_position_embeddings)
         prompt, hooks["start"] = saved.tokens, saved.outputs
     if save is not None:
-        if not Path(save).parent.is_dir() or Path(save).is_dir():
-            raise StateFileError(f"--save-state {save}: not a file in an existing folder")
         tokens, file = list(prompt), shard_path(save, shard)
+        try:  # before any runner loads
+            check_output(file, flag="--save-state")
+        except OutputError as e:
+            raise StateFileError(str(e)) from None
         hooks["on_prefill"] = lambda outputs: save_state(file, contract, cfg.hash(), outputs, tokens, shard,
                                                          origin=origin)
     return prompt, hooks

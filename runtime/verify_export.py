@@ -10,7 +10,8 @@ import json
 from pathlib import Path
 
 from ..console import echo, fail, one_line
-from ..folder.artifacts import ExportFolder, atomic_write_bytes
+from ..fileio import check_output, write_output
+from ..folder.artifacts import ExportFolder
 from . import session as sessions
 from .command_session import close_session, open_session
 from .runners import RunnerError, RunnerOptions, make_runner
@@ -22,6 +23,8 @@ def verify_export(export_dir: Path, backends: list[str], options: RunnerOptions,
                   batch: int, seed: int, json_out: Path | None) -> bool:
     """`k3x verify`: prints the table and the state verdict (the speaking rank), optionally writes them as JSON;
     True when every backend and every state check passed."""
+    if json_out is not None:  # before any work
+        check_output(json_out, flag="--json", inputs=_inputs(export_dir, options), stream=True)
     folder = ExportFolder.open(export_dir)
     folder.config()  # a k3x export whose config builds
     if "serving" in folder.manifest:
@@ -44,7 +47,8 @@ def verify_export(export_dir: Path, backends: list[str], options: RunnerOptions,
                        + [verdict.report.table()] + ([verdict.greedy_line(steps + 1)] if verdict.greedy else [])
                        + verdict.state_lines()))
         if json_out:
-            atomic_write_bytes(json_out, (json.dumps(verdict.to_json(s, names), indent=2) + "\n").encode())
+            write_output(json_out, (json.dumps(verdict.to_json(s, names), indent=2) + "\n").encode(), flag="--json",
+                         inputs=_inputs(export_dir, options), stream=True)
     close_session(s)
     return verdict.ok
 
@@ -66,5 +70,11 @@ def verify_serving_export(folder: ExportFolder, backends: list[str], options: Ru
     if json_out:
         out = verdict.report.to_json() | {"backends": names, "state_ok": not findings,
                                           "state_findings": [f.to_json() for f in findings]}
-        atomic_write_bytes(json_out, (json.dumps(out, indent=2) + "\n").encode())
+        write_output(json_out, (json.dumps(out, indent=2) + "\n").encode(), flag="--json",
+                     inputs=_inputs(folder.path, options), stream=True)
     return verdict.ok
+
+
+def _inputs(export_dir: Path, options: RunnerOptions) -> list[tuple[str, Path | None]]:
+    """The files `--json` may not replace: the export's, the reference checkpoint's (fileio.check_output)."""
+    return [("the export", export_dir), ("--checkpoint", options.checkpoint)]

@@ -152,7 +152,7 @@ def test_bad_checkpoint_is_one_clear_error(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["generate", "--prompt-ids", "1,99999"], "token ids must be in"),
     (["logits", "--batch-file", "/nonexistent/ids.npy", "--out", "/tmp/k3x-l.npy"], "does not exist"),
-    (["logits", "--input-ids", "1,2", "--out", "/nonexistent/dir/l.npy"], "cannot write"),
+    (["logits", "--input-ids", "1,2", "--out", "/nonexistent/dir/l.npy"], "the folder /nonexistent/dir does not exist"),
 ])
 def test_bad_paths_and_ids_are_clear_errors(ckpt, args, message):
     r = runner.invoke(app, [args[0], "--checkpoint", str(ckpt), *args[1:]])

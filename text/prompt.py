@@ -38,10 +38,14 @@ class Prepared:
 
 def parse_ids(text: str, what: str) -> list[int]:
     """Comma-separated token ids; `what` names the flag in the error."""
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    long = next((x for x in parts if len(x.lstrip("+-")) > 19), None)  # no token id has more digits than 2**64
+    if long is not None:
+        raise PromptError(f"{what}: an id of {len(long):,} characters ({long[:20]}...); token ids are at most 19 digits")
     try:
-        ids = [int(x) for x in text.split(",") if x.strip()]
+        ids = [int(x) for x in parts]
     except ValueError:
-        raise PromptError(f"{what}={text!r}: expected comma-separated integers, e.g. 1,2,3") from None
+        raise PromptError(f"{what}={text[:80]!r}: expected comma-separated integers, e.g. 1,2,3") from None
     if not ids:
         raise PromptError(f"{what}: no token ids given")
     return ids

@@ -20,6 +20,9 @@ Notable choices:
 - Every file is strict UTF-8; token ids (EOS, tiktoken ranks, added tokens) are JSON integers in
   [0, 2**32), ranks and added-token ids distinct (tiktoken panics otherwise): one TokenizerError line.
 - `TOKENIZER_FILES` are what an export copies beside its models.
+- An id the tokenizer has no token for (a vocabulary wider than the tokenizer, as padded vocabularies are;
+  random weights emit such ids) decodes to the placeholder `<unk:ID>` (UNKNOWN), so text never ends a run
+  whose tokens were computed; the ids themselves are printed and written as always.
 - Every file is read through `_file`: it must resolve directly inside the folder (fileio.confined: a
   `chat_template.jinja` symlinked to a private file elsewhere is refused), and in an export folder
   (`listed`: the names of the manifest's hash-checked `tokenizer` files) it must be one the manifest lists.
@@ -55,10 +58,14 @@ class TokenizerError(ValueError):
     """A tokenizer file cannot be read or used; the message names the file."""
 
 
+UNKNOWN = "<unk:{}>"  # the text of an id the tokenizer has no token for
+
+
 class _Backend(Protocol):
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int], skip_special: bool = False) -> str: ...
     def token_id(self, token: str) -> int | None: ...
+    def knows(self, token: int) -> bool: ...
 
 
 def _file(folder: Path, name: str, listed: Collection[str] | None) -> Path | None:
@@ -125,6 +132,9 @@ class _HfTokenizer:
     def token_id(self, token: str) -> int | None:
         return self.tok.token_to_id(token)
 
+    def knows(self, token: int) -> bool:
+        return self.tok.id_to_token(token) is not None
+
 
 class _TiktokenTokenizer:
     def __init__(self, path: Path, config: dict[str, Any]) -> None:
@@ -136,6 +146,7 @@ class _TiktokenTokenizer:
         ranks = _tiktoken_ranks(path)
         special = _added_tokens(config, path.with_name("tokenizer_config.json"), set(ranks.values()))
         self.special = set(special.values())
+        self.known = set(ranks.values()) | self.special
         self.enc = tiktoken.Encoding(name=path.parent.name, pat_str=KIMI_PATTERN, mergeable_ranks=ranks,
                                      special_tokens=special)
 
@@ -150,6 +161,9 @@ class _TiktokenTokenizer:
             return self.enc.encode_single_token(token)
         except KeyError:
             return None
+
+    def knows(self, token: int) -> bool:
+        return token in self.known
 
 
 def _tiktoken_ranks(path: Path) -> dict[bytes, int]:
@@ -232,12 +246,20 @@ class Tokenizer:
         return self.backend.encode(text)
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
-        """The text of `ids`; `skip_special`: without special tokens (what a person reads)."""
-        try:
-            return self.backend.decode([int(i) for i in ids], skip_special)
-        except KeyError as e:  # tiktoken: an id it has no token for
-            raise TokenizerError(f"{self.folder}: the tokenizer has no token {e.args[0].split()[-1]} (does it "
-                                 "belong to this model?)") from None
+        """The text of `ids`; `skip_special`: without special tokens (what a person reads). An id the
+        tokenizer has no token for is `<unk:ID>` (UNKNOWN); the runs of known ids between are decoded whole."""
+        ids = [int(i) for i in ids]
+        if all(self.backend.knows(i) for i in ids):
+            return self.backend.decode(ids, skip_special)
+        text, run = [], []
+        for i in ids + [None]:
+            if i is not None and self.backend.knows(i):
+                run.append(i)
+                continue
+            text.append(self.backend.decode(run, skip_special) if run else "")
+            text.append("" if i is None else UNKNOWN.format(i))
+            run = []
+        return "".join(text)
 
     def stream(self) -> TextStream:
         return TextStream(self)

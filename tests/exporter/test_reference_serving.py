@@ -86,7 +86,7 @@ def test_the_serving_folder_holds_no_weight_bytes(exports):
 
 def _run(export: Path, backend: str, prompt_file: Path):
     return CliRunner().invoke(app, ["run", str(export), "--backend", backend, "--prompts", str(prompt_file),
-                                    "--max-new-tokens", "2", "--provider", "cpu"])
+                                    "--max-new-tokens", "2", *(["--provider", "cpu"] if backend == "ort" else [])])
 
 
 def _refused(r, needle: str) -> None:
@@ -98,12 +98,12 @@ def _refused(r, needle: str) -> None:
 @pytest.mark.parametrize("backend", ["pt2", "ort"])
 def test_a_changed_or_moved_checkpoint_is_refused_at_load(exports, backend, tmp_path):
     ckpt, _, referenced = exports
-    (tmp_path / "p.txt").write_text("1,2,3\n4,5\n")
+    (tmp_path / "p.jsonl").write_text('{"prompt_ids": [1, 2, 3]}\n{"prompt_ids": [4, 5]}\n')
     shard = ckpt / SHARD
     old = shard.read_bytes()
     shard.write_bytes(old[:-1] + bytes([old[-1] ^ 0xFF]))  # same size, one byte of the last tensor changed
     try:
-        _refused(_run(referenced, backend, tmp_path / "p.txt"), f"{shard}: sha256 differs")
+        _refused(_run(referenced, backend, tmp_path / "p.jsonl"), f"{shard}: sha256 differs")
         with pytest.raises(RunnerError, match="changed since the export"):
             serving_runner(backend, referenced, RunnerOptions(provider="cpu"))
     finally:
@@ -111,11 +111,11 @@ def test_a_changed_or_moved_checkpoint_is_refused_at_load(exports, backend, tmp_
     moved = ckpt.with_name("moved")
     ckpt.rename(moved)
     try:
-        _refused(_run(referenced, backend, tmp_path / "p.txt"),
+        _refused(_run(referenced, backend, tmp_path / "p.jsonl"),
                  f"{ckpt.resolve()}: the referenced checkpoint is missing")
     finally:
         moved.rename(ckpt)
-    assert _run(referenced, backend, tmp_path / "p.txt").exit_code == 0  # as exported: it serves
+    assert _run(referenced, backend, tmp_path / "p.jsonl").exit_code == 0  # as exported: it serves
 
 
 def _sources(referenced: Path) -> tuple[Path, dict[str, dict]]:

@@ -30,3 +30,19 @@ def ckpt_dir(built, tmp_path) -> Path:
     out = tmp_path / "ckpt"
     shutil.copytree(built / "ckpt", out)
     return out
+
+
+@pytest.fixture(scope="module")
+def serving_dir(serving_export, built, tmp_path_factory) -> Path:
+    """The session's k3-mini serving export (pt2 + ONNX, block size 8) with the CLI export's tokenizer beside
+    it (recorded in its manifest), copied once per module: text prompts can be served, and a test may write
+    into it."""
+    from k3x.folder.artifacts import read_manifest, update_manifest
+
+    out = tmp_path_factory.mktemp("serving") / "export"
+    shutil.copytree(serving_export, out)
+    names = [f["path"] for f in read_manifest(built / "export")["artifacts"]["tokenizer"]["files"]]
+    for name in names:
+        shutil.copy(built / "export" / name, out / name)
+    update_manifest(out, "tokenizer", [out / n for n in names])
+    return out

@@ -78,11 +78,11 @@ def test_prefix_cache_keeps_tokens_and_skips_the_cached_prefill(serving_export, 
 
 
 def test_cli_reports_the_hit_rate_and_saved_tokens(serving_export, tmp_path):
-    (tmp_path / "p.txt").write_text("".join(",".join(map(str, p)) + "\n" for p in PROMPTS))
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS))
     outs = {}
     for flags in ([], ["--prefix-cache"]):
         out = tmp_path / f"out{len(flags)}.json"
-        r = cli.invoke(app, ["run", str(serving_export), "--backend", "ort", "--prompts", str(tmp_path / "p.txt"),
+        r = cli.invoke(app, ["run", str(serving_export), "--backend", "ort", "--prompts", str(tmp_path / "p.jsonl"),
                              "--max-new-tokens", "3", "--max-sequences", "4", "--json", str(out), *flags])
         assert r.exit_code == 0, r.output
         outs[len(flags)] = json.loads(out.read_text())

@@ -186,9 +186,9 @@ def test_cli_serves_prompts_on_rank_export_spawning_the_ranks(ranks, model, tmp_
     """`k3x run RANKS --prompts FILE` outside a launcher: k3x starts the 4 ranks (default backend ort: the rank
     folders' ONNX); rank 0 prints and writes --json, in input order."""
     ps = prompts([5, 1, 20], CFG.vocab_size, seed=4)
-    (tmp_path / "p.txt").write_text("".join(",".join(map(str, p)) + "\n" for p in ps))
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in ps))
     out = tmp_path / "out.json"
-    r = launch(["run", str(ranks), "--prompts", str(tmp_path / "p.txt"), "--max-new-tokens", str(NEW),
+    r = launch(["run", str(ranks), "--prompts", str(tmp_path / "p.jsonl"), "--max-new-tokens", str(NEW),
                 "--max-sequences", "2", "--max-step-tokens", "8", "--json", str(out)], torchrun=None)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     want = [solo(model, p, NEW)[0] for p in ps]

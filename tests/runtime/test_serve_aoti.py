@@ -41,8 +41,8 @@ def test_aoti_serving_equals_pt2(folder, tmp_path):
         assert a.tokens == e.tokens and len(a.tokens) == NEW[a.index], f"prompt {a.index}"
         for j, (x, y) in enumerate(zip(a.logits, e.logits)):
             assert_close(x, y, torch.float32, what=f"aoti vs pt2: prompt {a.index} token {j}")
-    (tmp_path / "p.txt").write_text("".join(",".join(map(str, p)) + "\n" for p in ps))
-    r = cli.invoke(app, ["run", str(folder), "--backend", "aoti", "--prompts", str(tmp_path / "p.txt"),
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in ps))
+    r = cli.invoke(app, ["run", str(folder), "--backend", "aoti", "--prompts", str(tmp_path / "p.jsonl"),
                          "--max-new-tokens", "2", "--max-sequences", "2", "--json", str(tmp_path / "out.json")])
     assert r.exit_code == 0, r.output
     records = json.loads((tmp_path / "out.json").read_text())

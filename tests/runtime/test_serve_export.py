@@ -55,9 +55,9 @@ def test_continuous_batching_equals_solo(folder, model, backend):
 
 def test_cli_serves_a_prompt_file_in_input_order(folder, model, tmp_path):
     ps = prompts([3, 40, 1], CFG.vocab_size, seed=2)
-    (tmp_path / "p.txt").write_text("".join(",".join(map(str, p)) + "\n" for p in ps))
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in ps))
     out = tmp_path / "out.json"
-    r = cli.invoke(app, ["run", str(folder), "--backend", "ort", "--prompts", str(tmp_path / "p.txt"),
+    r = cli.invoke(app, ["run", str(folder), "--backend", "ort", "--prompts", str(tmp_path / "p.jsonl"),
                          "--max-new-tokens", "4", "--max-sequences", "2", "--max-step-tokens", "16",
                          "--json", str(out)])
     assert r.exit_code == 0, r.output
@@ -85,15 +85,17 @@ def test_inspect_pools_in_the_export_dtype():
 
 
 @pytest.mark.parametrize("text, flags, message", [
-    ("1,2\n\n3\n", [], "p.txt:2: empty line"),
-    ("1,2\nhello\n", [], "p.txt:2: text prompt, but the export has no tokenizer"),
-    ("1,999\n", [], "p.txt:1: token ids must be in [0, 512)"),
-    ("1\n", ["--cache-blocks", "1", "--max-new-tokens", "9"], "request 0: 9 positions need 2 blocks; the cache has 1"),
+    ('{"prompt_ids": [1, 2]}\n\n{"prompt_ids": [3]}\n', [], "p.jsonl:2: empty line"),
+    ('{"prompt_ids": [1, 2]}\n{"prompt": "hello"}\n', [], "p.jsonl:2: \"prompt\" is text, but the export has no "
+                                                         "tokenizer"),
+    ('{"prompt_ids": [1, 999]}\n', [], "p.jsonl:1: token ids must be in [0, 512)"),
+    ('{"prompt_ids": [1]}\n', ["--cache-blocks", "1", "--max-new-tokens", "9"],
+     "request 0: 9 positions need 2 blocks; the cache has 1"),
 ])
 def test_cli_refuses_bad_input_in_one_line(folder, tmp_path, text, flags, message):
-    (tmp_path / "p.txt").write_text(text)
+    (tmp_path / "p.jsonl").write_text(text)
     out = tmp_path / "out.json"
-    r = cli.invoke(app, ["run", str(folder), "--backend", "pt2", "--prompts", str(tmp_path / "p.txt"),
+    r = cli.invoke(app, ["run", str(folder), "--backend", "pt2", "--prompts", str(tmp_path / "p.jsonl"),
                          "--json", str(out), *flags])
     assert r.exit_code == 1 and message in r.output and "Traceback" not in r.output
     assert not out.exists()
@@ -125,11 +127,11 @@ def test_serving_export_from_a_checkpoint_streams_its_weights(mini_cli_export, t
     r = cli.invoke(app, ["export", "--checkpoint", str(mini_cli_export.checkpoint), "--out", str(out), "--serving",
                          "--target", "pt2", "--target", "onnx"])
     assert r.exit_code == 0, r.output
-    (tmp_path / "p.txt").write_text("1,2,3\nHello there\n")
+    (tmp_path / "p.jsonl").write_text('{"prompt_ids": [1, 2, 3]}\n{"prompt": "Hello there"}\n')
     model = load_checkpoint(mini_cli_export.checkpoint, dtype=torch.float32).eval()
     want = [solo(model, [1, 2, 3], 4)[0]]
     for backend in ("pt2", "ort"):
-        r = cli.invoke(app, ["run", str(out), "--backend", backend, "--prompts", str(tmp_path / "p.txt"),
+        r = cli.invoke(app, ["run", str(out), "--backend", backend, "--prompts", str(tmp_path / "p.jsonl"),
                              "--max-new-tokens", "4", "--json", str(tmp_path / f"{backend}.json")])
         assert r.exit_code == 0, r.output
         records = json.loads((tmp_path / f"{backend}.json").read_text())

@@ -124,12 +124,12 @@ def test_draft_model_proposes_its_own_greedy_continuation(target, draft_export, 
 
 
 def test_cli_speculates_with_the_same_tokens(target, draft_export, tmp_path):
-    (tmp_path / "p.txt").write_text("".join(",".join(map(str, p)) + "\n" for p in PROMPTS[:4]))
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS[:4]))
     got = {}
     for name, flags in (("plain", []), ("ngram", ["--speculate", "ngram:3"]),
                         ("draft", ["--draft", str(draft_export), "--speculate-tokens", "2"])):
         out = tmp_path / f"{name}.json"
-        r = cli.invoke(app, ["run", str(target), "--backend", "ort", "--prompts", str(tmp_path / "p.txt"),
+        r = cli.invoke(app, ["run", str(target), "--backend", "ort", "--prompts", str(tmp_path / "p.jsonl"),
                              "--max-new-tokens", "9", "--json", str(out), *flags])
         assert r.exit_code == 0, r.output
         got[name] = json.loads(out.read_text())
@@ -146,9 +146,9 @@ def test_cli_speculates_with_the_same_tokens(target, draft_export, tmp_path):
     (["--speculate", "ngram:2", "--draft", "DRAFT"], "--speculate and --draft: give one of them"),
 ])
 def test_cli_refuses_bad_speculation_in_one_line(target, draft_export, tmp_path, flags, message):
-    (tmp_path / "p.txt").write_text("1,2,3\n")
+    (tmp_path / "p.jsonl").write_text('{"prompt_ids": [1, 2, 3]}\n')
     flags = [str(draft_export) if f == "DRAFT" else f for f in flags]
-    r = cli.invoke(app, ["run", str(target), "--backend", "ort", "--prompts", str(tmp_path / "p.txt"),
+    r = cli.invoke(app, ["run", str(target), "--backend", "ort", "--prompts", str(tmp_path / "p.jsonl"),
                          "--json", str(tmp_path / "o.json"), *flags])
     assert r.exit_code == 1 and message in r.output and "Traceback" not in r.output, r.output
     assert not (tmp_path / "o.json").exists()

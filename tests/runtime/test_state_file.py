@@ -99,4 +99,4 @@ def test_a_pickle_is_not_a_state_file_and_flags_are_checked(tmp_path):
     code, out = run("--load-state", pickled, "--prompt-ids", "1,2")
     assert code == 1 and "not both" in out, out
     code, out = run("--save-state", tmp_path / "no-such-folder" / "s.safetensors")
-    assert code == 1 and "not a file in an existing folder" in out and len(out.strip().splitlines()) == 1, out
+    assert code == 1 and "no-such-folder does not exist" in out and len(out.strip().splitlines()) == 1, out
