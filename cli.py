@@ -119,6 +119,7 @@ def inspect(ctx: typer.Context, preset: Preset = None, checkpoint: Checkpoint = 
     ONNX file's inputs and outputs."""
     from .checkpoint.config_source import config_of
 
+    inspect_rules(ctx)
     if export is not None:
         from .folder.artifacts import read_manifest
         from .folder.onnx_io import onnx_io_report
@@ -127,7 +128,6 @@ def inspect(ctx: typer.Context, preset: Preset = None, checkpoint: Checkpoint = 
     from .model.parallel_budget import budget, format_budget
     from .model.summary import format_summary, summarize
 
-    inspect_rules(ctx)
     cfg = config_of(preset, checkpoint)
     debug("config %s (hash %s) from %s", cfg.name, cfg.hash()[:12], checkpoint or f"preset {preset}")
     if sequences is not None:  # serving pools

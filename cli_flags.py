@@ -107,8 +107,13 @@ def verify_rules(ctx: typer.Context, serving: bool) -> None:
 
 
 def inspect_rules(ctx: typer.Context) -> None:
-    """`k3x inspect`: the serving-pools view (--sequences) and the parallel fit (--tp/--ep) take their own flags."""
+    """`k3x inspect`: the serving-pools view (--sequences) and the parallel fit (--tp/--ep) take their own flags;
+    --export (an export's ONNX inputs and outputs) takes none."""
     p = ctx.params
+    if p.get("export") is not None:
+        refuse_given(ctx, [n for n in p if n != "export"], "does not apply with --export (an export's ONNX inputs "
+                     "and outputs)")
+        return
     if p["sequences"] is not None:
         refuse_given(ctx, ["json_out"], "prints one JSON object of the model summary, not of --sequences' pools")
         refuse_given(ctx, ["batch"], "is the fit table's batch (--tp/--ep); --sequences counts the sequences")

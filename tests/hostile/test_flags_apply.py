@@ -180,8 +180,8 @@ def test_every_verify_flag_applies_or_is_refused(kind, export_dir, serving_dir, 
 
 INSPECT = {"json_out": (["--json"], []), "tp": (["--tp", "2"], []), "ep": (["--ep", "2"], []),
            "batch": (["--batch", "2"], ["--tp", "2"]), "context": (["--context", "1024"], ["--tp", "2"]),
-           "sequences": (["--sequences", "2"], []), "dtype": (["--dtype", "fp32"], ["--sequences", "2"]),
-           "chunk": (["--chunk", "8"], ["--sequences", "2"])}
+           "sequences": (["--sequences", "2"], []), "dtype": (["--dtype", "bf16"], ["--sequences", "2"]),
+           "chunk": (["--chunk", "8"], ["--sequences", "2"]), "export": (["--export", "."], [])}
 
 
 @pytest.mark.parametrize("mode", [[], ["--sequences", "2"]])
@@ -191,6 +191,7 @@ def test_every_inspect_flag_applies_or_is_refused(mode, recorded):
     base = ["inspect", "--preset", "k3-mini", *mode]
     seen = {name: _walk(base, name, params[name], flag, [] if mode else companion, recorded)
             for name, (flag, companion) in INSPECT.items() if name != "sequences" or not mode}
+    assert seen["export"] == ["refused"]  # --export takes no other flag (here --preset)
     if mode:
         assert seen["json_out"] == seen["batch"] == ["refused"] and seen["chunk"] == ["applies"]
     else:
