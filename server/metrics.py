@@ -18,10 +18,10 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 
 
 GAUGES = {"running": ("k3x_requests_running", "Requests holding a slot"),
           "waiting": ("k3x_requests_waiting", "Requests submitted and not yet admitted"),
-          "kda_slots": ("k3x_kda_slots_in_use", "KDA state slots held by sequences"),
+          "kda_slots": ("k3x_kda_slots_in_use", "Linear-attention state slots held by sequences"),
           "mla_blocks": ("k3x_mla_blocks_in_use", "MLA latent blocks held by sequences"),
           "cache_blocks": ("k3x_prefix_cache_blocks", "MLA latent blocks held by the prefix cache alone"),
-          "cache_snapshots": ("k3x_prefix_cache_snapshots", "KDA snapshots held by the prefix cache")}
+          "cache_snapshots": ("k3x_prefix_cache_snapshots", "Linear-attention state snapshots held by the prefix cache")}
 COUNTERS = {"prompt_tokens": ("k3x_prefix_cache_queries", "Prompt tokens admitted (prefix-cache lookups)"),
             "cached_tokens": ("k3x_prefix_cache_hits", "Prompt tokens restored from the prefix cache"),
             "drafted": ("k3x_spec_decode_draft_tokens", "Draft tokens verified (speculation)"),
