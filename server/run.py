@@ -45,10 +45,10 @@ class HttpOptions:
 
 
 def open_service(export_dir: Path, backend: str, options, http: HttpOptions, runner_options=None,
-                 speculation=None, sampler=None) -> Service:
+                 speculation=None, sampler=None, runner=None) -> Service:
     """The engine loop (started) over the export's serving step and the routes' view of it. `options`:
     runtime/serve.ServeOptions; `speculation`: runtime/serve_prompts.Speculation; `sampler`: the sampler
-    factory (tests put a failing one in)."""
+    factory (tests put a failing one in); `runner`: the export's serving runner when already open."""
     from ..runtime.runners import RunnerError, RunnerOptions, open_folder, serving_entry
     from ..runtime.serve import serving_runner
     from ..runtime.serve_prompts import make_drafter
@@ -59,7 +59,7 @@ def open_service(export_dir: Path, backend: str, options, http: HttpOptions, run
         raise RunnerError(f"{folder.path}: a rank export; k3x serve serves one program (export without --tp/--ep)")
     runner_options = runner_options or RunnerOptions()
     cfg, block = folder.config(), int(serving_entry(folder)["block_size"])
-    runner = serving_runner(backend, folder, runner_options)
+    runner = runner or serving_runner(backend, folder, runner_options)
     drafter = None if speculation is None else make_drafter(speculation, backend, runner_options, cfg.vocab_size)
     listed = folder.tokenizer_files()
     tokenizer = find_tokenizer(folder.path, listed)
