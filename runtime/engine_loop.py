@@ -106,9 +106,9 @@ class EngineLoop:
         self.inbox.put(("cancel", rid))
 
     def close(self) -> None:
-        """Stop admitting (Closed from now on); requests in flight go on."""
-        with self._lock:
-            self._closed = True
+        """Stop admitting (Closed from now on); requests in flight go on. No lock: a signal handler calls this
+        on the thread that may hold it in `submit`."""
+        self._closed = True
 
     @property
     def in_flight(self) -> int:

@@ -33,6 +33,7 @@ class Limits:
     cache_positions: int  # positions the MLA cache can ever give one sequence
     vocab_size: int
     max_body: int  # bytes
+    greedy_only: bool = False  # speculative decoding: temperature 0 only
 
     @property
     def positions(self) -> int:
@@ -94,6 +95,9 @@ async def chat_ids(req: ChatRequest, tokenizer, vocab_size: int) -> list[int]:
 def jobs(req: CompletionRequest | ChatRequest, prompts: list[list[int]], limits: Limits, eos: tuple[int, ...],
          tokenizer, max_tokens: int | None) -> list[Job]:
     """One engine job per prompt (400 naming `prompt`, `max_tokens` or `stop` when it cannot be served)."""
+    if limits.greedy_only and req.temperature > 0:
+        raise ApiError(400, "temperature: this server decodes speculatively, greedy only (give temperature 0)",
+                       "temperature")
     if req.stop and tokenizer is None:
         raise ApiError(400, "stop: this export has no tokenizer to match stop strings in", "stop")
     out = []

@@ -71,7 +71,7 @@ def open_service(export_dir: Path, backend: str, options, http: HttpOptions, run
     engine = Engine(runner, cfg, sizes, eos_token_ids=tuple(eos), dtype=folder.dtype(), drafter=drafter)
     loop = EngineLoop(engine, tokenizer, max_queue=http.max_queue, **({"sampler": sampler} if sampler else {}))
     loop.start()
-    limits = Limits(context, blocks * block, cfg.vocab_size, http.max_body)
+    limits = Limits(context, blocks * block, cfg.vocab_size, http.max_body, drafter is not None)
     return Service(loop, tokenizer, http.model_name or folder.path.name, limits, tuple(eos), http.api_key)
 
 

@@ -11,13 +11,13 @@ import httpx
 
 
 def start(export: Path, backend: str = "ort", *, max_sequences: int = 8, cache_blocks: int | None = None,
-          sampler=None, runner=None, **http):
+          sampler=None, runner=None, speculation=None, **http):
     from k3x.runtime.serve import ServeOptions
     from k3x.server.run import HttpOptions, open_service, serve_in_thread
 
     options = ServeOptions(max_sequences=max_sequences, cache_blocks=cache_blocks, max_step_tokens=256)
     return serve_in_thread(open_service(export, backend, options, HttpOptions(**http), sampler=sampler,
-                                        runner=runner))
+                                        runner=runner, speculation=speculation))
 
 
 def metrics(url: str, **headers) -> dict[str, float]:

@@ -114,3 +114,21 @@ def test_models_health_and_metrics(server):
     assert m["k3x_generation_tokens_total"] > 0 and m["k3x_time_to_first_token_seconds_count"] > 0
     assert {"k3x_prefix_cache_hits_total", "k3x_spec_decode_accepted_tokens_total",
             "k3x_inter_token_latency_seconds_count", "k3x_e2e_request_latency_seconds_count"} <= set(m)
+
+
+def test_a_speculating_server_gives_the_same_greedy_tokens_and_refuses_sampling(server, chat_export):
+    from http_cases import metrics
+
+    from k3x.runtime.serve_prompts import Speculation
+
+    running = start(chat_export, speculation=Speculation("ngram:3", None, 4))
+    try:
+        ask = dict(model="k3-mini", prompt=[7, 8, 9, 7, 8, 9, 7, 8], max_tokens=24, temperature=0,
+                   extra_body={"return_token_ids": True})
+        plain, fast = (client(url).completions.create(**ask).choices[0].model_extra["token_ids"]
+                       for url in (server.url, running.url))
+        assert fast == plain and metrics(running.url)["k3x_spec_decode_draft_tokens_total"] > 0
+        r = httpx.post(running.url + "/v1/completions", json={"model": "k3-mini", "prompt": [1], "temperature": 0.7})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    finally:
+        running.stop()
