@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from ..runtime.engine_loop import Closed, Event, Job, QueueFull
 from .errors import ApiError
 
+POLL_S = 0.5  # how often a non-streamed answer checks that its client is still there
+
 
 @dataclass
 class Choice:
@@ -80,16 +82,20 @@ class Choices:
     async def events(self, request=None):
         """(choice index, event) until every choice finished; with `request` (a non-streamed answer), a
         client that went away cancels them."""
+        check = time.monotonic() + POLL_S
         try:
             while self.open:
                 try:
-                    i, ev = await asyncio.wait_for(self.queue.get(), 0.5)
+                    got = await asyncio.wait_for(self.queue.get(), POLL_S)
                 except asyncio.TimeoutError:
-                    if request is not None and await request.is_disconnected():
+                    got = None
+                if request is not None and time.monotonic() >= check:  # events may never pause: by the clock
+                    check = time.monotonic() + POLL_S
+                    if await request.is_disconnected():
                         return
-                    continue
-                self.take(i, ev)
-                yield i, ev
+                if got is not None:
+                    self.take(*got)
+                    yield got
         finally:
             self.cancel()
 

@@ -69,7 +69,7 @@ def test_the_api_key_guards_every_route_but_health(chat_export):
         running.stop()
 
 
-def test_past_max_queue_503_with_retry_after_then_served(serving_export):
+def test_past_max_queue_503_with_retry_after_then_served_and_hang_ups_free_slots(serving_export):
     running = start(serving_export, max_sequences=1, max_queue=1)  # no tokenizer, no EOS: the first runs on
     long = GOOD | {"max_tokens": 3000, "stream": True}
     try:
@@ -90,6 +90,9 @@ def test_past_max_queue_503_with_retry_after_then_served(serving_export):
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["code"] == "queue_full" and waited.status_code == 200
         settled(running.url)
+        with pytest.raises(httpx.ReadTimeout):  # a client that gives up on a whole answer frees its slot too
+            post(running.url, "/v1/completions", GOOD | {"max_tokens": 3000}, timeout=httpx.Timeout(60, read=0.5))
+        settled(running.url, timeout=5)
     finally:
         running.stop()
 
