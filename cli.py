@@ -29,6 +29,7 @@ from .cli_flags import Activations, Backend, Backends, Batch, BatchFile, BlockSi
     Speculate, SpeculateTokens, StepChunk, Steps, StripWeights, TP, Target, Targets, Temperature, Tokenizer, TopK, \
     TopP, TraceMode, TraceModes, Verbose, Version, WeightSeed, WeightSource, WeightsFrom, inspect_rules, run_rules, \
     verify_rules
+from .cli_flags import ApiKey, DrainTimeout, Host, MaxQueue, Port, ServeBackend, ServeCacheBlocks, ServedModelName
 from .console import Printer, Progress, debug, echo, fail, one_line, timed
 
 
@@ -297,6 +298,29 @@ def run(ctx: typer.Context, export_dir: ExportDir, backend: RunBackend = Backend
             cs.runner_options(provider.value, skip_hash_check), Speculation(speculate, draft, speculate_tokens), files)
     cs.decode_export(export_dir, folder, backend.value, p, cs.runner_options(provider.value, skip_hash_check,
                      cuda_graph=cuda_graph), save_state=save_state, load_state=load_state)
+
+
+@app.command()
+def serve(export_dir: ExportDir, backend: ServeBackend = Backend.ORT, max_sequences: MaxSequences = 8,
+          cache_blocks: ServeCacheBlocks = None, max_step_tokens: MaxStepTokens = 512,
+          prefix_cache: PrefixCache = False, prefix_cache_mb: PrefixCacheMB = 1024.0, speculate: Speculate = None,
+          draft: Draft = None, speculate_tokens: SpeculateTokens = 4, host: Host = "127.0.0.1", port: Port = 8000,
+          api_key: ApiKey = None, served_model_name: ServedModelName = None, max_queue: MaxQueue = 256,
+          drain_timeout: DrainTimeout = 30.0, provider: OrtProvider = Provider.AUTO,
+          skip_hash_check: SkipHashCheck = False) -> None:
+    """Serve a serving export (export --serving) over HTTP with OpenAI's API: /v1/completions,
+    /v1/chat/completions, /v1/models, /health, /metrics. Requests are batched continuously as they arrive and
+    streamed as server-sent events; SIGTERM drains (new requests 503), a second signal exits at once."""
+    from .runtime.command_session import runner_options
+    from .runtime.serve import ServeOptions
+    from .runtime.serve_prompts import Speculation
+    from .server.run import HttpOptions, serve_export
+
+    serve_export(export_dir, backend.value, ServeOptions(
+        max_sequences, cache_blocks, max_step_tokens=max_step_tokens, prefix_cache=prefix_cache,
+        prefix_cache_bytes=int(prefix_cache_mb * 1e6) if prefix_cache else 0),
+        HttpOptions(host, port, api_key, served_model_name, max_queue, drain_timeout),
+        runner_options(provider.value, skip_hash_check), Speculation(speculate, draft, speculate_tokens))
 
 
 @app.command()

@@ -334,3 +334,21 @@ StepChunk = Annotated[Optional[int], typer.Option(
 Serving = Annotated[bool, typer.Option("--serving", help="Trace the serving step (packed sequences, state pools, "
                                                          "continuous batching) instead of the batch interface.")]
 BlockSize = Annotated[int, typer.Option(min=1, help="--serving: positions per MLA latent block.")]
+
+# serve (an OpenAI-compatible server over a serving export)
+ServeBackend = Annotated[Backend, typer.Option("--backend", help="Runner of the serving step: ort, pt2, aoti or trt.")]
+Host = Annotated[str, typer.Option("--host", help="Address to listen on (default: this machine only; 0.0.0.0 "
+                                                  "for every interface).")]
+Port = Annotated[int, typer.Option("--port", min=0, max=65535, help="TCP port (0: any free one, printed).")]
+ApiKey = Annotated[Optional[str], typer.Option(
+    "--api-key", envvar="K3X_API_KEY", show_envvar=True,
+    help="Require `Authorization: Bearer KEY` on every route but /health.")]
+ServedModelName = Annotated[Optional[str], typer.Option(
+    "--served-model-name", help="The model name clients give (default: the export folder's name).")]
+MaxQueue = Annotated[int, typer.Option("--max-queue", min=0, help="Requests that may wait for a slot; past it 503 "
+                                                                  "with Retry-After.")]
+DrainTimeout = Annotated[float, typer.Option("--drain-timeout", min=0, help="On SIGTERM / SIGINT: seconds the "
+                                             "requests in flight may take to finish (new ones get 503).")]
+ServeCacheBlocks = Annotated[Optional[int], typer.Option(
+    "--cache-blocks", min=1, help="MLA latent cache blocks (default: every slot at 8,192 positions, or the "
+                                  "context if shorter); a request that can never fit is refused.")]

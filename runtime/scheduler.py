@@ -15,6 +15,8 @@
 - A sequence's token is due when the step holds its last prompt row or its decode row; `logits_index` names
   the packed row of every due sequence (a step of prompt chunks only asks for one row it then ignores, so a
   step never has zero logits rows).
+- Requests may be added between steps (online admission: `k3x serve`); `cancel` drops one, queued or
+  running, freeing what it holds at once.
 - A finished sequence (EOS or max_new_tokens) frees its slot and blocks at commit; `compact()` then moves the
   running sequences down to slots 0..n-1 in admission order (the caller moves their KDA rows:
   StatePools.move_slots). A step packs its sequences in slot order and takes rows in admission order, so its
@@ -197,6 +199,19 @@ class Scheduler:
                 self.finished[rid] = self.running.pop(rid)
                 done.append(rid)
         return done
+
+    def cancel(self, rid: int) -> bool:
+        """Drop request `rid` now, queued or running (a client gone, a stop string, an error): its slot, blocks
+        and prefix-cache hit are freed at once -> whether it was running (the caller then compacts)."""
+        if self.prefix is not None:
+            self.prefix.forget(rid)
+        self.resumed.pop(rid, None)
+        if rid not in self.running:
+            self.queue = [r for r in self.queue if r.id != rid]
+            return False
+        self.running.pop(rid).done = True
+        self.alloc.release(rid)
+        return True
 
     def compact(self) -> list[tuple[int, int]]:
         """The running sequences to slots 0..n-1 in admission order -> the (old, new) slot moves the pools must

@@ -24,11 +24,9 @@ from ..model.serving import STEP_INPUTS
 from ..model.state import state_bytes
 from ..text.sampling import Sampler, SamplingOptions
 from .base import Feeds, torch_threads_for
-from .pools import CacheAllocator, StatePools
-from .prefix_cache import PrefixCache
-from .scheduler import Request, Scheduler
-from .speculate import Counts, agree_drafts, choose
-from .step_outputs import StepOutputs, infer_step
+from .engine import Engine, EngineSizes
+from .scheduler import Request
+from .speculate import Counts
 
 
 
@@ -136,70 +134,46 @@ def serve(runner, cfg, prompts: Sequence[Sequence[int]], sampling: SamplingOptio
     `on_prefill(i, state)`: called with prompt i's state once its prompt is in (a state file)."""
     if drafter is not None and not sampling.greedy:
         raise ValueError(f"temperature={sampling.temperature}: speculative decoding is greedy only (temperature 0)")
-    device = str(device or getattr(runner, "device", None) or "cpu")
     news = list(max_new_tokens) if max_new_tokens is not None else [sampling.max_new_tokens] * len(prompts)
     if len(news) != len(prompts):
         raise ValueError(f"max_new_tokens: {len(news)} values for {len(prompts)} prompts")
     requests = [Request(i, tuple(int(t) for t in p), n) for i, (p, n) in enumerate(zip(prompts, news))]
-    blocks = options.cache_blocks or default_blocks(requests, options, cfg, dtype)
-    alloc = CacheAllocator(options.max_sequences, blocks, options.block_size)
-    pools = StatePools(pool_cfg or cfg, slots=options.max_sequences, blocks=blocks, block_size=options.block_size,
-                       dtype=dtype, device=device)
-    outputs = StepOutputs(pools)
-    prefix = PrefixCache(alloc, pools, options.prefix_cache_bytes) if options.prefix_cache else None
-    sched = Scheduler(alloc, max_sequences=options.max_sequences, max_step_tokens=options.max_step_tokens,
-                      eos_token_ids=sampling.eos_token_ids, prefix=prefix)
-    for r in requests:
-        if any(t < 0 or t >= cfg.vocab_size for t in r.prompt):
-            raise ValueError(f"prompt {r.id}: token ids must be in [0, {cfg.vocab_size})")
+    sizes = EngineSizes(options.max_sequences, options.cache_blocks or default_blocks(requests, options, cfg, dtype),
+                        options.block_size, options.max_step_tokens,
+                        options.prefix_cache_bytes if options.prefix_cache else None)
+    engine = Engine(runner, cfg, sizes, eos_token_ids=sampling.eos_token_ids, dtype=dtype, device=device,
+                    pool_cfg=pool_cfg, agree=agree, drafter=drafter)
     records = [Record(r.id, list(r.prompt)) for r in requests]
     seed = sampling.seed
     samplers = [Sampler(replace(sampling, seed=None if seed is None else seed + i)) for i in range(len(requests))]
     resume = resume or {}
-    if resume and prefix is not None:
+    if resume and options.prefix_cache:
         raise ValueError("--prefix-cache with --load-state: a resumed sequence starts from its own state")
+    if on_prefill is not None:
+        def prefilled(rid: int, row: Tensor) -> None:
+            prompt = list(requests[rid].prompt)
+            saved = engine.pools.save_sequence(engine.alloc.slot_of[rid], engine.alloc.table_of[rid], len(prompt))
+            on_prefill(rid, SlotState(prompt, saved, row.cpu()))
+        engine.on_prefill = prefilled
     for r in requests:
         if r.id in resume:
             _resume(records[r.id], resume[r.id], samplers[r.id], options.keep_logits, agree)
         if r.id not in resume or not _finished(records[r.id], r, sampling.eos_token_ids):
-            sched.add(r, records[r.id].tokens if r.id in resume else None)
+            engine.add(r, samplers[r.id], records[r.id].tokens if r.id in resume else None,
+                       resume[r.id].rows if r.id in resume else None)
     with torch_threads_for(runner, getattr(drafter, "runner", None)):  # a model drafter has its own runner
-        while True:
-            if drafter is not None:
-                drafter.propose(sched)  # drafts on the decoding sequences, verified by this step
-                if agree is not None:
-                    agree_drafts(sched, drafter.k, agree)
-            if (step := sched.next_step()) is None:
-                break
-            for rid in step.admitted:
-                if rid in resume:
-                    pools.load_sequence(alloc.slot_of[rid], alloc.table_of[rid], resume[rid].rows)
-                    continue
-                records[rid].cached = sched.running[rid].fed
-                if prefix is None:
-                    pools.reset_slot(alloc.slot_of[rid])
-                else:
-                    prefix.start(rid, alloc.slot_of[rid])
-            feeds = {**step.feeds, **pools.tensors}
-            out = infer_step(runner, feeds, outputs, in_place=not any(step.drafts))
-            chosen, rows = choose(step, out["logits"], samplers, agree)
-            pools.write_back(feeds, out, step.advances(chosen))
-            for rid in (r for r in step.due if on_prefill is not None and not sched.sequence(r).tokens):
-                prompt = list(sched.running[rid].request.prompt)
-                saved = pools.save_sequence(alloc.slot_of[rid], alloc.table_of[rid], len(prompt))
-                on_prefill(rid, SlotState(prompt, saved, rows[rid][0].cpu()))
-            if prefix is not None:
-                prefix.record(step, sched.running, alloc.table_of)
-            if sched.commit(step, chosen):  # sequences finished: the others close the gap (consecutive slots)
-                pools.move_slots(sched.compact())
-            for rid, draft in zip(step.due, step.drafts):
-                rec = records[rid]
-                new = sched.sequence(rid).tokens[len(rec.tokens):]
-                rec.tokens += new
-                rec.logits += [r.cpu() for r in rows[rid][: len(new)]] if options.keep_logits else []
-                rec.counts.add(Counts(len(draft), len(rows[rid]) - 1, len(new), 1))
-    if stats is not None and prefix is not None:
-        stats.update(prefix.figures())
+        while not engine.idle:
+            for e in engine.step():
+                rec = records[e.rid]
+                if e.error is not None:
+                    raise ValueError(f"prompt {e.rid}: {e.error}")
+                rec.tokens += e.tokens
+                rec.logits += [r.cpu() for r in e.rows] if options.keep_logits else []
+                rec.counts.add(Counts(e.drafted, e.accepted, len(e.tokens), 1))
+            for rid in engine.admitted:
+                records[rid].cached = engine.cached.get(rid, 0)
+    if stats is not None and engine.prefix is not None:
+        stats.update(engine.prefix.figures())
     return records
 
 

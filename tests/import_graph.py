@@ -12,7 +12,7 @@ from pathlib import Path
 # print) imports no project module.
 PACKAGE_ORDER: tuple[tuple[str, ...], ...] = (
     ("", "fileio", "console"), ("plan",), ("plugins",), ("custom_ops",), ("model",), ("text",), ("checkpoint",), ("folder",),
-    ("exporter",), ("runtime",), ("bench",), ("cli", "cli_flags", "__main__"),
+    ("exporter",), ("runtime",), ("bench",), ("server",), ("cli", "cli_flags", "__main__"),
 )
 
 

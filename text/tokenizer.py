@@ -269,12 +269,17 @@ class Tokenizer:
 
     def chat_prompt(self, user_text: str) -> str:
         """The chat template rendered for one user message, ending where the assistant's reply starts."""
+        return self.chat_messages([{"role": "user", "content": user_text}])
+
+    def chat_messages(self, messages: list[dict[str, str]]) -> str:
+        """The chat template rendered for `messages` ({"role", "content"}), ending where the assistant's reply
+        starts."""
         if not self.chat_template:
             raise TokenizerError(f"{self.folder}: --chat needs a chat template (chat_template.jinja or "
                                  "tokenizer_config.json's chat_template); none found")
         from .chat_template import ChatTemplateError, render_chat_template
 
-        variables = {"messages": [{"role": "user", "content": user_text}], "add_generation_prompt": True,
+        variables = {"messages": messages, "add_generation_prompt": True,
                      "bos_token": self.special_token("bos_token") or "",
                      "eos_token": self.special_token("eos_token") or ""}
         try:
