@@ -1,4 +1,4 @@
-"""Serving-step sections of bench/gpu_check.py (issue 20), appended to its `CHECKS`:
+"""Serving-step sections of bench/gpu_check.py, appended to its `CHECKS`:
 
 - `parity_serving`: the packed / paged kernels (k3::kda_packed, k3::kda_prep, k3::mla_paged) on K3's head
   shapes in bf16 against their references on the same inputs upcast to fp64, on packed steps that mix decode

@@ -1,4 +1,4 @@
-"""W4A8 sections of bench/gpu_check.py: K3's deployment numerics (MXFP4 experts × MXFP8 activations, issue 23).
+"""W4A8 sections of bench/gpu_check.py: K3's deployment numerics (MXFP4 experts × MXFP8 activations).
 
 - `parity_moe_w4a8`: k3::moe_mxfp4's Triton plan with activations="mxfp8" (sm_90: e4m3 wgmma with the E8M0
   scales applied per 32-wide k step; sm_100+: tl.dot_scaled on both block-scaled operands) against the fp32

@@ -1,5 +1,5 @@
 """MXFP8 activations into the MXFP4 experts (W4A8) vs bf16 ones (the activations as computed): the logits gap on
-the same weights (issue 23).
+the same weights.
 
 For each --preset: one model with MXFP4-packed experts from a seeded random init (fp32 elsewhere), run eagerly with
 the reference ops twice on the same weights — `activations="bf16"` and `activations="mxfp8"` (both expert-GEMM

@@ -1,4 +1,4 @@
-"""ONNX layer functions vs the flat graph (issue 22): graph file size, node counts, ORT session creation.
+"""ONNX layer functions vs the flat graph: graph file size, node counts, ORT session creation.
 
     python bench/onnx_functions.py [--preset k3-bench] [--rounds 5] [--json OUT]
 

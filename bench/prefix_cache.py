@@ -1,4 +1,4 @@
-"""Prefix-cache figures on the CPU (issue 21): requests sharing a long prompt prefix, served with and without
+"""Prefix-cache figures on the CPU: requests sharing a long prompt prefix, served with and without
 the cache in one run.
 
 Exports `--preset` (random fp32 weights) with `--serving` (ort flavor) into a temp folder, then serves

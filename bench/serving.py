@@ -1,4 +1,4 @@
-"""Serving-step figures on the CPU (issue 20): flat in pool capacity, and what batching pays.
+"""Serving-step figures on the CPU: flat in pool capacity, and what batching pays.
 
 Through the ORT serving runner (IO binding: the pools are bound by pointer every step, no copy) on a serving
 export of `--preset` (default k3-bench, random fp32 weights; or `--export DIR`), one decode step each of:

@@ -1,4 +1,4 @@
-"""Decode step time by context length, split by layer kind (issue 20: "proportional to length").
+"""Decode step time by context length, split by layer kind ("proportional to length").
 
 One sequence's decode step at --lengths positions (default 1K, 16K, 64K) through the ORT serving runner on a
 serving export of `--preset` (default k3-bench; or `--export DIR`), the cases interleaved in rounds (the state

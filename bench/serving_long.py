@@ -1,4 +1,4 @@
-"""A long prompt served end to end, its memory against the pool prediction (issue 20: "long context").
+"""A long prompt served end to end, its memory against the pool prediction ("long context").
 
 `--preset` (default k3-mini) with its context raised to the prompt (+ new tokens) is saved as a checkpoint
 (random weights, seed 0) and exported with `--serving` for `--target` (pt2, the default: the step program in

@@ -1,4 +1,4 @@
-"""Where the batching speedup goes (issue 20: "batching pays"): one sequence's decode step and --batch
+"""Where the batching speedup goes ("batching pays"): one sequence's decode step and --batch
 sequences', split by part from ONNX Runtime's profile, with each part's own speedup.
 
 Through the ORT serving runner on a flat serving export of `--preset` (default k3-bench; or `--export DIR`

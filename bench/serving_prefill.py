@@ -1,4 +1,4 @@
-"""ORT prefill on the serving step against the fp32 GEMM bound measured in the same run (issue 20).
+"""ORT prefill on the serving step against the fp32 GEMM bound measured in the same run.
 
 One sequence's prompt of --prompt tokens as one serving step (ORT serving runner, serving export of `--preset`,
 default k3-bench; or `--export DIR`) against the GEMM bound: matmuls of the model's own weight shapes on the

@@ -1,4 +1,4 @@
-"""Shared pieces of the serving benches (bench/serving*.py; CPU, ONNX Runtime, issue 20).
+"""Shared pieces of the serving benches (bench/serving*.py; CPU, ONNX Runtime).
 
 - `serving_folder`: the serving export timed: `--export DIR` (an existing `k3x export --serving` folder with
   the ort flavor) or the `--preset` exported into a temp folder (random fp32 weights);

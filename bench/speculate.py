@@ -1,4 +1,4 @@
-"""Speculative decoding figures on the CPU (issue 21): acceptance and decode tokens/s vs plain greedy decoding.
+"""Speculative decoding figures on the CPU: acceptance and decode tokens/s vs plain greedy decoding.
 
 A random-weight model does not continue text it has seen, so n-gram drafts of it are never accepted. The
 figure uses an "echo" variant of `--preset` (`echo_model`): the lm_head tied to the token embedding and every

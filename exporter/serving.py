@@ -1,4 +1,4 @@
-"""The serving-step interface of an export (`k3x export --serving`, issue 20): trace, dims, manifest entry, ONNX names.
+"""The serving-step interface of an export (`k3x export --serving`): trace, dims, manifest entry, ONNX names.
 
 The step (model/serving.py K3ServingStep) takes packed tokens of B sequences and the state pools; every size
 a deployment picks at run time is dynamic: N tokens, B sequences, MB blocks of the step's longest sequence,

@@ -1,4 +1,4 @@
-"""The serving step (issue 20): one forward over B sequences packed end to end, prefill chunks and decode
+"""The serving step: one forward over B sequences packed end to end, prefill chunks and decode
 tokens mixed, state read from pools.
 
     step = K3ServingStep(lm, kernels=Kernels.REFERENCE)   # lm's own modules: no weight copy

@@ -1,4 +1,4 @@
-"""The state contract of an export (issue 21): what a runner must carry from one step to the next, written
+"""The state contract of an export: what a runner must carry from one step to the next, written
 into the manifest's `state` entry, checked when a folder is opened (folder/artifacts.py), by `k3x verify`
 (runtime/state_check.py) and by a state file loaded in another process (runtime/state_file.py).
 

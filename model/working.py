@@ -1,5 +1,5 @@
-"""The working memory of one serving step: what a step holds on top of the pools while it runs (issue 20,
-"long context": peak = pools + this), derived from the shapes, not calibrated.
+"""The working memory of one serving step: what a step holds on top of the pools while it runs (for long
+contexts: peak = pools + this), derived from the shapes, not calibrated.
 
     step_working_bytes(cfg, rows=512, block_size=16) -> {"attention_bytes", "kda_bytes", "total_bytes", ...}
 

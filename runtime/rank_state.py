@@ -1,4 +1,4 @@
-"""State checks of `k3x verify` on rank programs (issue 21): every rank's own program is handed its share of
+"""State checks of `k3x verify` on rank programs: every rank's own program is handed its share of
 the reference's TRUE state at every step and judged by runtime/state_check.check_state against the rank
 folder's state contract (its shapes: the KDA heads split by TP, the latent whole), so a zeroed, stale or
 transposed state on any one rank is reported, naming the rank and the layers.

@@ -1,4 +1,4 @@
-"""State checks of `k3x verify` (issue 21): a runner's state held against the export's state contract, so a
+"""State checks of `k3x verify`: a runner's state held against the export's state contract, so a
 decode that runs from the wrong state fails even when its tokens look plausible.
 
 The parity harness (runtime/verify.py) lets each runner carry its own state; here every step hands the runner

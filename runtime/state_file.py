@@ -1,4 +1,4 @@
-"""A sequence's state in a file, to hand it from one process to another (issue 21): prefill on one machine,
+"""A sequence's state in a file, to hand it from one process to another: prefill on one machine,
 decode on another, with the same tokens and bit-identical logits.
 
     k3x run EXPORT --prompt-ids 1,2,3 --max-new-tokens 1 --save-state s.safetensors   # prefill here

@@ -1,4 +1,4 @@
-"""`k3::kda_decode` — one fused KDA decode step per layer on the serving pools (issue 23): for B sequences of
+"""`k3::kda_decode` — one fused KDA decode step per layer on the serving pools: for B sequences of
 one token each, the short causal conv with its conv-state update, the decay gate (K3's lower-bounded gate or
 Kimi Linear's), the gated delta-rule update from the slot's recurrent state, and the gated output norm.
 Torch-only; Triton is imported lazily.

@@ -1,5 +1,5 @@
 """`k3::kda_packed` — KDA over B sequences packed end to end, each starting from a row of a slot-indexed
-state pool (the serving step, issue 20). Torch-only; Triton is imported lazily.
+state pool (the serving step). Torch-only; Triton is imported lazily.
 
     k3::kda_packed(q, k, v, g, beta, state_pool, cu_seqlens, slots, scale, kernels, gate_lower_bound)
         -> (o, final_state)

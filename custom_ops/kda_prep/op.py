@@ -1,6 +1,6 @@
 """`k3::kda_prep` — everything a KDA layer of the serving step does between its projections and the recurrence,
 over B sequences packed end to end: the short causal conv from each sequence's conv-pool row, SiLU, q/k L2
-norm, the decay gate and beta (issue 20; one node instead of ~40 small ones per layer). Torch-only; Triton is
+norm, the decay gate and beta (one node instead of ~40 small ones per layer). Torch-only; Triton is
 imported lazily.
 
     k3::kda_prep(qkv, f, b, conv_weight, A_log, dt_bias, conv_pool, cu_seqlens, slots, kernels,

@@ -1,6 +1,6 @@
 """Absorbed MLA attention over a paged latent pool, the eager fp32 oracle. Torch-only; never imports a kernel.
 
-Contract (`k3::mla_paged`, docs/architecture.md; the serving step of issue 20):
+Contract (`k3::mla_paged`, docs/architecture.md; the serving step):
     q_latent    [N, H, C]      queries taken into the latent space (q_nope @ W_uk), packed rows
     q_rope      [N, H, R]      the queries' rope/extra part (R may be 0)
     latent      [N, C + R]     this step's latents (normed c_KV | shared extra part), packed like the queries
