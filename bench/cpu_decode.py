@@ -206,7 +206,8 @@ def main() -> None:
     load["after"] = os.getloadavg()[0]
     print(f"{args.preset}, ONNX Runtime CPU, {args.threads} threads, load average {load['before']:.1f} -> "
           f"{load['after']:.1f}, kernel library {'built' if library() else 'not built'}")
-    print(f"{'experts':<7} {'depth':>6} {'prefill tok/s':>14} {'decode ms/tok':>14} {'floor ms':>9} {'floor share':>12}")
+    print(f"{'experts':<7} {'depth':>6} {'prefill tok/s':>14} {'decode ms/tok':>14} {'floor ms':>9} "
+          f"{'floor share':>12}")
     for fmt, row in rows.items():
         for P, f in row["depths"].items():
             print(f"{fmt:<7} {P:>6} {f['prefill_tokens_per_s']:>14.1f} {f['decode_ms_per_token']:>14.2f} "

@@ -1,7 +1,7 @@
 // What the ONNX Runtime CPU kernels (custom_ops/<family>/ort_kernel.cc) share: vectorisable fp32 math, the
-// routed MoE's routing and SiTU-GLU (the dense and the MXFP4 expert kernels), shapes as text, a packed serving step's cu_seqlens / slots, checked, and the custom-op declaration. The build
-// (runtime/ort_kernels.py) puts this folder on the include path. Header-only, inline, internal linkage;
-// include it after onnxruntime_cxx_api.h.
+// routed MoE's routing and SiTU-GLU (the dense and the MXFP4 expert kernels), shapes as text, a packed serving
+// step's cu_seqlens / slots, checked, and the custom-op declaration. The build (runtime/ort_kernels.py) puts
+// this folder on the include path. Header-only, inline, internal linkage; include it after onnxruntime_cxx_api.h.
 #pragma once
 
 #include <algorithm>
