@@ -130,8 +130,7 @@ void gemm_fused(const float* a, const Packed& W, int64_t lo, int64_t hi, float* 
       decode_block(p + b * 16, scales.of[sc[b]], w);
       for (int r = 0; r < R; ++r) {
         const float* ar = a + r * K + b * BLOCK;
-        float s = 0.f;
-#pragma omp simd reduction(+ : s)
+        float s = 0.f;  // (a build without AVX2: the scalar fallback)
         for (int j = 0; j < BLOCK; ++j) s += w[j] * ar[j];
         sum[r] += s;
       }
