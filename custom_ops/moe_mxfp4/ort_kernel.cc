@@ -11,8 +11,8 @@
 //   2^(byte-128), exact like the codec's decode (every E2M1 value times a power of two is an fp32 number). The
 //   activations are permuted once per row inside each block of 32 (even elements, then odd) so that a block's
 //   low nibbles, then its high nibbles, meet their inputs in order. An expert with at most FUSED_ROWS rows (a
-//   decode step) FMAs the decoded registers straight into its dot products; with more rows each pair of output
-//   features is decoded once into a small scratch (2·K floats, in L1) and swept over the rows four at a time.
+//   decode step) FMAs the decoded registers straight into its dot products; with more rows each four output
+//   features are decoded once into a small scratch (4·K floats, in L1) and swept over the rows four at a time.
 // - SiTU-GLU as the dense kernel's (`situ_glu_span`), SiLU-GLU a·σ(a)·u; each pair's row weighted and its
 //   token's k slots summed in slot order (the dense MoECombine's order).
 // - activations="mxfp8": both GEMM inputs (the expert's rows of z, the GLU output h) rounded through MXFP8 first,
@@ -37,7 +37,7 @@ namespace {
 
 constexpr int64_t BLOCK = 32;     // elements per E8M0 scale (MXFP4 weights, MXFP8 activations)
 constexpr int64_t CHUNK = 32;     // output features per task
-constexpr int64_t FUSED_ROWS = 2;  // rows an expert may have for the register-decoded path
+constexpr int64_t FUSED_ROWS = 4;  // rows an expert may have for the register-decoded path
 constexpr int64_t TOKENS = 8;     // tokens per combine task
 
 constexpr int8_t E2M1_X2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};  // 2·E2M1 by code
@@ -111,19 +111,22 @@ void gemm_fused(const float* a, const Packed& W, int64_t lo, int64_t hi, float* 
   for (int64_t o = lo; o < hi; ++o) {
     const uint8_t *p = W.packed + o * (K / 2), *sc = W.scale + o * (K / BLOCK);
 #if defined(__AVX2__)
-    __m256 acc[R][4];
+    constexpr int A = R <= 2 ? 4 : 2;  // accumulators per row: independent FMA chains
+    __m256 acc[R][A];
     for (int r = 0; r < R; ++r)
-      for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();
+      for (int i = 0; i < A; ++i) acc[r][i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < K / BLOCK; ++b) {
       __m256 w[4];
       decode_avx2(p + b * 16, scales.of[sc[b]], w);
       for (int r = 0; r < R; ++r)
         for (int i = 0; i < 4; ++i)
-          acc[r][i] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(a + r * K + b * BLOCK + 8 * i), acc[r][i]);
+          acc[r][i % A] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(a + r * K + b * BLOCK + 8 * i), acc[r][i % A]);
     }
-    for (int r = 0; r < R; ++r)
-      out[r * ldo + o - lo] = hsum(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]),
-                                                 _mm256_add_ps(acc[r][2], acc[r][3])));
+    for (int r = 0; r < R; ++r) {
+      __m256 sum = acc[r][0];
+      for (int i = 1; i < A; ++i) sum = _mm256_add_ps(sum, acc[r][i]);
+      out[r * ldo + o - lo] = hsum(sum);
+    }
 #else
     float sum[R] = {}, w[BLOCK];
     for (int64_t b = 0; b < K / BLOCK; ++b) {
@@ -140,43 +143,49 @@ void gemm_fused(const float* a, const Packed& W, int64_t lo, int64_t hi, float* 
   }
 }
 
-typedef float Vec __attribute__((vector_size(32), aligned(4)));  // 8 floats, unaligned loads and stores
+#if defined(__AVX512F__)
+constexpr int64_t LANES = 16;  // floats a vector: the widest the build's -march gives (K is a multiple of 32)
+#else
+constexpr int64_t LANES = 8;
+#endif
+typedef float Vec __attribute__((vector_size(4 * LANES), aligned(4)));  // unaligned loads and stores
 
 inline float lanes(Vec v) {
   float sum = 0.f;
-  for (int i = 0; i < 8; ++i) sum += v[i];
+  for (int i = 0; i < LANES; ++i) sum += v[i];
   return sum;
 }
 
-// Rows of the decoded pair (w0, w1; K floats each) against `rows` permuted rows a: out[r ldo + {0, 1}]; four rows
-// at a time (a step of 8 floats loads 6 vectors for 8 products), then one
-void sweep_pair(const float* a, int64_t rows, int64_t K, const float* w0, const float* w1, float* out, int64_t ldo,
-                bool both) {
+constexpr int64_t OUTS = 4;  // output features decoded together for the scratch path
+
+// `rows` permuted rows a against OUTS decoded weight rows w (K floats apart): out[r ldo + j] for j < n; four rows at
+// a time (a step of LANES floats: 8 loads for 16 products, 16 accumulators), then one
+void sweep(const float* a, int64_t rows, int64_t K, const float* w, float* out, int64_t ldo, int64_t n) {
   int64_t r = 0;
   for (; r + 4 <= rows; r += 4) {
-    Vec acc[4][2] = {};
-    for (int64_t k = 0; k < K; k += 8) {
-      const Vec v0 = *reinterpret_cast<const Vec*>(w0 + k), v1 = *reinterpret_cast<const Vec*>(w1 + k);
+    Vec acc[4][OUTS] = {};
+    for (int64_t k = 0; k < K; k += LANES) {
+      Vec v[OUTS];
+      for (int64_t j = 0; j < OUTS; ++j) {
+        v[j] = *reinterpret_cast<const Vec*>(w + j * K + k);
+        asm("" : "+x"(v[j]));  // each operand loaded once into a register (g++ folds a load into every FMA)
+      }
       for (int64_t i = 0; i < 4; ++i) {
-        const Vec x = *reinterpret_cast<const Vec*>(a + (r + i) * K + k);
-        acc[i][0] += x * v0;
-        acc[i][1] += x * v1;
+        Vec x = *reinterpret_cast<const Vec*>(a + (r + i) * K + k);
+        asm("" : "+x"(x));
+        for (int64_t j = 0; j < OUTS; ++j) acc[i][j] += x * v[j];
       }
     }
-    for (int64_t i = 0; i < 4; ++i) {
-      out[(r + i) * ldo] = lanes(acc[i][0]);
-      if (both) out[(r + i) * ldo + 1] = lanes(acc[i][1]);
-    }
+    for (int64_t i = 0; i < 4; ++i)
+      for (int64_t j = 0; j < n; ++j) out[(r + i) * ldo + j] = lanes(acc[i][j]);
   }
   for (; r < rows; ++r) {
-    Vec acc[2] = {};
-    for (int64_t k = 0; k < K; k += 8) {
+    Vec acc[OUTS] = {};
+    for (int64_t k = 0; k < K; k += LANES) {
       const Vec x = *reinterpret_cast<const Vec*>(a + r * K + k);
-      acc[0] += x * *reinterpret_cast<const Vec*>(w0 + k);
-      acc[1] += x * *reinterpret_cast<const Vec*>(w1 + k);
+      for (int64_t j = 0; j < OUTS; ++j) acc[j] += x * *reinterpret_cast<const Vec*>(w + j * K + k);
     }
-    out[r * ldo] = lanes(acc[0]);
-    if (both) out[r * ldo + 1] = lanes(acc[1]);
+    for (int64_t j = 0; j < n; ++j) out[r * ldo + j] = lanes(acc[j]);
   }
 }
 
@@ -195,15 +204,18 @@ void decode_row(const Packed& W, int64_t o, float* w) {
 
 // out[r ldo + o - lo] = a_r . W_o for o in [lo, hi) and `rows` permuted rows a (K apart)
 void gemm(const float* a, int64_t rows, const Packed& W, int64_t lo, int64_t hi, float* out, int64_t ldo) {
-  if (rows == 1) return gemm_fused<1>(a, W, lo, hi, out, ldo);
-  if (rows == 2) return gemm_fused<2>(a, W, lo, hi, out, ldo);
-  static_assert(FUSED_ROWS == 2, "gemm dispatches 1 and 2 rows to gemm_fused");
-  std::vector<float> w(2 * W.K);
-  for (int64_t o = lo; o < hi; o += 2) {
-    const bool both = o + 1 < hi;
-    decode_row(W, o, w.data());
-    if (both) decode_row(W, o + 1, w.data() + W.K);
-    sweep_pair(a, rows, W.K, w.data(), both ? w.data() + W.K : w.data(), out + o - lo, ldo, both);
+  switch (rows) {
+    case 1: return gemm_fused<1>(a, W, lo, hi, out, ldo);
+    case 2: return gemm_fused<2>(a, W, lo, hi, out, ldo);
+    case 3: return gemm_fused<3>(a, W, lo, hi, out, ldo);
+    case 4: return gemm_fused<4>(a, W, lo, hi, out, ldo);
+  }
+  static_assert(FUSED_ROWS == 4, "gemm dispatches 1 to 4 rows to gemm_fused");
+  std::vector<float> w(OUTS * W.K);
+  for (int64_t o = lo; o < hi; o += OUTS) {
+    const int64_t n = std::min(OUTS, hi - o);
+    for (int64_t j = 0; j < OUTS; ++j) decode_row(W, o + std::min(j, n - 1), w.data() + j * W.K);  // a tail repeats
+    sweep(a, rows, W.K, w.data(), out + o - lo, ldo, n);
   }
 }
 
