@@ -57,7 +57,7 @@ def stream_ms(nbytes: int, repeats: int = 5) -> float:
     return 1e3 * statistics.median(times)
 
 
-def step_bytes(model, cfg, packed: bool) -> int:
+def step_bytes(model, cfg) -> int:
     """The bytes a decode step reads: every parameter but the embedding table and the routed experts, plus
     top_k experts of every MoE layer (packed: their nibbles and scale bytes)."""
     total = 0
@@ -194,7 +194,7 @@ def main() -> None:
             (Path(tmp) / fmt).mkdir()
             art = export_onnx(trace(model), cfg, Path(tmp) / fmt, OnnxOptions(flavors=("ort",)))
             figures = run_depths(art.files["ort"], cfg, depths, args.decode_steps, args.repeats, args.threads)
-            nbytes = step_bytes(model, cfg, fmt == "mxfp4")
+            nbytes = step_bytes(model, cfg)
             floor = stream_ms(nbytes)
             for f in figures.values():
                 f["floor_ms"] = floor
