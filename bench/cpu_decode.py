@@ -8,7 +8,9 @@ interface (what `k3x run`, `verify` and the GenAI package use) at each depth P:
   - decode: --decode-steps one-token calls after that prompt -> ms/token (median)
   - floor: the time to stream the bytes one decode step must read (every weight but the embedding table and
     the routed experts, plus top_k experts per MoE layer in the format's bytes) once, a sum over a buffer of
-    that size on the same threads in the same run; `floor_share` = floor / decode (1 = at the floor).
+    that size on the same threads, after each decode step; `floor_share` = floor / decode (1 = at the floor).
+  The formats' calls are interleaved (prefill by prefill, step by step), so a load that changes during the
+  run weighs on each alike.
   - experts: a decode step of one MoE node alone (x, z of one token) with 16, 64 and 256 experts of the same
     top_k, kernel (when built) and function body: its cost must follow the active experts, not the total.
 Prints a table and writes --json. The machine's load average is recorded beside the figures.
@@ -43,18 +45,12 @@ def same_weights(packed_model, cfg):
     return dense.eval()
 
 
-def stream_ms(nbytes: int, repeats: int = 5) -> float:
-    """The time to read `nbytes` once (a sum over an fp32 buffer of that size, torch's threads), median ms."""
-    import torch
-
-    buf = torch.ones(max(1, nbytes // 4))
-    buf.sum()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        buf.sum()
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
+def stream_ms(buf, nbytes: int) -> float:
+    """The time to read `nbytes` of `buf` (fp32, torch's threads) once: a sum over them, ms."""
+    part = buf[:max(1, nbytes // 4)]
+    t = time.perf_counter()
+    part.sum()
+    return 1e3 * (time.perf_counter() - t)
 
 
 def step_bytes(model, cfg) -> int:
@@ -73,32 +69,41 @@ def step_bytes(model, cfg) -> int:
     return total + per_expert * cfg.moe.top_k  # per_expert sums over the MoE layers already
 
 
-def run_depths(path: Path, cfg, depths: list[int], steps: int, repeats: int, threads: int) -> dict:
+def measure(runners: dict, nbytes: dict[str, int], cfg, depths: list[int], steps: int, repeats: int) -> dict:
+    """Per format and depth P: prefill tok/s and decode ms/token (medians) and the floor of the format's step
+    bytes, the formats interleaved call by call (a load that changes over the run weighs on each alike)."""
     import torch
 
-    from k3x.runtime.ort_runner import OrtRunner
     from k3x.runtime.runners import next_feeds, start_feeds
 
-    runner = OrtRunner(path, provider="cpu", intra_op_threads=threads)
     g = torch.Generator().manual_seed(0)
-    warm = runner.infer(start_feeds(cfg, torch.randint(0, cfg.vocab_size, (1, 8), generator=g)))
-    runner.infer(next_feeds(cfg, warm, warm["logits"][:, -1].argmax(-1, keepdim=True)))
-    out = {}
+    buf = torch.ones(max(nbytes.values()) // 4 + 1)  # written once, so its pages are real
+    stream_ms(buf, max(nbytes.values()))
+    for runner in runners.values():  # warm-up: first-call allocations, ONNX Runtime's arena
+        warm = runner.infer(start_feeds(cfg, torch.randint(0, cfg.vocab_size, (1, 8), generator=g)))
+        runner.infer(next_feeds(cfg, warm, warm["logits"][:, -1].argmax(-1, keepdim=True)))
+    out: dict[str, dict[int, dict]] = {fmt: {} for fmt in runners}
     for P in depths:
         prompt = torch.randint(0, cfg.vocab_size, (1, P), generator=g)
-        prefill = []
+        prefill, decode, floor = ({fmt: [] for fmt in runners} for _ in range(3))
+        state = {}
         for _ in range(repeats):
-            t = time.perf_counter()
-            res = runner.infer(start_feeds(cfg, prompt))
-            prefill.append(time.perf_counter() - t)
-        times = []
+            for fmt, runner in runners.items():
+                t = time.perf_counter()
+                state[fmt] = runner.infer(start_feeds(cfg, prompt))
+                prefill[fmt].append(time.perf_counter() - t)
         for _ in range(steps):
-            feeds = next_feeds(cfg, res, res["logits"][:, -1].argmax(-1, keepdim=True))
-            t = time.perf_counter()
-            res = runner.infer(feeds)
-            times.append(time.perf_counter() - t)
-        out[P] = {"prefill_tokens_per_s": P / statistics.median(prefill),
-                  "decode_ms_per_token": 1e3 * statistics.median(times)}
+            for fmt, runner in runners.items():
+                res = state[fmt]
+                feeds = next_feeds(cfg, res, res["logits"][:, -1].argmax(-1, keepdim=True))
+                t = time.perf_counter()
+                state[fmt] = runner.infer(feeds)
+                decode[fmt].append(time.perf_counter() - t)
+                floor[fmt].append(stream_ms(buf, nbytes[fmt]))
+        for fmt in runners:
+            ms, fl = 1e3 * statistics.median(decode[fmt]), statistics.median(floor[fmt])
+            out[fmt][P] = {"prefill_tokens_per_s": P / statistics.median(prefill[fmt]), "decode_ms_per_token": ms,
+                           "floor_ms": fl, "floor_share": fl / ms}
     return out
 
 
@@ -180,6 +185,7 @@ def main() -> None:
     from k3x.model import build_model, preset
     from k3x.model.options import BuildOptions
     from k3x.runtime.ort_kernels import library
+    from k3x.runtime.ort_runner import OrtRunner
 
     torch.set_num_threads(args.threads)
     cfg = preset(args.preset)
@@ -187,19 +193,17 @@ def main() -> None:
     packed = build_model(cfg, BuildOptions(expert_format="mxfp4"), seed=0)
     models = {"mxfp4": packed, "dense": same_weights(packed, cfg)}
     load = {"before": os.getloadavg()[0]}
-    rows = {}
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     with tempfile.TemporaryDirectory(prefix="k3x-cpu-decode-") as tmp:
-        for fmt in [f.strip() for f in args.formats.split(",") if f.strip()]:
-            model = models[fmt]
+        runners = {}
+        for fmt in formats:
             (Path(tmp) / fmt).mkdir()
-            art = export_onnx(trace(model), cfg, Path(tmp) / fmt, OnnxOptions(flavors=("ort",)))
-            figures = run_depths(art.files["ort"], cfg, depths, args.decode_steps, args.repeats, args.threads)
-            nbytes = step_bytes(model, cfg)
-            floor = stream_ms(nbytes)
-            for f in figures.values():
-                f["floor_ms"] = floor
-                f["floor_share"] = floor / f["decode_ms_per_token"]
-            rows[fmt] = {"step_bytes": nbytes, "kernels": library() is not None, "depths": figures}
+            art = export_onnx(trace(models[fmt]), cfg, Path(tmp) / fmt, OnnxOptions(flavors=("ort",)))
+            runners[fmt] = OrtRunner(art.files["ort"], provider="cpu", intra_op_threads=args.threads)
+        nbytes = {fmt: step_bytes(models[fmt], cfg) for fmt in formats}
+        figures = measure(runners, nbytes, cfg, depths, args.decode_steps, args.repeats)
+    rows = {fmt: {"step_bytes": nbytes[fmt], "kernels": library() is not None, "depths": figures[fmt]}
+            for fmt in formats}
     m = cfg.moe
     scaling = expert_scaling([16, 64, 256], m.top_k, cfg.hidden_size, m.latent_dim or cfg.hidden_size,
                              m.intermediate_size, library())
