@@ -115,11 +115,9 @@ class GatedMLA(nn.Module):
         kv_lora + rope] read through block_table [B, MB] int32 (never written) -> (y [N, d], new_latent [N,
         kv_lora + rope]: this step's latents, which the runtime writes into the pool).
         Absorbed: q_nope goes through W_uk into the latent space, attention runs over the latent itself
-        (k3::mla_paged), its output goes through W_uv — the same math as `forward`, which up-projects keys and
-        values from every cached latent instead."""
+        (k3::mla_paged), its output goes through W_uv — `forward`'s math over a paged pool."""
         m = self.m
-        Nn, Dv = m.qk_nope_head_dim, m.v_head_dim
-        q_nope, q_rope = self._query(x).split([Nn, m.qk_rope_head_dim], dim=-1)  # [N, H, Nn], [N, H, R]
+        q_nope, q_rope = self._query(x).split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)  # [N, H, Nn | R]
         latent = self._latent(x)  # [N, kv_lora + R]
         w_uk, w_uv = self._absorbed()  # [H, Nn, C], [H, Dv, C]
         # batched matmuls over heads, not einsum: ONNX Runtime's Einsum ran them at ~36 GFLOP/s on CPU

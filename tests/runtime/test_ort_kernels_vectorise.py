@@ -39,8 +39,8 @@ def vectorised_lines(source: Path, command: list[str], header: Path) -> tuple[se
     r = subprocess.run([*command, "-c", str(source), "-o", "/dev/null", "-fopt-info-vec-optimized"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-4000:]
-    found = [{int(n) for n in re.findall(rf"^{re.escape(str(f))}:(\d+):\d+: optimized: loop vectorized", r.stderr, re.M)}
-             for f in (source, header)]
+    found = [{int(n) for n in re.findall(rf"^{re.escape(str(f))}:(\d+):\d+: optimized: loop vectorized",
+                                         r.stderr, re.M)} for f in (source, header)]
     return found[0], found[1]
 
 
