@@ -5,7 +5,8 @@ by the k3::MoEMXFP4 kernel when the ONNX Runtime kernel library is built: `k3x b
 experts decoded to fp32 (`expert_format="dense"`). Each is exported as the `ort` flavor and run through the batch
 interface (what `k3x run`, `verify` and the GenAI package use) at each depth P:
   - prefill: one call on a [1, P] prompt from an empty state -> tokens/s (median of --repeats)
-  - decode: --decode-steps one-token calls after that prompt -> ms/token (median)
+  - decode: --decode-steps one-token calls after that prompt -> ms/token (median), and the CPU time the
+    process spent per call (all threads: less sensitive than wall time to other processes on the cores)
   - floor: the time to stream the bytes one decode step must read (every weight but the embedding table and
     the routed experts, plus top_k experts per MoE layer in the format's bytes) once, a sum over a buffer of
     that size on the same threads, after each decode step; `floor_share` = floor / decode (1 = at the floor).
@@ -85,7 +86,7 @@ def measure(runners: dict, nbytes: dict[str, int], cfg, depths: list[int], steps
     out: dict[str, dict[int, dict]] = {fmt: {} for fmt in runners}
     for P in depths:
         prompt = torch.randint(0, cfg.vocab_size, (1, P), generator=g)
-        prefill, decode, floor = ({fmt: [] for fmt in runners} for _ in range(3))
+        prefill, decode, floor, cpu = ({fmt: [] for fmt in runners} for _ in range(4))
         state = {}
         for _ in range(repeats):
             for fmt, runner in runners.items():
@@ -96,14 +97,16 @@ def measure(runners: dict, nbytes: dict[str, int], cfg, depths: list[int], steps
             for fmt, runner in runners.items():
                 res = state[fmt]
                 feeds = next_feeds(cfg, res, res["logits"][:, -1].argmax(-1, keepdim=True))
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 state[fmt] = runner.infer(feeds)
                 decode[fmt].append(time.perf_counter() - t)
+                cpu[fmt].append(time.process_time() - c)
                 floor[fmt].append(stream_ms(buf, nbytes[fmt]))
         for fmt in runners:
             ms, fl = 1e3 * statistics.median(decode[fmt]), statistics.median(floor[fmt])
             out[fmt][P] = {"prefill_tokens_per_s": P / statistics.median(prefill[fmt]), "decode_ms_per_token": ms,
-                           "floor_ms": fl, "floor_share": fl / ms}
+                           "decode_cpu_ms_per_token": 1e3 * statistics.median(cpu[fmt]), "floor_ms": fl,
+                           "floor_share": fl / ms}
     return out
 
 
@@ -137,8 +140,8 @@ def moe_node(E: int, top_k: int, d: int, L: int, I: int):
 
 
 def expert_scaling(counts: list[int], top_k: int, d: int, L: int, I: int, library, repeats: int = 50) -> dict:
-    """A one-token MoE node (`moe_node`) with each expert count, median ms per call (one thread): on the kernel
-    (when built) and on the function body."""
+    """A one-token MoE node (`moe_node`) with each expert count, median CPU ms per call (one thread): on the
+    kernel (when built) and on the function body."""
     import numpy as np
     import onnxruntime as ort
     import torch
@@ -159,10 +162,10 @@ def expert_scaling(counts: list[int], top_k: int, d: int, L: int, I: int, librar
             times = []
             for i in range(repeats + 3):
                 feeds = {"x": torch.randn(1, d, generator=g).numpy(), "z": torch.randn(1, L, generator=g).numpy()}
-                t = time.perf_counter()
+                t = time.thread_time()  # one intra-op thread: the node runs on this one
                 sess.run(None, feeds)
                 if i >= 3:
-                    times.append(time.perf_counter() - t)
+                    times.append(time.thread_time() - t)
             out[name][E] = 1e3 * float(np.median(times))
     return out
 
@@ -210,12 +213,12 @@ def main() -> None:
     load["after"] = os.getloadavg()[0]
     print(f"{args.preset}, ONNX Runtime CPU, {args.threads} threads, load average {load['before']:.1f} -> "
           f"{load['after']:.1f}, kernel library {'built' if library() else 'not built'}")
-    print(f"{'experts':<7} {'depth':>6} {'prefill tok/s':>14} {'decode ms/tok':>14} {'floor ms':>9} "
-          f"{'floor share':>12}")
+    print(f"{'experts':<7} {'depth':>6} {'prefill tok/s':>14} {'decode ms/tok':>14} {'cpu ms/tok':>11} "
+          f"{'floor ms':>9} {'floor share':>12}")
     for fmt, row in rows.items():
         for P, f in row["depths"].items():
             print(f"{fmt:<7} {P:>6} {f['prefill_tokens_per_s']:>14.1f} {f['decode_ms_per_token']:>14.2f} "
-                  f"{f['floor_ms']:>9.2f} {f['floor_share']:>12.2f}")
+                  f"{f['decode_cpu_ms_per_token']:>11.2f} {f['floor_ms']:>9.2f} {f['floor_share']:>12.2f}")
     for name, per in scaling.items():
         spread = max(per.values()) / min(per.values())
         print(f"one MoE node, one token, {name}: " + ", ".join(f"E={E} {ms:.3f} ms" for E, ms in per.items())
