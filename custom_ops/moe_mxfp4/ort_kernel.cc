@@ -9,11 +9,10 @@
 // - Only the hit experts' bytes are read: tasks are (hit expert, chunk of CHUNK output features).
 // - The weights are decoded inside the GEMM: a block of 32 E2M1 codes (16 bytes) becomes 32 floats through a
 //   16-entry table of 2·E2M1 (integers: an int8 byte shuffle under AVX2) times the block's power of two
-//   2^(byte-128), exact like the codec's decode (every E2M1 value times a power of two is an fp32 number). The
-//   activations are permuted once per row inside each block of 32 (even elements, then odd) so that a block's
-//   low nibbles, then its high nibbles, meet their inputs in order. An expert with at most FUSED_ROWS rows (a
-//   decode step) FMAs the decoded registers straight into its dot products; with more rows each four output
-//   features are decoded once into a small scratch (4·K floats, in L1) and swept over the rows four at a time.
+//   2^(byte-128), exact like the codec's decode (every E2M1 value times a power of two is an fp32 number); the
+//   low and high nibbles' values interleaved back into element order (two byte unpacks). An expert with at most FUSED_ROWS rows (a
+//   decode step) FMAs the decoded registers straight into its dot products; with more rows each OUTS output
+//   features are decoded once into a small scratch (OUTS·K floats, in L1) and swept over the rows four at a time.
 // - SiTU-GLU as the dense kernel's (`situ_glu_span`), SiLU-GLU a·σ(a)·u; each pair's row weighted and its
 //   token's k slots summed in slot order (the dense MoECombine's order).
 // - activations="mxfp8": both GEMM inputs (the expert's rows of z, the GLU output h) rounded through MXFP8 first,
@@ -54,29 +53,14 @@ struct Scales {
 const Scales scales;
 
 #if !defined(__AVX2__)
-// the 32 weights of a block (16 bytes) in activation order: low nibbles (elements 0, 2, ..., 30), then high
+// the 32 weights of a block (16 bytes): element 2j in byte j's low nibble, 2j + 1 in its high one
 void decode_block(const uint8_t* b, float s, float* w) {
   for (int j = 0; j < 16; ++j) {
-    w[j] = float(E2M1_X2[b[j] & 15]) * s;
-    w[16 + j] = float(E2M1_X2[b[j] >> 4]) * s;
+    w[2 * j] = float(E2M1_X2[b[j] & 15]) * s;
+    w[2 * j + 1] = float(E2M1_X2[b[j] >> 4]) * s;
   }
 }
 #endif
-
-// a row of K activations in that order: within each block of 32, the even elements, then the odd ones
-void permute_row(const float* x, float* y, int64_t K) {
-  for (int64_t b = 0; b < K; b += BLOCK)
-    for (int64_t j = 0; j < 16; ++j) {
-      y[b + j] = x[b + 2 * j];
-      y[b + 16 + j] = x[b + 2 * j + 1];
-    }
-}
-
-// position of feature i in a permuted row
-inline int64_t permuted(int64_t i) {
-  const int64_t j = i % BLOCK;
-  return i - j + (j & 1 ? 16 + j / 2 : j / 2);
-}
 
 // One expert's packed matrix: row o of [O, K] is packed[o K/2 ..] (two codes a byte) and scale[o K/32 ..].
 struct Packed {
@@ -88,8 +72,9 @@ struct Packed {
 inline void decode_avx2(const uint8_t* b, float s, __m256 w[4]) {
   const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(E2M1_X2)), low = _mm_set1_epi8(15);
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
-  const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(bytes, low));
-  const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
+  const __m128i even = _mm_shuffle_epi8(table, _mm_and_si128(bytes, low));
+  const __m128i odd = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
+  const __m128i lo = _mm_unpacklo_epi8(even, odd), hi = _mm_unpackhi_epi8(even, odd);  // elements 0-15, 16-31
   const __m256 sv = _mm256_set1_ps(s);
   w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), sv);
   w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), sv);
@@ -104,7 +89,7 @@ inline float hsum(__m256 v) {
 }
 #endif
 
-// out[r ldo + o - lo] = a_r . W_o for o in [lo, hi), R <= FUSED_ROWS permuted rows a (K apart): each block decoded
+// out[r ldo + o - lo] = a_r . W_o for o in [lo, hi), R <= FUSED_ROWS rows a (K apart): each block decoded
 // in registers and used at once
 template <int R>
 void gemm_fused(const float* a, const Packed& W, int64_t lo, int64_t hi, float* out, int64_t ldo) {
@@ -144,12 +129,18 @@ void gemm_fused(const float* a, const Packed& W, int64_t lo, int64_t hi, float* 
   }
 }
 
-#if defined(__AVX512F__)
-constexpr int64_t LANES = 16;  // floats a vector: the widest the build's -march gives (K is a multiple of 32)
-#else
-constexpr int64_t LANES = 8;
-#endif
+constexpr int64_t LANES = 8;  // floats a vector (AVX2's ymm; 16-wide vectors measured no faster on AVX-512)
 typedef float Vec __attribute__((vector_size(4 * LANES), aligned(4)));  // unaligned loads and stores
+
+// v loaded once into a register: g++ folds a vector's load into every FMA that uses it (five loads per
+// product in `sweep`), which made the sweep load-bound (22 GMAC/s a core against 40-45 this way)
+inline void in_register(Vec& v) {
+#if defined(__AVX__)
+  asm("" : "+x"(v));
+#else
+  (void)v;
+#endif
+}
 
 inline float lanes(Vec v) {
   float sum = 0.f;
@@ -157,9 +148,11 @@ inline float lanes(Vec v) {
   return sum;
 }
 
-constexpr int64_t OUTS = 4;  // output features decoded together for the scratch path
+// output features decoded together for the scratch path: a four-row tile's 4·OUTS accumulators, OUTS weight
+// vectors and one input vector fill AVX2's 16 ymm registers (OUTS = 4 spilled: 28 -> 40-44 GMAC/s a core)
+constexpr int64_t OUTS = 3;
 
-// `rows` permuted rows a against OUTS decoded weight rows w (K floats apart): out[r ldo + j] for j < n; four rows at
+// `rows` rows a against OUTS decoded weight rows w (K floats apart): out[r ldo + j] for j < n; four rows at
 // a time (a step of LANES floats: 8 loads for 16 products, 16 accumulators), then one
 void sweep(const float* a, int64_t rows, int64_t K, const float* w, float* out, int64_t ldo, int64_t n) {
   int64_t r = 0;
@@ -169,11 +162,11 @@ void sweep(const float* a, int64_t rows, int64_t K, const float* w, float* out, 
       Vec v[OUTS];
       for (int64_t j = 0; j < OUTS; ++j) {
         v[j] = *reinterpret_cast<const Vec*>(w + j * K + k);
-        asm("" : "+x"(v[j]));  // each operand loaded once into a register (g++ folds a load into every FMA)
+        in_register(v[j]);
       }
       for (int64_t i = 0; i < 4; ++i) {
         Vec x = *reinterpret_cast<const Vec*>(a + (r + i) * K + k);
-        asm("" : "+x"(x));
+        in_register(x);
         for (int64_t j = 0; j < OUTS; ++j) acc[i][j] += x * v[j];
       }
     }
@@ -203,7 +196,7 @@ void decode_row(const Packed& W, int64_t o, float* w) {
   }
 }
 
-// out[r ldo + o - lo] = a_r . W_o for o in [lo, hi) and `rows` permuted rows a (K apart)
+// out[r ldo + o - lo] = a_r . W_o for o in [lo, hi) and `rows` rows a (K apart)
 void gemm(const float* a, int64_t rows, const Packed& W, int64_t lo, int64_t hi, float* out, int64_t ldo) {
   switch (rows) {
     case 1: return gemm_fused<1>(a, W, lo, hi, out, ldo);
@@ -255,7 +248,7 @@ struct Work {
   int64_t L, I;
   bool situ, mxfp8;
   float b1, b2;
-  float *zs, *h, *y;               // [M, L] permuted rows of z, [M, I] permuted GLU outputs, [M, L] outputs
+  float *zs, *h, *y;               // [M, L] rows of z in sorted order, [M, I] GLU outputs, [M, L] outputs
   std::vector<int64_t> task_expert, task_lo;
   const float* pair_w;
   float* u;
@@ -266,31 +259,30 @@ struct Work {
   }
 };
 
-void gather_rows(void* user, size_t i) {  // sorted position i: its token's z, permuted (and MXFP8-rounded)
+void gather_rows(void* user, size_t i) {  // sorted position i: its token's z (MXFP8-rounded)
   const Work& w = *static_cast<const Work*>(user);
   float* row = w.zs + int64_t(i) * w.L;
-  permute_row(w.z + w.routed->token[i] * w.L, row, w.L);
+  std::memcpy(row, w.z + w.routed->token[i] * w.L, sizeof(float) * w.L);
   if (w.mxfp8) mxfp8_round(row, w.L);
 }
 
-void gate_up(void* user, size_t t) {  // expert e's GLU outputs for features [lo, lo + CHUNK), written permuted
+void gate_up(void* user, size_t t) {  // expert e's GLU outputs for features [lo, lo + CHUNK)
   const Work& w = *static_cast<const Work*>(user);
   const int64_t e = w.task_expert[t], lo = w.task_lo[t], hi = std::min(w.I, lo + CHUNK), n = hi - lo;
   const int64_t first = w.routed->start[e], rows = w.routed->start[e + 1] - first;
-  std::vector<float> a(rows * n), u(rows * n), g(n);
+  std::vector<float> a(rows * n), u(rows * n);
   const float* zs = w.zs + first * w.L;
   gemm(zs, rows, w.expert(w.w1, e, w.w13_bytes, w.w13_scales), lo, hi, a.data(), n);
   gemm(zs, rows, w.expert(w.w3, e, w.w13_bytes, w.w13_scales), lo, hi, u.data(), n);
   for (int64_t r = 0; r < rows; ++r) {
     const float *ar = a.data() + r * n, *ur = u.data() + r * n;
+    float* hr = w.h + (first + r) * w.I + lo;
     if (w.situ) {
-      situ_glu_span(ar, ur, g.data(), 0, n, w.b1, w.b2);
+      situ_glu_span(ar, ur, hr, 0, n, w.b1, w.b2);
     } else {
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) g[i] = ar[i] * ur[i] / (1.f + exp_approx(-ar[i]));
+      for (int64_t i = 0; i < n; ++i) hr[i] = ar[i] * ur[i] / (1.f + exp_approx(-ar[i]));
     }
-    float* hr = w.h + (first + r) * w.I;
-    for (int64_t i = 0; i < n; ++i) hr[permuted(lo + i)] = g[i];
   }
 }
 
