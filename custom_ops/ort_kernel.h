@@ -1,7 +1,7 @@
-// What the ONNX Runtime CPU kernels (custom_ops/<family>/ort_kernel.cc) share: vectorisable fp32 math, shapes
-// as text, a packed serving step's cu_seqlens / slots, checked, and the custom-op declaration. The build
-// (runtime/ort_kernels.py) puts this folder on the include path. Header-only, inline, internal linkage;
-// include it after onnxruntime_cxx_api.h.
+// What the ONNX Runtime CPU kernels (custom_ops/<family>/ort_kernel.cc) share: vectorisable fp32 math, the
+// routed MoE's routing and SiTU-GLU (the dense and the MXFP4 expert kernels), shapes as text, a packed serving
+// step's cu_seqlens / slots, checked, and the custom-op declaration. The build (runtime/ort_kernels.py) puts
+// this folder on the include path. Header-only, inline, internal linkage; include it after onnxruntime_cxx_api.h.
 #pragma once
 
 #include <algorithm>
@@ -72,6 +72,72 @@ inline Ratio tanh_ratio(float x) {
   p = p * z - 3.33332819422e-1f;
   const float small = p * z * x + x, e = exp_approx(2.f * (ax < 9.f ? ax : 9.f));
   return ax < 0.625f ? Ratio{small, 1.f} : Ratio{x < 0.f ? 1.f - e : e - 1.f, e + 1.f};
+}
+
+// The SiTU-GLU of custom_ops/moe/reference.py `glu`, y[i] for i in [lo, hi): b1 b2 tanh(a / b1) tanh(u / b2) /
+// (1 + e^-a), one division (the dense MoE's k3x.fused::SiTUGLU and the MXFP4 expert kernel)
+inline void situ_glu_span(const float* a, const float* u, float* y, int64_t lo, int64_t hi, float b1, float b2) {
+  const float r1 = 1.f / b1, r2 = 1.f / b2;
+#pragma omp simd
+  for (int64_t i = lo; i < hi; ++i) {
+    const Ratio t1 = tanh_ratio(a[i] * r1), t2 = tanh_ratio(u[i] * r2);
+    y[i] = b1 * b2 * t1.num * t2.num / (t1.den * t2.den * (1.f + exp_approx(-a[i])));
+  }
+}
+
+// The routing of custom_ops/moe/reference.py `route` and `local_ids` for N tokens over E experts, from the
+// router logits [N, E]: s = sigmoid(logits); a token's k experts are the largest s + gate_bias (ties: the lower
+// id, as TopK), its weights their unbiased s renormalised (w / (r (sum w + 1e-20) + 1 - r)) and scaled; an
+// expert id becomes local (id - offset), another rank's (id outside 0..local_n-1) weighs 0. The (token, slot)
+// pairs p = n k + j, sorted stably by local expert (the dense MoEDispatch kernel and the MXFP4 expert kernel).
+struct Routed {
+  std::vector<float> w;         // [N k] each pair's weight, 0 for another rank's expert
+  std::vector<int64_t> ids;     // [N k] each pair's local expert, local_n for another rank's
+  std::vector<int64_t> start;   // [local_n + 1] expert e's pairs are sorted positions start[e] .. start[e+1]-1
+  std::vector<int64_t> pos;     // [N k] each pair's sorted position, -1 for another rank's expert
+  std::vector<int64_t> token;   // [start[local_n]] sorted position -> its token
+};
+
+inline Routed route(const float* logits, const float* bias, int64_t N, int64_t E, int64_t k, float r, float scale,
+                    int64_t offset, int64_t local_n) {
+  Routed out{std::vector<float>(N * k), std::vector<int64_t>(N * k), std::vector<int64_t>(local_n + 1, 0),
+             std::vector<int64_t>(N * k), {}};
+  std::vector<int64_t> counts(local_n + 1, 0);
+  std::vector<float> s(E), biased(E);
+  std::vector<char> taken(E);
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t e = 0; e < E; ++e) {
+      s[e] = 1.f / (1.f + std::exp(-logits[n * E + e]));
+      biased[e] = s[e] + bias[e];
+      taken[e] = 0;
+    }
+    float total = 0.f;
+    for (int64_t j = 0; j < k; ++j) {  // k passes: the largest not yet taken, the lower id on ties
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; ++e)
+        if (!taken[e] && (best < 0 || biased[e] > biased[best])) best = e;
+      taken[best] = 1;
+      out.w[n * k + j] = s[best];
+      total += s[best];
+      const int64_t id = best - offset;
+      out.ids[n * k + j] = id >= 0 && id < local_n ? id : local_n;
+      ++counts[out.ids[n * k + j]];
+    }
+    const float denom = r * (total + 1e-20f) + (1.f - r);
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t p = n * k + j;
+      out.w[p] = out.ids[p] < local_n ? out.w[p] / denom * scale : 0.f;
+    }
+  }
+  for (int64_t e = 0; e < local_n; ++e) out.start[e + 1] = out.start[e] + counts[e];
+  std::vector<int64_t> next(out.start.begin(), out.start.end() - 1);
+  out.token.resize(out.start[local_n]);
+  for (int64_t p = 0; p < N * k; ++p) {  // stable counting sort by local id
+    const int64_t e = out.ids[p];
+    out.pos[p] = e == local_n ? -1 : next[e]++;
+    if (e < local_n) out.token[out.pos[p]] = p / k;
+  }
+  return out;
 }
 
 inline std::string dims(const std::vector<int64_t>& s) {

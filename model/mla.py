@@ -4,6 +4,14 @@
 - KV: kv_a_proj_with_mqa -> [c_KV (kv_lora_rank) | k_extra (rope dim)]; only c_KV is normalised.
   The cache holds exactly this latent per token, `[B, S, kv_lora_rank + rope_dim]`, in the model dtype.
 - NoPE: the rope slices are used un-rotated; `k_extra` is shared by all heads. Scale qk_head_dim^-1/2.
+- Absorbed (`forward` and the serving step alike): the nope queries go through W_uk (kv_b_proj's key block)
+  into the latent space, every head's queries are the rows of one GEMM against the cached latent itself
+  ([c_KV | k_extra] is the key), the probabilities weigh c_KV, and W_uv (its value block) takes the result to
+  the heads' value width. A decode step reads each cached latent once (S·(C+R) floats) instead of
+  up-projecting every one through kv_b_proj (S·C·H·(qk_nope + v_head) MACs: ~4 GFLOP per MLA layer at 2 K
+  positions on k3-bench), so its cost stays flat in the context; a prefill of T tokens pays T·S·H·(2C+R)
+  MACs for the attention instead of S·C·H·(qk_nope + v_head) + T·S·H·(qk_nope + R + v_head) (k3-bench: more
+  from ~85 tokens on, ~3x at 2 K from an empty cache), still a small share of a prefill's weight GEMMs.
 - Scores in the model dtype, softmax in fp32, causal with the past offset; output gate σ(g_proj x).
 - Static cache (`past_length` given, model/state.py): `past_latent` is [B, C, ...] of fixed capacity C; the
   new latents are scattered in at [past_length, past_length + T) (out of place: `scatter` -> ONNX
@@ -81,15 +89,24 @@ class GatedMLA(nn.Module):
             present = cast(past_latent, latent.dtype).scatter(1, index, latent)  # [B, C, kv_lora + R]
             offset = past_length
         S = present.shape[1]
-        c_all, kx_all = present.split([m.kv_lora_rank, R], dim=-1)
-        k_nope, v = self.kv_b_proj(c_all).view(B, S, H, N + Dv).split([N, Dv], dim=-1)  # [B, S, H, *]
-        k = torch.cat([k_nope, kx_all.unsqueeze(2).expand(B, S, H, R)], dim=-1).transpose(1, 2)  # [B, H, S, N+R]
-        scores = cast(q @ k.transpose(-1, -2), torch.float32) * (N + R) ** -0.5  # [B, H, T, S]
+        w_uk, w_uv = self._absorbed()  # [H, Nn, C], [H, Dv, C]
+        q_nope, q_rope = q.split([N, R], dim=-1)  # [B, H, T, N], [B, H, T, R]
+        q_latent = torch.cat([q_nope @ w_uk, q_rope], dim=-1).reshape(B, H * T, m.latent_dim)  # [B, H*T, C + R]
+        # every head's queries as rows of one GEMM against the latent itself (keys: [c_KV | k_extra])
+        scores = cast(q_latent @ present.transpose(1, 2), torch.float32).reshape(B, H, T, S) * (N + R) ** -0.5
         qpos = torch.arange(T, device=x.device)[:, None] + offset  # absolute query positions
         causal = torch.arange(S, device=x.device)[None, :] <= qpos  # [T, S]
         probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
-        o = (cast(probs, v.dtype) @ v.transpose(1, 2)).transpose(1, 2).reshape(B, T, H * Dv)  # [B, T, H*Dv]
+        c_all = present[..., :m.kv_lora_rank]  # [B, S, C]: the values, in the latent space
+        o = (cast(probs, present.dtype).reshape(B, H * T, S) @ c_all).reshape(B, H, T, m.kv_lora_rank)
+        o = (o @ w_uv.transpose(1, 2)).transpose(1, 2).reshape(B, T, H * Dv)  # [B, T, H*Dv]
         return self._output(o, x), present
+
+    def _absorbed(self) -> tuple[Tensor, Tensor]:
+        """kv_b_proj's per-head blocks: W_uk [H, qk_nope, kv_lora] (keys), W_uv [H, v_head, kv_lora] (values)."""
+        m = self.m
+        return self.kv_b_proj.weight.unflatten(0, (-1, m.qk_nope_head_dim + m.v_head_dim)).split(
+            [m.qk_nope_head_dim, m.v_head_dim], dim=1)
 
     def forward_paged(self, x: Tensor, latent_pool: Tensor, block_table: Tensor, past_lens: Tensor,
                       cu_seqlens: Tensor, *, kernels: Kernels) -> tuple[Tensor, Tensor]:
@@ -98,13 +115,11 @@ class GatedMLA(nn.Module):
         kv_lora + rope] read through block_table [B, MB] int32 (never written) -> (y [N, d], new_latent [N,
         kv_lora + rope]: this step's latents, which the runtime writes into the pool).
         Absorbed: q_nope goes through W_uk into the latent space, attention runs over the latent itself
-        (k3::mla_paged), its output goes through W_uv — the same math as `forward`, which up-projects keys and
-        values from every cached latent instead."""
+        (k3::mla_paged), its output goes through W_uv — `forward`'s math over a paged pool."""
         m = self.m
-        Nn, Dv = m.qk_nope_head_dim, m.v_head_dim
-        q_nope, q_rope = self._query(x).split([Nn, m.qk_rope_head_dim], dim=-1)  # [N, H, Nn], [N, H, R]
+        q_nope, q_rope = self._query(x).split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)  # [N, H, Nn | R]
         latent = self._latent(x)  # [N, kv_lora + R]
-        w_uk, w_uv = self.kv_b_proj.weight.unflatten(0, (-1, Nn + Dv)).split([Nn, Dv], dim=1)  # [H, Nn|Dv, C]
+        w_uk, w_uv = self._absorbed()  # [H, Nn, C], [H, Dv, C]
         # batched matmuls over heads, not einsum: ONNX Runtime's Einsum ran them at ~36 GFLOP/s on CPU
         q_latent = (q_nope.transpose(0, 1) @ w_uk).transpose(0, 1)  # [N, H, C]
         o = mla_paged(q_latent, q_rope, latent, latent_pool, block_table, past_lens, cu_seqlens,

@@ -55,3 +55,43 @@ def moe_model(w: dict[str, torch.Tensor], top_k: int, activation: str = "situ", 
     proto = ir.serde.serialize_model(ort_pass(ir.serde.deserialize_model(proto)))
     onnx.checker.check_model(proto, full_check=True)
     return proto
+
+
+def packed_weights(E: int, d: int, L: int, I: int, seed: int, E_all: int | None = None,
+                   scales: tuple[int, int] = (118, 126)) -> dict[str, torch.Tensor]:
+    """Random MXFP4 experts (every code, E8M0 bytes in `scales`) for k3::MoEMXFP4, a router over E_all (>= E)."""
+    g = torch.Generator().manual_seed(seed)
+    u8 = lambda *s: torch.randint(0, 256, s, generator=g, dtype=torch.uint8)  # noqa: E731
+    sc = lambda *s: torch.randint(*scales, s, generator=g, dtype=torch.uint8)  # noqa: E731
+    E_all = E_all or E
+    return {"gate_weight": torch.randn(E_all, d, generator=g) * d ** -0.5,
+            "gate_bias": torch.randn(E_all, generator=g) * 0.1, "w1": u8(E, I, L // 2), "w3": u8(E, I, L // 2),
+            "w2": u8(E, L, I // 2), "w1_scale": sc(E, I, L // 32), "w3_scale": sc(E, I, L // 32),
+            "w2_scale": sc(E, L, I // 32)}
+
+
+def mxfp4_model(w: dict[str, torch.Tensor], top_k: int, activations: str = "bf16", activation: str = "situ",
+                factor: float = 1.5, offset: int = 0, body: bool = True) -> onnx.ModelProto:
+    """One k3::MoEMXFP4 node (packed experts as uint8 initializers), x [N, d] and z [N, L] fp32 inputs -> u; with
+    `body` its function body attached (the `ort` pass), else none (only a registered kernel can run it)."""
+    E, I, half = w["w1"].shape
+    d = w["gate_weight"].shape[1]
+    inits = [helper.make_tensor(n, TensorProto.UINT8 if t.dtype == torch.uint8 else TensorProto.FLOAT,
+                                list(t.shape), t.contiguous().numpy().tobytes(), raw=True) for n, t in w.items()]
+    inits.append(helper.make_tensor("expert_offset", TensorProto.INT32, [1], [offset]))
+    node = helper.make_node(
+        "MoEMXFP4", ["x", "z", *w, "expert_offset"], ["u"], domain=onnx_node.DOMAIN, top_k=top_k,
+        routed_scaling_factor=factor, renormalize=1, activation=activation, situ_beta=4.0, situ_linear_beta=25.0,
+        num_experts=E, hidden_size=d, expert_dim=2 * half, intermediate_size=I, activations=activations,
+        **onnx_node.COMMON_ATTRIBUTES)
+    graph = helper.make_graph(
+        [node], "moe_mxfp4", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", d]),
+                              helper.make_tensor_value_info("z", TensorProto.FLOAT, ["N", 2 * half])],
+        [helper.make_tensor_value_info("u", TensorProto.FLOAT, ["N", 2 * half])], initializer=inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("k3", 1)],
+                              ir_version=10)
+    if not body:
+        return proto
+    proto = ir.serde.serialize_model(ort_pass(ir.serde.deserialize_model(proto)))
+    onnx.checker.check_model(proto, full_check=True)
+    return proto

@@ -31,20 +31,10 @@ struct Glu {
   float b1, b2;
 };
 
-// y[i] for i in [lo, hi): b1 b2 tanh(a / b1) tanh(u / b2) / (1 + e^-a), one division
-void glu_span(const float* a, const float* u, float* y, int64_t lo, int64_t hi, float b1, float b2) {
-  const float r1 = 1.f / b1, r2 = 1.f / b2;
-#pragma omp simd
-  for (int64_t i = lo; i < hi; ++i) {
-    const Ratio t1 = tanh_ratio(a[i] * r1), t2 = tanh_ratio(u[i] * r2);
-    y[i] = b1 * b2 * t1.num * t2.num / (t1.den * t2.den * (1.f + exp_approx(-a[i])));
-  }
-}
-
 void glu_block(void* user, size_t block) {
   const Glu& g = *static_cast<const Glu*>(user);
   const int64_t lo = int64_t(block) * BLOCK;
-  glu_span(g.a, g.u, g.y, lo, std::min(g.n, lo + BLOCK), g.b1, g.b2);
+  situ_glu_span(g.a, g.u, g.y, lo, std::min(g.n, lo + BLOCK), g.b1, g.b2);
 }
 
 // The one value of a scalar input `name` of k3x.fused::`op`; an error names it otherwise.
@@ -99,7 +89,7 @@ struct SiTUGLUExpertsKernel {
     const Work& w = *static_cast<const Work*>(user);
     const Task& t = w.tasks[i];
     for (int64_t r = 0; r < t.rows; ++r)
-      glu_span(t.h + r * 2 * t.I, t.h + r * 2 * t.I + t.I, t.y + r * t.I, 0, t.I, w.b1, w.b2);
+      situ_glu_span(t.h + r * 2 * t.I, t.h + r * 2 * t.I + t.I, t.y + r * t.I, 0, t.I, w.b1, w.b2);
   }
 
   void Compute(OrtKernelContext* context) {
@@ -167,49 +157,14 @@ struct MoEDispatchKernel {
     float* w = ctx.GetOutput(0, {N, k}).GetTensorMutableData<float>();
     int64_t* row = ctx.GetOutput(1, {N, k}).GetTensorMutableData<int64_t>();
 
-    std::vector<int64_t> ids(N * k), counts(local_n + 1, 0);
-    std::vector<float> s(E), biased(E);
-    std::vector<char> taken(E);
-    for (int64_t n = 0; n < N; ++n) {
-      for (int64_t e = 0; e < E; ++e) {
-        s[e] = 1.f / (1.f + std::exp(-lg[n * E + e]));
-        biased[e] = s[e] + gb[e];
-        taken[e] = 0;
-      }
-      float total = 0.f;
-      for (int64_t j = 0; j < k; ++j) {  // k passes: the largest not yet taken, the lower id on ties
-        int64_t best = -1;
-        for (int64_t e = 0; e < E; ++e)
-          if (!taken[e] && (best < 0 || biased[e] > biased[best])) best = e;
-        taken[best] = 1;
-        w[n * k + j] = s[best];
-        total += s[best];
-        const int64_t id = best - offset;
-        ids[n * k + j] = id >= 0 && id < local_n ? id : local_n;
-        ++counts[ids[n * k + j]];
-      }
-      const float denom = r * (total + 1e-20f) + (1.f - r);
-      for (int64_t j = 0; j < k; ++j) {
-        const int64_t p = n * k + j;
-        w[p] = ids[p] < local_n ? w[p] / denom * scale : 0.f;
-      }
+    const Routed p = route(lg, gb, N, E, k, r, scale, offset, local_n);
+    for (int64_t i = 0; i < N * k; ++i) {
+      w[i] = p.w[i];
+      row[i] = 1 + p.pos[i];  // 0, the zero row, for another rank's expert
     }
-    // stable counting sort by local id: pair p's sorted position, each expert's rows of z in that order
-    std::vector<int64_t> start(local_n + 1, 0);
-    for (int64_t e = 0; e < local_n; ++e) start[e + 1] = start[e] + counts[e];
-    std::vector<int64_t> next(start.begin(), start.end() - 1), src(start[local_n]);
-    for (int64_t p = 0; p < N * k; ++p) {
-      const int64_t e = ids[p];
-      if (e == local_n) {
-        row[p] = 0;
-        continue;
-      }
-      src[next[e]] = p / k;
-      row[p] = 1 + next[e]++;
-    }
-    Rows job{z, L, src.data(), start, {}};
+    Rows job{z, L, p.token.data(), p.start, {}};
     for (int64_t e = 0; e < local_n; ++e)
-      job.out.push_back(ctx.GetOutput(2 + e, {counts[e], L}).GetTensorMutableData<float>());
+      job.out.push_back(ctx.GetOutput(2 + e, {p.start[e + 1] - p.start[e], L}).GetTensorMutableData<float>());
     if (local_n > 0) ctx.ParallelFor(copy_rows, size_t(local_n), 0, &job);
   }
 

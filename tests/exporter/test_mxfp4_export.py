@@ -115,6 +115,23 @@ def test_pt2_and_ort_match_packed_eager():
     assert {s.backend for s in report.steps} == {"pt2", "ort"}
 
 
+def test_ort_on_the_mxfp4_kernel_matches_packed_eager(kernels, tmp_path):
+    """The packed export on the kernel library: every MoEMXFP4 node ran on the kernel (none inlined as its body),
+    and the logits and state match eager's as the function bodies' do."""
+    from k3x.runtime.ort_runner import OrtRunner
+    from k3x.runtime.runners import make_runner
+    from k3x.runtime.verify import run_parity
+
+    pt2, onnx_folder, _ = packed_exports()
+    eager = make_runner("eager", pt2)
+    runner = OrtRunner(onnx_folder / "model.onnx", provider="cpu", profile=str(tmp_path / "mxfp4"))
+    report = run_parity(eager, [runner], eager.module.cfg, steps=2, prompt_len=5)
+    assert report.ok, report.table()
+    events = [e for e in json.loads(Path(runner.session.end_profiling()).read_text()) if e.get("cat") == "Node"]
+    ops = {e["args"]["op_name"] for e in events}
+    assert "MoEMXFP4" in ops and not any("MoEMXFP4/" in e["name"] for e in events), ops
+
+
 @pytest.mark.trt
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt_rtx_bindings") is None
                     and importlib.util.find_spec("tensorrt_rtx") is None, reason="TensorRT-RTX not installed")

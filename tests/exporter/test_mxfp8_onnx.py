@@ -57,31 +57,10 @@ def test_body_mxfp8_is_the_quantizer_bit_for_bit():
 
 def _moe_session(w: dict[str, torch.Tensor], top_k: int, activations: str):
     """One k3::MoEMXFP4 node (packed experts as uint8 initializers) over the `ort` pass; x, z fp32 inputs."""
-    import onnx
-    import onnx_ir as ir
+    from moe_models import mxfp4_model
 
-    from k3x.exporter.onnx_flavors import ort_pass
-    from k3x.plan import onnx_node
-
-    E, I, half = w["w1"].shape
-    d = w["gate_weight"].shape[1]
-    inits = [helper.make_tensor(n, TensorProto.UINT8 if t.dtype == torch.uint8 else TensorProto.FLOAT,
-                                list(t.shape), t.contiguous().numpy().tobytes(), raw=True) for n, t in w.items()]
-    inits.append(helper.make_tensor("expert_offset", TensorProto.INT32, [1], [0]))
-    node = helper.make_node(
-        "MoEMXFP4", ["x", "z", *w, "expert_offset"], ["u"], domain=onnx_node.DOMAIN, top_k=top_k,
-        routed_scaling_factor=1.5, renormalize=1, activation="situ", situ_beta=4.0, situ_linear_beta=25.0,
-        num_experts=E, hidden_size=d, expert_dim=2 * half, intermediate_size=I, activations=activations,
-        **onnx_node.COMMON_ATTRIBUTES)
-    graph = helper.make_graph(
-        [node], "moe_mxfp4", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", d]),
-                              helper.make_tensor_value_info("z", TensorProto.FLOAT, ["N", 2 * half])],
-        [helper.make_tensor_value_info("u", TensorProto.FLOAT, ["N", 2 * half])], initializer=inits)
-    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("k3", 1)],
-                              ir_version=10)
-    proto = ir.serde.serialize_model(ort_pass(ir.serde.deserialize_model(proto)))
-    onnx.checker.check_model(proto, full_check=True)
-    return ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(mxfp4_model(w, top_k, activations).SerializeToString(),
+                                providers=["CPUExecutionProvider"])
 
 
 def _ambiguous_tokens(x, z, w: dict, k: int) -> torch.Tensor:

@@ -1,0 +1,232 @@
+"""ONNX Runtime CPU decode and prefill per routed-expert format, against each format's weight-streaming floor.
+
+For one preset (random weights, seed 0) the same network is built twice: MXFP4-packed experts (K3's format, run
+by the k3::MoEMXFP4 kernel when the ONNX Runtime kernel library is built: `k3x build-ort-kernels`) and the same
+experts decoded to fp32 (`expert_format="dense"`). Each is exported as the `ort` flavor and run through the batch
+interface (what `k3x run`, `verify` and the GenAI package use) at each depth P:
+  - prefill: one call on a [1, P] prompt from an empty state -> tokens/s (median of --repeats)
+  - decode: --decode-steps one-token calls after that prompt -> ms/token (median), and the CPU time the
+    process spent per call (all threads: less sensitive than wall time to other processes on the cores)
+  - floor: the time to stream the bytes one decode step must read (every weight but the embedding table and
+    the routed experts, plus top_k experts per MoE layer in the format's bytes) once, a sum over a buffer of
+    that size on the same threads, after each decode step; `floor_share` = floor / decode (1 = at the floor).
+  The formats' calls are interleaved (prefill by prefill, step by step), so a load that changes during the
+  run weighs on each alike.
+  - experts: a decode step of one MoE node alone (x, z of one token) with 16, 64 and 256 experts of the same
+    top_k, kernel (when built) and function body: its cost must follow the active experts, not the total.
+Prints a table and writes --json. The machine's load average is recorded beside the figures.
+
+    python bench/cpu_decode.py [--preset k3-bench] [--depths 128,2048] [--decode-steps 16] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+
+def same_weights(packed_model, cfg):
+    """A dense-expert model holding `packed_model`'s weights, its experts decoded to fp32."""
+    from k3x.custom_ops.moe_mxfp4.codec import dequantize
+    from k3x.model import build_model
+    from k3x.model.options import BuildOptions
+
+    dense = build_model(cfg, BuildOptions(expert_format="dense"), seed=None)
+    state = packed_model.state_dict()
+    out = {}
+    for name in dense.state_dict():  # a routed expert's packed bytes (uint8, beside their scales) decoded
+        packed = name + "_scale" in state
+        out[name] = dequantize(state[name], state[name + "_scale"]) if packed else state[name]
+    dense.load_state_dict(out)
+    return dense.eval()
+
+
+def stream_ms(buf, nbytes: int) -> float:
+    """The time to read `nbytes` of `buf` (fp32, torch's threads) once: a sum over them, ms."""
+    part = buf[:max(1, nbytes // 4)]
+    t = time.perf_counter()
+    part.sum()
+    return 1e3 * (time.perf_counter() - t)
+
+
+def step_bytes(model, cfg) -> int:
+    """The bytes a decode step reads: every parameter but the embedding table and the routed experts, plus
+    top_k experts of every MoE layer (packed: their nibbles and scale bytes)."""
+    total = 0
+    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+        if "embed_tokens" in name or any(name.endswith(f".experts.{w}") or name.endswith(f".experts.{w}_scale")
+                                         for w in ("w1", "w3", "w2")):
+            continue
+        total += p.numel() * p.element_size()
+    per_expert = 0
+    for name, p in model.named_parameters():
+        if any(name.endswith(f".experts.{w}") or name.endswith(f".experts.{w}_scale") for w in ("w1", "w3", "w2")):
+            per_expert += p[0].numel() * p.element_size()
+    return total + per_expert * cfg.moe.top_k  # per_expert sums over the MoE layers already
+
+
+def measure(runners: dict, nbytes: dict[str, int], cfg, depths: list[int], steps: int, repeats: int) -> dict:
+    """Per format and depth P: prefill tok/s and decode ms/token (medians) and the floor of the format's step
+    bytes, the formats interleaved call by call (a load that changes over the run weighs on each alike)."""
+    import torch
+
+    from k3x.runtime.runners import next_feeds, start_feeds
+
+    g = torch.Generator().manual_seed(0)
+    buf = torch.ones(max(nbytes.values()) // 4 + 1)  # written once, so its pages are real
+    stream_ms(buf, max(nbytes.values()))
+    for runner in runners.values():  # warm-up: first-call allocations, ONNX Runtime's arena
+        warm = runner.infer(start_feeds(cfg, torch.randint(0, cfg.vocab_size, (1, 8), generator=g)))
+        runner.infer(next_feeds(cfg, warm, warm["logits"][:, -1].argmax(-1, keepdim=True)))
+    out: dict[str, dict[int, dict]] = {fmt: {} for fmt in runners}
+    for P in depths:
+        prompt = torch.randint(0, cfg.vocab_size, (1, P), generator=g)
+        prefill, decode, floor, cpu = ({fmt: [] for fmt in runners} for _ in range(4))
+        state = {}
+        for _ in range(repeats):
+            for fmt, runner in runners.items():
+                t = time.perf_counter()
+                state[fmt] = runner.infer(start_feeds(cfg, prompt))
+                prefill[fmt].append(time.perf_counter() - t)
+        for _ in range(steps):
+            for fmt, runner in runners.items():
+                res = state[fmt]
+                feeds = next_feeds(cfg, res, res["logits"][:, -1].argmax(-1, keepdim=True))
+                t, c = time.perf_counter(), time.process_time()
+                state[fmt] = runner.infer(feeds)
+                decode[fmt].append(time.perf_counter() - t)
+                cpu[fmt].append(time.process_time() - c)
+                floor[fmt].append(stream_ms(buf, nbytes[fmt]))
+        for fmt in runners:
+            ms, fl = 1e3 * statistics.median(decode[fmt]), statistics.median(floor[fmt])
+            out[fmt][P] = {"prefill_tokens_per_s": P / statistics.median(prefill[fmt]), "decode_ms_per_token": ms,
+                           "decode_cpu_ms_per_token": 1e3 * statistics.median(cpu[fmt]), "floor_ms": fl,
+                           "floor_share": fl / ms}
+    return out
+
+
+def moe_node(E: int, top_k: int, d: int, L: int, I: int):
+    """One k3::MoEMXFP4 node with random packed experts (E8M0 bytes near 2^-6), its function body attached."""
+    import onnx_ir as ir
+    import torch
+    from onnx import TensorProto, helper
+
+    from k3x.exporter.onnx_flavors import ort_pass
+    from k3x.plan import onnx_node
+
+    g = torch.Generator().manual_seed(E)
+    u8 = lambda *s, lo=0, hi=256: torch.randint(lo, hi, s, generator=g, dtype=torch.uint8)  # noqa: E731
+    w = {"gate_weight": torch.randn(E, d, generator=g) * d ** -0.5, "gate_bias": torch.zeros(E),
+         "w1": u8(E, I, L // 2), "w3": u8(E, I, L // 2), "w2": u8(E, L, I // 2), "w1_scale": u8(E, I, L // 32, lo=120,
+         hi=122), "w3_scale": u8(E, I, L // 32, lo=120, hi=122), "w2_scale": u8(E, L, I // 32, lo=120, hi=122)}
+    inits = [helper.make_tensor(n, TensorProto.UINT8 if t.dtype == torch.uint8 else TensorProto.FLOAT, list(t.shape),
+                                t.contiguous().numpy().tobytes(), raw=True) for n, t in w.items()]
+    inits.append(helper.make_tensor("expert_offset", TensorProto.INT32, [1], [0]))
+    node = helper.make_node("MoEMXFP4", ["x", "z", *w, "expert_offset"], ["u"], domain=onnx_node.DOMAIN, top_k=top_k,
+                            routed_scaling_factor=1.0, renormalize=1, activation="situ", situ_beta=4.0,
+                            situ_linear_beta=25.0, num_experts=E, hidden_size=d, expert_dim=L, intermediate_size=I,
+                            activations="bf16", **onnx_node.COMMON_ATTRIBUTES)
+    graph = helper.make_graph([node], "moe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", d]),
+                                              helper.make_tensor_value_info("z", TensorProto.FLOAT, ["N", L])],
+                              [helper.make_tensor_value_info("u", TensorProto.FLOAT, ["N", L])], initializer=inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("k3", 1)],
+                              ir_version=10)
+    return ir.serde.serialize_model(ort_pass(ir.serde.deserialize_model(proto)))
+
+
+def expert_scaling(counts: list[int], top_k: int, d: int, L: int, I: int, library, repeats: int = 50) -> dict:
+    """A one-token MoE node (`moe_node`) with each expert count, median CPU ms per call (one thread): on the
+    kernel (when built) and on the function body."""
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+
+    out: dict[str, dict[int, float]] = {}
+    for name, lib in (("kernel", library), ("body", None)):
+        if name == "kernel" and lib is None:
+            continue
+        out[name] = {}
+        for E in counts:
+            so = ort.SessionOptions()
+            so.intra_op_num_threads = 1
+            if lib is not None:
+                so.register_custom_ops_library(str(lib))
+            sess = ort.InferenceSession(moe_node(E, top_k, d, L, I).SerializeToString(), so,
+                                        providers=["CPUExecutionProvider"])
+            g = torch.Generator().manual_seed(1)
+            times = []
+            for i in range(repeats + 3):
+                feeds = {"x": torch.randn(1, d, generator=g).numpy(), "z": torch.randn(1, L, generator=g).numpy()}
+                t = time.thread_time()  # one intra-op thread: the node runs on this one
+                sess.run(None, feeds)
+                if i >= 3:
+                    times.append(time.thread_time() - t)
+            out[name][E] = 1e3 * float(np.median(times))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="k3-bench")
+    ap.add_argument("--depths", default="128,2048")
+    ap.add_argument("--formats", default="mxfp4,dense")
+    ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--json", type=Path, default=Path("bench_cpu_decode.json"))
+    args = ap.parse_args()
+
+    import torch
+
+    from k3x.exporter.onnx import OnnxOptions, export_onnx
+    from k3x.exporter.trace import trace
+    from k3x.model import build_model, preset
+    from k3x.model.options import BuildOptions
+    from k3x.runtime.ort_kernels import library
+    from k3x.runtime.ort_runner import OrtRunner
+
+    torch.set_num_threads(args.threads)
+    cfg = preset(args.preset)
+    depths = [int(p) for p in args.depths.split(",") if p.strip()]
+    packed = build_model(cfg, BuildOptions(expert_format="mxfp4"), seed=0)
+    models = {"mxfp4": packed, "dense": same_weights(packed, cfg)}
+    load = {"before": os.getloadavg()[0]}
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    with tempfile.TemporaryDirectory(prefix="k3x-cpu-decode-") as tmp:
+        runners = {}
+        for fmt in formats:
+            (Path(tmp) / fmt).mkdir()
+            art = export_onnx(trace(models[fmt]), cfg, Path(tmp) / fmt, OnnxOptions(flavors=("ort",)))
+            runners[fmt] = OrtRunner(art.files["ort"], provider="cpu", intra_op_threads=args.threads)
+        nbytes = {fmt: step_bytes(models[fmt], cfg) for fmt in formats}
+        figures = measure(runners, nbytes, cfg, depths, args.decode_steps, args.repeats)
+    rows = {fmt: {"step_bytes": nbytes[fmt], "kernels": library() is not None, "depths": figures[fmt]}
+            for fmt in formats}
+    m = cfg.moe
+    scaling = expert_scaling([16, 64, 256], m.top_k, cfg.hidden_size, m.latent_dim or cfg.hidden_size,
+                             m.intermediate_size, library())
+    load["after"] = os.getloadavg()[0]
+    print(f"{args.preset}, ONNX Runtime CPU, {args.threads} threads, load average {load['before']:.1f} -> "
+          f"{load['after']:.1f}, kernel library {'built' if library() else 'not built'}")
+    print(f"{'experts':<7} {'depth':>6} {'prefill tok/s':>14} {'decode ms/tok':>14} {'cpu ms/tok':>11} "
+          f"{'floor ms':>9} {'floor share':>12}")
+    for fmt, row in rows.items():
+        for P, f in row["depths"].items():
+            print(f"{fmt:<7} {P:>6} {f['prefill_tokens_per_s']:>14.1f} {f['decode_ms_per_token']:>14.2f} "
+                  f"{f['decode_cpu_ms_per_token']:>11.2f} {f['floor_ms']:>9.2f} {f['floor_share']:>12.2f}")
+    for name, per in scaling.items():
+        spread = max(per.values()) / min(per.values())
+        print(f"one MoE node, one token, {name}: " + ", ".join(f"E={E} {ms:.3f} ms" for E, ms in per.items())
+              + f"  (max/min {spread:.2f})")
+    args.json.write_text(json.dumps({"preset": args.preset, "threads": args.threads, "load_average": load,
+                                     "formats": rows, "expert_scaling_ms": scaling}, indent=2) + "\n")
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,465 @@
+// k3::MoEMXFP4 on ONNX Runtime's CPU provider, fp32 math on the packed experts as they are stored. Compiled into
+// the custom-op library by runtime/ort_kernels.py, which calls k3x_add_moe_mxfp4. Its function body (onnx.py)
+// decodes every hit expert's nibbles to fp32 with about ten graph ops per call before its GEMMs; here:
+//
+// - Routing (sigmoid router, biased top-k, renormalised unbiased weights, another rank's experts weigh 0) and the
+//   stable sort of the (token, slot) pairs by expert are the dense MoE kernel's (`route`, custom_ops/ort_kernel.h).
+//   The router GEMM [N, d] x [E, d]^T is here too, four experts a pass: the only work that grows with E (E·d MACs
+//   per token; at d = 1024, top-4 of 256 experts, ~15 % of a one-token call on k3-bench's expert shapes).
+// - Only the hit experts' bytes are read: tasks are (hit expert, chunk of CHUNK output features).
+// - The weights are decoded inside the GEMM: a block of 32 E2M1 codes (16 bytes) becomes 32 floats through a
+//   16-entry table of 2·E2M1 (integers: an int8 byte shuffle under AVX2) times the block's power of two
+//   2^(byte-128), exact like the codec's decode (every E2M1 value times a power of two is an fp32 number); the
+//   low and high nibbles' values interleaved back into element order (two byte unpacks). An expert with at most FUSED_ROWS rows (a
+//   decode step) FMAs the decoded registers straight into its dot products; with more rows each OUTS output
+//   features are decoded once into a small scratch (OUTS·K floats, in L1) and swept over the rows four at a time.
+// - SiTU-GLU as the dense kernel's (`situ_glu_span`), SiLU-GLU a·σ(a)·u; each pair's row weighted and its
+//   token's k slots summed in slot order (the dense MoECombine's order).
+// - activations="mxfp8": both GEMM inputs (the expert's rows of z, the GLU output h) rounded through MXFP8 first,
+//   custom_ops/moe_mxfp4/mxfp8.py's rule (bit for bit: each step is exact but the one rounding to E4M3, done with
+//   the same ties-to-even; a block with a NaN or an infinity becomes NaN).
+#define ORT_API_MANUAL_INIT
+#include <onnxruntime_cxx_api.h>
+
+#include "ort_kernel.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t BLOCK = 32;     // elements per E8M0 scale (MXFP4 weights, MXFP8 activations)
+constexpr int64_t CHUNK = 32;     // output features per task
+constexpr int64_t FUSED_ROWS = 4;  // rows an expert may have for the register-decoded path
+constexpr int64_t TOKENS = 8;     // tokens per combine task
+
+constexpr int8_t E2M1_X2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};  // 2·E2M1 by code
+
+// 2^(byte - 128) by E8M0 byte (the half folds the table's factor 2); 255 gives infinity, as the codec's 2^128
+struct Scales {
+  float of[256];
+  Scales() {
+    for (int b = 0; b < 255; ++b) of[b] = std::ldexp(1.f, b - 128);
+    of[255] = INFINITY;
+  }
+};
+const Scales scales;
+
+#if !defined(__AVX2__)
+// the 32 weights of a block (16 bytes): element 2j in byte j's low nibble, 2j + 1 in its high one
+void decode_block(const uint8_t* b, float s, float* w) {
+  for (int j = 0; j < 16; ++j) {
+    w[2 * j] = float(E2M1_X2[b[j] & 15]) * s;
+    w[2 * j + 1] = float(E2M1_X2[b[j] >> 4]) * s;
+  }
+}
+#endif
+
+// One expert's packed matrix: row o of [O, K] is packed[o K/2 ..] (two codes a byte) and scale[o K/32 ..].
+struct Packed {
+  const uint8_t *packed, *scale;
+  int64_t K;
+};
+
+#if defined(__AVX2__)
+inline void decode_avx2(const uint8_t* b, float s, __m256 w[4]) {
+  const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(E2M1_X2)), low = _mm_set1_epi8(15);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  const __m128i even = _mm_shuffle_epi8(table, _mm_and_si128(bytes, low));
+  const __m128i odd = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
+  const __m128i lo = _mm_unpacklo_epi8(even, odd), hi = _mm_unpackhi_epi8(even, odd);  // elements 0-15, 16-31
+  const __m256 sv = _mm256_set1_ps(s);
+  w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), sv);
+  w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), sv);
+  w[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), sv);
+  w[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), sv);
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+// out[r ldo + o - lo] = a_r . W_o for o in [lo, hi), R <= FUSED_ROWS rows a (K apart): each block decoded
+// in registers and used at once
+template <int R>
+void gemm_fused(const float* a, const Packed& W, int64_t lo, int64_t hi, float* out, int64_t ldo) {
+  const int64_t K = W.K;
+  for (int64_t o = lo; o < hi; ++o) {
+    const uint8_t *p = W.packed + o * (K / 2), *sc = W.scale + o * (K / BLOCK);
+#if defined(__AVX2__)
+    constexpr int A = R <= 2 ? 4 : 2;  // accumulators per row: independent FMA chains
+    __m256 acc[R][A];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < A; ++i) acc[r][i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < K / BLOCK; ++b) {
+      __m256 w[4];
+      decode_avx2(p + b * 16, scales.of[sc[b]], w);
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < 4; ++i)
+          acc[r][i % A] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(a + r * K + b * BLOCK + 8 * i), acc[r][i % A]);
+    }
+    for (int r = 0; r < R; ++r) {
+      __m256 sum = acc[r][0];
+      for (int i = 1; i < A; ++i) sum = _mm256_add_ps(sum, acc[r][i]);
+      out[r * ldo + o - lo] = hsum(sum);
+    }
+#else
+    float sum[R] = {}, w[BLOCK];
+    for (int64_t b = 0; b < K / BLOCK; ++b) {
+      decode_block(p + b * 16, scales.of[sc[b]], w);
+      for (int r = 0; r < R; ++r) {
+        const float* ar = a + r * K + b * BLOCK;
+        float s = 0.f;  // (a build without AVX2: the scalar fallback)
+        for (int j = 0; j < BLOCK; ++j) s += w[j] * ar[j];
+        sum[r] += s;
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r * ldo + o - lo] = sum[r];
+#endif
+  }
+}
+
+constexpr int64_t LANES = 8;  // floats a vector (AVX2's ymm; 16-wide vectors measured no faster on AVX-512)
+typedef float Vec __attribute__((vector_size(4 * LANES), aligned(4)));  // unaligned loads and stores
+
+// v loaded once into a register: g++ folds a vector's load into every FMA that uses it (five loads per
+// product in `sweep`), which made the sweep load-bound (22 GMAC/s a core against 40-45 this way)
+inline void in_register(Vec& v) {
+#if defined(__AVX__)
+  asm("" : "+x"(v));
+#else
+  (void)v;
+#endif
+}
+
+inline float lanes(Vec v) {
+  float sum = 0.f;
+  for (int i = 0; i < LANES; ++i) sum += v[i];
+  return sum;
+}
+
+// output features decoded together for the scratch path: a four-row tile's 4·OUTS accumulators, OUTS weight
+// vectors and one input vector fill AVX2's 16 ymm registers (OUTS = 4 spilled: 28 -> 40-44 GMAC/s a core)
+constexpr int64_t OUTS = 3;
+
+// `rows` rows a against OUTS decoded weight rows w (K floats apart): out[r ldo + j] for j < n; four rows at
+// a time (a step of LANES floats: 8 loads for 16 products, 16 accumulators), then one
+void sweep(const float* a, int64_t rows, int64_t K, const float* w, float* out, int64_t ldo, int64_t n) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    Vec acc[4][OUTS] = {};
+    for (int64_t k = 0; k < K; k += LANES) {
+      Vec v[OUTS];
+      for (int64_t j = 0; j < OUTS; ++j) {
+        v[j] = *reinterpret_cast<const Vec*>(w + j * K + k);
+        in_register(v[j]);
+      }
+      for (int64_t i = 0; i < 4; ++i) {
+        Vec x = *reinterpret_cast<const Vec*>(a + (r + i) * K + k);
+        in_register(x);
+        for (int64_t j = 0; j < OUTS; ++j) acc[i][j] += x * v[j];
+      }
+    }
+    for (int64_t i = 0; i < 4; ++i)
+      for (int64_t j = 0; j < n; ++j) out[(r + i) * ldo + j] = lanes(acc[i][j]);
+  }
+  for (; r < rows; ++r) {
+    Vec acc[OUTS] = {};
+    for (int64_t k = 0; k < K; k += LANES) {
+      const Vec x = *reinterpret_cast<const Vec*>(a + r * K + k);
+      for (int64_t j = 0; j < OUTS; ++j) acc[j] += x * *reinterpret_cast<const Vec*>(w + j * K + k);
+    }
+    for (int64_t j = 0; j < n; ++j) out[r * ldo + j] = lanes(acc[j]);
+  }
+}
+
+void decode_row(const Packed& W, int64_t o, float* w) {
+  const uint8_t *p = W.packed + o * (W.K / 2), *sc = W.scale + o * (W.K / BLOCK);
+  for (int64_t b = 0; b < W.K / BLOCK; ++b) {
+#if defined(__AVX2__)
+    __m256 v[4];
+    decode_avx2(p + b * 16, scales.of[sc[b]], v);
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(w + b * BLOCK + 8 * i, v[i]);
+#else
+    decode_block(p + b * 16, scales.of[sc[b]], w + b * BLOCK);
+#endif
+  }
+}
+
+// out[r ldo + o - lo] = a_r . W_o for o in [lo, hi) and `rows` rows a (K apart)
+void gemm(const float* a, int64_t rows, const Packed& W, int64_t lo, int64_t hi, float* out, int64_t ldo) {
+  switch (rows) {
+    case 1: return gemm_fused<1>(a, W, lo, hi, out, ldo);
+    case 2: return gemm_fused<2>(a, W, lo, hi, out, ldo);
+    case 3: return gemm_fused<3>(a, W, lo, hi, out, ldo);
+    case 4: return gemm_fused<4>(a, W, lo, hi, out, ldo);
+  }
+  static_assert(FUSED_ROWS == 4, "gemm dispatches 1 to 4 rows to gemm_fused");
+  std::vector<float> w(OUTS * W.K);
+  for (int64_t o = lo; o < hi; o += OUTS) {
+    const int64_t n = std::min(OUTS, hi - o);
+    for (int64_t j = 0; j < OUTS; ++j) decode_row(W, o + std::min(j, n - 1), w.data() + j * W.K);  // a tail repeats
+    sweep(a, rows, W.K, w.data(), out + o - lo, ldo, n);
+  }
+}
+
+// x [K] rounded through MXFP8 and back in place (mxfp8.py fake_quantize), K a multiple of 32
+void mxfp8_round(float* x, int64_t K) {
+  for (int64_t b = 0; b < K; b += BLOCK) {
+    float* v = x + b;
+    float amax = 0.f;
+    bool finite = true;
+    for (int j = 0; j < BLOCK; ++j) {
+      finite = finite && std::isfinite(v[j]);
+      amax = std::max(amax, std::abs(v[j]));
+    }
+    if (!finite) {
+      std::fill(v, v + BLOCK, NAN);
+      continue;
+    }
+    const int32_t e = ((__builtin_bit_cast(int32_t, std::max(amax, 0x1p-120f)) >> 23) & 0xff) - 127;
+    const int32_t s = std::max(e - 8, -127);              // the block's shared exponent
+    const float inv = __builtin_bit_cast(float, (127 - s) << 23), scale = std::ldexp(1.f, s);  // 2^-s, 2^s
+    for (int j = 0; j < BLOCK; ++j) {
+      const float y = std::min(std::max(v[j] * inv, -448.f), 448.f);
+      const int32_t binade = ((__builtin_bit_cast(int32_t, std::max(std::abs(y), 0x1p-6f)) >> 23) & 0xff) - 127;
+      const float ulp = __builtin_bit_cast(float, (binade - 3 + 127) << 23);
+      const float q = (y / ulp + 12582912.f) - 12582912.f;  // |y / ulp| <= 16: nearest, ties to even
+      v[j] = q * ulp * scale;
+    }
+  }
+}
+
+struct Work {
+  const float* z;                  // [N, L]
+  const Routed* routed;
+  Packed w1, w3, w2;               // this call's expert 0; expert e is e·(per-expert bytes) further
+  int64_t w13_bytes, w13_scales, w2_bytes, w2_scales;
+  int64_t L, I;
+  bool situ, mxfp8;
+  float b1, b2;
+  float *zs, *h, *y;               // [M, L] rows of z in sorted order, [M, I] GLU outputs, [M, L] outputs
+  std::vector<int64_t> task_expert, task_lo;
+  const float* pair_w;
+  float* u;
+  int64_t N, k;
+
+  Packed expert(const Packed& W, int64_t e, int64_t bytes, int64_t scale_bytes) const {
+    return {W.packed + e * bytes, W.scale + e * scale_bytes, W.K};
+  }
+};
+
+void gather_rows(void* user, size_t i) {  // sorted position i: its token's z (MXFP8-rounded)
+  const Work& w = *static_cast<const Work*>(user);
+  float* row = w.zs + int64_t(i) * w.L;
+  std::memcpy(row, w.z + w.routed->token[i] * w.L, sizeof(float) * w.L);
+  if (w.mxfp8) mxfp8_round(row, w.L);
+}
+
+void gate_up(void* user, size_t t) {  // expert e's GLU outputs for features [lo, lo + CHUNK)
+  const Work& w = *static_cast<const Work*>(user);
+  const int64_t e = w.task_expert[t], lo = w.task_lo[t], hi = std::min(w.I, lo + CHUNK), n = hi - lo;
+  const int64_t first = w.routed->start[e], rows = w.routed->start[e + 1] - first;
+  std::vector<float> a(rows * n), u(rows * n);
+  const float* zs = w.zs + first * w.L;
+  gemm(zs, rows, w.expert(w.w1, e, w.w13_bytes, w.w13_scales), lo, hi, a.data(), n);
+  gemm(zs, rows, w.expert(w.w3, e, w.w13_bytes, w.w13_scales), lo, hi, u.data(), n);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float *ar = a.data() + r * n, *ur = u.data() + r * n;
+    float* hr = w.h + (first + r) * w.I + lo;
+    if (w.situ) {
+      situ_glu_span(ar, ur, hr, 0, n, w.b1, w.b2);
+    } else {
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) hr[i] = ar[i] * ur[i] / (1.f + exp_approx(-ar[i]));
+    }
+  }
+}
+
+void round_h(void* user, size_t i) {
+  const Work& w = *static_cast<const Work*>(user);
+  mxfp8_round(w.h + int64_t(i) * w.I, w.I);
+}
+
+void down(void* user, size_t t) {  // expert e's output features [lo, lo + CHUNK) of its rows
+  const Work& w = *static_cast<const Work*>(user);
+  const int64_t e = w.task_expert[t], lo = w.task_lo[t], hi = std::min(w.L, lo + CHUNK);
+  const int64_t first = w.routed->start[e], rows = w.routed->start[e + 1] - first;
+  gemm(w.h + first * w.I, rows, w.expert(w.w2, e, w.w2_bytes, w.w2_scales), lo, hi, w.y + first * w.L + lo, w.L);
+}
+
+void combine(void* user, size_t block) {  // u[n] = sum over slots j of pair_w · its expert's output row
+  const Work& w = *static_cast<const Work*>(user);
+  const int64_t lo = int64_t(block) * TOKENS, hi = std::min(w.N, lo + TOKENS), L = w.L;
+  for (int64_t n = lo; n < hi; ++n) {
+    float* out = w.u + n * L;
+    std::fill(out, out + L, 0.f);
+    for (int64_t j = 0; j < w.k; ++j) {
+      const int64_t pos = w.routed->pos[n * w.k + j];
+      if (pos < 0) continue;  // another rank's expert
+      const float pw = w.routed->w[n * w.k + j], *y = w.y + pos * L;
+#pragma omp simd
+      for (int64_t c = 0; c < L; ++c) out[c] += pw * y[c];
+    }
+  }
+}
+
+struct Router {
+  const float *x, *gate;
+  float* logits;
+  int64_t E, d;
+};
+
+constexpr int64_t ROUTER_EXPERTS = 64;  // experts per router task
+
+void router(void* user, size_t task) {  // logits[n, e] = x_n . gate_e for one token's block of experts
+  const Router& r = *static_cast<const Router*>(user);
+  const int64_t blocks = (r.E + ROUTER_EXPERTS - 1) / ROUTER_EXPERTS, n = int64_t(task) / blocks;
+  const int64_t lo = int64_t(task) % blocks * ROUTER_EXPERTS, hi = std::min(r.E, lo + ROUTER_EXPERTS);
+  const float* xn = r.x + n * r.d;
+  int64_t e = lo;
+  for (; e + 4 <= hi; e += 4) {  // four experts a pass: x_n loaded once for four dot products
+    const float *g0 = r.gate + e * r.d, *g1 = g0 + r.d, *g2 = g1 + r.d, *g3 = g2 + r.d;
+    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int64_t c = 0; c < r.d; ++c) {
+      s0 += xn[c] * g0[c];
+      s1 += xn[c] * g1[c];
+      s2 += xn[c] * g2[c];
+      s3 += xn[c] * g3[c];
+    }
+    float* out = r.logits + n * r.E + e;
+    out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+  }
+  for (; e < hi; ++e) {
+    const float* g = r.gate + e * r.d;
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t c = 0; c < r.d; ++c) s += xn[c] * g[c];
+    r.logits[n * r.E + e] = s;
+  }
+}
+
+// MoEMXFP4(x [N, d], z [N, L], gate_weight [E_all, d], gate_bias [E_all], w1, w3 [E, I, L/2] u8, w2 [E, L, I/2]
+// u8, w1_scale, w3_scale [E, I, L/32] u8, w2_scale [E, L, I/32] u8, expert_offset [1] int32) -> u [N, L]
+struct MoEMXFP4Kernel {
+  static constexpr const char* name = "MoEMXFP4";
+  static constexpr size_t inputs = 11, outputs = 1;
+  static constexpr bool variadic_input = false, variadic_output = false;
+  static ONNXTensorElementDataType input_type(size_t i) {
+    return i < 4 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT
+                 : i < 10 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+  }
+  static ONNXTensorElementDataType output_type(size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+
+  int64_t top_k;
+  float factor, renormalize, b1 = 1.f, b2 = 1.f;
+  bool situ, mxfp8;
+
+  MoEMXFP4Kernel(const OrtApi&, const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo i(info);
+    top_k = i.GetAttribute<int64_t>("top_k");
+    factor = i.GetAttribute<float>("routed_scaling_factor");
+    renormalize = float(i.GetAttribute<int64_t>("renormalize") != 0);
+    const std::string activation = i.GetAttribute<std::string>("activation");
+    if (activation != "situ" && activation != "silu")
+      fail("activation '" + activation + "': expected 'situ' or 'silu'");
+    situ = activation == "situ";
+    if (situ) {
+      b1 = i.GetAttribute<float>("situ_beta");
+      b2 = i.GetAttribute<float>("situ_linear_beta");
+    }
+    std::string activations = "bf16";
+    try {
+      activations = i.GetAttribute<std::string>("activations");
+    } catch (const Ort::Exception&) {  // a node from before the attribute: activations as computed
+    }
+    if (activations != "bf16" && activations != "mxfp8")
+      fail("activations '" + activations + "': expected 'bf16' or 'mxfp8'");
+    mxfp8 = activations == "mxfp8";
+  }
+
+  [[noreturn]] static void fail(const std::string& what) {
+    throw Ort::Exception("k3::MoEMXFP4: " + what, ORT_INVALID_ARGUMENT);
+  }
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    std::vector<Ort::ConstValue> in;
+    std::vector<std::vector<int64_t>> s;
+    for (size_t i = 0; i < inputs; ++i) {
+      in.push_back(ctx.GetInput(i));
+      s.push_back(shape_of(in.back()));
+    }
+    const char* names[] = {"x", "z", "gate_weight", "gate_bias", "w1", "w3", "w2", "w1_scale", "w3_scale",
+                           "w2_scale", "expert_offset"};
+    auto need = [&](size_t i, const std::vector<int64_t>& want, const char* what) {
+      if (s[i] != want) fail(std::string(names[i]) + " " + dims(s[i]) + ": expected " + what + " = " + dims(want));
+    };
+    if (s[1].size() != 2 || s[4].size() != 3) fail("z " + dims(s[1]) + " and w1 " + dims(s[4]) +
+                                                   ": expected [N, L] and [E, I, L/2]");
+    const int64_t N = s[1][0], L = s[1][1], E = s[4][0], I = s[4][1];
+    if (L % BLOCK || I % BLOCK)
+      fail("z " + dims(s[1]) + ", w1 " + dims(s[4]) + ": L and I must be multiples of 32");
+    need(4, {E, I, L / 2}, "[E, I, L/2]");
+    need(5, {E, I, L / 2}, "[E, I, L/2]");
+    need(6, {E, L, I / 2}, "[E, L, I/2]");
+    need(7, {E, I, L / BLOCK}, "[E, I, L/32]");
+    need(8, {E, I, L / BLOCK}, "[E, I, L/32]");
+    need(9, {E, L, I / BLOCK}, "[E, L, I/32]");
+    need(10, {1}, "one value");
+    if (s[0].size() != 2 || s[0][0] != N || s[2].size() != 2 || s[2][1] != s[0][1] || s[2][0] < E)
+      fail("x " + dims(s[0]) + ", gate_weight " + dims(s[2]) + ": expected [N, d] and [E_all >= " +
+           std::to_string(E) + ", d] for z " + dims(s[1]));
+    const int64_t d = s[0][1], E_all = s[2][0], offset = in[10].GetTensorData<int32_t>()[0];
+    need(3, {E_all}, "[E_all]");
+    if (top_k < 1 || top_k > E_all) fail("top_k " + std::to_string(top_k) + " outside 1.." + std::to_string(E_all));
+
+    float* u = ctx.GetOutput(0, {N, L}).GetTensorMutableData<float>();
+    if (N == 0 || L == 0) return;
+    std::vector<float> logits(N * E_all);
+    Router r{in[0].GetTensorData<float>(), in[2].GetTensorData<float>(), logits.data(), E_all, d};
+    ctx.ParallelFor(router, size_t(N * ((E_all + ROUTER_EXPERTS - 1) / ROUTER_EXPERTS)), 0, &r);
+    const Routed routed = route(logits.data(), in[3].GetTensorData<float>(), N, E_all, top_k, renormalize, factor,
+                                offset, E);
+    const int64_t M = routed.start[E];
+    std::vector<float> zs(M * L), h(M * I), y(M * L);
+    auto packed = [&](size_t i, size_t scale, int64_t K) {
+      return Packed{in[i].GetTensorData<uint8_t>(), in[scale].GetTensorData<uint8_t>(), K};
+    };
+    Work w{in[1].GetTensorData<float>(), &routed, packed(4, 7, L), packed(5, 8, L), packed(6, 9, I),
+           I * L / 2, I * L / BLOCK, L * I / 2, L * I / BLOCK, L, I, situ, mxfp8, b1, b2,
+           zs.data(), h.data(), y.data(), {}, {}, routed.w.data(), u, N, top_k};
+    if (M > 0) {
+      ctx.ParallelFor(gather_rows, size_t(M), 0, &w);
+      for (int step = 0; step < 2; ++step) {  // gate and up over I, then down over L: tasks of hit experts only
+        w.task_expert.clear();
+        w.task_lo.clear();
+        for (int64_t e = 0; e < E; ++e)
+          for (int64_t lo = 0; routed.start[e + 1] > routed.start[e] && lo < (step ? L : I); lo += CHUNK) {
+            w.task_expert.push_back(e);
+            w.task_lo.push_back(lo);
+          }
+        ctx.ParallelFor(step ? down : gate_up, w.task_expert.size(), 0, &w);
+        if (step == 0 && mxfp8) ctx.ParallelFor(round_h, size_t(M), 0, &w);
+      }
+    }
+    ctx.ParallelFor(combine, size_t((N + TOKENS - 1) / TOKENS), 0, &w);
+  }
+};
+
+CpuOp<MoEMXFP4Kernel> moe_mxfp4_op;
+
+}  // namespace
+
+void k3x_add_moe_mxfp4(Ort::CustomOpDomain& k3, Ort::CustomOpDomain&) { k3.Add(&moe_mxfp4_op); }
