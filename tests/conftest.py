@@ -76,6 +76,15 @@ def _poison_uninitialised_memory(monkeypatch):
     yield
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _torch_threads_per_file():
+    """A test file that sets torch's thread count (a bench's `open_serving`, `main`) leaves the next file on its
+    worker the worker's share (xdist_support.share_cores), whatever order the files run in."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     random.seed(0)
