@@ -33,6 +33,12 @@ class Speculation:
     draft: Path | None  # --draft EXPORT
     tokens: int  # --speculate-tokens (with --draft)
 
+    def draft_tokens(self) -> int:
+        """Draft tokens per step (0: no speculation); ValueError names a bad --speculate."""
+        from .speculate import parse_speculate
+
+        return parse_speculate(self.ngram) if self.ngram else self.tokens if self.draft else 0
+
 
 def make_drafter(spec: Speculation, backend: str, runner_options, vocab_size: int):
     """The drafter of --speculate / --draft (None: neither); ValueError / RunnerError name the flag."""
@@ -78,12 +84,11 @@ def run_prompts(folder, requests, prepared, backend: tuple[str, list[str]], opti
     from . import session as sessions
     from .runners import RunnerError, serving_entry
     from .serve_bounds import check_serving
-    from .speculate import parse_speculate
 
     json_out, inputs, prompts_file = output
     served = requests_served(requests, prepared.options.max_new_tokens, prompts_file)
     try:
-        drafts = parse_speculate(spec.ngram) if spec.ngram else spec.tokens if spec.draft else 0
+        drafts = spec.draft_tokens()
     except ValueError as e:
         fail(str(e))
     check_serving(serving_entry(folder), folder.config(), options, served, drafts)  # before anything loads

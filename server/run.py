@@ -53,7 +53,6 @@ def open_service(export_dir: Path, backend: str, options, http: HttpOptions, run
     from ..runtime.serve import serving_runner
     from ..runtime.serve_bounds import check_serving, traced_max
     from ..runtime.serve_prompts import make_drafter
-    from ..runtime.speculate import parse_speculate
     from ..text.tokenizer import eos_token_ids, find_tokenizer
 
     folder = open_folder(export_dir)
@@ -62,9 +61,7 @@ def open_service(export_dir: Path, backend: str, options, http: HttpOptions, run
     runner_options = runner_options or RunnerOptions()
     entry = serving_entry(folder)
     cfg, block = folder.config(), int(entry["block_size"])
-    drafts = 0 if speculation is None else (parse_speculate(speculation.ngram) if speculation.ngram
-                                            else speculation.tokens if speculation.draft else 0)
-    check_serving(entry, cfg, options, [], drafts)  # the flags against the traced maxima, before anything loads
+    check_serving(entry, cfg, options, [], 0 if speculation is None else speculation.draft_tokens())  # the flags against the traced maxima, before anything loads
     runner = runner or serving_runner(backend, folder, runner_options)
     drafter = None if speculation is None else make_drafter(speculation, backend, runner_options, cfg.vocab_size)
     listed = folder.tokenizer_files()

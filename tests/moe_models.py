@@ -95,3 +95,23 @@ def mxfp4_model(w: dict[str, torch.Tensor], top_k: int, activations: str = "bf16
     proto = ir.serde.serialize_model(ort_pass(ir.serde.deserialize_model(proto)))
     onnx.checker.check_model(proto, full_check=True)
     return proto
+
+
+def ambiguous_tokens(x, z, w: dict, k: int) -> torch.Tensor:
+    """Tokens with a GLU output h (the down GEMM's input) within 1e-5 relative of an MXFP8 rounding boundary (an
+    E4M3 midpoint, or a block amax at a power of two): two fp32 GEMM1 sums differing in their last bits (ORT's
+    Gemm vs torch's matmul, MLAS's vectorised Tanh / Sigmoid, a few 1e-6 apart) may round such an h one E4M3 step
+    apart — the one deviation an exact emulation cannot rule out. Every other token must meet the tolerance table."""
+    from k3x.custom_ops.moe.reference import glu, route
+    from k3x.custom_ops.moe_mxfp4.codec import dequantize
+    from k3x.custom_ops.moe_mxfp4.mxfp8 import fake_quantize
+
+    ids, _ = route(x, w["gate_weight"], w["gate_bias"], k, 1.5, True)
+    zq = fake_quantize(z)
+    out = torch.zeros(len(z), dtype=torch.bool)
+    for t in range(len(z)):
+        for e in ids[t].tolist():
+            h = glu(zq[t] @ dequantize(w["w1"][e], w["w1_scale"][e]).t(),
+                    zq[t] @ dequantize(w["w3"][e], w["w3_scale"][e]).t(), "situ", 4.0, 25.0)
+            out[t] |= not torch.equal(fake_quantize(h * (1 + 1e-5)), fake_quantize(h * (1 - 1e-5)))
+    return out

@@ -2,7 +2,7 @@
 the torch quantizer bit for bit on the hard cases (every E4M3 value, tie and neighbour at several scales, amax at
 and below powers of two across fp32, saturation, zero and NaN/Inf blocks), and a whole k3::MoEMXFP4 node with
 activations="mxfp8" run by ONNX Runtime's CPU provider equals the reference within the fp32 tolerance (save tokens
-whose GLU output lies at an MXFP8 rounding boundary, `_ambiguous_tokens`)."""
+whose GLU output lies at an MXFP8 rounding boundary, `moe_models.ambiguous_tokens`)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from onnx import TensorProto, helper
 from k3x.custom_ops.moe_mxfp4.mxfp8 import fake_quantize
 from k3x.custom_ops.moe_mxfp4.onnx import mxfp8
 from k3x.plan.onnx_node import Body
+from moe_models import ambiguous_tokens
 from mxfp8_cases import scale_blocks
 
 ort = pytest.importorskip("onnxruntime")
@@ -63,25 +64,6 @@ def _moe_session(w: dict[str, torch.Tensor], top_k: int, activations: str):
                                 providers=["CPUExecutionProvider"])
 
 
-def _ambiguous_tokens(x, z, w: dict, k: int) -> torch.Tensor:
-    """Tokens with a GLU output h (the down GEMM's input) within 1e-5 relative of an MXFP8 rounding boundary (an
-    E4M3 midpoint, or a block amax at a power of two): two fp32 GEMM1 sums differing in their last bits (ORT's
-    Gemm vs torch's matmul, MLAS's vectorised Tanh / Sigmoid, a few 1e-6 apart) may round such an h one E4M3 step
-    apart — the one deviation an exact emulation cannot rule out. Every other token must meet the tolerance table."""
-    from k3x.custom_ops.moe.reference import glu, route
-    from k3x.custom_ops.moe_mxfp4.codec import dequantize
-
-    ids, _ = route(x, w["gate_weight"], w["gate_bias"], k, 1.5, True)
-    zq = fake_quantize(z)
-    out = torch.zeros(len(z), dtype=torch.bool)
-    for t in range(len(z)):
-        for e in ids[t].tolist():
-            h = glu(zq[t] @ dequantize(w["w1"][e], w["w1_scale"][e]).t(),
-                    zq[t] @ dequantize(w["w3"][e], w["w3_scale"][e]).t(), "situ", 4.0, 25.0)
-            out[t] |= not torch.equal(fake_quantize(h * (1 + 1e-5)), fake_quantize(h * (1 - 1e-5)))
-    return out
-
-
 @pytest.mark.parametrize("activations", ["bf16", "mxfp8"])
 def test_moe_mxfp4_node_runs_the_activation_format_in_onnxruntime(activations):
     from k3x.custom_ops.moe_mxfp4.reference import moe
@@ -100,7 +82,7 @@ def test_moe_mxfp4_node_runs_the_activation_format_in_onnxruntime(activations):
         (u,) = sess.run(None, {"x": x.numpy(), "z": z.numpy()})
         u = torch.from_numpy(u)
         want = moe(x, z, *w.values(), k, 1.5, True, "situ", 4.0, 25.0, activations=activations)
-        keep = ~_ambiguous_tokens(x, z, w, k) if activations == "mxfp8" else torch.ones(N, dtype=torch.bool)
+        keep = ~ambiguous_tokens(x, z, w, k) if activations == "mxfp8" else torch.ones(N, dtype=torch.bool)
         assert keep.float().mean() >= 0.8, f"{int((~keep).sum())} of {N} tokens near a rounding boundary"
         assert_close(u[keep], want[keep], torch.float32, f"{activations} N={N}")
         other = moe(x, z, *w.values(), k, 1.5, True, "situ", 4.0, 25.0,

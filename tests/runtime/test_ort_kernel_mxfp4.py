@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe_models import mxfp4_model, packed_weights
+from moe_models import ambiguous_tokens, mxfp4_model, packed_weights
 from ort_kernel_models import session
 
 
@@ -42,24 +42,6 @@ def test_moe_mxfp4_kernel_matches_the_reference(kernels, E, E_all, N, k, L, I, a
     np.testing.assert_allclose(u, want, rtol=1e-5, atol=1e-5 * scale)
 
 
-def _ambiguous(w: dict, x, z, k: int) -> torch.Tensor:
-    """Tokens whose GLU output h lies within 1e-5 relative of an MXFP8 rounding boundary: fp32 sums in another
-    order may round such an h one E4M3 step apart (tests/exporter/test_mxfp8_onnx.py says why)."""
-    from k3x.custom_ops.moe.reference import glu, route
-    from k3x.custom_ops.moe_mxfp4.codec import dequantize
-    from k3x.custom_ops.moe_mxfp4.mxfp8 import fake_quantize
-
-    ids, _ = route(x, w["gate_weight"], w["gate_bias"], k, 1.5, True)
-    zq = fake_quantize(z)
-    out = torch.zeros(len(z), dtype=torch.bool)
-    for t in range(len(z)):
-        for e in ids[t].tolist():
-            h = glu(zq[t] @ dequantize(w["w1"][e], w["w1_scale"][e]).t(),
-                    zq[t] @ dequantize(w["w3"][e], w["w3_scale"][e]).t(), "situ", 4.0, 25.0)
-            out[t] |= not torch.equal(fake_quantize(h * (1 + 1e-5)), fake_quantize(h * (1 - 1e-5)))
-    return out
-
-
 def test_moe_mxfp4_kernel_rounds_the_activations_through_mxfp8(kernels):
     E, k, d, L, I = 6, 2, 24, 64, 32
     w = packed_weights(E, d, L, I, seed=5)
@@ -70,7 +52,7 @@ def test_moe_mxfp4_kernel_rounds_the_activations_through_mxfp8(kernels):
         z[0, 3] = float("nan") if N == 19 else z[0, 3]  # its block of 32 becomes NaN, so its token's u does
         (u,) = sess.run(None, {"x": x.numpy(), "z": z.numpy()})
         want = _reference(w, x, z, k, "situ", 0, E, "mxfp8").float().numpy()
-        keep = ~_ambiguous(w, x, z, k)
+        keep = ~ambiguous_tokens(x, z, w, k)
         assert keep.float().mean() >= 0.8, f"{int((~keep).sum())} of {N} tokens near a rounding boundary"
         np.testing.assert_array_equal(np.isnan(u), np.isnan(want))
         keep = keep.numpy() & ~np.isnan(want).any(1)
