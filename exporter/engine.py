@@ -382,18 +382,3 @@ def _failing(logger) -> str:
     text = logger.excerpt()
     nodes = sorted(set(re.findall(r"(?:node|layer)[:\s]+['\"]?([\w./:-]+)", text, re.I)))
     return (f"  failing node(s): {', '.join(nodes)}\n" if nodes else "") + text
-
-
-def check_engine_meta(export_dir: Path, *, tensorrt_version: str, sm: int) -> dict:
-    """The engine's metadata, or a refusal when it was built for another SM or TensorRT version."""
-    path = Path(export_dir) / ENGINE_META
-    if not path.is_file():
-        raise EngineBuildError(f"{path}: missing; build the engine with `k3x build-engine {export_dir}`")
-    meta = json.loads(path.read_text())
-    if meta["sm"] != sm:
-        raise EngineBuildError(f"{export_dir / ENGINE_FILE}: built for sm_{meta['sm']}, this GPU is sm_{sm}; "
-                               "rebuild it on this machine")
-    if meta["tensorrt_version"] != tensorrt_version:
-        raise EngineBuildError(f"{export_dir / ENGINE_FILE}: built with {meta['runtime']} {meta['tensorrt_version']}, "
-                               f"this process has {tensorrt_version}; rebuild it")
-    return meta

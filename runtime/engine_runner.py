@@ -1,9 +1,9 @@
 """TensorRT runner: `model.engine` of an export folder behind the runners' `infer(feeds) -> outputs` interface.
 
 Needs TensorRT 11 (`tensorrt`) and a CUDA GPU of the SM the engine was built for; refuses an engine built for
-another SM or TensorRT version (`trt.check_engine_meta`). The k3 plugin creators are registered with the
-paths recorded at build time (AOT plugins load their embedded cubins through the CUDA driver; JIT plugins
-call the Triton launchers through torch). State I/O: `past.*` feeds in, `present.*` outputs out, all on
+another SM or TensorRT version, or a `model.engine.json` that is not a record k3x wrote (`check_engine_meta`).
+The k3 plugin creators are registered with the paths recorded at build time (AOT plugins load their embedded
+cubins through the CUDA driver; JIT plugins call the Triton launchers through torch). State I/O: `past.*` feeds in, `present.*` outputs out, all on
 the GPU; output shapes come from the execution context once the input shapes are set.
 A serving engine (`k3x export --serving`, then build-engine) runs behind the same `infer`: serve() keeps the
 state pools on `device` ("cuda"), so `_bind` hands TensorRT their addresses as they are (no copy of a pool per
@@ -19,11 +19,12 @@ synchronised, with plugin failures reported.
 from __future__ import annotations
 
 from pathlib import Path
+import json
 
 import torch
 from torch import Tensor
 
-from ..exporter.engine import ENGINE_FILE, EngineBuildError, check_engine_meta, import_trt
+from ..exporter.engine import ENGINE_FILE, ENGINE_META, EngineBuildError, import_trt
 from .base import RunnerError
 
 
@@ -115,3 +116,27 @@ def _torch_dtype(trt, t) -> torch.dtype:
     table = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16,
              trt.int32: torch.int32, trt.int64: torch.int64, trt.bool: torch.bool, trt.int8: torch.int8}
     return table[t]
+
+
+META_FIELDS = {"sm": int, "runtime": str, "tensorrt_version": str, "plugin_paths": dict, "input_shapes": dict}
+
+
+def check_engine_meta(export_dir: Path, *, tensorrt_version: str, sm: int) -> dict:
+    """The engine's metadata, or a refusal when it was built for another SM or TensorRT version."""
+    path = Path(export_dir) / ENGINE_META
+    if not path.is_file():
+        raise EngineBuildError(f"{path}: missing; build the engine with `k3x build-engine {export_dir}`")
+    try:
+        meta = json.loads(path.read_text())
+        bad = [k for k, t in META_FIELDS.items() if not isinstance(meta.get(k), t)]
+    except (OSError, ValueError, AttributeError) as e:
+        raise EngineBuildError(f"{path}: unreadable ({e}); rebuild the engine with `k3x build-engine`") from None
+    if bad:
+        raise EngineBuildError(f"{path}: field {bad[0]!r} missing or of the wrong type; rebuild the engine")
+    if meta["sm"] != sm:
+        raise EngineBuildError(f"{export_dir / ENGINE_FILE}: built for sm_{meta['sm']}, this GPU is sm_{sm}; "
+                               "rebuild it on this machine")
+    if meta["tensorrt_version"] != tensorrt_version:
+        raise EngineBuildError(f"{export_dir / ENGINE_FILE}: built with {meta['runtime']} {meta['tensorrt_version']}, "
+                               f"this process has {tensorrt_version}; rebuild it")
+    return meta

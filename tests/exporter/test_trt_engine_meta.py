@@ -6,12 +6,14 @@ import json
 
 import pytest
 
-from k3x.exporter.engine import ENGINE_FILE, ENGINE_META, EngineBuildError, check_engine_meta
+from k3x.exporter.engine import ENGINE_FILE, ENGINE_META, EngineBuildError
+from k3x.runtime.engine_runner import check_engine_meta
 
 
 @pytest.fixture()
 def folder(tmp_path):
-    meta = {"sm": 90, "runtime": "tensorrt", "tensorrt_version": "11.4.0.106", "plugin_paths": {"KDA": "aot"}}
+    meta = {"sm": 90, "runtime": "tensorrt", "tensorrt_version": "11.4.0.106", "plugin_paths": {"KDA": "aot"},
+            "input_shapes": {}}
     (tmp_path / ENGINE_META).write_text(json.dumps(meta))
     return tmp_path
 
@@ -32,4 +34,12 @@ def test_other_tensorrt_is_refused(folder):
 
 def test_missing_engine_names_the_command(tmp_path):
     with pytest.raises(EngineBuildError, match="k3x build-engine"):
+        check_engine_meta(tmp_path, tensorrt_version="11.4.0.106", sm=90)
+
+
+@pytest.mark.parametrize("text, field", [('{"runtime": "tensorrt"}', "'sm' missing"), ('{"sm": "90"}', "'sm' missing"),
+                                         ("[1, 2]", "unreadable"), ("{not json", "unreadable")])
+def test_crafted_record_is_refused_in_one_line(tmp_path, text, field):
+    (tmp_path / ENGINE_META).write_text(text)
+    with pytest.raises(EngineBuildError, match=field):
         check_engine_meta(tmp_path, tensorrt_version="11.4.0.106", sm=90)
