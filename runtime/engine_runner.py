@@ -3,8 +3,9 @@
 Needs TensorRT 11 (`tensorrt`) and a CUDA GPU of the SM the engine was built for; refuses an engine built for
 another SM or TensorRT version, or a `model.engine.json` that is not a record k3x wrote (`check_engine_meta`).
 The k3 plugin creators are registered with the paths recorded at build time (AOT plugins load their embedded
-cubins through the CUDA driver; JIT plugins call the Triton launchers through torch). State I/O: `past.*` feeds in, `present.*` outputs out, all on
-the GPU; output shapes come from the execution context once the input shapes are set.
+cubins through the CUDA driver; JIT plugins call the Triton launchers through torch). State I/O: `past.*` feeds
+in, `present.*` outputs out, all on the GPU; output shapes come from the execution context once the input shapes
+are set.
 A serving engine (`k3x export --serving`, then build-engine) runs behind the same `infer`: serve() keeps the
 state pools on `device` ("cuda"), so `_bind` hands TensorRT their addresses as they are (no copy of a pool per
 step); the engine only reads them. Pools are not aliased to outputs: the step returns its new rows (O(B + N):
