@@ -5,7 +5,8 @@
   an error, not a hang), creates every TP and EP group in the same order on every rank, and registers this
   rank's own two under the names the traced graph uses (model/parallel.py `TP_GROUP` / `EP_GROUP`).
 - Without one, `spawn` starts the ranks through torch.distributed's own launcher (`torch.distributed.run`,
-  elastic, `--standalone`) with the same command line: `python -m k3x <argv>` in each process.
+  elastic, `--standalone`) with the same command line: `python -m k3x <argv>` in each process (`k3x serve`:
+  SIGTERM / SIGINT passed on to the ranks, so rank 0 drains, rather than the agent stopping them).
 - `rank_runner`: this rank's program (its folder is an ordinary export folder: hash-checked `.pt2`, or its
   ort-flavor ONNX whose collective nodes are onnxruntime-extensions Python ops calling torch.distributed,
   runtime/ort_collectives.py), fed and answering in the rank's own state layout. `WholeStateRunner`: takes
@@ -177,23 +178,43 @@ def omp_threads(world: int) -> int:
     return max(1, (os.cpu_count() or 1) // world)
 
 
-def spawn(world: int, argv: list[str]) -> None:
+def spawn(world: int, argv: list[str], *, pass_signals: bool = False) -> None:
     """Run `python -m k3x <argv>` in `world` processes through torch.distributed.run (standalone rendezvous).
-    Raises RunnerError naming the failed rank."""
+    Raises RunnerError naming the failed rank. `pass_signals` (k3x serve): each SIGTERM / SIGINT is passed on to
+    the ranks as it comes and the agent waits for them (rank 0 drains at the first, exits at the second; the
+    others wait for its word), so the command's status is theirs."""
+    import signal
+
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={world}", "--max-restarts=0",
+    own = ["--signals-to-handle=SIGHUP,SIGQUIT"] if pass_signals else []  # the agent leaves SIGTERM / SIGINT
+    args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={world}", "--max-restarts=0", *own,
                                          "--module", "k3x", *argv])
     # the ranks share this machine's cores; set here, torch.distributed.run does not print its OMP_NUM_THREADS
     # banner (written for torchrun users) to someone who never ran torchrun
     os.environ.setdefault("OMP_NUM_THREADS", str(omp_threads(world)))
+    if pass_signals:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _pass_on)
     try:
         run(args)
     except ChildFailedError as e:
         first = next(iter(e.failures.values()), None)
         raise RunnerError(f"torch.distributed.run: {len(e.failures)} of {world} ranks failed"
                           + (f" (rank {first.local_rank}: exit {first.exitcode})" if first else "")) from None
+
+
+def _pass_on(sig: int, frame) -> None:
+    """A signal to this process, sent to the rank processes it started (those with a LOCAL_RANK)."""
+    import psutil
+
+    for child in psutil.Process().children():
+        try:
+            if "LOCAL_RANK" in child.environ():
+                child.send_signal(sig)
+        except psutil.Error:
+            pass  # gone already
 
 
 def peak_rss_mib() -> float:

@@ -14,6 +14,9 @@ the samplers of the requests in flight. `serve` (runtime/serve.py, `k3x run --pr
 - A request's sampler that raises fails that request only: its token is replaced by the row's argmax for the
   step (the step's shape stays), then the request is cancelled and reported in `Emitted.error`.
   `fail_step()`: after a step that raised (a runner error), cancels the requests that step held.
+- `journal`: None, or a list every successful `add` and every `cancel` is appended to, in order (`("add",
+  request)`, `("cancel", rid)`): rank 0 of rank programs sends it to the other ranks at each step boundary
+  (runtime/engine_ranks.py), so their engines admit and cancel alike.
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ class Engine:
         self.cached: dict[int, int] = {}  # request id -> prompt tokens restored from the prefix cache
         self.admitted: tuple[int, ...] = ()  # the last step's admissions
         self.counts = {"prompt_tokens": 0, "cached_tokens": 0, "drafted": 0, "accepted": 0, "steps": 0}
+        self.journal: list[tuple] | None = None  # adds and cancels, in order (rank programs' rank 0)
         self._step: Step | None = None
 
     @property
@@ -106,12 +110,16 @@ class Engine:
         self.samplers[request.id] = _Guarded(sampler)
         if rows is not None:
             self.resume[request.id] = rows
+        if self.journal is not None:
+            self.journal.append(("add", request))
 
     def cancel(self, rid: int) -> None:
         """Drop request `rid` (queued or running) now: slot, blocks and cache references freed."""
         if self.sched.cancel(rid):
             self.pools.move_slots(self.sched.compact())
         self.retire(rid)
+        if self.journal is not None:
+            self.journal.append(("cancel", rid))
 
     def retire(self, rid: int) -> None:
         """Forget a finished request's bookkeeping (its tokens were handed on)."""

@@ -71,6 +71,8 @@ class _Live:
 
 
 class EngineLoop:
+    idle_wait = 0.05  # seconds an idle loop waits on the inbox before looking at `stop` again
+
     def __init__(self, engine: Engine, tokenizer=None, *, max_queue: int = 256,
                  sampler: Callable[[SamplingOptions], Callable] = Sampler) -> None:
         self.engine, self.tokenizer, self.max_queue, self.make_sampler = engine, tokenizer, max_queue, sampler
@@ -124,24 +126,34 @@ class EngineLoop:
     def _run(self) -> None:
         with torch_threads_for(self.engine.runner, getattr(self.engine.drafter, "runner", None)):
             while not self._halt.is_set():
-                self._drain(block=self.engine.idle)
-                if self.engine.idle:
-                    continue
-                try:
-                    emitted = self.engine.step()
-                except Exception as e:  # noqa: BLE001 - the step's requests fail, the loop goes on
-                    for rid in self.engine.fail_step():
-                        self._end(rid, Event([], "", time.perf_counter(), "error", f"{type(e).__name__}: {e}"))
-                    emitted = []
-                now = time.perf_counter()
-                self._admitted()
-                for em in emitted:
-                    self._deliver(em, now)
-                self._snapshot()
+                self._turn()
+
+    def _turn(self) -> None:
+        """One pass: the inbox drained (waiting while idle), then a step unless idle."""
+        self._drain(block=self.engine.idle)
+        if not self.engine.idle:
+            self._step()
+
+    def _step(self) -> None:
+        try:
+            emitted = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - the step's requests fail, the loop goes on
+            emitted = self._step_failed(e)
+        now = time.perf_counter()
+        self._admitted()
+        for em in emitted:
+            self._deliver(em, now)
+        self._snapshot()
+
+    def _step_failed(self, e: Exception) -> list[Emitted]:
+        """A step raised: the requests it held fail (an `error` event each) -> nothing emitted."""
+        for rid in self.engine.fail_step():
+            self._end(rid, Event([], "", time.perf_counter(), "error", f"{type(e).__name__}: {e}"))
+        return []
 
     def _drain(self, block: bool) -> None:
         try:
-            cmd = self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait()
+            cmd = self.inbox.get(timeout=self.idle_wait) if block else self.inbox.get_nowait()
         except queue.Empty:
             return
         while True:

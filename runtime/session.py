@@ -91,10 +91,10 @@ def world_to_spawn(export_dir: Folder) -> int | None:
     return plan.world if plan.world > 1 and not launched() else None
 
 
-def spawn_world(world: int, argv: list[str]) -> None:
+def spawn_world(world: int, argv: list[str], *, pass_signals: bool = False) -> None:
     from .dist_run import spawn
 
-    spawn(world, argv)
+    spawn(world, argv, pass_signals=pass_signals)
 
 
 def backends_of(export_dir: Folder, requested: list[str], *, default_ort: bool = False) -> tuple[list[str], list[str]]:

@@ -4,7 +4,10 @@
     serve_forever(service, HttpOptions(port=8000))      # the command: SIGTERM / SIGINT drain it
     running = serve_in_thread(service)                  # tests and bench/: uvicorn in a thread, ephemeral port
 
-- One program only: a rank export (`parallel` entry) is refused in one line (rank programs are not served).
+- Rank programs (a `--serving --tp/--ep` export): inside a launcher (`torchrun --nproc-per-node N -m k3x
+  serve`) every rank opens its own step and engine; rank 0 serves HTTP and its engine loop broadcasts each step
+  boundary's admissions and cancellations, the others follow it (runtime/engine_ranks.py). Without a launcher
+  the ranks are started here as `k3x run` starts them (dist_run.spawn). `open_service` is one program's.
 - The MLA cache: `--cache-blocks`, by default enough for every slot at `DEFAULT_POSITIONS` (or the context,
   if shorter) positions; a request that could never fit is refused with 400 rather than queued forever.
 - Signals: the first SIGTERM / SIGINT stops admitting (503, /health 503) and lets the requests in flight
@@ -20,7 +23,7 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import uvicorn
@@ -49,36 +52,89 @@ def open_service(export_dir: Path, backend: str, options, http: HttpOptions, run
     """The engine loop (started) over the export's serving step and the routes' view of it. `options`:
     runtime/serve.ServeOptions; `speculation`: runtime/serve_prompts.Speculation; `sampler`: the sampler
     factory (tests put a failing one in); `runner`: the export's serving runner when already open."""
-    from ..runtime.runners import RunnerError, RunnerOptions, open_folder, serving_entry
-    from ..runtime.serve import serving_runner
-    from ..runtime.serve_bounds import check_serving, traced_max
-    from ..runtime.serve_prompts import make_drafter
-    from ..text.tokenizer import eos_token_ids, find_tokenizer
+    from ..runtime.runners import RunnerError, RunnerOptions, open_folder
 
     folder = open_folder(export_dir)
     if "parallel" in folder.manifest:
-        raise RunnerError(f"{folder.path}: a rank export; k3x serve serves one program (export without --tp/--ep)")
-    runner_options = runner_options or RunnerOptions()
-    entry = serving_entry(folder)
-    cfg, block = folder.config(), int(entry["block_size"])
-    check_serving(entry, cfg, options, [], 0 if speculation is None else speculation.draft_tokens())  # the flags against the traced maxima, before anything loads
-    runner = runner or serving_runner(backend, folder, runner_options)
-    drafter = None if speculation is None else make_drafter(speculation, backend, runner_options, cfg.vocab_size)
-    listed = folder.tokenizer_files()
-    tokenizer = find_tokenizer(folder.path, listed)
-    eos = tokenizer.eos_token_ids if tokenizer is not None else eos_token_ids(folder.path, listed=listed)
-    context = cfg.max_position_embeddings
-    blocks = options.cache_blocks or blocks_for_context(options.max_sequences, min(context, DEFAULT_POSITIONS), block)
-    if blocks > traced_max(entry, "blocks"):
-        raise RunnerError(f"--max-sequences {options.max_sequences}: its default cache of {blocks} blocks is over "
-                          f"this export's maximum of {traced_max(entry, 'blocks')}; give --cache-blocks")
-    sizes = EngineSizes(options.max_sequences, blocks, block, options.max_step_tokens,
-                        options.prefix_cache_bytes if options.prefix_cache else None)
-    engine = Engine(runner, cfg, sizes, eos_token_ids=tuple(eos), dtype=folder.dtype(), drafter=drafter)
-    loop = EngineLoop(engine, tokenizer, max_queue=http.max_queue, **({"sampler": sampler} if sampler else {}))
+        raise RunnerError(f"{folder.path}: a rank export; `k3x serve` starts its ranks (or run it under "
+                          "torchrun --nproc-per-node N -m k3x serve)")
+    built = _Engine(folder, backend, options, runner_options or RunnerOptions(), speculation, runner)
+    loop = EngineLoop(built.engine, built.tokenizer, max_queue=http.max_queue,
+                      **({"sampler": sampler} if sampler else {}))
     loop.start()
-    limits = Limits(context, blocks * block, cfg.vocab_size, http.max_body, drafter is not None)
-    return Service(loop, tokenizer, http.model_name or folder.path.name, limits, tuple(eos), http.api_key)
+    return built.service(loop, http)
+
+
+class _Engine:
+    """The engine over a serving export's step: one program's runner (`runner`, or loaded here), or with
+    `ranks` this rank's (inside a launcher: the process group joined, `session` its runtime/session.Session).
+    The flags are checked against the traced maxima before anything loads."""
+
+    def __init__(self, folder, backend: str, options, runner_options, speculation, runner=None,
+                 ranks: bool = False) -> None:
+        from ..runtime.runners import RunnerError, serving_entry
+        from ..runtime.serve import serving_runner
+        from ..runtime.serve_bounds import check_serving, traced_max
+        from ..runtime.serve_prompts import make_drafter
+        from ..text.tokenizer import eos_token_ids, find_tokenizer
+
+        entry = serving_entry(folder)
+        cfg, block = folder.config(), int(entry["block_size"])
+        check_serving(entry, cfg, options, [], 0 if speculation is None else speculation.draft_tokens())
+        context = cfg.max_position_embeddings
+        blocks = options.cache_blocks or blocks_for_context(options.max_sequences, min(context, DEFAULT_POSITIONS),
+                                                            block)
+        if blocks > traced_max(entry, "blocks"):
+            raise RunnerError(f"--max-sequences {options.max_sequences}: its default cache of {blocks} blocks is "
+                              f"over this export's maximum of {traced_max(entry, 'blocks')}; give --cache-blocks")
+        self.session, pool_cfg, agree = None, None, None
+        if ranks:
+            from ..runtime.dist_run import agree_tokens
+            from ..runtime.session import open_serving
+
+            self.session = open_serving(folder, backend, runner_options)
+            runner, pool_cfg, agree = self.session.runners[backend], self.session.pool_cfg, agree_tokens
+        runner = runner or serving_runner(backend, folder, runner_options)
+        drafter = None if speculation is None else make_drafter(speculation, backend, runner_options, cfg.vocab_size)
+        listed = folder.tokenizer_files()
+        self.tokenizer = find_tokenizer(folder.path, listed)
+        self.eos = tuple(self.tokenizer.eos_token_ids if self.tokenizer is not None
+                         else eos_token_ids(folder.path, listed=listed))
+        sizes = EngineSizes(options.max_sequences, blocks, block, options.max_step_tokens,
+                            options.prefix_cache_bytes if options.prefix_cache else None)
+        self.engine = Engine(runner, cfg, sizes, eos_token_ids=self.eos, dtype=folder.dtype(), drafter=drafter,
+                             pool_cfg=pool_cfg, agree=agree)
+        self.limits = Limits(context, blocks * block, cfg.vocab_size, 0, drafter is not None)
+        self.name = folder.path.name
+
+    def service(self, loop, http: HttpOptions) -> Service:
+        limits = replace(self.limits, max_body=http.max_body)
+        return Service(loop, self.tokenizer, http.model_name or self.name, limits, self.eos, http.api_key)
+
+
+def serve_ranks(export_dir: Path, backend: str, options, http: HttpOptions, runner_options, speculation) -> None:
+    """Inside a launcher: this rank's engine over its rank program; rank 0 serves HTTP until drained (then
+    tells the others to stop), ranks 1..N-1 follow its steps (runtime/engine_ranks.py)."""
+    from ..runtime.engine_ranks import Peers, RankEngineLoop, follow
+    from ..runtime.runners import RunnerError, open_folder
+
+    built = _Engine(open_folder(export_dir), backend, options, runner_options, speculation, ranks=True)
+    s = built.session
+    try:
+        peers = Peers()
+        if s.rank != 0:
+            follow(built.engine, peers)
+            return
+        loop = RankEngineLoop(built.engine, built.tokenizer, peers, max_queue=http.max_queue)
+        loop.start()
+        try:
+            serve_forever(built.service(loop, http), http)
+        except OSError as e:
+            raise RunnerError(f"--host {http.host} --port {http.port}: {e.strerror or e}") from None
+        finally:
+            loop.stop()  # its last boundary stops the other ranks
+    finally:
+        s.close()
 
 
 class _Server(uvicorn.Server):
@@ -116,9 +172,25 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def serve_export(export_dir: Path, backend: str, options, http: HttpOptions, runner_options, speculation) -> None:
-    """`k3x serve`: the service over the export, served until drained (a refused flag: one line, exit 1)."""
-    from ..console import fail
+    """`k3x serve`: the service over the export, served until drained (a refused flag: one line, exit 1; a rank
+    export: its ranks, started here unless a launcher started this process, each failing in one line)."""
+    from ..console import fail, one_line
+    from ..runtime import session as sessions
+    from ..runtime.runners import RunnerError
 
+    world = sessions.parallel_plan(export_dir).world
+    if world > 1:
+        if sessions.world_to_spawn(export_dir):
+            sessions.spawn_world(world, sys.argv[1:], pass_signals=True)
+            return
+        who = f"rank {os.environ['RANK']}: "
+        try:
+            serve_ranks(export_dir, backend, options, http, runner_options, speculation)
+        except (ValueError, RunnerError) as e:  # a flag, a folder, out of step: the message names it
+            fail(f"{who}{e}")
+        except Exception as e:  # noqa: BLE001 - its peers gone, a step that raised: one line per rank
+            fail(f"{who}{one_line(e)}")
+        return
     try:
         service = open_service(export_dir, backend, options, http, runner_options, speculation)
     except ValueError as e:
