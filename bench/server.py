@@ -37,8 +37,8 @@ def mixed_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(rng.choice([16, 64, 128, 256, 512]))] for _ in range(n)]
 
 
-async def one(client, url: str, prompt: list[int], new: int) -> dict:
-    body = {"model": "bench", "prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True,
+async def one(client, url: str, prompt: list[int], new: int, model: str = "bench") -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True,
             "return_token_ids": True}
     t0, times, tokens = time.perf_counter(), [], 0
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
@@ -66,7 +66,8 @@ def change(before: dict[str, float], after: dict[str, float], name: str) -> floa
     return after[name] - before[name]
 
 
-async def load(url: str, prompts, new: int, concurrency: int | None, rate: float | None) -> tuple[list[dict], float, dict]:
+async def load(url: str, prompts, new: int, concurrency: int | None, rate: float | None,
+               model: str = "bench") -> tuple[list[dict], float, dict]:
     import httpx
 
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256)) as client:
@@ -79,9 +80,9 @@ async def load(url: str, prompts, new: int, concurrency: int | None, rate: float
                 await asyncio.sleep(arrivals[i])
             async with gate:
                 if not alone:
-                    return await one(client, url, p, new)
+                    return await one(client, url, p, new, model)
                 before = await scheduler_sums(client, url)
-                got = await one(client, url, p, new)
+                got = await one(client, url, p, new, model)
                 after = await scheduler_sums(client, url)
                 return got | {"prefill": change(before, after, "k3x_request_prefill_time_seconds_sum")}
 
