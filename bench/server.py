@@ -9,9 +9,9 @@ fixed max_tokens (the export's EOS ids stop a request early either way; tokens a
 
 TTFT against the scheduler's own figures (server/metrics.py's queue- and prefill-time histograms, scraped from
 /metrics): per load, their means over the load (the histograms' sums and counts before and after it) and the
-mean overhead TTFT - queue - prefill; at concurrency 1, /metrics is also scraped before and after each request
-(one request at a time: the sums' change is that request's), giving the medians of TTFT, prefill and
-TTFT - prefill per request.
+mean rest, TTFT - queue - prefill (HTTP and the hand-offs between threads); at concurrency 1, /metrics is also
+scraped before and after each request (one at a time: the sums' change is that request's), giving the medians
+of TTFT, prefill and TTFT - prefill per request.
 
     python -m k3x.bench.server --export DIR [--requests 64] [--concurrency 1,8,32] [--rate 4] [--json out.json]
 """
@@ -115,7 +115,7 @@ def row(name: str, results: list[dict], wall: float, means: dict, offline_tps: f
            "e2e_p99_ms": pct(e2e, 0.99), "tokens_per_s": tps, "vs_offline": tps / offline_tps,
            "ttft_mean_ms": ttft_mean * 1000, "queue_mean_ms": means["queue_mean"] * 1000,
            "prefill_mean_ms": means["prefill_mean"] * 1000,
-           "overhead_mean_ms": (ttft_mean - means["queue_mean"] - means["prefill_mean"]) * 1000}
+           "rest_mean_ms": (ttft_mean - means["queue_mean"] - means["prefill_mean"]) * 1000}
     if all("prefill" in r for r in results):
         out |= {"prefill_p50_ms": pct([r["prefill"] for r in results], 0.5),
                 "ttft_minus_prefill_p50_ms": pct([r["ttft"] - r["prefill"] for r in results], 0.5)}
@@ -182,7 +182,7 @@ def main() -> None:
         alone = [f"{r[k]:>{w}.1f}" if k in r else f"{'-':>{w}}" for k, w in
                  (("prefill_p50_ms", 13), ("ttft_minus_prefill_p50_ms", 18))]
         print(f"{r['load']:<16}{r['ttft_p50_ms']:>10.1f}{alone[0]}{alone[1]}{r['ttft_mean_ms']:>11.1f}"
-              f"{r['queue_mean_ms']:>12.1f}{r['prefill_mean_ms']:>14.1f}{r['overhead_mean_ms']:>11.1f}")
+              f"{r['queue_mean_ms']:>12.1f}{r['prefill_mean_ms']:>14.1f}{r['rest_mean_ms']:>11.1f}")
     if a.json is not None:
         a.json.write_text(json.dumps({"offline_tokens_per_s": base, "loads": rows}, indent=1) + "\n")
 
