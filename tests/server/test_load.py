@@ -17,7 +17,7 @@ from k3x.text.tokenizer import find_tokenizer
 
 PROMPTS = ["The model reads a prompt", "Hello! How are you today?", "Numbers: 0 1 2 3", "What is the weather",
            "parity and tolerance", "a decode step reads one new token"]
-SOAK = 1000  # requests after warm-up
+SOAK = 1000  # requests after the 200 of warm-up (the whole test: 7-16 s on 2 cores shared at load 5-7)
 
 
 async def one_stream(sdk: openai.AsyncOpenAI, rng: random.Random, alone: dict) -> str | None:
