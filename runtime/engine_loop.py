@@ -16,6 +16,9 @@ Threads and queues:
   step. The text a stream may still cut (a stop string's prefix at its end) is held back until it is safe.
 - Failures: a request whose sampler, detokenizer or sink raises fails alone (an `error` event; it is
   cancelled); a step that raises (the runner) fails the requests it held; the loop keeps serving either way.
+- Timing (the first event of each request): `queued`, submit to the start of the step that admitted it, and
+  `prefill`, from that start to the end of the step that gave its first token (a chunked prompt's steps and
+  the runner's work included): the scheduler's own prefill time, which the server's TTFT is measured against.
 - `max_queue`: requests submitted and not yet admitted; past it `submit` raises QueueFull (the server's 503).
 """
 
@@ -57,6 +60,8 @@ class Event:
     finish: str | None = None  # "stop" (EOS or a stop string), "length" (max_tokens), "error"
     error: str | None = None
     cached: int = 0  # prompt tokens taken from the prefix cache (set on the first event)
+    queued: float | None = None  # seconds from submit to the step that admitted it (first event)
+    prefill: float | None = None  # seconds from the start of that step to the end of this one (first event)
 
 
 @dataclass
@@ -64,6 +69,8 @@ class _Live:
     job: Job
     sink: Callable[[Event], None]
     stream: object | None  # text/tokenizer.TextStream
+    submitted: float  # time.perf_counter() at submit
+    admitted: float | None = None  # the start of the step that admitted it
     waiting: bool = True
     text: str = ""
     sent: int = 0  # characters of `text` handed on
@@ -101,7 +108,7 @@ class EngineLoop:
             rid, self._next_id = self._next_id, self._next_id + 1
             self._waiting += 1
             self._in_flight += 1
-        self.inbox.put(("add", rid, job, sink))
+        self.inbox.put(("add", rid, job, sink, time.perf_counter()))
         return rid
 
     def cancel(self, rid: int) -> None:
@@ -135,12 +142,13 @@ class EngineLoop:
             self._step()
 
     def _step(self) -> None:
+        began = time.perf_counter()
         try:
             emitted = self.engine.step()
         except Exception as e:  # noqa: BLE001 - the step's requests fail, the loop goes on
             emitted = self._step_failed(e)
         now = time.perf_counter()
-        self._admitted()
+        self._admitted(began)
         for em in emitted:
             self._deliver(em, now)
         self._snapshot()
@@ -166,8 +174,8 @@ class EngineLoop:
 
     def _apply(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, rid, job, sink = cmd
-            live = _Live(job, sink, self.tokenizer.stream() if self.tokenizer is not None else None)
+            _, rid, job, sink, submitted = cmd
+            live = _Live(job, sink, self.tokenizer.stream() if self.tokenizer is not None else None, submitted)
             self.live[rid] = live
             try:
                 self.engine.add(Request(rid, job.prompt, job.max_tokens), self.make_sampler(job.sampling))
@@ -177,11 +185,11 @@ class EngineLoop:
             self.engine.cancel(cmd[1])
             self._forget(cmd[1])
 
-    def _admitted(self) -> None:
+    def _admitted(self, began: float) -> None:
         for rid in self.engine.admitted:
             live = self.live.get(rid)
             if live is not None and live.waiting:
-                live.waiting = False
+                live.waiting, live.admitted = False, began
                 with self._lock:
                     self._waiting -= 1
 
@@ -192,7 +200,10 @@ class EngineLoop:
         try:
             if em.error is not None:
                 raise RuntimeError(em.error)
-            event = Event(list(em.tokens), "", now, cached=self.engine.cached.get(em.rid, 0) if live.first else 0)
+            event = Event(list(em.tokens), "", now)
+            if live.first:  # admitted by this step or an earlier one
+                event.cached = self.engine.cached.get(em.rid, 0)
+                event.queued, event.prefill = live.admitted - live.submitted, now - live.admitted
             live.first = False
             for tok in em.tokens:
                 live.text += live.stream.push(tok) if live.stream is not None else ""

@@ -3,6 +3,10 @@
 - Latency histograms, observed on the event loop from the engine thread's timestamps: time to first token
   (arrival to the first token's step), inter-token latency (between a request's steps, per token) and
   end-to-end (arrival to the last token).
+- The scheduler's own figures, from the engine thread's clock (runtime/engine_loop.py): queue time (submit to
+  the step that admitted the request) and prefill time (that step's start to the end of the step that gave
+  the first token), as vLLM's `request_queue_time_seconds` / `request_prefill_time_seconds`. TTFT less these
+  two is what the HTTP side and the hand-offs between threads cost.
 - Counters: prompt and generated tokens, requests by finish reason.
 - Read from the engine loop's figures at scrape time: requests running and waiting, KDA slots and MLA blocks
   held by sequences (0 when idle), blocks and snapshots held by the prefix cache alone, prompt tokens taken
@@ -50,6 +54,11 @@ class Metrics:
                              buckets=LATENCY_BUCKETS)
         self.e2e = Histogram("k3x_e2e_request_latency_seconds", "Arrival to last token", registry=r,
                              buckets=LATENCY_BUCKETS)
+        self.queue_time = Histogram("k3x_request_queue_time_seconds", "Submit to the step that admitted it",
+                                    registry=r, buckets=LATENCY_BUCKETS)
+        self.prefill_time = Histogram("k3x_request_prefill_time_seconds",
+                                      "Admission step's start to the end of the first token's step", registry=r,
+                                      buckets=LATENCY_BUCKETS)
         self.prompt_tokens = Counter("k3x_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("k3x_generation_tokens", "Tokens generated", registry=r)
         self.finished = Counter("k3x_requests", "Requests ended, by finish reason", ["finish_reason"], registry=r)

@@ -62,6 +62,9 @@ class Choices:
 
     def take(self, i: int, ev: Event) -> None:
         c, m = self.items[i], self.metrics
+        if ev.prefill is not None:
+            m.queue_time.observe(ev.queued)
+            m.prefill_time.observe(ev.prefill)
         if ev.tokens:
             if c.last is None:
                 m.ttft.observe(ev.t - self.t0)

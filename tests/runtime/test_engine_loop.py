@@ -129,3 +129,31 @@ def test_a_failing_sampler_fails_its_request_only(runner):
         assert finish(submit(loop, Job(tuple(ps[0]), 8, GREEDY))[1])[0] == want[0]  # the loop goes on
     finally:
         loop.stop()
+
+
+def test_the_first_event_carries_the_queue_time_and_the_prefill_over_all_its_steps(runner):
+    loop = start(runner)  # 16 tokens a step: a 40-token prompt is prefilled in 3 steps
+    steps: list[tuple[float, float]] = []
+    step = loop.engine.step
+
+    def timed():
+        t = time.perf_counter()
+        out = step()
+        steps.append((t, time.perf_counter()))
+        return out
+
+    loop.engine.step = timed
+    try:
+        t0 = time.perf_counter()
+        _, events = submit(loop, Job(tuple(prompts([40], CFG.vocab_size, seed=2)[0]), 4, GREEDY))
+        t1 = time.perf_counter()
+        first = events.get(timeout=60)
+        rest = [events.get(timeout=60) for _ in range(3)]
+        assert first.tokens and first.queued >= 0 and first.prefill > 0
+        submitted, admitted = first.t - first.prefill - first.queued, first.t - first.prefill
+        assert t0 - 1e-6 <= submitted <= t1 + 1e-6
+        assert admitted <= steps[0][0] and first.t >= steps[2][1]  # from the first chunk's step to the third's end
+        assert first.prefill >= steps[2][1] - steps[0][0]
+        assert all(e.queued is None and e.prefill is None for e in rest) and rest[-1].finish == "length"
+    finally:
+        loop.stop()
