@@ -3,8 +3,9 @@ ONNX Runtime function body.
 
 The node takes the bf16 weight initializer as stored (two bytes a weight in model.onnx). The body is three
 standard ops, MatMul(X, Transpose(Cast(W, float))): ONNX Runtime constant-folds the Cast and the Transpose of an
-initializer when the session is made, so the node runs as fp32 MLAS MatMul on a widened copy (fp32 bytes in
-memory, the bf16 file on disk). No attributes. TensorRT has no plugin for it: the trt flavor refuses the node
+initializer when the session is made, so without the kernel library the node runs as fp32 MLAS MatMul on a
+widened copy (fp32 bytes in memory, the bf16 file on disk); with the library (ort_kernel.cc) the kernel reads
+the bf16 bytes themselves. No attributes. TensorRT has no plugin for it: the trt flavor refuses the node
 (registry.CPU_ONLY, exporter/onnx_flavors.py).
 """
 

@@ -2,7 +2,8 @@
 
     k3::linear_bf16(x [..., K] fp32, weight [N, K] bf16) -> [..., N] fp32 = x @ weight.float().T
 fp32 accumulation, activations kept in fp32 (reference.py). The CPU trunk of a bf16 export: the graph keeps the
-checkpoint's bf16 bytes (half of fp32's), and ONNX Runtime runs the node on its function body (onnx.py). A CPU-only family
+checkpoint's bf16 bytes (half of fp32's), and ONNX Runtime runs the node on the kernel library's bf16 GEMV /
+GEMM (ort_kernel.cc) or, without the library, on its function body (onnx.py). A CPU-only family
 (registry.CPU_ONLY): no Triton kernel, no TensorRT plugin, no `kernels` argument; on any torch device the op
 is the reference's matmul. No config limits: any K and N.
 """
