@@ -11,7 +11,9 @@ weight-streaming floor and against ONNX Runtime's own fp32 MatMul (MLAS), on the
   body), `ratio` = kernel / MatMul.
 Cases are interleaved call by call, so a load that changes during the run weighs on each alike; medians over
 --repeats. Neither ONNX Runtime's pools (one per session) nor torch's threads spin when idle: each would take
-the cores from the call after it. The load average is recorded beside the figures. Needs the kernel library (`k3x build-ort-kernels`).
+the cores from the call after it (measured: with spinning the floor itself fell from ~29 to ~11 GB/s). So each
+call pays its pool's wake-up, which weighs on the small weights (a model's nodes run back to back, its pool
+awake). The load average is recorded beside the figures. Builds the kernel library (`k3x build-ort-kernels`).
 
     python bench/linear_bf16.py [--presets k3-bench,kimi-linear-mid] [--threads 2] [--json out.json]
 """

@@ -1,8 +1,8 @@
 """The k3::LinearBF16 ONNX Runtime CPU kernel (custom_ops/linear_bf16/ort_kernel.cc) against the reference
 (custom_ops/linear_bf16/reference.py in fp64 on the same bf16 weights), on a node with no function body beside it
 (so the kernel ran): decode rows (1 to 4: the GEMV path), prefill rows (the transposed-panel GEMM: row tiles and
-tails, K over several panel blocks), 3-D inputs, widths K and N that are no multiple of the vector width; the kernel equal to the function body; errors
-that name the bad input."""
+tails, K over several panel blocks), 3-D inputs, widths K and N that are no multiple of the vector width; the
+kernel equal to the function body; errors that name the bad input."""
 
 from __future__ import annotations
 
