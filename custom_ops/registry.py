@@ -12,6 +12,11 @@ A family folder `custom_ops/<name>/` has fixed roles (docs/architecture.md):
     plugin.py     `SPEC` (TensorRT plugin spec: the signature's ports plus shape check and launch plan)
 Roles other than op.py are imported only when asked for (`family.onnx`, `family.plugin`, `family.triton`),
 so torch-only use never imports onnx, Triton or TensorRT.
+
+A family in `CPU_ONLY` runs on ONNX Runtime's CPU provider (its function body, or its `ort_kernel.cc`) and in
+torch, and nowhere else: it has no triton.py and no plugin.py (tests/test_layout.py checks both ways), the
+TensorRT plugin registration skips it and the trt flavor refuses its nodes. `check_config` in op.py is
+optional for such a family (a family with no limits has none).
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from types import ModuleType
 from typing import Any, Iterator
 
 FAMILIES: tuple[str, ...] = ("kda", "attn_res", "moe", "moe_mxfp4", "kda_packed", "mla_paged", "kda_decode",
-                             "kda_prep")
+                             "kda_prep", "linear_bf16")
+CPU_ONLY: tuple[str, ...] = ("linear_bf16",)  # no Triton kernel, no TensorRT plugin (module docstring)
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,11 @@ class Family:
     @property
     def triton(self) -> ModuleType:
         return self.role("triton")
+
+    @property
+    def gpu(self) -> bool:
+        """Whether the family has the GPU roles (triton.py, plugin.py): every family not in CPU_ONLY."""
+        return self.name not in CPU_ONLY
 
     @property
     def qualname(self) -> str:  # as in op counts: "k3::kda"
@@ -78,7 +89,8 @@ def check_config(cfg: Any, *, kernels: bool, packed_experts: bool = False) -> st
     for f in families():
         if f.name == "moe_mxfp4" and not packed_experts:
             continue
-        reason = f.op.check_config(cfg, kernels=kernels)
+        check = getattr(f.op, "check_config", None)  # optional for a CPU_ONLY family
+        reason = check(cfg, kernels=kernels) if check is not None else None
         if reason:
             return reason
     return None

@@ -7,10 +7,11 @@ from ..plugins.core import PluginError, PluginSpec
 
 
 def specs() -> dict[str, PluginSpec]:
-    """op_type -> spec of every registered family (imports the family files, hence torch and triton)."""
+    """op_type -> spec of every registered family with a plugin (registry.CPU_ONLY families have none; imports
+    the family files, hence torch and triton)."""
     from .registry import families
 
-    return {f.plugin.SPEC.name: f.plugin.SPEC for f in families()}
+    return {f.plugin.SPEC.name: f.plugin.SPEC for f in families() if f.gpu}
 
 
 def register_creators(trt, *, sm: int, path: str | dict[str, str] = "aot") -> dict[str, str]:

@@ -1,8 +1,9 @@
 """Flavor passes over an exported model with bare `k3::<Op>` nodes (each pass edits the onnx_ir model in place).
 
-- `trt`: checks every k3 node carries all its plugin fields and `plugin_namespace`, and that no k3
-  function bodies are attached (TensorRT must resolve the nodes as plugins). Collective nodes of a rank
-  program stay plugin nodes; in `ort` they become onnxruntime-extensions Python ops (onnx_collectives.py).
+- `trt`: checks every k3 node carries all its plugin fields and `plugin_namespace`, that its family has a
+  plugin (a CPU-only family's node is refused: registry.CPU_ONLY), and that no k3 function bodies are
+  attached (TensorRT must resolve the nodes as plugins). Collective nodes of a rank program stay plugin
+  nodes; in `ort` they become onnxruntime-extensions Python ops (onnx_collectives.py).
 - `ort`: attaches one FunctionProto per k3 op type the model uses — the family's `onnx.function` body
   (custom_ops/<family>/onnx.py) — so ONNX Runtime inlines them and needs no extra library; and the body of
   every `k3x.fused` function those bodies call (custom_ops/fused.py; the k3::MoE body's SiTU-GLU, routing and
@@ -58,9 +59,20 @@ def retype_bytes(model: ir.Model, dtype: ir.DataType) -> None:
         v.dtype = dtype
 
 
+def _check_plugins(nodes: list[ir.Node]) -> None:
+    """Every k3 node has a TensorRT plugin: a CPU-only family's node (custom_ops/registry.CPU_ONLY) has none."""
+    for n in nodes:
+        family = by_onnx_op(n.op_type)
+        if not family.gpu:
+            raise ValueError(f"node {n.name!r} (k3::{n.op_type}): k3::{family.name} runs on ONNX Runtime's CPU "
+                             "provider only and has no TensorRT plugin; export the ort flavor for it")
+
+
 def trt_pass(model: ir.Model) -> ir.Model:
-    """Bare plugin nodes: attributes complete, no k3 function bodies, byte tensors INT8."""
-    _check_attributes(k3_nodes(model))
+    """Bare plugin nodes: attributes complete, each with a plugin, no k3 function bodies, byte tensors INT8."""
+    nodes = k3_nodes(model)
+    _check_attributes(nodes)
+    _check_plugins(nodes)
     retype_bytes(model, ir.DataType.INT8)
     onnx_collectives.trt_pass(model)
     for key in [k for k in model.functions if k[0] == DOMAIN]:

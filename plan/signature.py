@@ -36,6 +36,8 @@ TYPE_VARS: dict[str, tuple[tuple[str, ...], str]] = {
     "G": (FLOAT, "router weights (independent of the expert weights)"),
     "O": (("int32",), "expert_offset [1]: global id of the first local expert (expert parallelism)"),
     "I": (("int32",), "int32 indices of a serving step: packed-sequence offsets, pool slots, block tables"),
+    "X": (("fp32",), "fp32 activations of a CPU op on weights kept as stored (fp32 accumulation)"),
+    "B": (("bf16",), "bf16 weights as the checkpoint stores them (the CPU trunk of a bf16 export)"),
     "U": (("uint8", "int8"), "packed weights (two 4-bit codes per byte) and their E8M0 scale bytes: uint8 (ort "
                              "flavor) or the same bytes as int8 (trt flavor)"),
 }

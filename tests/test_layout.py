@@ -14,10 +14,11 @@ from import_graph import PACKAGE_ORDER, layer, module_cycles, package_cycles, pr
 
 import pytest
 
-from k3x.custom_ops.registry import FAMILIES
+from k3x.custom_ops.registry import FAMILIES, Family
 
 ROOT = Path(__file__).resolve().parents[1]
 ROLES = ("__init__.py", "op.py", "reference.py", "triton.py", "onnx.py", "plugin.py")
+GPU_ROLES = ("triton.py", "plugin.py")  # none in a CPU-only family (registry.CPU_ONLY)
 MAX_LINES = 400
 KERNEL_FILES = {f"custom_ops/{f}/triton.py" for f in FAMILIES}
 
@@ -57,10 +58,16 @@ def code_tokens(path: Path) -> list[tuple[int, str]]:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_has_every_role(family):
+    """Every role, but a CPU-only family has no GPU role (and so nothing a plugin registration could load)."""
     folder = ROOT / "custom_ops" / family
-    missing = [r for r in ROLES if not (folder / r).is_file()]
+    gpu = Family(family).gpu
+    missing = [r for r in ROLES if not (folder / r).is_file() and (gpu or r not in GPU_ROLES)]
     assert not missing, f"custom_ops/{family} lacks {missing} (docs/architecture.md, 'Adding an op family')"
+    extra = [r for r in GPU_ROLES if not gpu and (folder / r).exists()]
+    assert not extra, f"custom_ops/{family} is CPU-only (registry.CPU_ONLY) but has {extra}"
     for a, b in (("reference.py", "triton"), ("triton.py", "reference")):
+        if not (folder / a).is_file():
+            continue
         imports = [t for _, t in code_tokens(folder / a) if t == b or t.endswith(f".{b}")]
         assert not imports, f"custom_ops/{family}/{a} imports {b}"
 

@@ -1,0 +1,3 @@
+from .op import linear_bf16
+
+__all__ = ["linear_bf16"]
