@@ -31,12 +31,13 @@ TOLERANCES: dict[torch.dtype | str, tuple[float, float]] = {
     # int8: absmax / 254 per block of 32) and, in the int8 trunk, ONNX Runtime's MatMulNBits (accuracy_level 4)
     # rounds the activations to int8 per block too; the errors add up through the layers and the recurrent state.
     # Measured on k3-mini (random weights, routing fixed by the router bias so that no expert choice flips;
-    # k3x verify's prompt of 7 and 8 decode steps): max-abs 0.07 (bf16) and 0.29 (int8) on logits of max ~4, the
-    # KDA and latent state within 0.05 and 0.18; the table allows about 1.5x that. Random weights compound the
-    # rounding through every layer; a router tie within the error flips an expert choice and fails the
-    # comparison (docs/model.md "CPU trunks").
+    # tests/exporter/test_trunk_export.py: 4 prompts of 7, 16 decode steps each): logits of max ~4 within
+    # max-abs 0.07 (bf16) and 0.78 (int8), the KDA and latent state within 0.05 and 0.18 (k3x verify's 8 steps).
+    # The int8 trunk rounds each weight by ~0.5 % rms (bf16: ~0.1 %) and each activation block as much again; a
+    # random network amplifies a weight's rounding ~15x by the logits, and more with every recurrent step. A
+    # router tie within the error flips an expert choice and fails the comparison (docs/model.md "CPU trunks").
     "bf16 trunk": (1e-1, 5e-2),
-    "int8 trunk": (4e-1, 1e-1),
+    "int8 trunk": (1.0, 1e-1),
 }
 
 
