@@ -40,6 +40,23 @@ def test_the_manifest_records_the_trunk_and_the_ort_flavor_alone(trunk_exports):
             assert m["op_counts"].get(op, 0) == (projections if form == trunk else 0), (trunk, op)
 
 
+def test_inspect_export_shows_the_trunk(trunk_exports):
+    r = CliRunner().invoke(app, ["inspect", "--export", str(trunk_exports / "int8")])
+    assert r.exit_code == 0 and r.output.splitlines()[0] == \
+        "weights: dtype fp32, trunk int8 (8-bit projection weights per block of 32, fp32 activations), experts mxfp4"
+
+
+def test_a_serving_export_with_a_trunk_verifies(trunk_exports, tmp_path):
+    """`--serving`, ONNX Runtime's CPU deployment: the int8 trunk's serving step against the fp32 model."""
+    from k3x.exporter.options import ExportOptions, Target, Trunk
+    from k3x.exporter.pipeline import export
+
+    export(ExportOptions((Target.ONNX,), tmp_path / "s", checkpoint=trunk_exports / "ckpt", serving=True,
+                         block_size=8, trunk=Trunk.INT8))
+    r = CliRunner().invoke(app, ["verify", str(tmp_path / "s")])
+    assert r.exit_code == 0 and "(int8 trunk: atol" in r.output and "PASS" in r.output, r.output
+
+
 def teacher_forced(runner: OrtRunner, cfg, prompt: torch.Tensor, tokens: list[int]) -> torch.Tensor:
     """Last-position logits of the prefill and of one decode step per token of `tokens` [steps + 1, vocab]."""
     out, logits = runner.infer(start_feeds(cfg, prompt)), []
