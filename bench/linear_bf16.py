@@ -10,7 +10,10 @@ weight-streaming floor and against ONNX Runtime's own fp32 MatMul (MLAS), on the
 - prefill (GEMM, --prefill-rows rows): kernel ms against ONNX Runtime's fp32 MatMul on the same shape (the
   body), `ratio` = kernel / MatMul.
 Cases are interleaved call by call, so a load that changes during the run weighs on each alike; medians over
---repeats. The load average is recorded beside the figures. Needs the kernel library (`k3x build-ort-kernels`).
+--repeats. Neither ONNX Runtime's pools (one per session) nor torch's threads spin when idle: each would take
+the cores from the call after it (measured: with spinning the floor itself fell from ~29 to ~11 GB/s). So each
+call pays its pool's wake-up, which weighs on the small weights (a model's nodes run back to back, its pool
+awake). The load average is recorded beside the figures. Builds the kernel library (`k3x build-ort-kernels`).
 
     python bench/linear_bf16.py [--presets k3-bench,kimi-linear-mid] [--threads 2] [--json out.json]
 """
@@ -69,6 +72,7 @@ def sessions(proto, threads: int, library: Path) -> dict:
     for name, lib in (("kernel", library), ("matmul", None)):
         so = ort.SessionOptions()
         so.intra_op_num_threads = threads
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")  # an idle pool leaves the cores
         if lib is not None:
             so.register_custom_ops_library(str(lib))
         out[name] = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
@@ -116,12 +120,13 @@ def main() -> None:
     ap.add_argument("--presets", default="k3-bench,kimi-linear-mid")
     ap.add_argument("--rows", type=int, default=1, help="decode rows (1 to 4: the GEMV path)")
     ap.add_argument("--prefill-rows", type=int, default=128)
-    ap.add_argument("--bytes", type=int, default=192 << 20, help="bf16 weight bytes a decode case streams at least")
+    ap.add_argument("--bytes", type=int, default=128 << 20, help="bf16 weight bytes a decode case streams at least")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # torch's floor threads must not spin into the next call
     import numpy as np
     import torch
 

@@ -10,6 +10,7 @@ is the reference's matmul. No config limits: any K and N.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from ...plan.signature import Signature, TensorPort
@@ -28,11 +29,11 @@ SIGNATURE = Signature(
 
 @SIGNATURE.define
 def _linear_bf16(x: Tensor, weight: Tensor) -> Tensor:
+    if x.dtype != torch.float32:  # the reference also takes fp64 (an fp64 oracle); the op's output is fp32
+        raise ValueError(f"linear_bf16: x {tuple(x.shape)} {x.dtype}: expected float32")
     return reference.linear_bf16(x, weight)
 
 
 def linear_bf16(x: Tensor, weight: Tensor) -> Tensor:
     """x [..., K] fp32 through weight [N, K] bf16 -> [..., N] fp32 (one `k3::linear_bf16` graph node)."""
-    import torch
-
     return torch.ops.k3.linear_bf16(x, weight)

@@ -61,6 +61,8 @@ def test_opcheck(shape):
     (torch.zeros(2, 8), torch.zeros(4, 8), r"weight \(4, 8\) torch.float32"),
     (torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.bfloat16), r"x \(2, 8\) torch.bfloat16"),
     (torch.zeros(2, 8), torch.zeros(2, 4, 8, dtype=torch.bfloat16), r"weight \(2, 4, 8\)"),
+    (torch.zeros(2, 8, dtype=torch.float64), torch.zeros(4, 8, dtype=torch.bfloat16),
+     r"x \(2, 8\) torch.float64: expected float32"),
 ])
 def test_op_names_the_bad_input(x, w, message):
     with pytest.raises(ValueError, match=message):

@@ -1,8 +1,8 @@
 """The k3::LinearBF16 ONNX Runtime CPU kernel (custom_ops/linear_bf16/ort_kernel.cc) against the reference
 (custom_ops/linear_bf16/reference.py in fp64 on the same bf16 weights), on a node with no function body beside it
-(so the kernel ran): decode rows (1 to 4: the GEMV path), prefill rows (the scratch sweep, with row tails), 3-D
-inputs, widths K and N that are no multiple of the vector width; the kernel equal to the function body; errors
-that name the bad input."""
+(so the kernel ran): decode rows (1 to 4: the GEMV path), prefill rows (the transposed-panel GEMM: row tiles and
+tails, K over several panel blocks), 3-D inputs, widths K and N that are no multiple of the vector width; the
+kernel equal to the function body; errors that name the bad input."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ def _weights(N: int, K: int, seed: int) -> torch.Tensor:
     ((1, 1), 1),  # one weight
     ((1, 37), 45),  # decode, K below one vector, N not a multiple of the rows a step takes
     ((2, 100), 67), ((3, 129), 130), ((4, 1030), 19),  # decode rows 2, 3, 4, K with a vector tail
-    ((17, 100), 45),  # prefill: four rows at a time and a tail of one, N with a tail of the scratch rows
+    ((20, 1030), 35),  # prefill: K over two panel blocks and a tail, N a panel and a tail
+    ((17, 100), 45),  # prefill: a tile of rows and a tail, N a panel and a tail
     ((130, 260), 67),
     ((2, 9, 37), 33), ((1, 3, 130), 7),  # [B, T, K]: 18 rows (sweep) and 3 (GEMV)
     ((0, 16), 8),  # no rows
