@@ -11,7 +11,8 @@ to fp32 with the fp32 trunk ("dense"). Each is exported as the `ort` flavor and 
     process spent per call (all threads: less sensitive than wall time to other processes on the cores)
   - floor: the time to stream the bytes one decode step must read (every weight but the embedding table and
     the routed experts, plus top_k experts per MoE layer, each in its form's bytes) once, a sum over a buffer
-    of that size on the same threads, after each decode step; `floor_share` = floor / decode (1 = at it).
+    of that size on the same threads, as often as there are decode steps, after them; `floor_share` = floor /
+    decode (1 = at it).
   Each form runs in a process of its own, the forms one after another in each of --repeats rounds (`measure`).
   - experts: a decode step of one MoE node alone (x, z of one token) with 16, 64 and 256 experts of the same
     top_k, kernel (when built) and function body: its cost must follow the active experts, not the total.
@@ -76,8 +77,9 @@ def step_bytes(model, cfg) -> int:
 
 def child_run(onnx: Path, preset_name: str, depths: list[int], steps: int, threads: int, nbytes: int) -> dict:
     """One form in this process alone (what `k3x run` gets: one session, its threads undisturbed): per depth P,
-    a prefill of a [1, P] prompt (seeded by P, the same for every form) and `steps` decode steps after it, each
-    followed by the floor of `nbytes`. Seconds / ms as lists, for the parent's medians."""
+    a prefill of a [1, P] prompt (seeded by P, the same for every form) and `steps` decode steps after it, then
+    `steps` times the floor of `nbytes` (after the steps, not between them: torch's threads, busy-waiting after
+    the sum, took the cores from the next step's). Seconds / ms as lists, for the parent's medians."""
     import torch
 
     from k3x.model import preset
@@ -104,7 +106,7 @@ def child_run(onnx: Path, preset_name: str, depths: list[int], steps: int, threa
             res = runner.infer(feeds)
             f["decode_s"].append(time.perf_counter() - t)
             f["cpu_s"].append(time.process_time() - c)
-            f["floor_ms"].append(stream_ms(buf, nbytes))
+        f["floor_ms"] = [stream_ms(buf, nbytes) for _ in range(steps)]
         out[P] = f
     return out
 
