@@ -30,6 +30,7 @@ from .cli_flags import Activations, Backend, Backends, Batch, BatchFile, BlockSi
     TopP, TraceMode, TraceModes, Verbose, Version, WeightSeed, WeightSource, WeightsFrom, inspect_rules, run_rules, \
     verify_rules
 from .cli_flags import ApiKey, DrainTimeout, Host, MaxQueue, Port, ServeBackend, ServeCacheBlocks, ServedModelName
+from .cli_flags import Trunk, TrunkForm
 from .console import Printer, Progress, debug, echo, fail, one_line, timed
 
 
@@ -154,7 +155,8 @@ def export(out: ExportOut, preset: Preset = None, checkpoint: Checkpoint = None,
            kernels: Kernels = KernelChoice.REFERENCE, tp: TP = 1, ep: EP = 1, expert_format: Experts = None,
            max_context: MaxContext = None, serving: Serving = False, block_size: BlockSize = 16,
            activations: ExpertActivations = Activations.BF16, trace_mode: TraceModes = TraceMode.STAMPED,
-           weights: WeightsFrom = WeightSource.COPY, onnx_functions: OnnxFunctions = True) -> None:
+           weights: WeightsFrom = WeightSource.COPY, onnx_functions: OnnxFunctions = True,
+           trunk: TrunkForm = Trunk.DENSE) -> None:
     """Trace the model once (torch.export) and write the target's artifacts plus manifest.json."""
     from .exporter.options import ExportOptions
     from .exporter.pipeline import export as run_export
@@ -162,7 +164,7 @@ def export(out: ExportOut, preset: Preset = None, checkpoint: Checkpoint = None,
     try:
         options = ExportOptions(tuple(target), out, preset, checkpoint, not no_weights, dtype, seed, kernels,
                                 expert_format, max_context, tp, ep, serving, block_size, activations, trace_mode,
-                                weights, onnx_functions)
+                                weights, onnx_functions, trunk)
         debug("export options: %s", options)
         with Progress() as progress:
             result = run_export(options, progress)

@@ -25,7 +25,7 @@ from typing import Annotated, Optional
 import typer
 
 from . import __version__
-from .exporter.options import Activations, DType, ExpertFormat, KernelChoice, Target, TraceMode, WeightSource
+from .exporter.options import Activations, DType, ExpertFormat, KernelChoice, Target, TraceMode, Trunk, WeightSource
 from .exporter.engine_targets import RUNTIME_HELP
 from .exporter.presets import PRESET_HELP
 from .console import fail
@@ -218,6 +218,10 @@ ExpertActivations = Annotated[Activations, typer.Option(
     "--activations", help="What the expert GEMMs are fed: bf16 (the activations as computed) or mxfp8 (rounded "
     "through OCP MXFP8, E4M3 with one E8M0 scale per 32: W4A8 as K3 was trained; needs MXFP4 experts). Recorded "
     "in the manifest.")]
+TrunkForm = Annotated[Trunk, typer.Option(
+    "--trunk", help="The dense projections' weights (attention, MLPs, shared experts, lm_head): dense (the export's "
+    "dtype), bf16 or int8 (8-bit, per block of 32), both with fp32 activations: the CPU trunks ONNX Runtime runs "
+    "on its CPU provider (ort flavor only). Recorded in the manifest.")]
 MaxContext = Annotated[Optional[int], typer.Option(
     "--max-context", min=1, help="Static MLA latent cache: preallocate this many positions (one shape per decode "
     "step, so decode can be a CUDA graph); longer requests are refused. Default: a cache that grows each step.")]

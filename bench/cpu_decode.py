@@ -1,22 +1,25 @@
-"""ONNX Runtime CPU decode and prefill per routed-expert format, against each format's weight-streaming floor.
+"""ONNX Runtime CPU decode and prefill per weight format, against each format's weight-streaming floor.
 
-For one preset (random weights, seed 0) the same network is built twice: MXFP4-packed experts (K3's format, run
-by the k3::MoEMXFP4 kernel when the ONNX Runtime kernel library is built: `k3x build-ort-kernels`) and the same
-experts decoded to fp32 (`expert_format="dense"`). Each is exported as the `ort` flavor and run through the batch
-interface (what `k3x run`, `verify` and the GenAI package use) at each depth P:
-  - prefill: one call on a [1, P] prompt from an empty state -> tokens/s (median of --repeats)
+For one preset (random weights, seed 0) the same network is built in each form: MXFP4-packed experts (K3's
+format, run by the k3::MoEMXFP4 kernel when the ONNX Runtime kernel library is built: `k3x build-ort-kernels`)
+with the fp32 trunk ("mxfp4"), the bf16 trunk ("mxfp4+bf16") and the int8 trunk ("mxfp4+int8": the dense
+projections' weights rounded / quantised from the same fp32 weights, model/trunk.py), and the experts decoded
+to fp32 with the fp32 trunk ("dense"). Each is exported as the `ort` flavor and run through the batch interface
+(what `k3x run`, `verify` and the GenAI package use) at each depth P:
+  - prefill: one call on a [1, P] prompt from an empty state -> tokens/s (median over the rounds)
   - decode: --decode-steps one-token calls after that prompt -> ms/token (median), and the CPU time the
     process spent per call (all threads: less sensitive than wall time to other processes on the cores)
   - floor: the time to stream the bytes one decode step must read (every weight but the embedding table and
-    the routed experts, plus top_k experts per MoE layer in the format's bytes) once, a sum over a buffer of
-    that size on the same threads, after each decode step; `floor_share` = floor / decode (1 = at the floor).
-  The formats' calls are interleaved (prefill by prefill, step by step), so a load that changes during the
-  run weighs on each alike.
+    the routed experts, plus top_k experts per MoE layer, each in its form's bytes) once, a sum over a buffer
+    of that size on the same threads, as often as there are decode steps, after them; `floor_share` = floor /
+    decode (1 = at it).
+  Each form runs in a process of its own, the forms one after another in each of --repeats rounds (`measure`).
   - experts: a decode step of one MoE node alone (x, z of one token) with 16, 64 and 256 experts of the same
     top_k, kernel (when built) and function body: its cost must follow the active experts, not the total.
 Prints a table and writes --json. The machine's load average is recorded beside the figures.
 
     python bench/cpu_decode.py [--preset k3-bench] [--depths 128,2048] [--decode-steps 16] [--threads N]
+                               [--formats mxfp4,mxfp4+bf16,mxfp4+int8,dense] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -70,43 +75,69 @@ def step_bytes(model, cfg) -> int:
     return total + per_expert * cfg.moe.top_k  # per_expert sums over the MoE layers already
 
 
-def measure(runners: dict, nbytes: dict[str, int], cfg, depths: list[int], steps: int, repeats: int) -> dict:
-    """Per format and depth P: prefill tok/s and decode ms/token (medians) and the floor of the format's step
-    bytes, the formats interleaved call by call (a load that changes over the run weighs on each alike)."""
+def child_run(onnx: Path, preset_name: str, depths: list[int], steps: int, threads: int, nbytes: int) -> dict:
+    """One form in this process alone (what `k3x run` gets: one session, its threads undisturbed): per depth P,
+    a prefill of a [1, P] prompt (seeded by P, the same for every form) and `steps` decode steps after it, then
+    `steps` times the floor of `nbytes` (after the steps, not between them: torch's threads, busy-waiting after
+    the sum, took the cores from the next step's). Seconds / ms as lists, for the parent's medians."""
     import torch
 
+    from k3x.model import preset
+    from k3x.runtime.ort_runner import OrtRunner
     from k3x.runtime.runners import next_feeds, start_feeds
 
+    torch.set_num_threads(threads)
+    cfg = preset(preset_name)
+    runner = OrtRunner(onnx, provider="cpu", intra_op_threads=threads)
+    buf = torch.ones(nbytes // 4 + 1)  # written once, so its pages are real
+    stream_ms(buf, nbytes)
     g = torch.Generator().manual_seed(0)
-    buf = torch.ones(max(nbytes.values()) // 4 + 1)  # written once, so its pages are real
-    stream_ms(buf, max(nbytes.values()))
-    for runner in runners.values():  # warm-up: first-call allocations, ONNX Runtime's arena
-        warm = runner.infer(start_feeds(cfg, torch.randint(0, cfg.vocab_size, (1, 8), generator=g)))
-        runner.infer(next_feeds(cfg, warm, warm["logits"][:, -1].argmax(-1, keepdim=True)))
-    out: dict[str, dict[int, dict]] = {fmt: {} for fmt in runners}
+    warm = runner.infer(start_feeds(cfg, torch.randint(0, cfg.vocab_size, (1, 8), generator=g)))
+    runner.infer(next_feeds(cfg, warm, warm["logits"][:, -1].argmax(-1, keepdim=True)))  # first-call allocations
+    out = {}
     for P in depths:
-        prompt = torch.randint(0, cfg.vocab_size, (1, P), generator=g)
-        prefill, decode, floor, cpu = ({fmt: [] for fmt in runners} for _ in range(4))
-        state = {}
-        for _ in range(repeats):
-            for fmt, runner in runners.items():
-                t = time.perf_counter()
-                state[fmt] = runner.infer(start_feeds(cfg, prompt))
-                prefill[fmt].append(time.perf_counter() - t)
+        prompt = torch.randint(0, cfg.vocab_size, (1, P), generator=torch.Generator().manual_seed(P))
+        t = time.perf_counter()
+        res = runner.infer(start_feeds(cfg, prompt))
+        f = {"prefill_s": time.perf_counter() - t, "decode_s": [], "cpu_s": [], "floor_ms": []}
         for _ in range(steps):
-            for fmt, runner in runners.items():
-                res = state[fmt]
-                feeds = next_feeds(cfg, res, res["logits"][:, -1].argmax(-1, keepdim=True))
-                t, c = time.perf_counter(), time.process_time()
-                state[fmt] = runner.infer(feeds)
-                decode[fmt].append(time.perf_counter() - t)
-                cpu[fmt].append(time.process_time() - c)
-                floor[fmt].append(stream_ms(buf, nbytes[fmt]))
-        for fmt in runners:
-            ms, fl = 1e3 * statistics.median(decode[fmt]), statistics.median(floor[fmt])
-            out[fmt][P] = {"prefill_tokens_per_s": P / statistics.median(prefill[fmt]), "decode_ms_per_token": ms,
-                           "decode_cpu_ms_per_token": 1e3 * statistics.median(cpu[fmt]), "floor_ms": fl,
-                           "floor_share": fl / ms}
+            feeds = next_feeds(cfg, res, res["logits"][:, -1].argmax(-1, keepdim=True))
+            t, c = time.perf_counter(), time.process_time()
+            res = runner.infer(feeds)
+            f["decode_s"].append(time.perf_counter() - t)
+            f["cpu_s"].append(time.process_time() - c)
+        f["floor_ms"] = [stream_ms(buf, nbytes) for _ in range(steps)]
+        out[P] = f
+    return out
+
+
+def measure(files: dict[str, Path], nbytes: dict[str, int], preset_name: str, depths: list[int], steps: int,
+            rounds: int, threads: int) -> dict:
+    """Per form and depth P: prefill tok/s and decode ms/token (medians over `rounds`) and the floor of the
+    form's step bytes. Each form runs in a process of its own (`--child`), one after another, round after
+    round: two sessions in one process left each other's intra-op threads spinning on the cores the other
+    one ran on (a decode step twice as long as `k3x run`'s); alternating the forms per round weighs a load
+    that changes over the run on each alike."""
+    raw: dict[str, dict[int, dict[str, list]]] = {f: {P: {} for P in depths} for f in files}
+    for _ in range(rounds):
+        for form, onnx in files.items():
+            with tempfile.NamedTemporaryFile(suffix=".json") as res:
+                subprocess.run([sys.executable, __file__, "--child", str(onnx), "--preset", preset_name,
+                                "--depths", ",".join(map(str, depths)), "--decode-steps", str(steps), "--threads",
+                                str(threads), "--child-bytes", str(nbytes[form]), "--json", res.name], check=True)
+                got = json.loads(Path(res.name).read_text())
+            for P in depths:
+                for key, v in got[str(P)].items():
+                    raw[form][P].setdefault(key, []).extend(v if isinstance(v, list) else [v])
+    out: dict[str, dict[int, dict]] = {}
+    for form in files:
+        out[form] = {}
+        for P in depths:
+            r = raw[form][P]
+            ms, fl = 1e3 * statistics.median(r["decode_s"]), statistics.median(r["floor_ms"])
+            out[form][P] = {"prefill_tokens_per_s": P / statistics.median(r["prefill_s"]), "decode_ms_per_token": ms,
+                            "decode_cpu_ms_per_token": 1e3 * statistics.median(r["cpu_s"]), "floor_ms": fl,
+                            "floor_share": fl / ms}
     return out
 
 
@@ -170,16 +201,41 @@ def expert_scaling(counts: list[int], top_k: int, d: int, L: int, I: int, librar
     return out
 
 
+FORMS = {  # form -> (expert format, trunk)
+    "mxfp4": ("mxfp4", "dense"), "mxfp4+bf16": ("mxfp4", "bf16"), "mxfp4+int8": ("mxfp4", "int8"),
+    "dense": ("dense", "dense"),
+}
+
+
+def form_model(form: str, packed, cfg):
+    """The network of `form`, every weight `packed`'s (the trunks rounded / quantised from its fp32 weights)."""
+    import copy
+
+    from k3x.model.trunk import convert_trunk
+
+    experts, trunk = FORMS[form]
+    if experts == "dense":
+        return same_weights(packed, cfg)
+    return convert_trunk(copy.deepcopy(packed), trunk)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="k3-bench")
     ap.add_argument("--depths", default="128,2048")
-    ap.add_argument("--formats", default="mxfp4,dense")
+    ap.add_argument("--formats", default=",".join(FORMS), help=f"of {list(FORMS)}")
     ap.add_argument("--decode-steps", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2, help="rounds, each running every form once")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", type=Path, default=Path("bench_cpu_decode.json"))
+    ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # one form's model.onnx, measured alone
+    ap.add_argument("--child-bytes", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    depths = [int(p) for p in args.depths.split(",") if p.strip()]
+    if args.child is not None:
+        res = child_run(args.child, args.preset, depths, args.decode_steps, args.threads, args.child_bytes)
+        args.json.write_text(json.dumps(res))
+        return
 
     import torch
 
@@ -188,37 +244,39 @@ def main() -> None:
     from k3x.model import build_model, preset
     from k3x.model.options import BuildOptions
     from k3x.runtime.ort_kernels import library
-    from k3x.runtime.ort_runner import OrtRunner
 
     torch.set_num_threads(args.threads)
     cfg = preset(args.preset)
-    depths = [int(p) for p in args.depths.split(",") if p.strip()]
-    packed = build_model(cfg, BuildOptions(expert_format="mxfp4"), seed=0)
-    models = {"mxfp4": packed, "dense": same_weights(packed, cfg)}
-    load = {"before": os.getloadavg()[0]}
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    if set(formats) - set(FORMS):
+        ap.error(f"--formats: {sorted(set(formats) - set(FORMS))} not in {list(FORMS)}")
+    packed = build_model(cfg, BuildOptions(expert_format="mxfp4"), seed=0)
+    load = {"before": os.getloadavg()[0]}
     with tempfile.TemporaryDirectory(prefix="k3x-cpu-decode-") as tmp:
-        runners = {}
-        for fmt in formats:
-            (Path(tmp) / fmt).mkdir()
-            art = export_onnx(trace(models[fmt]), cfg, Path(tmp) / fmt, OnnxOptions(flavors=("ort",)))
-            runners[fmt] = OrtRunner(art.files["ort"], provider="cpu", intra_op_threads=args.threads)
-        nbytes = {fmt: step_bytes(models[fmt], cfg) for fmt in formats}
-        figures = measure(runners, nbytes, cfg, depths, args.decode_steps, args.repeats)
-    rows = {fmt: {"step_bytes": nbytes[fmt], "kernels": library() is not None, "depths": figures[fmt]}
-            for fmt in formats}
+        files, nbytes = {}, {}
+        for form in formats:
+            model = form_model(form, packed, cfg)
+            nbytes[form] = step_bytes(model, cfg)
+            (Path(tmp) / form).mkdir()
+            files[form] = export_onnx(trace(model), cfg, Path(tmp) / form, OnnxOptions(flavors=("ort",))).files["ort"]
+            del model
+        del packed
+        figures = measure(files, nbytes, args.preset, depths, args.decode_steps, args.repeats, args.threads)
+    rows = {form: {"step_bytes": nbytes[form], "kernels": library() is not None, "depths": figures[form]}
+            for form in formats}
     m = cfg.moe
     scaling = expert_scaling([16, 64, 256], m.top_k, cfg.hidden_size, m.latent_dim or cfg.hidden_size,
                              m.intermediate_size, library())
     load["after"] = os.getloadavg()[0]
     print(f"{args.preset}, ONNX Runtime CPU, {args.threads} threads, load average {load['before']:.1f} -> "
-          f"{load['after']:.1f}, kernel library {'built' if library() else 'not built'}")
-    print(f"{'experts':<7} {'depth':>6} {'prefill tok/s':>14} {'decode ms/tok':>14} {'cpu ms/tok':>11} "
-          f"{'floor ms':>9} {'floor share':>12}")
-    for fmt, row in rows.items():
+          f"{load['after']:.1f}, kernel library {'built' if library() else 'not built'}, one process per form")
+    print(f"{'form':<10} {'depth':>6} {'prefill tok/s':>14} {'decode ms/tok':>14} {'cpu ms/tok':>11} "
+          f"{'step MB':>8} {'floor ms':>9} {'floor share':>12}")
+    for form, row in rows.items():
         for P, f in row["depths"].items():
-            print(f"{fmt:<7} {P:>6} {f['prefill_tokens_per_s']:>14.1f} {f['decode_ms_per_token']:>14.2f} "
-                  f"{f['decode_cpu_ms_per_token']:>11.2f} {f['floor_ms']:>9.2f} {f['floor_share']:>12.2f}")
+            print(f"{form:<10} {P:>6} {f['prefill_tokens_per_s']:>14.1f} {f['decode_ms_per_token']:>14.2f} "
+                  f"{f['decode_cpu_ms_per_token']:>11.2f} {row['step_bytes'] / 1e6:>8.1f} {f['floor_ms']:>9.2f} "
+                  f"{f['floor_share']:>12.2f}")
     for name, per in scaling.items():
         spread = max(per.values()) / min(per.values())
         print(f"one MoE node, one token, {name}: " + ", ".join(f"E={E} {ms:.3f} ms" for E, ms in per.items())

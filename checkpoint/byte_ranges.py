@@ -101,10 +101,12 @@ def _check_scales(name: str, ranges: tuple[ByteRange, ...]) -> None:
 
 
 def stream_weights(path: str | Path, *, dtype: torch.dtype = torch.float32, expert_format: str | None = None,
-                   opened: tuple | None = None) -> Iterator[tuple[str, torch.Tensor | StoredTensor]]:
+                   opened: tuple | None = None, dtypes: dict[str, torch.dtype] | None = None
+                   ) -> Iterator[tuple[str, torch.Tensor | StoredTensor]]:
     """The model's state_dict in order: a `StoredTensor` where the bytes can be copied as stored, else a filled
     tensor (at most one alive at a time). Validation happens before the first entry. `opened`: the checkpoint
-    already opened (checkpoint/recorded.recorded_checkpoint: its headers are served from there)."""
+    already opened (checkpoint/recorded.recorded_checkpoint: its headers are served from there). `dtypes`:
+    entries given in another dtype than `dtype` (a bf16 trunk's projections, exporter/trunk_weights.py)."""
     cfg, plan, handles, meta = opened or open_checkpoint(Path(path), dtype, Kernels.REFERENCE, expert_format)
     state = meta.state_dict()
     pieces = stored_pieces(plan, dict(meta.named_parameters()) | dict(meta.named_buffers()))
@@ -113,6 +115,8 @@ def stream_weights(path: str | Path, *, dtype: torch.dtype = torch.float32, expe
     def entries() -> Iterator[tuple[str, torch.Tensor | StoredTensor]]:
         with torch.no_grad():
             for name, m in state.items():
+                if dtypes and name in dtypes:
+                    m = torch.empty(m.shape, dtype=dtypes[name], device="meta")
                 ranges = _ranges(m, pieces[name], headers)
                 if ranges is not None:
                     if name.endswith("_scale") and m.dtype == torch.uint8:

@@ -27,8 +27,8 @@ from types import ModuleType
 from typing import Any, Iterator
 
 FAMILIES: tuple[str, ...] = ("kda", "attn_res", "moe", "moe_mxfp4", "kda_packed", "mla_paged", "kda_decode",
-                             "kda_prep", "linear_bf16")
-CPU_ONLY: tuple[str, ...] = ("linear_bf16",)  # no Triton kernel, no TensorRT plugin (module docstring)
+                             "kda_prep", "linear_bf16", "linear_q8")
+CPU_ONLY: tuple[str, ...] = ("linear_bf16", "linear_q8")  # no Triton kernel, no TensorRT plugin (module docstring)
 
 
 @dataclass(frozen=True)

@@ -295,7 +295,7 @@ def _checked_input(folder: ExportFolder) -> tuple[Path, str, bytes]:
         files = {p.name: p for p in folder.checked_files("onnx")}
         if ONNX_FILE not in files:
             raise EngineBuildError(f"{export_dir / ONNX_FILE}: not a file of the onnx artifact; run `k3x export` "
-                                   "with the trt flavour first")
+                                   "with the trt flavour first (a --trunk bf16 / int8 export has none: --trunk dense)")
         digest = next(f["sha256"] for f in folder.manifest["artifacts"]["onnx"]["files"] if f["path"] == ONNX_FILE)
         refuse_unlisted(export_dir, [ENGINE_FILE, ENGINE_META, TIMING_CACHE])
     except ManifestError as e:

@@ -61,6 +61,12 @@ class Activations(str, Enum):  # model.options.BuildOptions.activations (expert-
     MXFP8 = "mxfp8"
 
 
+class Trunk(str, Enum):  # model.options.BuildOptions.trunk (model/trunk.py)
+    DENSE = "dense"  # the projections in the export's dtype
+    BF16 = "bf16"  # bf16 weights, fp32 activations (CPU)
+    INT8 = "int8"  # 8-bit block-quantised weights, fp32 activations (CPU)
+
+
 class TraceMode(str, Enum):  # exporter/trace.TRACE_MODES
     STAMPED = "stamped"
     PER_LAYER = "per-layer"
@@ -92,6 +98,7 @@ class ExportOptions:
     trace_mode: TraceMode = TraceMode.STAMPED  # each distinct layer traced once, or every layer (exporter/stamp.py)
     weight_source: WeightSource = WeightSource.COPY
     onnx_functions: bool = True  # ONNX: one local function per layer kind (exporter/onnx_functions.py)
+    trunk: Trunk = Trunk.DENSE  # the dense projections' weights: the dtype's, bf16 or int8 (fp32 activations)
 
     def __post_init__(self) -> None:
         if (self.preset is None) == (self.checkpoint is None):
@@ -112,13 +119,25 @@ class ExportOptions:
         if self.tp * self.ep > 1 and self.max_context is not None:
             raise config_error("--max-context: the static latent cache is not available for rank programs "
                                "(--tp/--ep > 1)")
-
+        if Trunk(self.trunk) != Trunk.DENSE:
+            self._check_trunk()
         if self.references_checkpoint:
             self._check_reference()
 
     @property
     def references_checkpoint(self) -> bool:
         return WeightSource(self.weight_source) == WeightSource.REFERENCE
+
+    def _check_trunk(self) -> None:
+        flag = f"--trunk {Trunk(self.trunk).value}"
+        if DType(self.dtype) == DType.BF16:
+            raise config_error(f"{flag}: the activations are fp32 (the projections' weights are "
+                               f"{Trunk(self.trunk).value}); drop --dtype bf16")
+        if self.tp * self.ep > 1:
+            raise config_error(f"{flag}: not for rank programs (--tp/--ep); the CPU trunks are one program")
+        if self.references_checkpoint:
+            raise config_error(f"{flag}: the trunk's weights are written at export (bf16 or quantised), not read "
+                               "from the checkpoint at load; use --weights copy")
 
     def _check_reference(self) -> None:
         if self.checkpoint is None or not self.weights:

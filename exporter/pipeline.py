@@ -39,12 +39,13 @@ Notable choices:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from .options import (Activations, DType, ExpertFormat, ExportJob, ExportOptions, KernelChoice, Progress, Timed,
-                      TraceMode, config_error, timed_step)
+                      TraceMode, Trunk, config_error, timed_step)
 from .tokenizer import copy_tokenizer, tokenizer_files
 
 if TYPE_CHECKING:  # this module is imported by the CLI: torch only inside functions
@@ -129,11 +130,16 @@ def stage_onnx(ep: ExportedProgram, ctx: StageContext) -> str:
 
     serving = serving_manifest(ctx.cfg, ctx.options.block_size) if ctx.options.serving else None
     cache = ctx.model.cache if ctx.model else None
+    trunk = ctx.model.build.trunk if ctx.model else "dense"
+    flavors = ("ort", "trt") if trunk == "dense" else ("ort",)  # TensorRT has no plugin for a CPU trunk's nodes
     art = onnx_stage(ctx.work_dir, ep, ctx.cfg, OnnxOptions(weights=ctx.options.weights, weight_stream=ctx.weight_stream,
                                                            cache=cache, serving=serving,
                                                            reference=ctx.options.references_checkpoint,
-                                                           layer_functions=ctx.options.onnx_functions))
+                                                           layer_functions=ctx.options.onnx_functions,
+                                                           flavors=flavors))
     where = ", ".join(f"{flavor} {ctx.out_dir / Path(path).name}" for flavor, path in art.files.items())
+    if trunk != "dense":
+        where += f" (no trt flavor: TensorRT has no plugin for the {trunk} trunk; ONNX Runtime runs it on the CPU)"
     data = f", weights in {ctx.out_dir / Path(art.external_data).name}" if art.external_data else ""
     if not ctx.options.weights or serving is not None or ctx.options.references_checkpoint:
         why = "serving step" if serving is not None else "weightless: weights are graph inputs" \
@@ -158,13 +164,14 @@ def resolve(options: ExportOptions) -> tuple[K3Config, ModelOptions]:
 
     kernels = Kernels(KernelChoice(options.kernels).value)
     fmt = None if options.expert_format is None else ExpertFormat(options.expert_format).value
-    acts = Activations(options.activations).value
+    acts, trunk = Activations(options.activations).value, Trunk(options.trunk).value
     if options.checkpoint is None:
-        cfg, build = preset(options.preset), BuildOptions(kernels, fmt or "dense", acts)
+        cfg, build = preset(options.preset), BuildOptions(kernels, fmt or "dense", acts, trunk)
     else:
         from ..checkpoint.files import checkpoint_config
 
         cfg, build = checkpoint_config(options.checkpoint, fmt, kernels=kernels, activations=acts)
+        build = dataclasses.replace(build, trunk=trunk)
     return cfg, ModelOptions(build, CacheOptions(options.max_context))
 
 
@@ -187,6 +194,9 @@ def resolve_job(options: ExportOptions) -> ExportJob:
 
     stages, plan = options.stages(), options.plan()
     name, why = model_dtype(DType(options.dtype).value, options.preset, options.checkpoint)
+    if Trunk(options.trunk) != Trunk.DENSE:  # the projections' weights are the trunk's; everything else fp32
+        name, why = "fp32", f"--trunk {Trunk(options.trunk).value}: fp32 activations, {Trunk(options.trunk).value} " \
+                            "projection weights"
     dtype = artifacts.DTYPES[name]
     cfg, model = resolve(options)
     # the TensorRT flavor of the ONNX export runs the Triton kernels in its plugins: their limits apply
@@ -230,22 +240,23 @@ def _build(job: ExportJob):
     if o.checkpoint is None:
         return build_model(job.cfg, build, device="cpu", dtype=job.dtype, seed=o.seed)
     from ..checkpoint.files import load_checkpoint
+    from ..model.trunk import convert_trunk
 
-    return load_checkpoint(o.checkpoint, dtype=job.dtype, device="cpu", kernels=build.kernels,
-                           expert_format=build.expert_format, activations=build.activations)
+    model = load_checkpoint(o.checkpoint, dtype=job.dtype, device="cpu", kernels=build.kernels,
+                            expert_format=build.expert_format, activations=build.activations)
+    return convert_trunk(model, build.trunk)
 
 
 def _weight_stream(job: ExportJob) -> Callable:
     """The checkpoint's tensors in state_dict order, named as the traced program names them (a serving step
     holds the model as a child: exporter/serving.py WEIGHT_PREFIX)."""
-    from ..checkpoint.byte_ranges import stream_weights
     from .serving import WEIGHT_PREFIX
+    from .trunk_weights import trunk_stream
 
     prefix = WEIGHT_PREFIX if job.options.serving else ""
 
     def stream():
-        for name, tensor in stream_weights(job.options.checkpoint, dtype=job.dtype,
-                                           expert_format=job.model.build.expert_format):
+        for name, tensor in trunk_stream(job.options.checkpoint, job.cfg, job.dtype, job.model.build):
             yield prefix + name, tensor
 
     return stream

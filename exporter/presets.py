@@ -41,7 +41,8 @@ PRESET_HELP = f"Preset name: {', '.join(PRESET_NAMES)} (the README's presets tab
 # torch dtype name (checkpoint/stored_dtype.py) -> the export dtype --dtype auto picks
 EXPORT_DTYPE = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp32", "float64": "fp32"}
 ORT_CPU_NOTE = ("model.onnx needs ONNX Runtime's CUDA provider (its CPU provider has no bf16 kernels); "
-                "export with --dtype fp32 to run it on a CPU")
+                "export with --trunk bf16 (bf16 projection weights, fp32 activations) or --dtype fp32 to run it "
+                "on a CPU")
 
 
 def model_dtype(asked: str, preset: str | None, checkpoint: Path | None) -> tuple[str, str]:

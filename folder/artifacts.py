@@ -22,8 +22,8 @@ or, for files already written in place by other means: `update_manifest(out_dir,
 manifest.json (schema 1):
     schema, k3x            format version; the k3x version that wrote it
     config, config_hash    `K3Config.to_dict()` and `K3Config.hash()`: the architecture only
-    options                {"kernels", "expert_format", "activations", "max_context"}: the build and cache options
-                           (model/options.ModelOptions; older manifests kept them inside `config`)
+    options                {"kernels", "expert_format", "activations", "trunk", "max_context"}: the build and cache
+                           options (model/options.ModelOptions; older manifests kept them inside `config`)
     dtype, weights         "fp32" | "bf16"; false when traced on the meta device (no weight values)
     checkpoint             {"path", "hash"} or null (preset with random init / meta)
     versions               torch, triton, onnx, onnxruntime, k3x (null when not installed)

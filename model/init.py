@@ -11,8 +11,10 @@ import math
 import torch
 
 from . import mxfp4
+from .config import ConfigError
 from .model import K3ForCausalLM
 from .options import BuildOptions
+from .trunk import convert_trunk
 
 
 @torch.no_grad()
@@ -57,8 +59,13 @@ def init_weights(model: K3ForCausalLM, seed: int = 0) -> K3ForCausalLM:
 
 def build_model(cfg, build: BuildOptions | None = None, *, device: str | torch.device = "cpu",
                 dtype: torch.dtype = torch.float32, seed: int | None = 0) -> K3ForCausalLM:
-    """A model of architecture `cfg` built as `build` says (kernels, expert format; default reference, dense)
-    on `device`; `seed=None` leaves parameters uninitialised (weights come from a checkpoint)."""
+    """A model of architecture `cfg` built as `build` says (kernels, expert format, trunk; default reference,
+    dense, dense) on `device`; `seed=None` leaves parameters uninitialised (weights come from a checkpoint). A
+    bf16 / int8 trunk is made from the dense weights once they are initialised (model/trunk.py)."""
+    build = build or BuildOptions()
+    if build.trunk != "dense" and dtype != torch.float32:
+        raise ConfigError(f"trunk={build.trunk!r}: the activations of a {build.trunk} trunk are fp32 (the "
+                          f"projections' weights are {build.trunk}); build it with dtype float32, not {dtype}")
     with torch.device(device):
         model = K3ForCausalLM(cfg, build)
     if seed is not None and torch.device(device).type != "meta":
@@ -67,4 +74,4 @@ def build_model(cfg, build: BuildOptions | None = None, *, device: str | torch.d
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if not name.endswith(fp32_names) and t.dtype.is_floating_point:  # packed MXFP4 experts stay uint8
             t.data = t.data.to(dtype)
-    return model.eval()
+    return convert_trunk(model, build.trunk).eval()

@@ -3,7 +3,9 @@
 - `BuildOptions`: how the network is built: the k3 custom-op implementation (`kernels`, traced into a
   program), how routed experts are held (`expert_format`: dense floats or MXFP4-packed) and what the expert
   GEMMs are fed (`activations`: "bf16", the activations as computed, or "mxfp8", rounded through OCP MXFP8 —
-  E4M3 with one E8M0 scale per 32 along K — as K3 was trained; MXFP4 experts only: W4A8).
+  E4M3 with one E8M0 scale per 32 along K — as K3 was trained; MXFP4 experts only: W4A8) and how the dense
+  projections are held (`trunk`: "dense", in the model dtype; "bf16" or "int8": fp32 activations on bf16 or
+  8-bit block-quantised weights, the CPU trunks of model/trunk.py).
 - `CacheOptions`: the MLA latent cache: growing (`max_context=None`) or static, preallocated to
   `max_context` positions (model/state.py).
 - `ModelOptions`: both, as an export records them in its manifest's `options` entry. The parallel plan is
@@ -23,6 +25,7 @@ from .config import LEGACY_OPTION_KEYS, ConfigError, K3Config
 
 ExpertFormat = Literal["dense", "mxfp4"]
 Activations = Literal["bf16", "mxfp8"]  # custom_ops/moe_mxfp4/mxfp8.ACTIVATIONS
+Trunk = Literal["dense", "bf16", "int8"]  # model/trunk.TRUNKS
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class BuildOptions:
     kernels: Kernels = Kernels.REFERENCE  # k3 custom-op implementation (not the runner)
     expert_format: ExpertFormat = "dense"  # routed experts dense or MXFP4-packed (k3::moe_mxfp4)
     activations: Activations = "bf16"  # expert-GEMM inputs as computed, or MXFP8 (needs MXFP4 experts)
+    trunk: Trunk = "dense"  # dense projections in the model dtype, or bf16 / int8 weights (fp32 activations)
 
     def __post_init__(self) -> None:
         if not isinstance(self.kernels, Kernels):
@@ -42,6 +46,8 @@ class BuildOptions:
             raise ConfigError(f"expert_format={str(self.expert_format)[:80]!r}: must be 'dense' or 'mxfp4'")
         if self.activations not in ("bf16", "mxfp8"):
             raise ConfigError(f"activations={str(self.activations)[:80]!r}: must be 'bf16' or 'mxfp8'")
+        if self.trunk not in ("dense", "bf16", "int8"):
+            raise ConfigError(f"trunk={str(self.trunk)[:80]!r}: must be 'dense', 'bf16' or 'int8'")
         if self.activations == "mxfp8" and not self.packed:
             raise ConfigError("activations='mxfp8': MXFP8 activations feed the MXFP4 experts (W4A8); "
                               "needs expert_format='mxfp4'")
@@ -87,14 +93,16 @@ class ModelOptions:
 
     def to_dict(self) -> dict[str, Any]:
         return {"kernels": self.build.kernels.value, "expert_format": self.build.expert_format,
-                "activations": self.build.activations, "max_context": self.cache.max_context}
+                "activations": self.build.activations, "trunk": self.build.trunk,
+                "max_context": self.cache.max_context}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelOptions:
         if not isinstance(d, dict):
             raise ConfigError(f"options={str(d)[:80]}: must be an object")
         kernels = d.get("kernels", d.get("backend", "reference"))  # "backend": manifests before 0.2
-        build = BuildOptions(kernels, d.get("expert_format", "dense"), d.get("activations", "bf16"))
+        build = BuildOptions(kernels, d.get("expert_format", "dense"), d.get("activations", "bf16"),
+                             d.get("trunk", "dense"))
         return cls(build, CacheOptions(d.get("max_context")))
 
     @classmethod

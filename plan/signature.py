@@ -40,6 +40,7 @@ TYPE_VARS: dict[str, tuple[tuple[str, ...], str]] = {
     "B": (("bf16",), "bf16 weights as the checkpoint stores them (the CPU trunk of a bf16 export)"),
     "U": (("uint8", "int8"), "packed weights (two 4-bit codes per byte) and their E8M0 scale bytes: uint8 (ort "
                              "flavor) or the same bytes as int8 (trt flavor)"),
+    "C": (("uint8",), "8-bit weight codes in blocks along K (code 128 is zero; the int8 CPU trunk)"),
 }
 TORCH_TYPES = {float: "float", int: "SymInt", bool: "bool", str: "str"}
 FIELD_KINDS = {float: float, int: int, bool: int, str: str}  # node attribute / plugin field / QDP type

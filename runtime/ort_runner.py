@@ -91,7 +91,7 @@ def ort_session(path: Path, provider: str = "auto", intra_op_threads: int = 0, c
         hint = ""
         if "Could not find an implementation" in str(e) and not want_cuda:
             hint = (" (ONNX Runtime's CPU provider lacks kernels for this graph's dtype: bf16 graphs need the CUDA "
-                    "provider; export with --dtype fp32 to run on CPU)")
+                    "provider; export with --trunk bf16 or --dtype fp32 to run on CPU)")
         raise RunnerError(f"{path}: ONNX Runtime cannot load it: {e}{hint}") from None
     finally:
         ort.set_default_logger_severity(2)

@@ -147,6 +147,15 @@ def serving_export(request) -> Path:
 
 
 @pytest.fixture(scope="session")
+def trunk_exports(request) -> Path:
+    """A k3-mini checkpoint with fixed routing (`ckpt`) exported to ONNX with each CPU trunk (`dense`, `bf16`,
+    `int8`): tests/trunk_models.py."""
+    from trunk_models import build_trunk_exports
+
+    return build_once(request, "trunks", build_trunk_exports)
+
+
+@pytest.fixture(scope="session")
 def kernels_cache(tmp_path_factory) -> Path:
     """A cache folder holding the ONNX Runtime kernel library (runtime/ort_kernels.py), built once per worker into
     a fresh cache. Only the tests that ask for `kernels` see it: the rest of the suite runs the function bodies

@@ -33,3 +33,19 @@ def test_the_moe_node_runs():
     sess = ort.InferenceSession(moe_node(16, 4, 64, 64, 32).SerializeToString(), providers=["CPUExecutionProvider"])
     (u,) = sess.run(None, {"x": np.ones((1, 64), np.float32), "z": np.ones((1, 64), np.float32)})
     assert u.shape == (1, 64) and np.isfinite(u).all()
+
+
+def test_a_trunk_form_streams_its_own_bytes():
+    """The bf16 trunk's step reads two bytes per projection weight, the int8 trunk's one plus a 4-byte scale per 32
+    (model/trunk.py); the rest of the step is the MXFP4 form's."""
+    from k3x.bench.cpu_decode import form_model
+    from k3x.model.trunk import trunk_modules
+
+    cfg = preset("k3-mini")
+    packed = build_model(cfg, BuildOptions(expert_format="mxfp4"), seed=3)
+    fp32 = step_bytes(packed, cfg)
+    shapes = [packed.get_submodule(n).weight.shape for n in trunk_modules(packed)]
+    weights = sum(n * k for n, k in shapes)
+    assert step_bytes(form_model("mxfp4+bf16", packed, cfg), cfg) == fp32 - 2 * weights
+    int8 = sum(n * (-(-k // 32)) * (32 + 4) for n, k in shapes)  # codes padded to whole blocks, one scale each
+    assert step_bytes(form_model("mxfp4+int8", packed, cfg), cfg) == fp32 - 4 * weights + int8

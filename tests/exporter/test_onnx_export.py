@@ -51,7 +51,8 @@ def test_io_names_dims_and_k3_nodes():
                           "MoEMXFP4": traced.get("k3::moe_mxfp4", 0),  # dense experts: no packed MoE nodes
                           "KDAPacked": 0, "MLAPaged": 0, "KDADecode": 0,
                           "KDAPrep": 0,  # serving-step ops: not in the batch interface
-                          "LinearBF16": traced.get("k3::linear_bf16", 0)}  # an fp32 trunk: no bf16 linear nodes
+                          "LinearBF16": traced.get("k3::linear_bf16", 0),  # an fp32 trunk: no bf16 linear nodes
+                          "LinearQ8": traced.get("k3::linear_q8", 0)}  # nor 8-bit ones
         for n in k3:
             attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
             assert attrs["plugin_namespace"] == b"k3"

@@ -24,7 +24,7 @@ def test_one_export_call_for_any_rank_count(tmp_path, tp, ep):
     m = json.loads((out / "manifest.json").read_text())
     assert m["config_hash"] == preset("k3-mini").hash() and "kernels" not in m["config"]
     assert m["options"] == {"kernels": "reference", "expert_format": "dense", "activations": "bf16",
-                            "max_context": None}
+                            "trunk": "dense", "max_context": None}
     assert sessions.parallel_plan(out).world == tp * ep
     if tp * ep == 1:
         assert "parallel" not in m and (out / "model.pt2").is_file() and "trace" in result.timings

@@ -39,7 +39,7 @@ def test_manifest_and_onnx_interface(static_export):
     m = ExportFolder.open(folder).manifest
     assert m["static_cache"] == {"max_context": C, "length_input": "past_length"}
     assert m["options"] == {"kernels": "reference", "expert_format": "dense", "activations": "bf16",
-                            "max_context": C}
+                            "trunk": "dense", "max_context": C}
     assert "max_context" not in m["config"] and m["io"]["inputs"][-1] == "past_length"
     assert m["state"]["tensors"][-1] == {"layer": -1, "kind": "length", "input": "past_length",
                                          "output": "present_length", "shape": [], "axes": [], "dtype": "int64",

@@ -34,7 +34,8 @@ def test_every_preset_keeps_its_hash_and_the_config_holds_no_option():
 
 def test_options_are_frozen_checked_and_round_trip():
     o = ModelOptions(BuildOptions(Kernels.TRITON, "mxfp4"), CacheOptions(64))
-    assert o.to_dict() == {"kernels": "triton", "expert_format": "mxfp4", "activations": "bf16", "max_context": 64}
+    assert o.to_dict() == {"kernels": "triton", "expert_format": "mxfp4", "activations": "bf16", "trunk": "dense",
+                           "max_context": 64}
     assert ModelOptions.from_dict(json.loads(json.dumps(o.to_dict()))) == o
     w4a8 = ModelOptions(BuildOptions(Kernels.TRITON, "mxfp4", "mxfp8"))
     assert w4a8.to_dict()["activations"] == "mxfp8" and ModelOptions.from_dict(w4a8.to_dict()) == w4a8
@@ -77,7 +78,7 @@ def test_a_manifest_from_before_the_options_entry_opens_with_its_options_and_has
     assert r.exit_code == 0, r.output
     m = json.loads((out / MANIFEST).read_text())
     assert m["options"] == {"kernels": "reference", "expert_format": "dense", "activations": "bf16",
-                            "max_context": None}
+                            "trunk": "dense", "max_context": None}
     assert m["config_hash"] == HASHES["k3-mini"]
     old = {k: v for k, v in m.items() if k != "options"}
     old["state"] = [s["input"] for s in m["state"]["tensors"]]  # before the state contract: a list of names

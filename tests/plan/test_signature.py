@@ -106,7 +106,7 @@ def test_fake_impl_is_the_shape_and_dtype_rule(name):
               "kda_decode": [(3, 96), (3, 2, 16), (3, 2), (3, 2, 16), (96, 4), (2,), (32,), (16,), (5, 96, 3),
                              (5, 2, 16, 16), (3,)],
               "kda_prep": [(5, 96), (5, 2, 16), (5, 2), (96, 4), (2,), (32,), (6, 96, 3), (3,), (2,)],
-              "linear_bf16": [(2, 5, 24), (40, 24)]}[name]
+              "linear_bf16": [(2, 5, 24), (40, 24)], "linear_q8": [(2, 5, 40), (6, 2, 32), (6, 2)]}[name]
     dtypes = ["fp16" if t.var in ("T", "W", "N", "G") else t.dtypes[0] for t in sig.inputs]
     values = {"kernels": "reference", "activation": "situ", "top_k": 2}
     with FakeTensorMode():

@@ -1,0 +1,3 @@
+from .op import linear_q8
+
+__all__ = ["linear_q8"]

@@ -1,0 +1,54 @@
+"""A linear projection on 8-bit block-quantised weights, the eager oracle, and the quantiser. Torch-only.
+
+    x       [..., K]         fp32 activations (fp64 gives an fp64 oracle)
+    weight  [N, KB, BLOCK]   uint8: each row's K weights in KB = ceil(K / BLOCK) blocks, zero-padded at the end
+    scales  [N, KB]          fp32, one per block
+Weight (n, k) = (weight[n, k // BLOCK, k % BLOCK] - 128) * scales[n, k // BLOCK]: symmetric absmax quantisation
+(codes 1..255, 128 is zero), the layout and the default zero point of ONNX Runtime's `com.microsoft::MatMulNBits`
+with bits=8 and no zero_points input, so the export hands it the bytes as they are. The oracle dequantises
+exactly (a code times a power-of-two-free fp32 scale is one fp32 rounding) and multiplies in x's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+BLOCK = 32  # weights per scale along K (docs/model.md "CPU trunks": 32 measured against 64 and 128)
+ZERO = 128  # the code of 0: MatMulNBits' default zero point for 8 bits
+
+
+def check_shapes(x: Tensor, weight: Tensor, scales: Tensor) -> None:
+    """ValueError naming every shape and dtype when they do not make an 8-bit block-quantised linear."""
+    ok = (x.dtype in (torch.float32, torch.float64) and weight.dtype == torch.uint8 and weight.dim() == 3
+          and scales.dtype == torch.float32 and tuple(scales.shape) == tuple(weight.shape[:2]) and x.dim() >= 1
+          and (weight.shape[1] - 1) * weight.shape[2] < x.shape[-1] <= weight.shape[1] * weight.shape[2])
+    if not ok:
+        raise ValueError(f"linear_q8: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype} and "
+                         f"scales {tuple(scales.shape)} {scales.dtype} do not fit: expected x float32 [..., K], "
+                         "weight uint8 [N, ceil(K / block), block] and scales float32 [N, ceil(K / block)]")
+
+
+def dequantize(weight: Tensor, scales: Tensor, k: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """weight [N, KB, BLOCK] uint8, scales [N, KB] -> [N, k] of `dtype`."""
+    w = (weight.to(torch.int16) - ZERO).to(dtype) * scales.to(dtype)[..., None]
+    return w.flatten(1)[:, :k]
+
+
+def quantize(w: Tensor, block: int = BLOCK) -> tuple[Tensor, Tensor]:
+    """w [N, K] float -> (weight uint8 [N, ceil(K / block), block], scales fp32 [N, ceil(K / block)]): per block
+    the scale is absmax / 127 and each weight rounds to the nearest code (a zero block: scale 0, codes 128)."""
+    n, k = w.shape
+    kb = -(-k // block)
+    padded = torch.zeros(n, kb * block, dtype=torch.float32, device=w.device)
+    padded[:, :k] = w.to(torch.float32)
+    blocks = padded.view(n, kb, block)
+    scales = blocks.abs().amax(-1) / 127
+    codes = torch.where(scales[..., None] > 0, blocks / scales.clamp(min=torch.finfo(torch.float32).tiny)[..., None],
+                        torch.zeros((), device=w.device))
+    return (codes.round().clamp(-127, 127).to(torch.int16) + ZERO).to(torch.uint8), scales
+
+
+def linear_q8(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
+    check_shapes(x, weight, scales)
+    return x @ dequantize(weight, scales, x.shape[-1], x.dtype).T
