@@ -89,7 +89,8 @@ def ort_session(path: Path, provider: str = "auto", intra_op_threads: int = 0, c
         sess = ort.InferenceSession(str(path), so, providers=providers)
     except Exception as e:  # noqa: BLE001 - ORT raises its own types; name the file
         hint = ""
-        if "Could not find an implementation" in str(e) and not want_cuda:
+        bf16 = "Could not find an implementation" in str(e) or "tensor(bfloat16)" in str(e)  # no kernel / library
+        if bf16 and not want_cuda:
             hint = (" (ONNX Runtime's CPU provider lacks kernels for this graph's dtype: bf16 graphs need the CUDA "
                     "provider; export with --trunk bf16 or --dtype fp32 to run on CPU)")
         raise RunnerError(f"{path}: ONNX Runtime cannot load it: {e}{hint}") from None

@@ -172,3 +172,14 @@ def test_inspect_export_of_rank_programs_names_a_rank_folder():
 
     with pytest.raises(ManifestError, match="tp2: no ONNX artifact; each rank folder holds its own: --export tp2/rank-000"):
         onnx_io_report({"artifacts": {}, "parallel": {"ranks": [{"dir": "rank-000"}, {"dir": "rank-001"}]}}, "tp2")
+
+
+@pytest.mark.parametrize("kernels", ["0", "1"])
+def test_a_bf16_onnx_export_on_the_cpu_names_the_trunk(ckpt_dir, tmp_path, monkeypatch, kernels):
+    """A bf16 model.onnx run on the CPU provider is one line naming --trunk bf16, with or without the kernel
+    library (its kernels are fp32: ONNX Runtime's type check fails on them, not on a missing kernel)."""
+    monkeypatch.setenv("K3X_ORT_KERNELS", kernels)
+    code, out = k3x("export", "--checkpoint", ckpt_dir, "--target", "onnx", "--dtype", "bf16", "--out", tmp_path / "b")
+    assert code == 0, out
+    code, out = k3x("run", tmp_path / "b", "--prompt-ids", "1,2", "--max-new-tokens", "1", "--provider", "cpu")
+    assert code == 1 and "CRASH" not in out and "--trunk bf16" in out, out
