@@ -93,6 +93,7 @@ def artifact_files(folder: ExportFolder, name: str, options: RunnerOptions) -> l
 def _eager(d: ExportFolder, options: RunnerOptions) -> Runner:
     from ..checkpoint.files import CheckpointError, load_checkpoint
     from ..checkpoint.reference import checkpoint_hash
+    from ..model.trunk import convert_trunk
 
     ckpt = options.checkpoint or d.checkpoint()
     if ckpt is None:
@@ -104,8 +105,8 @@ def _eager(d: ExportFolder, options: RunnerOptions) -> Runner:
             raise RunnerError(f"{ckpt}: changed since the export (sha256 {now} != {recorded} in "
                               f"{d.path}/manifest.json); re-export, or pass --checkpoint to compare anyway")
         build = d.options().build
-        model = load_checkpoint(ckpt, dtype=d.dtype(), device="cpu", expert_format=build.expert_format,
-                                activations=build.activations)
+        model = convert_trunk(load_checkpoint(ckpt, dtype=d.dtype(), device="cpu", expert_format=build.expert_format,
+                                              activations=build.activations), build.trunk)  # the export's own model
     except (CheckpointError, FileNotFoundError) as e:
         raise RunnerError(f"eager reference: {e}") from None
     cfg = d.config()  # a static latent cache is an export choice: the model serves it from the same weights

@@ -28,7 +28,6 @@ from .runners import make_runner, runnable, serving_entry
 from .scheduler import pack_feeds
 from .serve import StepModuleRunner, serving_runner
 from .state_check import STATE_STEPS, StateFinding, check_state
-from .tolerances import Tolerance, tolerance_key
 from .verify import OutputError, StepReport, VerifyReport, compare
 
 SLOT = 1  # the checked sequence's slot (of 2): slot 0 holds noise
@@ -65,7 +64,7 @@ def serving_steps(reference: Runner, cfg, prompt: list[int], steps: int, dtype: 
     return run
 
 
-def _parity(run: list[tuple[Feeds, Feeds]], runner: Runner, dtype: Tolerance) -> list[StepReport]:
+def _parity(run: list[tuple[Feeds, Feeds]], runner: Runner, dtype: torch.dtype) -> list[StepReport]:
     """Each step of `run` on `runner` (the true state handed in), every output compared with the reference's."""
     reports = []
     for step, (feeds, expected) in enumerate(run):
@@ -98,9 +97,8 @@ def verify_serving(folder: ExportFolder, backends: list[str], options: RunnerOpt
     reference = serving_reference(folder, options)
     prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(seed)).tolist()
     run = serving_steps(reference, cfg, prompt, max(steps, STATE_STEPS), dtype, block, seed)
-    key = tolerance_key(dtype, folder.options().build.trunk)
-    report = VerifyReport(key, [s for r in runners for s in _parity(run[: steps + 1], r, key)])
+    report = VerifyReport(dtype, [s for r in runners for s in _parity(run[: steps + 1], r, dtype)])
     contract = folder.state_contract()
     findings = [f for r in runners for f in check_state(reference, r, cfg, contract, prompt=torch.tensor([prompt]),
-                                                        dtype=dtype, run=run[: STATE_STEPS + 1], tolerance=key)]
+                                                        dtype=dtype, run=run[: STATE_STEPS + 1])]
     return names, report, findings

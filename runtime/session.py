@@ -28,7 +28,6 @@ from ..model.options import CacheOptions
 from ..model.parallel import ParallelPlan
 from .runners import Runner, RunnerError, RunnerOptions, generate, make_runner, open_folder, runnable
 from .state_check import STATE_STEPS, StateFinding, check_state, reference_steps
-from .tolerances import Tolerance, tolerance_key
 from .verify import VerifyReport, run_parity
 
 
@@ -46,7 +45,6 @@ class Session:
     runners: dict[str, Runner] = field(default_factory=dict)  # whole-state runners by backend
     pool_cfg: K3Config | None = None  # a serving session on rank programs: this rank's config (its pools)
     notes: list[str] = field(default_factory=list)  # lines for the user (printed by the speaking rank)
-    tolerance: Tolerance | None = None  # verify's tolerance key where it is not `dtype` (a CPU trunk)
 
     @property
     def speaks(self) -> bool:
@@ -140,7 +138,6 @@ def _start(export_dir: Folder) -> tuple[ExportFolder, Session, tuple[dict, Paral
     s = Session(folder.path, folder.config(), folder.options().cache, folder.dtype(),
                 folder.manifest["dynamic_dims"], ParallelPlan(1, 1) if found is None else found[1],
                 contract=folder.state_contract())
-    s.tolerance = tolerance_key(s.dtype, folder.options().build.trunk)
     return folder, s, found
 
 
@@ -266,7 +263,7 @@ def verify_session(s: Session, reference: Runner, backends: list[str], *, steps:
 
     runners = [s.runners[b] for b in backends]
     report = run_parity(reference, runners, s.cfg, steps=steps, batch=batch, prompt_len=prompt_len, dtype=s.dtype,
-                        seed=seed, cache=s.cache, tolerance=s.tolerance)
+                        seed=seed, cache=s.cache)
     if s.plan.world == 1:
         return Verdict(report, state=_state_findings(s, reference, backends, prompt_len, seed))
     prompt = torch.randint(0, s.cfg.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(seed))
@@ -290,8 +287,7 @@ def _state_findings(s: Session, reference: Runner, backends: list[str], prompt_l
         return rank_state_findings(reference, {b: s.runners[b] for b in backends}, s.contract, run, rank=s.rank,
                                    prompt=prompt, dtype=s.dtype)
     return [f for b in backends for f in check_state(reference, s.runners[b], s.cfg, s.contract, prompt=prompt,
-                                                     dtype=s.dtype, cache=s.cache, run=run,
-                                                     tolerance=s.tolerance)]
+                                                     dtype=s.dtype, cache=s.cache, run=run)]
 
 
 def peak_rss_line(s: Session) -> str | None:

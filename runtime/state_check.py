@@ -31,7 +31,6 @@ from ..model.state_contract import KDA_KINDS, WRONG_STATES, tensor_label
 from ..plan.dtypes import dtype_name, torch_dtype
 from .base import Feeds, Runner
 from .runners import next_feeds, start_feeds
-from .tolerances import Tolerance
 from .verify import compare
 
 STATE_STEPS = 3  # decode steps after the prefill: a stale state (one step earlier) shows from the second on
@@ -64,7 +63,7 @@ def reference_steps(reference: Runner, cfg: K3Config, prompt: Tensor, steps: int
     return run
 
 
-def _close(a: Tensor, e: Tensor, dtype: Tolerance) -> bool:
+def _close(a: Tensor, e: Tensor, dtype: torch.dtype) -> bool:
     return compare(a, e, "", dtype).ok
 
 
@@ -96,7 +95,7 @@ def _given(t: dict[str, Any], feeds: Feeds) -> Tensor | None:
 
 
 def _state_problem(t: dict[str, Any], got: Tensor, expected: Tensor, given: Tensor | None, before: Tensor | None,
-                   dtype: Tolerance) -> str | None:
+                   dtype: torch.dtype) -> str | None:
     """Why the returned state `got` is not the reference's `expected` (None when it is)."""
     got, expected = got.cpu(), expected.cpu()
     if _close(got, expected, dtype):
@@ -135,7 +134,7 @@ def _candidates(contract: dict[str, Any], feeds: Feeds, before: Feeds | None) ->
 
 
 def _logits_problem(rerun: Callable[[Feeds], Feeds], contract: dict[str, Any], got: Tensor, expected: Tensor, feeds: Feeds,
-                    before: Feeds | None, dtype: Tolerance, seen: list[tuple[str, list[int]]]) -> str | None:
+                    before: Feeds | None, dtype: torch.dtype, seen: list[tuple[str, list[int]]]) -> str | None:
     """Why the runner's logits are not the reference's; `seen`: candidates that explained earlier steps,
     tried first (and the one that explains this step is added)."""
     got = got.cpu()
@@ -153,14 +152,11 @@ def _logits_problem(rerun: Callable[[Feeds], Feeds], contract: dict[str, Any], g
 
 def check_state(reference: Runner, runner: Runner, cfg: K3Config, contract: dict[str, Any], *, prompt: Tensor,
                 dtype: torch.dtype, cache: CacheOptions | None = None, steps: int = STATE_STEPS,
-                run: list[tuple[Feeds, Feeds]] | None = None, rerun: Rerun | None = None,
-                tolerance: Tolerance | None = None) -> list[StateFinding]:
+                run: list[tuple[Feeds, Feeds]] | None = None, rerun: Rerun | None = None) -> list[StateFinding]:
     """Findings of `runner` handed the reference's true state at every step (empty: it keeps the contract).
     `run`: the reference's steps when already computed (`reference_steps`); `rerun`: the reference at a step
-    from wrong feeds, when `run` is not the reference's own interface (a rank's share, runtime/rank_state.py).
-    `tolerance`: the table's key when it is not `dtype` (a CPU trunk, runtime/tolerances.tolerance_key)."""
+    from wrong feeds, when `run` is not the reference's own interface (a rank's share, runtime/rank_state.py)."""
     run = run or reference_steps(reference, cfg, prompt, steps, dtype, cache)
-    key = tolerance or dtype
     rerun = rerun or (lambda _step, wrong: reference.infer(wrong))
     findings: list[StateFinding] = []
     seen: list[tuple[str, list[int]]] = []
@@ -172,11 +168,11 @@ def check_state(reference: Runner, runner: Runner, cfg: K3Config, contract: dict
             findings.append(StateFinding(runner.name, step, "<run>", f"{type(e).__name__}: {str(e)[:200]}"))
             break
         logits = _logits_problem(partial(rerun, step), contract, got["logits"], expected["logits"], feeds,
-                                 before, key, seen)
+                                 before, dtype, seen)
         for t in contract["tensors"]:
             out, want = got.get(t["output"]), expected[t["output"]]
             problem = _contract_problem(t, out, want) or _state_problem(
-                t, out, want, _given(t, feeds), None if before is None else _given(t, before), key)
+                t, out, want, _given(t, feeds), None if before is None else _given(t, before), dtype)
             # a state computed from a wrong input the logits already name differs as a consequence
             if problem and not (logits and logits.startswith("decoded from") and problem.startswith("differs")):
                 findings.append(StateFinding(runner.name, step, tensor_label(t), problem))

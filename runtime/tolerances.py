@@ -1,17 +1,15 @@
 """The one tolerance table, keyed by dtype (or by a CPU trunk): (atol, rtol) for comparing against an fp32
 reference.
 
-Used by the parity harness (runtime/verify.py) and by the tests (tests/tolerances.py re-exports it).
+Used by the parity harness (runtime/verify.py: an export against its own model, keyed by the export's dtype; a
+CPU trunk export's own model holds the same trunk) and by the tests (tests/tolerances.py re-exports it; the
+trunk keys state what a trunk costs against the fp32 model: tests/exporter/test_trunk_export.py).
 A value passes when |actual - expected| <= atol + rtol * |expected| (torch.allclose).
 """
 
 from __future__ import annotations
 
-from typing import Union
-
 import torch
-
-Tolerance = Union[torch.dtype, str]  # a dtype, or a CPU trunk's key ("bf16 trunk", "int8 trunk": tolerance_key)
 
 TOLERANCES: dict[torch.dtype | str, tuple[float, float]] = {
     torch.float64: (1e-10, 1e-8),
@@ -26,10 +24,11 @@ TOLERANCES: dict[torch.dtype | str, tuple[float, float]] = {
     # kept), small here because each MMA is one 32-wide scale block added into fp32 outside it. An emulation of the
     # first effect at O(1) outputs gives rms 1.7 % of the output's rms and max-abs 0.05 (bench/gpu_check_w4a8.py).
     torch.float8_e4m3fn: (1e-1, 5e-2),
-    # A CPU trunk export (model/trunk.py: the dense projections on bf16 / 8-bit weights, fp32 activations) against
-    # the fp32 model, logits and every state tensor. Each projection's weights are rounded (bf16: 2^-9 relative;
-    # int8: absmax / 254 per block of 32) and, in the int8 trunk, ONNX Runtime's MatMulNBits (accuracy_level 4)
-    # rounds the activations to int8 per block too; the errors add up through the layers and the recurrent state.
+    # A CPU trunk's model (model/trunk.py: the dense projections on bf16 / 8-bit weights, fp32 activations) against
+    # the fp32 model, logits and every state tensor: what the format costs (`k3x verify` holds a trunk export to
+    # its own trunk model at fp32's tolerance). Each projection's weights are rounded (bf16: 2^-9 relative;
+    # int8: absmax / 254 per block of 32) and, in the int8 trunk, the activations to int8 per block too (as ONNX
+    # Runtime's MatMulNBits at accuracy_level 4 does); the errors add up through the layers and the recurrent state.
     # Measured on k3-mini (random weights, routing fixed by the router bias so that no expert choice flips;
     # tests/exporter/test_trunk_export.py: 4 prompts of 7, 16 decode steps each): logits of max ~4 within
     # max-abs 0.07 (bf16) and 0.78 (int8), the KDA and latent state within 0.05 and 0.18 (k3x verify's 8 steps).
@@ -39,11 +38,6 @@ TOLERANCES: dict[torch.dtype | str, tuple[float, float]] = {
     "bf16 trunk": (1e-1, 5e-2),
     "int8 trunk": (1.0, 1e-1),
 }
-
-
-def tolerance_key(dtype: torch.dtype, trunk: str) -> torch.dtype | str:
-    """The table's key of an export of `dtype` with `trunk` (model/options.BuildOptions.trunk)."""
-    return dtype if trunk == "dense" else f"{trunk} trunk"
 
 
 def tol(dtype: torch.dtype | str) -> dict[str, float]:

@@ -1,12 +1,18 @@
-"""A linear projection on 8-bit block-quantised weights, the eager oracle, and the quantiser. Torch-only.
+"""A linear projection on 8-bit block-quantised weights and activations, the eager oracle, and the quantiser.
+Torch-only.
 
     x       [..., K]         fp32 activations (fp64 gives an fp64 oracle)
     weight  [N, KB, BLOCK]   uint8: each row's K weights in KB = ceil(K / BLOCK) blocks, zero-padded at the end
     scales  [N, KB]          fp32, one per block
 Weight (n, k) = (weight[n, k // BLOCK, k % BLOCK] - 128) * scales[n, k // BLOCK]: symmetric absmax quantisation
 (codes 1..255, 128 is zero), the layout and the default zero point of ONNX Runtime's `com.microsoft::MatMulNBits`
-with bits=8 and no zero_points input, so the export hands it the bytes as they are. The oracle dequantises
-exactly (a code times a power-of-two-free fp32 scale is one fp32 rounding) and multiplies in x's dtype.
+with bits=8 and no zero_points input, so the export hands it the bytes as they are.
+The op is what MatMulNBits computes at accuracy_level 4 (the level the export sets: docs/model.md §6.1): each
+row of x is quantised too, per block of BLOCK along K: scale = absmax / 127, code = round(x / scale) (half to
+even); each block's dot product of codes is an integer (at most 32 * 127 * 127: exact in fp32) scaled by
+the two blocks' scales and summed over the blocks. ONNX Runtime's CPU kernel gives this to fp32 rounding
+(tests/custom_ops/test_linear_q8.py), so an int8-trunk export is checked against its own model as tightly as
+an fp32 one; what the 8-bit rounding costs against the fp32 model is the trunk's tolerance (runtime/tolerances.py).
 """
 
 from __future__ import annotations
@@ -49,6 +55,24 @@ def quantize(w: Tensor, block: int = BLOCK) -> tuple[Tensor, Tensor]:
     return (codes.round().clamp(-127, 127).to(torch.int16) + ZERO).to(torch.uint8), scales
 
 
+def quantize_activations(x: Tensor, blocks: int, block: int) -> tuple[Tensor, Tensor]:
+    """x [..., K] -> (codes [..., blocks, block] in x's dtype, integers in -127..127; scales [..., blocks]):
+    per block absmax / 127, each value divided by it and rounded half to even (a zero block: scale 0, codes 0)."""
+    padded = torch.zeros(*x.shape[:-1], blocks * block, dtype=x.dtype, device=x.device)
+    padded[..., : x.shape[-1]] = x
+    xb = padded.unflatten(-1, (blocks, block))
+    scale = xb.abs().amax(-1) / 127
+    codes = torch.where(scale[..., None] > 0, xb / scale.clamp(min=torch.finfo(x.dtype).tiny)[..., None],
+                        torch.zeros((), dtype=x.dtype))  # x / scale, as MLAS divides (not x * (127 / absmax))
+    return torch.round(codes).clamp(-127, 127), scale
+
+
 def linear_q8(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     check_shapes(x, weight, scales)
-    return x @ dequantize(weight, scales, x.shape[-1], x.dtype).T
+    n, blocks, block = weight.shape
+    codes, x_scales = quantize_activations(x, blocks, block)
+    w = (weight.to(torch.int16) - ZERO).to(x.dtype)
+    out = torch.zeros(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    for b in range(blocks):  # one block at a time: [..., block] x [block, N], never [..., N, blocks] at once
+        out += (codes[..., b, :] @ w[:, b, :].T) * x_scales[..., b, None] * scales[:, b].to(x.dtype)
+    return out

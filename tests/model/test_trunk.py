@@ -11,6 +11,7 @@ from k3x.custom_ops.linear_q8.reference import dequantize
 from k3x.model import ConfigError, build_model, empty_state, preset
 from k3x.model.options import BuildOptions, ModelOptions
 from k3x.model.trunk import BF16Linear, Q8Linear, convert_trunk, trunk_modules
+from k3x.runtime.tolerances import tol
 
 
 def test_the_trunk_is_every_projection_called_as_a_module():
@@ -26,7 +27,8 @@ def test_the_trunk_is_every_projection_called_as_a_module():
 @pytest.mark.parametrize("trunk,cls", [("bf16", BF16Linear), ("int8", Q8Linear)])
 def test_a_trunk_model_computes_the_fp32_function_on_its_rounded_weights(trunk, cls):
     """Each converted projection holds the rounded weight; putting the rounded weights back into the fp32 model
-    gives the trunk model's logits (to fp32 rounding): the trunk changes the weights, nothing else."""
+    gives the bf16 trunk model's logits (to fp32 rounding): that trunk changes the weights, nothing else. The
+    int8 trunk also rounds each projection's input per block (custom_ops/linear_q8/reference.py): close, not equal."""
     cfg = preset("k3-mini")
     dense = build_model(cfg, seed=0)
     form = build_model(cfg, BuildOptions(trunk=trunk), seed=0)
@@ -42,7 +44,11 @@ def test_a_trunk_model_computes_the_fp32_function_on_its_rounded_weights(trunk, 
     ids = torch.randint(0, cfg.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         got, want = form(ids, empty_state(cfg, 1))[0], rounded(ids, empty_state(cfg, 1))[0]
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    if trunk == "bf16":
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    else:
+        assert not torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got, want, **tol("int8 trunk"))
 
 
 def test_meta_conversion_gives_the_shapes_a_stream_fills():
