@@ -190,12 +190,25 @@ float pairwise(float* p, int64_t n) {
 // rows [lo, hi) of x's B * C rows; products rounded before each add as MLAS's (g++ would otherwise fuse them)
 __attribute__((optimize("fp-contract=off"))) void conv_channels(const Conv& p, int64_t lo, int64_t hi) {
   const int64_t T = p.L - p.W + 1;
+  if (T == 1 && p.W == 4) {  // a decode step of KDA's conv: x and w rows of 4 side by side, so it vectorises
+    for (int64_t r = lo; r < hi;) {
+      const int64_t c0 = r % p.C, n = std::min(hi - r, p.C - c0);  // one division per sequence, not per row
+      const float *x = p.x + r * 4, *w = p.w + c0 * 4, *b = p.b + c0;
+      float* y = p.y + r;
+#pragma omp simd
+      for (int64_t c = 0; c < n; ++c)
+        y[c] = ((w[4 * c] * x[4 * c] + w[4 * c + 1] * x[4 * c + 1]) +
+                (w[4 * c + 2] * x[4 * c + 2] + w[4 * c + 3] * x[4 * c + 3])) + b[c];
+      r += n;
+    }
+    return;
+  }
   float prod[16];
   for (int64_t r = lo; r < hi; ++r) {
     const int64_t c = r % p.C;
     const float *x = p.x + r * p.L, *w = p.w + c * p.W;
     float* y = p.y + r * T;
-    if (T == 1 && p.W <= 16) {  // a decode step
+    if (T == 1 && p.W <= 16) {  // one output of another width
       for (int64_t i = 0; i < p.W; ++i) prod[i] = w[i] * x[i];
       y[0] = pairwise(prod, p.W) + p.b[c];
       continue;

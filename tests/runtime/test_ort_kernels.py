@@ -351,6 +351,7 @@ def _conv_model(C: int, W: int, body: bool):
 @pytest.mark.parametrize("B,C,L,W", [
     (1, 3072, 4, 4),  # a k3-bench decode step: one output a channel
     (2, 192, 4, 4),  # two sequences
+    (6, 3000, 4, 4),  # over the threads, tasks across sequences
     (1, 192, 131, 4),  # a prefill chunk, over the threads
     (1, 64, 5, 5), (3, 40, 2, 2), (1, 33, 9, 1),  # other kernels
 ])
