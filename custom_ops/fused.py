@@ -17,6 +17,12 @@ k3::MoE body's per-expert path, h_e = [a_e | u_e] along the last axis (one Gemm 
 stacked), y_e its GLU; the body splits each h_e and runs the SiTUGLU chain on the halves. One call (and one
 kernel pass over every expert's rows) where one SiTUGLU call per expert was.
 
+`DepthwiseConv1d(x, w, b) -> y` (attribute `group`): ONNX's Conv of x [B, C, L] with w [C, 1, W] and bias b [C],
+group = C, no padding, stride and dilation 1 (KDA's short conv in the batch interface, model/kda.py). Its body
+is that one Conv (the group an attribute reference); its CPU kernel (custom_ops/kda_prep/ort_kernel.cc) is a
+loop over the channels with the Conv's sums in its order (bit-identical), where ONNX Runtime's Conv runs one
+im2col + GEMM per channel (0.35 ms a decode step on k3-bench's 3,072 channels). Calls are made by exporter/onnx_rewrites.py `fuse_depthwise_conv`.
+
 `MoEDispatch` and `MoECombine`: the k3::MoE body's routing and row traffic around its per-expert GEMMs
 (custom_ops/moe/onnx_dispatch.py, their bodies and kernels' contract; kernels in custom_ops/moe/ort_kernel.cc),
 built for the calling nodes' local expert count.
@@ -32,6 +38,7 @@ from .moe.onnx_dispatch import MOE_COMBINE, MOE_DISPATCH, combine_function, disp
 
 SITU_GLU = "SiTUGLU"
 SITU_GLU_EXPERTS = "SiTUGLUExperts"
+DEPTHWISE_CONV = "DepthwiseConv1d"
 
 
 def situ_glu_halves(b: Body, a: str, u: str, beta: str, linear_beta: str) -> tuple[str, str]:
@@ -61,8 +68,18 @@ def situ_glu_experts_function(opset_version: int, experts: int) -> onnx.Function
                                 [helper.make_opsetid("", opset_version)], doc_string="SiTU-GLU of each expert (k3x)")
 
 
+def depthwise_conv_function(opset_version: int) -> onnx.FunctionProto:
+    """The DepthwiseConv1d body: one Conv, its group the calling node's `group` attribute."""
+    conv = helper.make_node("Conv", ["x", "w", "b"], ["y"], name=f"{DEPTHWISE_CONV}/Conv")
+    conv.attribute.append(onnx.AttributeProto(name="group", ref_attr_name="group", type=onnx.AttributeProto.INT))
+    return helper.make_function(FUSED_DOMAIN, DEPTHWISE_CONV, ["x", "w", "b"], ["y"], [conv],
+                                [helper.make_opsetid("", opset_version)], attributes=["group"],
+                                doc_string="depthwise 1-D convolution (k3x)")
+
+
 # op type in FUSED_DOMAIN -> its body, for (ai.onnx opset, the calls' (input count, output count))
 FUNCTIONS = {SITU_GLU: lambda opset_version, _: situ_glu_function(opset_version),
              SITU_GLU_EXPERTS: lambda opset_version, ports: situ_glu_experts_function(opset_version, ports[1]),
+             DEPTHWISE_CONV: lambda opset_version, _: depthwise_conv_function(opset_version),
              MOE_DISPATCH: lambda opset_version, ports: dispatch_function(opset_version, ports[1] - 2),
              MOE_COMBINE: lambda opset_version, ports: combine_function(opset_version, ports[0] - 2)}

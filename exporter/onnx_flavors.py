@@ -7,7 +7,8 @@
 - `ort`: attaches one FunctionProto per k3 op type the model uses — the family's `onnx.function` body
   (custom_ops/<family>/onnx.py) — so ONNX Runtime inlines them and needs no extra library; and the body of
   every `k3x.fused` function those bodies call (custom_ops/fused.py; the k3::MoE body's SiTU-GLU, routing and
-  combine).
+  combine); KDA's short conv as a k3x.fused::DepthwiseConv1d call (onnx_rewrites.fuse_depthwise_conv), which
+  the trt pass turns back into the Conv it was.
 Neither pass names an op family: both go through the registry. Both must leave the model's own nodes as they
 found them: a rank program's converted model goes through trt and ort once per rank (rewrites of those nodes
 are made once, at conversion: exporter/onnx_rewrites.py).
@@ -27,6 +28,7 @@ from ..custom_ops.fused import FUNCTIONS, FUSED_DOMAIN
 from ..custom_ops.registry import by_onnx_op
 from ..plan.onnx_node import COMMON_ATTRIBUTES, DOMAIN
 from . import onnx_collectives
+from .onnx_rewrites import fuse_depthwise_conv, unfuse_depthwise_conv
 
 
 def k3_nodes(model: ir.Model) -> list[ir.Node]:
@@ -74,6 +76,7 @@ def trt_pass(model: ir.Model) -> ir.Model:
     _check_attributes(nodes)
     _check_plugins(nodes)
     retype_bytes(model, ir.DataType.INT8)
+    unfuse_depthwise_conv(model)  # an ort pass's DepthwiseConv1d calls back to Conv (onnx_rewrites.py)
     onnx_collectives.trt_pass(model)
     for key in [k for k in model.functions if k[0] == DOMAIN]:
         del model.functions[key]
@@ -85,6 +88,7 @@ def ort_pass(model: ir.Model) -> ir.Model:
     nodes = k3_nodes(model)
     _check_attributes(nodes)
     retype_bytes(model, ir.DataType.UINT8)
+    fuse_depthwise_conv(model)  # KDA's short conv as one k3x.fused call (exporter/onnx_rewrites.py)
     onnx_collectives.ort_pass(model)
     opset = model.opset_imports[""]
     if opset < 18:

@@ -16,6 +16,12 @@ standard ops in a form ONNX Runtime's graph optimizer fuses; TensorRT gets the s
   the dense FFN and the shared experts) become one call of the local function `k3x.fused::SiTUGLU(a, u, beta,
   linear_beta)` whose body is those same ops (custom_ops/fused.py): every runtime inlines it to the
   same math, and ONNX Runtime runs it on one CPU kernel when the k3x kernel library is built.
+- `fuse_depthwise_conv` (the ort flavor's pass only, exporter/onnx_flavors.py; the trt pass undoes it with
+  `unfuse_depthwise_conv`, so TensorRT keeps its own Conv and a rank's passes find the nodes as converted): a
+  Conv with group = its channels, weight [C, 1, W], bias [C], no padding, stride and dilation 1 (KDA's short
+  conv) becomes `k3x.fused::DepthwiseConv1d(x, w, b)` (attribute group), whose body is that Conv
+  (custom_ops/fused.py); ONNX Runtime runs it on one CPU kernel, bit-identical, when the library is built (its
+  own Conv took 0.35 ms a k3-bench decode step a layer, one im2col + GEMM per channel).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from ..custom_ops.fused import FUSED_DOMAIN, SITU_GLU, situ_glu_function
+from ..custom_ops.fused import DEPTHWISE_CONV, FUSED_DOMAIN, SITU_GLU, depthwise_conv_function, situ_glu_function
 
 
 def _is(node: ir.Node | None, op_type: str) -> bool:
@@ -168,4 +174,55 @@ def fuse_situ_glu(model: ir.Model) -> int:
         fn = ir.serde.deserialize_function(situ_glu_function(model.opset_imports[""]))
         model.functions[fn.identifier()] = fn
         model.opset_imports[FUSED_DOMAIN] = 1
+    return done
+
+
+def _depthwise(node: ir.Node) -> bool:
+    """A Conv of x [B, C, L] with w [C, 1, W] and a bias b [C] (KDA's has one, zeros, once converted), group C,
+    no padding, stride or dilation."""
+    if not _is(node, "Conv") or len(node.inputs) != 3 or any(v is None or v.shape is None for v in node.inputs[1:]):
+        return False
+    w = node.inputs[1].shape
+    if len(w) != 3 or not all(isinstance(d, int) for d in w) or w[1] != 1 or _attr(node, "group", 1) != w[0] \
+            or list(node.inputs[2].shape) != [w[0]]:
+        return False
+    plain = {"pads": [0, 0], "strides": [1], "dilations": [1], "kernel_shape": [w[2]]}
+    return _attr(node, "auto_pad", "NOTSET") in ("NOTSET", b"NOTSET") and \
+        all(list(_attr(node, k, v)) == v for k, v in plain.items())
+
+
+def fuse_depthwise_conv(model: ir.Model) -> int:
+    """Rewrite every top-level depthwise 1-D Conv (`_depthwise`) into `k3x.fused::DepthwiseConv1d` and attach
+    that function (and the domain's import) when any was rewritten; returns how many."""
+    graph, done = model.graph, 0
+    for conv in [n for n in graph if _depthwise(n)]:
+        if conv.outputs[0].is_graph_output():
+            continue  # a graph output's name must stay
+        fused = ir.node(DEPTHWISE_CONV, list(conv.inputs), attributes={"group": int(_attr(conv, "group", 1))},
+                        domain=FUSED_DOMAIN, name=f"{conv.name}/depthwise")
+        fused.outputs[0].dtype, fused.outputs[0].shape = conv.outputs[0].dtype, conv.outputs[0].shape
+        graph.insert_before(conv, fused)
+        ir.convenience.replace_all_uses_with(conv.outputs[0], fused.outputs[0])
+        graph.remove(conv, safe=True)
+        done += 1
+    if done:
+        fn = ir.serde.deserialize_function(depthwise_conv_function(model.opset_imports[""]))
+        model.functions[fn.identifier()] = fn
+        model.opset_imports[FUSED_DOMAIN] = 1
+    return done
+
+
+def unfuse_depthwise_conv(model: ir.Model) -> int:
+    """`fuse_depthwise_conv` undone: each top-level DepthwiseConv1d call back to its Conv, the function detached;
+    returns how many."""
+    graph, done = model.graph, 0
+    for call in [n for n in graph if n.domain == FUSED_DOMAIN and n.op_type == DEPTHWISE_CONV]:
+        conv = ir.node("Conv", list(call.inputs), attributes={"group": call.attributes["group"].value},
+                       name=call.name.removesuffix("/depthwise"))
+        conv.outputs[0].dtype, conv.outputs[0].shape = call.outputs[0].dtype, call.outputs[0].shape
+        graph.insert_before(call, conv)
+        ir.convenience.replace_all_uses_with(call.outputs[0], conv.outputs[0])
+        graph.remove(call, safe=True)
+        done += 1
+    model.functions.pop((FUSED_DOMAIN, DEPTHWISE_CONV, ""), None)
     return done

@@ -6,6 +6,10 @@
 //   q, k = l2norm(silu(y)) per head (eps 1e-6); v = silu(y); beta = sigmoid(b)
 //   g = lb * sigmoid(exp(A_log[h]) * (f + dt_bias))  (lb != 0),  -exp(A_log[h]) * softplus(f + dt_bias)  (lb = 0)
 //   new_conv[b, c, j] = in(len_b - (W-1) + j)
+// Also k3x.fused::DepthwiseConv1d (custom_ops/fused.py): the batch interface's short conv, ONNX's Conv with
+// group = channels, its sums in the order ONNX Runtime's Conv makes them (bit for bit: the products rounded, not
+// fused; one output a channel (decode) summed in pairs, more in tap order from 0; then + b[c]). ORT's Conv runs
+// such a node as one im2col + GEMM per channel: k3-bench's 3,072 channels took ~0.35 ms a decode step, a layer.
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
 
@@ -166,6 +170,90 @@ struct KDAPrepKernel : Fp32Int32<9, 7, 6> {
 
 CpuOp<KDAPrepKernel> kda_prep_op;
 
+struct Conv {
+  const float *x, *w, *b;  // x [B, C, L], w [C, 1, W], b [C]
+  float* y;            // [B, C, L - W + 1]
+  int64_t rows, C, L, W;  // rows = B * C
+};
+
+constexpr int64_t CONV_CHANNELS = 256;  // channels per task
+constexpr int64_t CONV_INLINE = 1 << 16;  // multiply-adds below which one thread does all (a decode step: ~12k)
+
+// The sum of p[0..n) as ONNX Runtime's Conv (MLAS, 1.31) sums a one-output channel: adjacent pairs, then pairs
+// of those, .. (n <= 16 on the stack: KDA's conv_kernel is 4)
+float pairwise(float* p, int64_t n) {
+  for (; n > 1; n = (n + 1) / 2)
+    for (int64_t i = 0; i < n; i += 2) p[i / 2] = i + 1 < n ? p[i] + p[i + 1] : p[i];
+  return p[0];
+}
+
+// rows [lo, hi) of x's B * C rows; products rounded before each add as MLAS's (g++ would otherwise fuse them)
+__attribute__((optimize("fp-contract=off"))) void conv_channels(const Conv& p, int64_t lo, int64_t hi) {
+  const int64_t T = p.L - p.W + 1;
+  if (T == 1 && p.W == 4) {  // a decode step of KDA's conv: x and w rows of 4 side by side, so it vectorises
+    for (int64_t r = lo; r < hi;) {
+      const int64_t c0 = r % p.C, n = std::min(hi - r, p.C - c0);  // one division per sequence, not per row
+      const float *x = p.x + r * 4, *w = p.w + c0 * 4, *b = p.b + c0;
+      float* y = p.y + r;
+#pragma omp simd
+      for (int64_t c = 0; c < n; ++c)
+        y[c] = ((w[4 * c] * x[4 * c] + w[4 * c + 1] * x[4 * c + 1]) +
+                (w[4 * c + 2] * x[4 * c + 2] + w[4 * c + 3] * x[4 * c + 3])) + b[c];
+      r += n;
+    }
+    return;
+  }
+  float prod[16];
+  for (int64_t r = lo; r < hi; ++r) {
+    const int64_t c = r % p.C;
+    const float *x = p.x + r * p.L, *w = p.w + c * p.W;
+    float* y = p.y + r * T;
+    if (T == 1 && p.W <= 16) {  // one output of another width
+      for (int64_t i = 0; i < p.W; ++i) prod[i] = w[i] * x[i];
+      y[0] = pairwise(prod, p.W) + p.b[c];
+      continue;
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      float acc = 0.f;
+      for (int64_t i = 0; i < p.W; ++i) acc += w[i] * x[t + i];
+      y[t] = acc + p.b[c];
+    }
+  }
+}
+
+void conv_task(void* user, size_t task) {
+  const Conv& p = *static_cast<const Conv*>(user);
+  const int64_t lo = int64_t(task) * CONV_CHANNELS;
+  conv_channels(p, lo, std::min(p.rows, lo + CONV_CHANNELS));
+}
+
+// DepthwiseConv1d(x [B, C, L] float, w [C, 1, W] float, b [C] float) -> y [B, C, L - W + 1] float
+struct DepthwiseConv1dKernel : Fp32Int32<3, 3, 1> {
+  static constexpr const char* name = "DepthwiseConv1d";
+  DepthwiseConv1dKernel(const OrtApi&, const OrtKernelInfo*) {}
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    auto x = ctx.GetInput(0), w = ctx.GetInput(1), b = ctx.GetInput(2);
+    const auto xs = shape_of(x), ws = shape_of(w), bs = shape_of(b);
+    if (xs.size() != 3 || ws.size() != 3 || ws[0] != xs[1] || ws[1] != 1 || ws[2] < 1 || xs[2] < ws[2] ||
+        bs != std::vector<int64_t>{xs[1]})
+      throw Ort::Exception("k3x.fused::DepthwiseConv1d: x " + dims(xs) + ", w " + dims(ws) + " and b " + dims(bs) +
+                               ": expected [B, C, L], [C, 1, W] and [C], W <= L",
+                           ORT_INVALID_ARGUMENT);
+    const int64_t B = xs[0], C = xs[1], L = xs[2], W = ws[2], T = L - W + 1;
+    Conv p{x.GetTensorData<float>(), w.GetTensorData<float>(), b.GetTensorData<float>(),
+           ctx.GetOutput(0, std::vector<int64_t>{B, C, T}).GetTensorMutableData<float>(), B * C, C, L, W};
+    if (p.rows * T * W < CONV_INLINE) return conv_channels(p, 0, p.rows);
+    ctx.ParallelFor(conv_task, size_t((p.rows + CONV_CHANNELS - 1) / CONV_CHANNELS), 0, &p);
+  }
+};
+
+CpuOp<DepthwiseConv1dKernel> depthwise_conv_op;
+
 }  // namespace
 
-void k3x_add_kda_prep(Ort::CustomOpDomain& k3, Ort::CustomOpDomain&) { k3.Add(&kda_prep_op); }
+void k3x_add_kda_prep(Ort::CustomOpDomain& k3, Ort::CustomOpDomain& fused) {
+  k3.Add(&kda_prep_op);
+  fused.Add(&depthwise_conv_op);
+}

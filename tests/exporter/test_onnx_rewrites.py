@@ -2,7 +2,9 @@
 RMSNorm (model/layers.py) into one SimplifiedLayerNormalization kernel; the norm's result is unchanged, a
 Reciprocal with another use survives, and an exported model holds no Reciprocal in either flavor. KDA's
 sibling projections become one Gemm; the traced SiTU-GLU becomes one k3x.fused::SiTUGLU call with the
-same outputs, and a chain whose intermediate is used elsewhere (or a SiLU-GLU) is left alone."""
+same outputs, and a chain whose intermediate is used elsewhere (or a SiLU-GLU) is left alone. A depthwise
+Conv (KDA's short conv) becomes one k3x.fused::DepthwiseConv1d call with the same outputs and back; a grouped
+Conv of another form is left alone."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import onnx_ir as ir
 import pytest
 import torch
 
-from k3x.exporter.onnx_rewrites import fuse_situ_glu, merge_sibling_gemms, rsqrt_as_div
+from k3x.exporter.onnx_rewrites import (fuse_depthwise_conv, fuse_situ_glu, merge_sibling_gemms, rsqrt_as_div,
+                                       unfuse_depthwise_conv)
 from k3x.model.config import preset
 from k3x.model.layers import GatedMLP, RMSNorm
 from tolerances import assert_close
@@ -160,3 +163,47 @@ def test_a_chain_read_elsewhere_or_a_silu_glu_is_left_alone(activation, spare_us
     assert before.count("Sigmoid") == 1  # with spare_use the exporter's CSE shares the chain's Sigmoid
     assert fuse_situ_glu(model) == 0
     assert [n.op_type for n in model.graph] == before and not model.functions
+
+
+class _Conv(torch.nn.Module):
+    """A depthwise conv over x [B, C, L] with a bias (KDA's short conv as the exporter hands it over: a Conv with a
+    zero bias), or with `padding`; doubled, so the Conv is not the graph output (whose name a rewrite keeps)."""
+
+    def __init__(self, C: int = 24, W: int = 4, padding: int = 0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(C)
+        self.w = torch.nn.Parameter(torch.randn(C, 1, W, generator=g))
+        self.b = torch.nn.Parameter(torch.randn(C, generator=g))
+        self.padding = padding
+
+    def forward(self, x):
+        return 2 * torch.nn.functional.conv1d(x, self.w, self.b, groups=self.w.shape[0], padding=self.padding)
+
+
+def _exported_conv(module: torch.nn.Module) -> ir.Model:
+    x = torch.randn(2, 24, 7)
+    ep = torch.export.export(module, (x,), dynamic_shapes={"x": {2: torch.export.Dim("L", min=5)}})
+    return torch.onnx.export(ep, dynamo=True, opset_version=20, verbose=False).model
+
+
+def test_the_depthwise_conv_becomes_one_fused_call_with_the_same_outputs_and_back():
+    module = _Conv()
+    model, plain = _exported_conv(module), _exported_conv(module)
+    assert fuse_depthwise_conv(model) == 1
+    ops = [(n.domain, n.op_type) for n in model.graph]
+    assert ("k3x.fused", "DepthwiseConv1d") in ops and ("", "Conv") not in ops
+    assert ("k3x.fused", "DepthwiseConv1d", "") in model.functions
+    for L in (4, 9):  # a decode step's window (the export sees L >= 5: torch guards L - 3 != 1), a prefill's
+        x = torch.randn(2, 24, L, generator=torch.Generator().manual_seed(L))
+        (y,), (want,) = _run(model, x), _run(plain, x)
+        assert (y == want).all()  # the body is the Conv itself
+    assert fuse_depthwise_conv(model) == 0  # nothing left to fuse
+    assert unfuse_depthwise_conv(model) == 1
+    assert [(n.domain, n.op_type) for n in model.graph] == [(n.domain, n.op_type) for n in plain.graph]
+    assert not model.functions
+
+
+def test_a_padded_conv_is_left_alone():
+    model = _exported_conv(_Conv(padding=1))
+    before = [n.op_type for n in model.graph]
+    assert fuse_depthwise_conv(model) == 0 and [n.op_type for n in model.graph] == before

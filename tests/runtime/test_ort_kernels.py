@@ -336,3 +336,38 @@ def test_moe_kernels_name_the_bad_input(kernels):
     feeds |= {"pair_row": np.array([[0, 1], [2, 3]]), "y_1": np.ones((2, 6), np.float32)}
     with pytest.raises(Exception, match=r"k3x.fused::MoECombine: y_1 \[2, 6\]: expected \[rows, 5\]"):
         session(combine, kernels).run(None, feeds)
+
+
+def _conv_model(C: int, W: int, body: bool):
+    """x [B, C, L] -> k3x.fused::DepthwiseConv1d (the kernel; no body) or ONNX's Conv (what the body runs)."""
+    ins = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("x", "w", "b")]
+    node = helper.make_node("Conv", ["x", "w", "b"], ["y"], group=C) if body else \
+        helper.make_node("DepthwiseConv1d", ["x", "w", "b"], ["y"], domain="k3x.fused", group=C)
+    graph = helper.make_graph([node], "conv", ins, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("k3x.fused", 1)],
+                             ir_version=10)
+
+
+@pytest.mark.parametrize("B,C,L,W", [
+    (1, 3072, 4, 4),  # a k3-bench decode step: one output a channel
+    (2, 192, 4, 4),  # two sequences
+    (6, 3000, 4, 4),  # over the threads, tasks across sequences
+    (1, 192, 131, 4),  # a prefill chunk, over the threads
+    (1, 64, 5, 5), (3, 40, 2, 2), (1, 33, 9, 1),  # other kernels
+])
+def test_depthwise_conv_kernel_equals_onnx_runtimes_conv_bit_for_bit(kernels, B, C, L, W):
+    g = torch.Generator().manual_seed(B * C + L + W)
+    feeds = {"x": torch.randn(B, C, L, generator=g).numpy(), "w": torch.randn(C, 1, W, generator=g).numpy(),
+             "b": torch.randn(C, generator=g).numpy()}
+    (y,) = session(_conv_model(C, W, body=False), kernels).run(None, feeds)
+    (want,) = session(_conv_model(C, W, body=True)).run(None, feeds)
+    assert y.shape == (B, C, L - W + 1)
+    np.testing.assert_array_equal(y, want)
+
+
+def test_depthwise_conv_kernel_names_the_bad_input(kernels):
+    feeds = {"x": np.zeros((1, 8, 4), np.float32), "w": np.zeros((8, 1, 5), np.float32),
+             "b": np.zeros(8, np.float32)}
+    with pytest.raises(Exception, match=r"k3x.fused::DepthwiseConv1d: x \[1, 8, 4\], w \[8, 1, 5\] and b \[8\]: "
+                                        r"expected \[B, C, L\], \[C, 1, W\] and \[C\], W <= L"):
+        session(_conv_model(8, 5, body=False), kernels).run(None, feeds)
