@@ -191,6 +191,9 @@ def _depthwise(node: ir.Node) -> bool:
         all(list(_attr(node, k, v)) == v for k, v in plain.items())
 
 
+CONV_ATTRIBUTES = "k3x.conv"  # a fused call's Conv attributes and metadata, kept in memory (ir.Node.meta)
+
+
 def fuse_depthwise_conv(model: ir.Model) -> int:
     """Rewrite every top-level depthwise 1-D Conv (`_depthwise`) into `k3x.fused::DepthwiseConv1d` and attach
     that function (and the domain's import) when any was rewritten; returns how many."""
@@ -200,10 +203,13 @@ def fuse_depthwise_conv(model: ir.Model) -> int:
             continue  # a graph output's name must stay
         fused = ir.node(DEPTHWISE_CONV, list(conv.inputs), attributes={"group": int(_attr(conv, "group", 1))},
                         domain=FUSED_DOMAIN, name=f"{conv.name}/depthwise")
+        # in memory only, for unfuse to give back the node as found: its attributes and metadata
+        fused.meta[CONV_ATTRIBUTES] = (list(conv.attributes.values()), dict(conv.metadata_props))
         fused.outputs[0].dtype, fused.outputs[0].shape = conv.outputs[0].dtype, conv.outputs[0].shape
         graph.insert_before(conv, fused)
         ir.convenience.replace_all_uses_with(conv.outputs[0], fused.outputs[0])
         graph.remove(conv, safe=True)
+        fused.outputs[0].name = conv.outputs[0].name  # the graph's own name, not a fresh one (same for every rank)
         done += 1
     if done:
         fn = ir.serde.deserialize_function(depthwise_conv_function(model.opset_imports[""]))
@@ -213,16 +219,18 @@ def fuse_depthwise_conv(model: ir.Model) -> int:
 
 
 def unfuse_depthwise_conv(model: ir.Model) -> int:
-    """`fuse_depthwise_conv` undone: each top-level DepthwiseConv1d call back to its Conv, the function detached;
-    returns how many."""
+    """`fuse_depthwise_conv` undone: each top-level DepthwiseConv1d call back to the Conv it was (its attributes and
+    output name as found, when fused in this process), the function detached; returns how many."""
     graph, done = model.graph, 0
     for call in [n for n in graph if n.domain == FUSED_DOMAIN and n.op_type == DEPTHWISE_CONV]:
-        conv = ir.node("Conv", list(call.inputs), attributes={"group": call.attributes["group"].value},
-                       name=call.name.removesuffix("/depthwise"))
+        kept, metadata = call.meta.get(CONV_ATTRIBUTES) or ([ir.AttrInt64("group", call.attributes["group"].value)], {})
+        conv = ir.Node("", "Conv", list(call.inputs), attributes=kept, name=call.name.removesuffix("/depthwise"),
+                       metadata_props=metadata)
         conv.outputs[0].dtype, conv.outputs[0].shape = call.outputs[0].dtype, call.outputs[0].shape
         graph.insert_before(call, conv)
         ir.convenience.replace_all_uses_with(call.outputs[0], conv.outputs[0])
         graph.remove(call, safe=True)
+        conv.outputs[0].name = call.outputs[0].name
         done += 1
     model.functions.pop((FUSED_DOMAIN, DEPTHWISE_CONV, ""), None)
     return done

@@ -201,6 +201,10 @@ def test_the_depthwise_conv_becomes_one_fused_call_with_the_same_outputs_and_bac
     assert unfuse_depthwise_conv(model) == 1
     assert [(n.domain, n.op_type) for n in model.graph] == [(n.domain, n.op_type) for n in plain.graph]
     assert not model.functions
+    # node for node as found, names and attributes included: a rank program's model passes through ort and trt
+    # once per rank, and every rank's file must be the same graph
+    nodes = [ir.serde.serialize_node(n).SerializeToString() for n in model.graph]
+    assert nodes == [ir.serde.serialize_node(n).SerializeToString() for n in plain.graph]
 
 
 def test_a_padded_conv_is_left_alone():
