@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from tiny_onnx import export_k3, ort_flavor_session
+
 import k3x.custom_ops  # noqa: F401  (registers torch.ops.k3.*)
 from k3x.custom_ops.linear_bf16 import linear_bf16
 from k3x.custom_ops.linear_bf16.reference import linear_bf16 as reference
@@ -85,29 +87,18 @@ class Tiny(torch.nn.Module):
 @pytest.fixture(scope="module")
 def exported():
     """Tiny(37, 45, 19) through torch.export (batch and sequence dynamic) and torch.onnx, k3 nodes bare."""
-    from k3x.exporter.onnx import translation_table
-
     model = Tiny(37, 45, 19)
-    x = torch.randn(2, 5, 37)
-    dims = {"x": {0: torch.export.Dim("B", max=64), 1: torch.export.Dim("T", max=1024)}}
-    ep = torch.export.export(model, (x,), dynamic_shapes=dims)
-    onnx_model = torch.onnx.export(ep, dynamo=True, custom_translation_table=translation_table(), optimize=False,
-                                   opset_version=23).model
-    return model, onnx_model
+    return model, export_k3(model, torch.randn(2, 5, 37))
 
 
 def test_export_to_onnx_runs_the_function_body_on_onnx_runtime(exported):
     import onnx_ir as ir
-    import onnxruntime as ort
-
-    from k3x.exporter.onnx_flavors import ort_pass
 
     model, onnx_model = exported
     k3 = [n for n in onnx_model.graph if n.domain == "k3"]
     assert [n.op_type for n in k3] == ["LinearBF16"] * 2 and all(n.inputs[1].dtype == ir.DataType.BFLOAT16 for n in k3)
     assert not [n for n in k3 if set(n.attributes) != {"plugin_namespace"}]  # no attributes of its own
-    proto = ir.serde.serialize_model(ort_pass(ir.serde.deserialize_model(ir.serde.serialize_model(onnx_model))))
-    sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    proto, sess = ort_flavor_session(onnx_model)
     for shape in ((1, 1, 37), (3, 17, 37), (1, 130, 37)):
         x = torch.randn(shape, generator=torch.Generator().manual_seed(shape[1]))
         (y,) = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})
