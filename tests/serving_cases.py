@@ -7,6 +7,7 @@ import torch
 from tolerances import assert_close
 
 from k3x.model import empty_state
+from k3x.text.sampling import Sampler
 
 
 def prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[list[int]]:
@@ -40,3 +41,16 @@ def assert_records_match(records, want: list[tuple[list[int], list[torch.Tensor]
         assert r.tokens == tokens, f"{where}: prompt {r.index}"
         for j, (a, e) in enumerate(zip(r.logits, logits)):
             assert_close(a, e, torch.float32, what=f"{where}: prompt {r.index} token {j}", scaled=scaled)
+
+
+FAILING_SEED = 666  # a request sampled with this seed fails in `FlakySampler`
+
+
+class FlakySampler(Sampler):
+    """The real sampler, except that a request whose seed is FAILING_SEED raises in it (one request failing
+    inside the engine loop, the others going on)."""
+
+    def __call__(self, logits):
+        if self.options.seed == FAILING_SEED:
+            raise RuntimeError("boom")
+        return super().__call__(logits)

@@ -8,7 +8,7 @@ import queue
 import time
 
 import pytest
-from serving_cases import prompts
+from serving_cases import FAILING_SEED, FlakySampler, prompts
 
 from k3x.model import preset
 from k3x.runtime.engine import Engine, EngineSizes
@@ -109,17 +109,11 @@ def test_a_stop_string_ends_the_request_and_frees_its_slot_in_that_step(runner):
 
 
 def test_a_failing_sampler_fails_its_request_only(runner):
-    class Flaky(Sampler):
-        def __call__(self, logits):
-            if self.options.seed == 666:
-                raise RuntimeError("boom")
-            return super().__call__(logits)
-
-    loop = start(runner, sampler=Flaky)
+    loop = start(runner, sampler=FlakySampler)
     try:
         ps = prompts([4, 7, 11], CFG.vocab_size, seed=5)
         want = [r.tokens for r in serve(runner, CFG, ps, GREEDY, ServeOptions(max_sequences=3, block_size=8))]
-        sampled = SamplingOptions(8, temperature=1.0, seed=666)
+        sampled = SamplingOptions(8, temperature=1.0, seed=FAILING_SEED)
         handles = [submit(loop, Job(tuple(p), 8, sampled if i == 1 else GREEDY)) for i, p in enumerate(ps)]
         out = [finish(events) for _, events in handles]
         assert out[1][2] == "error" and "boom" in out[1][3]

@@ -10,6 +10,7 @@ import threading
 import httpx
 import pytest
 from http_cases import settled, start
+from serving_cases import FAILING_SEED, FlakySampler
 
 GOOD = {"model": "k3-mini", "prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}
 CHAT = {"model": "k3-mini", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
@@ -108,22 +109,14 @@ def test_a_prompt_the_cache_can_never_hold_is_refused(chat_export):
 
 
 def test_an_error_inside_one_request_is_a_500_for_it_alone(chat_export):
-    from k3x.text.sampling import Sampler
-
-    class Flaky(Sampler):
-        def __call__(self, logits):
-            if self.options.seed == 666:
-                raise RuntimeError("boom")
-            return super().__call__(logits)
-
-    running = start(chat_export, sampler=Flaky)
+    running = start(chat_export, sampler=FlakySampler)
     try:
         results = {}
 
         def ask(key, body):
             results[key] = post(running.url, "/v1/completions", body, timeout=60)
 
-        bodies = {"bad": GOOD | {"temperature": 1.0, "seed": 666, "max_tokens": 8}, "good": GOOD | {"max_tokens": 8}}
+        bodies = {"bad": GOOD | {"temperature": 1.0, "seed": FAILING_SEED, "max_tokens": 8}, "good": GOOD | {"max_tokens": 8}}
         threads = [threading.Thread(target=ask, args=kv) for kv in bodies.items()]
         for t in threads:
             t.start()
