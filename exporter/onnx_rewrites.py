@@ -171,10 +171,15 @@ def fuse_situ_glu(model: ir.Model) -> int:
         graph.remove(chain, safe=True)
         done += 1
     if done:
-        fn = ir.serde.deserialize_function(situ_glu_function(model.opset_imports[""]))
-        model.functions[fn.identifier()] = fn
-        model.opset_imports[FUSED_DOMAIN] = 1
+        _attach(model, situ_glu_function(model.opset_imports[""]))
     return done
+
+
+def _attach(model: ir.Model, function) -> None:
+    """A k3x.fused function (FunctionProto) and its domain's import, attached to `model`."""
+    fn = ir.serde.deserialize_function(function)
+    model.functions[fn.identifier()] = fn
+    model.opset_imports[FUSED_DOMAIN] = 1
 
 
 def _depthwise(node: ir.Node) -> bool:
@@ -205,16 +210,10 @@ def fuse_depthwise_conv(model: ir.Model) -> int:
                         domain=FUSED_DOMAIN, name=f"{conv.name}/depthwise")
         # in memory only, for unfuse to give back the node as found: its attributes and metadata
         fused.meta[CONV_ATTRIBUTES] = (list(conv.attributes.values()), dict(conv.metadata_props))
-        fused.outputs[0].dtype, fused.outputs[0].shape = conv.outputs[0].dtype, conv.outputs[0].shape
-        graph.insert_before(conv, fused)
-        ir.convenience.replace_all_uses_with(conv.outputs[0], fused.outputs[0])
-        graph.remove(conv, safe=True)
-        fused.outputs[0].name = conv.outputs[0].name  # the graph's own name, not a fresh one (same for every rank)
+        _swap(graph, conv, fused)
         done += 1
     if done:
-        fn = ir.serde.deserialize_function(depthwise_conv_function(model.opset_imports[""]))
-        model.functions[fn.identifier()] = fn
-        model.opset_imports[FUSED_DOMAIN] = 1
+        _attach(model, depthwise_conv_function(model.opset_imports[""]))
     return done
 
 
@@ -226,11 +225,17 @@ def unfuse_depthwise_conv(model: ir.Model) -> int:
         kept, metadata = call.meta.get(CONV_ATTRIBUTES) or ([ir.AttrInt64("group", call.attributes["group"].value)], {})
         conv = ir.Node("", "Conv", list(call.inputs), attributes=kept, name=call.name.removesuffix("/depthwise"),
                        metadata_props=metadata)
-        conv.outputs[0].dtype, conv.outputs[0].shape = call.outputs[0].dtype, call.outputs[0].shape
-        graph.insert_before(call, conv)
-        ir.convenience.replace_all_uses_with(call.outputs[0], conv.outputs[0])
-        graph.remove(call, safe=True)
-        conv.outputs[0].name = call.outputs[0].name
+        _swap(graph, call, conv)
         done += 1
     model.functions.pop((FUSED_DOMAIN, DEPTHWISE_CONV, ""), None)
     return done
+
+
+def _swap(graph: ir.Graph, old: ir.Node, new: ir.Node) -> None:
+    """`new` (one output) in place of `old`: same output dtype, shape and name (the graph's own, not a fresh one:
+    the same in every rank's file), every use moved to it, `old` removed."""
+    new.outputs[0].dtype, new.outputs[0].shape = old.outputs[0].dtype, old.outputs[0].shape
+    graph.insert_before(old, new)
+    ir.convenience.replace_all_uses_with(old.outputs[0], new.outputs[0])
+    graph.remove(old, safe=True)
+    new.outputs[0].name = old.outputs[0].name
