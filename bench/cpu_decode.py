@@ -10,9 +10,9 @@ to fp32 with the fp32 trunk ("dense"). Each is exported as the `ort` flavor and 
   - decode: --decode-steps one-token calls after that prompt -> ms/token (median), and the CPU time the
     process spent per call (all threads: less sensitive than wall time to other processes on the cores)
   - floor: the time to stream the bytes one decode step must read (every weight but the embedding table and
-    the routed experts, plus top_k experts per MoE layer, each in its form's bytes) once, a sum over a buffer
-    of that size on the same threads, as often as there are decode steps, after them; `floor_share` = floor /
-    decode (1 = at it).
+    the routed experts, plus top_k experts per MoE layer, each in its form's bytes) once: a sum over a buffer
+    of that size on 2 MB pages, on the same threads, right after each decode step; `floor_share` = the median
+    of floor / decode over those pairs (1 = at it), `floor GB/s` the rate the machine streamed at.
   Each form runs in a process of its own, the forms one after another in each of --repeats rounds (`measure`).
   - experts: a decode step of one MoE node alone (x, z of one token) with 16, 64 and 256 experts of the same
     top_k, kernel (when built) and function body: its cost must follow the active experts, not the total.
@@ -77,12 +77,16 @@ def step_bytes(model, cfg) -> int:
 
 def child_run(onnx: Path, preset_name: str, depths: list[int], steps: int, threads: int, nbytes: int) -> dict:
     """One form in this process alone (what `k3x run` gets: one session, its threads undisturbed): per depth P,
-    a prefill of a [1, P] prompt (seeded by P, the same for every form) and `steps` decode steps after it, then
-    `steps` times the floor of `nbytes` (after the steps, not between them: torch's threads, busy-waiting after
-    the sum, took the cores from the next step's). Seconds / ms as lists, for the parent's medians."""
+    a prefill of a [1, P] prompt (seeded by P, the same for every form) and `steps` decode steps after it, each
+    followed by one floor read of `nbytes` (paired: the machine's memory bandwidth on this VM drifts between
+    runs, 30 to 50 GB/s, so each step is set against a floor read under the same conditions; the parent runs
+    this process with OMP_WAIT_POLICY=PASSIVE, so torch's threads sleep after the read instead of spinning on
+    the cores the next step runs on). The floor's buffer is on 2 MB pages like the session's weights
+    (runtime/host_memory.py). Seconds / ms as lists, for the parent's medians."""
     import torch
 
     from k3x.model import preset
+    from k3x.runtime.host_memory import collapse
     from k3x.runtime.ort_runner import OrtRunner
     from k3x.runtime.runners import next_feeds, start_feeds
 
@@ -90,6 +94,7 @@ def child_run(onnx: Path, preset_name: str, depths: list[int], steps: int, threa
     cfg = preset(preset_name)
     runner = OrtRunner(onnx, provider="cpu", intra_op_threads=threads)
     buf = torch.ones(nbytes // 4 + 1)  # written once, so its pages are real
+    collapse([(buf.data_ptr(), buf.data_ptr() + 4 * buf.numel())])
     stream_ms(buf, nbytes)
     g = torch.Generator().manual_seed(0)
     warm = runner.infer(start_feeds(cfg, torch.randint(0, cfg.vocab_size, (1, 8), generator=g)))
@@ -106,7 +111,7 @@ def child_run(onnx: Path, preset_name: str, depths: list[int], steps: int, threa
             res = runner.infer(feeds)
             f["decode_s"].append(time.perf_counter() - t)
             f["cpu_s"].append(time.process_time() - c)
-        f["floor_ms"] = [stream_ms(buf, nbytes) for _ in range(steps)]
+            f["floor_ms"].append(stream_ms(buf, nbytes))
         out[P] = f
     return out
 
@@ -124,7 +129,8 @@ def measure(files: dict[str, Path], nbytes: dict[str, int], preset_name: str, de
             with tempfile.NamedTemporaryFile(suffix=".json") as res:
                 subprocess.run([sys.executable, __file__, "--child", str(onnx), "--preset", preset_name,
                                 "--depths", ",".join(map(str, depths)), "--decode-steps", str(steps), "--threads",
-                                str(threads), "--child-bytes", str(nbytes[form]), "--json", res.name], check=True)
+                                str(threads), "--child-bytes", str(nbytes[form]), "--json", res.name], check=True,
+                               env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
                 got = json.loads(Path(res.name).read_text())
             for P in depths:
                 for key, v in got[str(P)].items():
@@ -135,9 +141,10 @@ def measure(files: dict[str, Path], nbytes: dict[str, int], preset_name: str, de
         for P in depths:
             r = raw[form][P]
             ms, fl = 1e3 * statistics.median(r["decode_s"]), statistics.median(r["floor_ms"])
+            share = statistics.median([f / (1e3 * d) for f, d in zip(r["floor_ms"], r["decode_s"])])  # paired
             out[form][P] = {"prefill_tokens_per_s": P / statistics.median(r["prefill_s"]), "decode_ms_per_token": ms,
                             "decode_cpu_ms_per_token": 1e3 * statistics.median(r["cpu_s"]), "floor_ms": fl,
-                            "floor_share": fl / ms}
+                            "floor_share": share}
     return out
 
 
@@ -271,12 +278,12 @@ def main() -> None:
     print(f"{args.preset}, ONNX Runtime CPU, {args.threads} threads, load average {load['before']:.1f} -> "
           f"{load['after']:.1f}, kernel library {'built' if library() else 'not built'}, one process per form")
     print(f"{'form':<10} {'depth':>6} {'prefill tok/s':>14} {'decode ms/tok':>14} {'cpu ms/tok':>11} "
-          f"{'step MB':>8} {'floor ms':>9} {'floor share':>12}")
+          f"{'step MB':>8} {'floor ms':>9} {'floor GB/s':>10} {'floor share':>12}")
     for form, row in rows.items():
         for P, f in row["depths"].items():
             print(f"{form:<10} {P:>6} {f['prefill_tokens_per_s']:>14.1f} {f['decode_ms_per_token']:>14.2f} "
                   f"{f['decode_cpu_ms_per_token']:>11.2f} {row['step_bytes'] / 1e6:>8.1f} {f['floor_ms']:>9.2f} "
-                  f"{f['floor_share']:>12.2f}")
+                  f"{row['step_bytes'] / 1e6 / f['floor_ms']:>10.1f} {f['floor_share']:>12.2f}")
     for name, per in scaling.items():
         spread = max(per.values()) / min(per.values())
         print(f"one MoE node, one token, {name}: " + ", ".join(f"E={E} {ms:.3f} ms" for E, ms in per.items())

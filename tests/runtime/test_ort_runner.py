@@ -140,7 +140,7 @@ def test_release_freed_heap_hands_freed_memory_back():
     64 KB blocks (heap, not mmap) stays in RSS until `release_freed_heap`."""
     import ctypes
 
-    from k3x.runtime.ort_runner import release_freed_heap
+    from k3x.runtime.host_memory import release_freed_heap
 
     libc = ctypes.CDLL("libc.so.6")
     libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
