@@ -14,12 +14,16 @@ to fp32 with the fp32 trunk ("dense"). Each is exported as the `ort` flavor and 
     of that size on 2 MB pages, on the same threads, right after each decode step; `floor_share` = the median
     of floor / decode over those pairs (1 = at it), `floor GB/s` the rate the machine streamed at.
   Each form runs in a process of its own, the forms one after another in each of --repeats rounds (`measure`).
-  - experts: a decode step of one MoE node alone (x, z of one token) with 16, 64 and 256 experts of the same
-    top_k, kernel (when built) and function body: its cost must follow the active experts, not the total.
+  - experts (bench/expert_scaling.py): the cost must follow the active experts, not the total. A decode step
+    (prompt 128, the batch interface, the same children) of the preset's MXFP4 model rebuilt with 16, 64 and
+    256 experts of the same top_k, and one MoE node alone (one token, one thread, the caches evicted before
+    each call), on the kernel (when built) and on the function body (K3X_ORT_KERNELS=0 in the child); max/min
+    over the expert counts per path.
 Prints a table and writes --json. The machine's load average is recorded beside the figures.
 
     python bench/cpu_decode.py [--preset k3-bench] [--depths 128,2048] [--decode-steps 16] [--threads N]
                                [--formats mxfp4,mxfp4+bf16,mxfp4+int8,dense] [--repeats 2]
+                               [--experts 16,64,256] [--expert-threads 1] [--expert-steps 16] [--body-steps 3]
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 
@@ -75,23 +80,28 @@ def step_bytes(model, cfg) -> int:
     return total + per_expert * cfg.moe.top_k  # per_expert sums over the MoE layers already
 
 
-def child_run(onnx: Path, preset_name: str, depths: list[int], steps: int, threads: int, nbytes: int) -> dict:
+def child_run(onnx: Path, preset_name: str, depths: list[int], steps: int, threads: int, nbytes: int,
+              experts: int | None = None) -> dict:
     """One form in this process alone (what `k3x run` gets: one session, its threads undisturbed): per depth P,
     a prefill of a [1, P] prompt (seeded by P, the same for every form) and `steps` decode steps after it, each
-    followed by one floor read of `nbytes` (paired: the machine's memory bandwidth on this VM drifts between
-    runs, 30 to 50 GB/s, so each step is set against a floor read under the same conditions; the parent runs
-    this process with OMP_WAIT_POLICY=PASSIVE, so torch's threads sleep after the read instead of spinning on
-    the cores the next step runs on). The floor's buffer is on 2 MB pages like the session's weights
-    (runtime/host_memory.py). Seconds / ms as lists, for the parent's medians."""
+    followed (when `nbytes`) by one floor read of `nbytes` (paired: the machine's memory bandwidth on this VM
+    drifts between runs, 30 to 50 GB/s, so each step is set against a floor read under the same conditions; the
+    parent runs this process with OMP_WAIT_POLICY=PASSIVE, so torch's threads sleep after the read instead of
+    spinning on the cores the next step runs on). The floor's buffer is on 2 MB pages like the session's weights
+    (runtime/host_memory.py). `experts`: the export's num_experts, when not the preset's. Seconds / ms as
+    lists, for the parent's medians; "kernels": the session had the kernel library."""
     import torch
 
     from k3x.model import preset
     from k3x.runtime.host_memory import collapse
+    from k3x.runtime.ort_kernels import library
     from k3x.runtime.ort_runner import OrtRunner
     from k3x.runtime.runners import next_feeds, start_feeds
 
     torch.set_num_threads(threads)
     cfg = preset(preset_name)
+    if experts is not None:
+        cfg = replace(cfg, moe=replace(cfg.moe, num_experts=experts))
     runner = OrtRunner(onnx, provider="cpu", intra_op_threads=threads)
     buf = torch.ones(nbytes // 4 + 1)  # written once, so its pages are real
     collapse([(buf.data_ptr(), buf.data_ptr() + 4 * buf.numel())])
@@ -104,16 +114,31 @@ def child_run(onnx: Path, preset_name: str, depths: list[int], steps: int, threa
         prompt = torch.randint(0, cfg.vocab_size, (1, P), generator=torch.Generator().manual_seed(P))
         t = time.perf_counter()
         res = runner.infer(start_feeds(cfg, prompt))
-        f = {"prefill_s": time.perf_counter() - t, "decode_s": [], "cpu_s": [], "floor_ms": []}
+        f = {"prefill_s": time.perf_counter() - t, "decode_s": [], "cpu_s": [], "floor_ms": [],
+             "kernels": library() is not None}
         for _ in range(steps):
             feeds = next_feeds(cfg, res, res["logits"][:, -1].argmax(-1, keepdim=True))
             t, c = time.perf_counter(), time.process_time()
             res = runner.infer(feeds)
             f["decode_s"].append(time.perf_counter() - t)
             f["cpu_s"].append(time.process_time() - c)
-            f["floor_ms"].append(stream_ms(buf, nbytes))
+            if nbytes:
+                f["floor_ms"].append(stream_ms(buf, nbytes))
         out[P] = f
     return out
+
+
+def run_child(onnx: Path, preset_name: str, depths: list[int], steps: int, threads: int, nbytes: int,
+              experts: int | None = None, env: dict[str, str] | None = None) -> dict:
+    """`child_run` in a process of its own (`--child`), `env` added to its environment (OMP_WAIT_POLICY=PASSIVE
+    always: `child_run`); its figures by depth."""
+    more = ["--child-experts", str(experts)] if experts is not None else []
+    with tempfile.NamedTemporaryFile(suffix=".json") as res:
+        subprocess.run([sys.executable, __file__, "--child", str(onnx), "--preset", preset_name, "--depths",
+                        ",".join(map(str, depths)), "--decode-steps", str(steps), "--threads", str(threads),
+                        "--child-bytes", str(nbytes), *more, "--json", res.name], check=True,
+                       env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE", **(env or {})})
+        return json.loads(Path(res.name).read_text())
 
 
 def measure(files: dict[str, Path], nbytes: dict[str, int], preset_name: str, depths: list[int], steps: int,
@@ -126,12 +151,7 @@ def measure(files: dict[str, Path], nbytes: dict[str, int], preset_name: str, de
     raw: dict[str, dict[int, dict[str, list]]] = {f: {P: {} for P in depths} for f in files}
     for _ in range(rounds):
         for form, onnx in files.items():
-            with tempfile.NamedTemporaryFile(suffix=".json") as res:
-                subprocess.run([sys.executable, __file__, "--child", str(onnx), "--preset", preset_name,
-                                "--depths", ",".join(map(str, depths)), "--decode-steps", str(steps), "--threads",
-                                str(threads), "--child-bytes", str(nbytes[form]), "--json", res.name], check=True,
-                               env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
-                got = json.loads(Path(res.name).read_text())
+            got = run_child(onnx, preset_name, depths, steps, threads, nbytes[form])
             for P in depths:
                 for key, v in got[str(P)].items():
                     raw[form][P].setdefault(key, []).extend(v if isinstance(v, list) else [v])
@@ -145,66 +165,6 @@ def measure(files: dict[str, Path], nbytes: dict[str, int], preset_name: str, de
             out[form][P] = {"prefill_tokens_per_s": P / statistics.median(r["prefill_s"]), "decode_ms_per_token": ms,
                             "decode_cpu_ms_per_token": 1e3 * statistics.median(r["cpu_s"]), "floor_ms": fl,
                             "floor_share": share}
-    return out
-
-
-def moe_node(E: int, top_k: int, d: int, L: int, I: int):
-    """One k3::MoEMXFP4 node with random packed experts (E8M0 bytes near 2^-6), its function body attached."""
-    import onnx_ir as ir
-    import torch
-    from onnx import TensorProto, helper
-
-    from k3x.exporter.onnx_flavors import ort_pass
-    from k3x.plan import onnx_node
-
-    g = torch.Generator().manual_seed(E)
-    u8 = lambda *s, lo=0, hi=256: torch.randint(lo, hi, s, generator=g, dtype=torch.uint8)  # noqa: E731
-    w = {"gate_weight": torch.randn(E, d, generator=g) * d ** -0.5, "gate_bias": torch.zeros(E),
-         "w1": u8(E, I, L // 2), "w3": u8(E, I, L // 2), "w2": u8(E, L, I // 2), "w1_scale": u8(E, I, L // 32, lo=120,
-         hi=122), "w3_scale": u8(E, I, L // 32, lo=120, hi=122), "w2_scale": u8(E, L, I // 32, lo=120, hi=122)}
-    inits = [helper.make_tensor(n, TensorProto.UINT8 if t.dtype == torch.uint8 else TensorProto.FLOAT, list(t.shape),
-                                t.contiguous().numpy().tobytes(), raw=True) for n, t in w.items()]
-    inits.append(helper.make_tensor("expert_offset", TensorProto.INT32, [1], [0]))
-    node = helper.make_node("MoEMXFP4", ["x", "z", *w, "expert_offset"], ["u"], domain=onnx_node.DOMAIN, top_k=top_k,
-                            routed_scaling_factor=1.0, renormalize=1, activation="situ", situ_beta=4.0,
-                            situ_linear_beta=25.0, num_experts=E, hidden_size=d, expert_dim=L, intermediate_size=I,
-                            activations="bf16", **onnx_node.COMMON_ATTRIBUTES)
-    graph = helper.make_graph([node], "moe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", d]),
-                                              helper.make_tensor_value_info("z", TensorProto.FLOAT, ["N", L])],
-                              [helper.make_tensor_value_info("u", TensorProto.FLOAT, ["N", L])], initializer=inits)
-    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("k3", 1)],
-                              ir_version=10)
-    return ir.serde.serialize_model(ort_pass(ir.serde.deserialize_model(proto)))
-
-
-def expert_scaling(counts: list[int], top_k: int, d: int, L: int, I: int, library, repeats: int = 50) -> dict:
-    """A one-token MoE node (`moe_node`) with each expert count, median CPU ms per call (one thread): on the
-    kernel (when built) and on the function body."""
-    import numpy as np
-    import onnxruntime as ort
-    import torch
-
-    out: dict[str, dict[int, float]] = {}
-    for name, lib in (("kernel", library), ("body", None)):
-        if name == "kernel" and lib is None:
-            continue
-        out[name] = {}
-        for E in counts:
-            so = ort.SessionOptions()
-            so.intra_op_num_threads = 1
-            if lib is not None:
-                so.register_custom_ops_library(str(lib))
-            sess = ort.InferenceSession(moe_node(E, top_k, d, L, I).SerializeToString(), so,
-                                        providers=["CPUExecutionProvider"])
-            g = torch.Generator().manual_seed(1)
-            times = []
-            for i in range(repeats + 3):
-                feeds = {"x": torch.randn(1, d, generator=g).numpy(), "z": torch.randn(1, L, generator=g).numpy()}
-                t = time.thread_time()  # one intra-op thread: the node runs on this one
-                sess.run(None, feeds)
-                if i >= 3:
-                    times.append(time.thread_time() - t)
-            out[name][E] = 1e3 * float(np.median(times))
     return out
 
 
@@ -233,14 +193,20 @@ def main() -> None:
     ap.add_argument("--formats", default=",".join(FORMS), help=f"of {list(FORMS)}")
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2, help="rounds, each running every form once")
+    ap.add_argument("--experts", default="16,64,256", help="expert counts of the scaling figures ('' skips them)")
+    ap.add_argument("--expert-threads", type=int, default=1, help="threads of the scaling's decode steps")
+    ap.add_argument("--expert-steps", type=int, default=16, help="decode steps per round, scaling, kernel")
+    ap.add_argument("--body-steps", type=int, default=3, help="decode steps per round, scaling, function body")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", type=Path, default=Path("bench_cpu_decode.json"))
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # one form's model.onnx, measured alone
     ap.add_argument("--child-bytes", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--child-experts", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     depths = [int(p) for p in args.depths.split(",") if p.strip()]
     if args.child is not None:
-        res = child_run(args.child, args.preset, depths, args.decode_steps, args.threads, args.child_bytes)
+        res = child_run(args.child, args.preset, depths, args.decode_steps, args.threads, args.child_bytes,
+                        args.child_experts)
         args.json.write_text(json.dumps(res))
         return
 
@@ -257,10 +223,11 @@ def main() -> None:
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     if set(formats) - set(FORMS):
         ap.error(f"--formats: {sorted(set(formats) - set(FORMS))} not in {list(FORMS)}")
-    packed = build_model(cfg, BuildOptions(expert_format="mxfp4"), seed=0)
+    counts = [int(E) for E in args.experts.split(",") if E.strip()]
     load = {"before": os.getloadavg()[0]}
     with tempfile.TemporaryDirectory(prefix="k3x-cpu-decode-") as tmp:
         files, nbytes = {}, {}
+        packed = build_model(cfg, BuildOptions(expert_format="mxfp4"), seed=0) if formats else None
         for form in formats:
             model = form_model(form, packed, cfg)
             nbytes[form] = step_bytes(model, cfg)
@@ -269,28 +236,58 @@ def main() -> None:
             del model
         del packed
         figures = measure(files, nbytes, args.preset, depths, args.decode_steps, args.repeats, args.threads)
+        load["forms"] = os.getloadavg()[0]
+        scaling = expert_figures(cfg, counts, Path(tmp), args) if counts else None
+        load["after"] = os.getloadavg()[0]
     rows = {form: {"step_bytes": nbytes[form], "kernels": library() is not None, "depths": figures[form]}
             for form in formats}
-    m = cfg.moe
-    scaling = expert_scaling([16, 64, 256], m.top_k, cfg.hidden_size, m.latent_dim or cfg.hidden_size,
-                             m.intermediate_size, library())
-    load["after"] = os.getloadavg()[0]
     print(f"{args.preset}, ONNX Runtime CPU, {args.threads} threads, load average {load['before']:.1f} -> "
-          f"{load['after']:.1f}, kernel library {'built' if library() else 'not built'}, one process per form")
-    print(f"{'form':<10} {'depth':>6} {'prefill tok/s':>14} {'decode ms/tok':>14} {'cpu ms/tok':>11} "
-          f"{'step MB':>8} {'floor ms':>9} {'floor GB/s':>10} {'floor share':>12}")
+          f"{load['forms']:.1f}, kernel library {'built' if library() else 'not built'}, one process per form")
+    if rows:
+        print(f"{'form':<10} {'depth':>6} {'prefill tok/s':>14} {'decode ms/tok':>14} {'cpu ms/tok':>11} "
+              f"{'step MB':>8} {'floor ms':>9} {'floor GB/s':>10} {'floor share':>12}")
     for form, row in rows.items():
         for P, f in row["depths"].items():
             print(f"{form:<10} {P:>6} {f['prefill_tokens_per_s']:>14.1f} {f['decode_ms_per_token']:>14.2f} "
                   f"{f['decode_cpu_ms_per_token']:>11.2f} {row['step_bytes'] / 1e6:>8.1f} {f['floor_ms']:>9.2f} "
                   f"{row['step_bytes'] / 1e6 / f['floor_ms']:>10.1f} {f['floor_share']:>12.2f}")
-    for name, per in scaling.items():
-        spread = max(per.values()) / min(per.values())
-        print(f"one MoE node, one token, {name}: " + ", ".join(f"E={E} {ms:.3f} ms" for E, ms in per.items())
-              + f"  (max/min {spread:.2f})")
+    if scaling:
+        print_scaling(scaling, cfg.moe.top_k, load, args.expert_threads)
     args.json.write_text(json.dumps({"preset": args.preset, "threads": args.threads, "load_average": load,
-                                     "formats": rows, "expert_scaling_ms": scaling}, indent=2) + "\n")
+                                     "formats": rows, "expert_scaling": scaling}, indent=2) + "\n")
     print(f"wrote {args.json}")
+
+
+def expert_figures(cfg, counts: list[int], tmp: Path, args) -> dict:
+    """bench/expert_scaling.py's step and node figures per path and expert count, and their spreads (max/min)."""
+    from k3x.bench.expert_scaling import expert_exports, node_scaling, spread, step_scaling
+    from k3x.runtime.ort_kernels import library
+
+    def run(onnx: Path, experts: int, steps: int, env: dict[str, str]) -> dict:
+        return run_child(onnx, args.preset, [128], steps, args.expert_threads, 0, experts, env)["128"]
+
+    files = expert_exports(cfg, counts, tmp)
+    steps = {"kernel": args.expert_steps, "body": args.body_steps} if library() else {"body": args.body_steps}
+    step = step_scaling(files, run, steps, args.repeats)
+    m = cfg.moe
+    node = node_scaling(counts, m.top_k, cfg.hidden_size, m.latent_dim or cfg.hidden_size, m.intermediate_size,
+                        library())
+    return {"counts": counts, "threads": args.expert_threads, "step": step, "node_ms": node,
+            "step_spread": {p: {k: spread({E: f[k] for E, f in per.items()}) for k in ("ms", "cpu_ms")}
+                            for p, per in step.items()},
+            "node_spread": {p: spread(per) for p, per in node.items()}}
+
+
+def print_scaling(s: dict, top_k: int, load: dict, threads: int) -> None:
+    print(f"expert scaling, top_k {top_k}, load average {load['forms']:.1f} -> {load['after']:.1f}: a decode step "
+          f"(prompt 128, batch interface, {threads} thread(s)) and one MoE node (one token, one thread, caches "
+          "evicted)")
+    print(f"{'path':<7} {'experts':>8} {'step ms':>8} {'step cpu ms':>12} {'node ms':>8}")
+    for path, per in s["step"].items():
+        for E, f in per.items():
+            print(f"{path:<7} {E:>8} {f['ms']:>8.2f} {f['cpu_ms']:>12.2f} {s['node_ms'][path][E]:>8.3f}")
+        sp = s["step_spread"][path]
+        print(f"{path:<7} {'max/min':>8} {sp['ms']:>8.2f} {sp['cpu_ms']:>12.2f} {s['node_spread'][path]:>8.2f}")
 
 
 if __name__ == "__main__":

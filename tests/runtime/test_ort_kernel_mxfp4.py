@@ -2,7 +2,7 @@
 (custom_ops/moe_mxfp4/reference.py, fp64), on a node with no function body beside it (so the kernel ran): one
 token and many (the register-decoded path for one or two rows per expert, the scratch path for more, with row
 tails), widths of one and of three MXFP4 blocks, top_k = E and 1, SiLU, expert parallelism, scales far from 1,
-MXFP8 activations; and errors that name the bad input."""
+the router's passes, tails and tasks, MXFP8 activations; and errors that name the bad input."""
 
 from __future__ import annotations
 
@@ -40,6 +40,22 @@ def test_moe_mxfp4_kernel_matches_the_reference(kernels, E, E_all, N, k, L, I, a
     assert u.shape == want.shape and np.isfinite(u).all()
     scale = float(np.sqrt((want ** 2).mean()))
     np.testing.assert_allclose(u, want, rtol=1e-5, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("E,d", [
+    (44, 40),  # router tasks of 32 experts and of 12: eight rows a pass, then a pass and a four-row tail
+    (70, 24),  # three tasks, the last of six rows (all tail)
+    (44, 20),  # a width that is no multiple of the vector: every row by the scalar loop
+])
+def test_moe_mxfp4_kernel_router_over_tasks_and_tails(kernels, E, d):
+    """Every expert's logit counts: each token's experts and weights follow from all E router dot products."""
+    N, k, L, I = 7, 4, 32, 32
+    w = packed_weights(E, d, L, I, seed=E + d)
+    g = torch.Generator().manual_seed(d)
+    x, z = torch.randn(N, d, generator=g), torch.randn(N, L, generator=g)
+    (u,) = session(mxfp4_model(w, k, body=False), kernels).run(None, {"x": x.numpy(), "z": z.numpy()})
+    want = _reference(w, x, z, k, "situ", 0, E).numpy()
+    np.testing.assert_allclose(u, want, rtol=1e-5, atol=1e-5 * float(np.sqrt((want ** 2).mean())))
 
 
 def test_moe_mxfp4_kernel_rounds_the_activations_through_mxfp8(kernels):
