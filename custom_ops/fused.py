@@ -23,6 +23,20 @@ is that one Conv (the group an attribute reference); its CPU kernel (custom_ops/
 loop over the channels with the Conv's sums in its order (bit-identical), where ONNX Runtime's Conv runs one
 im2col + GEMM per channel (0.35 ms a decode step on k3-bench's 3,072 channels). Calls are made by exporter/onnx_rewrites.py `fuse_depthwise_conv`.
 
+`LatentAttention(q, present, hidden, scale) -> o`: the batch interface's absorbed MLA attention over the
+cached latent (model/mla.py `forward`), q [B, H·T, L] (every head's queries in the latent space, head-major),
+present [B, S, L] (the latent cache: keys, and as values all L columns), hidden [T, S] bool (True where query
+position t must not see key s), scale a fp32 scalar:
+
+    o = MatMul(Reshape(Softmax(Where(hidden, -inf, Reshape(MatMul(q, presentᵀ), [B, -1, T, S]) · scale)),
+               [B, H·T, S]), present)                                       [B, H·T, L]
+
+Its body is those ops as torch.onnx writes them (the same values, inlined). Its CPU kernel
+(custom_ops/mla_paged/ort_kernel.cc) reads each cached row once per eight query rows, in key blocks with an
+online softmax (no [B, H, T, S] scores in memory; a causal prefill skips the keys after its rows), the rows, and
+a decode step's keys in chunks, over ONNX Runtime's intra-op threads. Calls are made by
+exporter/onnx_rewrites.py `fuse_latent_attention`.
+
 `MoEDispatch` and `MoECombine`: the k3::MoE body's routing and row traffic around its per-expert GEMMs
 (custom_ops/moe/onnx_dispatch.py, their bodies and kernels' contract; kernels in custom_ops/moe/ort_kernel.cc),
 built for the calling nodes' local expert count.
@@ -39,6 +53,7 @@ from .moe.onnx_dispatch import MOE_COMBINE, MOE_DISPATCH, combine_function, disp
 SITU_GLU = "SiTUGLU"
 SITU_GLU_EXPERTS = "SiTUGLUExperts"
 DEPTHWISE_CONV = "DepthwiseConv1d"
+LATENT_ATTENTION = "LatentAttention"
 
 
 def situ_glu_halves(b: Body, a: str, u: str, beta: str, linear_beta: str) -> tuple[str, str]:
@@ -77,9 +92,25 @@ def depthwise_conv_function(opset_version: int) -> onnx.FunctionProto:
                                 doc_string="depthwise 1-D convolution (k3x)")
 
 
+def latent_attention_function(opset_version: int) -> onnx.FunctionProto:
+    """The LatentAttention body: the traced chain; T from `hidden`'s rows, so it needs no attribute."""
+    b = Body(LATENT_ATTENTION)
+    scores = b.op("MatMul", "q", b.op("Transpose", "present", perm=[0, 2, 1]))  # [B, H*T, S]
+    per_head = b.op("Concat", b.op("Shape", scores, end=1), b.ints(-1), b.op("Shape", "hidden", end=1),
+                    b.op("Shape", scores, start=2), axis=0)  # [B, H, T, S]
+    scaled = b.op("Mul", b.op("Reshape", scores, per_head), "scale")
+    masked = b.op("Where", "hidden", b.op("Constant", value_float=float("-inf")), scaled)
+    probs = b.op("Reshape", b.op("Softmax", masked, axis=-1), b.op("Shape", scores))
+    b.out("MatMul", [probs, "present"], ["o"])
+    return helper.make_function(FUSED_DOMAIN, LATENT_ATTENTION, ["q", "present", "hidden", "scale"], ["o"], b.nodes,
+                                [helper.make_opsetid("", opset_version)],
+                                doc_string="attention over the MLA latent (k3x)")
+
+
 # op type in FUSED_DOMAIN -> its body, for (ai.onnx opset, the calls' (input count, output count))
 FUNCTIONS = {SITU_GLU: lambda opset_version, _: situ_glu_function(opset_version),
              SITU_GLU_EXPERTS: lambda opset_version, ports: situ_glu_experts_function(opset_version, ports[1]),
              DEPTHWISE_CONV: lambda opset_version, _: depthwise_conv_function(opset_version),
+             LATENT_ATTENTION: lambda opset_version, _: latent_attention_function(opset_version),
              MOE_DISPATCH: lambda opset_version, ports: dispatch_function(opset_version, ports[1] - 2),
              MOE_COMBINE: lambda opset_version, ports: combine_function(opset_version, ports[0] - 2)}

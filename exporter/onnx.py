@@ -48,7 +48,7 @@ from ..model.options import CacheOptions
 from ..model.state import state_specs
 from ..plan.onnx_node import DOMAIN
 from .onnx_flavors import FLAVOR_PASSES
-from .onnx_rewrites import fuse_situ_glu, merge_sibling_gemms, rsqrt_as_div
+from .onnx_rewrites import fuse_latent_attention, fuse_situ_glu, merge_sibling_gemms, rsqrt_as_div
 from .onnx_functions import save as save_layers
 
 FLAVOR_FILES: dict[str, str] = {"ort": "model.onnx", "trt": "model.trt.onnx"}
@@ -238,6 +238,7 @@ def to_onnx_ir(ep: ExportedProgram, cfg: K3Config, *, weights: bool = True, opti
     rsqrt_as_div(model)  # RMSNorm in the form ONNX Runtime fuses (exporter/onnx_rewrites.py), every flavor alike
     merge_sibling_gemms(model)  # KDA's q, k, v projections as one Gemm (exporter/onnx_rewrites.py)
     fuse_situ_glu(model)  # the dense FFN's / shared experts' SiTU-GLU as one k3x.fused::SiTUGLU call
+    fuse_latent_attention(model)  # MLA's attention over the latent as one k3x.fused::LatentAttention call
     ir.passes.common.RemoveUnusedNodesPass()(model)  # SequenceAt positions, folded Constants
     if serving is None:
         _rename_io(model, cfg, cache)

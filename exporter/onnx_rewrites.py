@@ -16,6 +16,12 @@ standard ops in a form ONNX Runtime's graph optimizer fuses; TensorRT gets the s
   the dense FFN and the shared experts) become one call of the local function `k3x.fused::SiTUGLU(a, u, beta,
   linear_beta)` whose body is those same ops (custom_ops/fused.py): every runtime inlines it to the
   same math, and ONNX Runtime runs it on one CPU kernel when the k3x kernel library is built.
+- `fuse_latent_attention`: MLA's absorbed attention over the cached latent as torch.onnx writes model/mla.py
+  `forward` (MatMul(q, Transpose(present)) -> Reshape -> Mul(scale) -> Where(hidden, -inf) -> Softmax ->
+  Reshape -> MatMul(., present), fp32) becomes one call of `k3x.fused::LatentAttention(q, present, hidden,
+  scale)` whose body is those ops (custom_ops/fused.py): every runtime inlines it to the same math, and ONNX
+  Runtime runs it on one CPU kernel when the library is built (one pass over the cache per eight query rows,
+  no [B, H, T, S] scores in memory).
 - `fuse_depthwise_conv` (the ort flavor's pass only, exporter/onnx_flavors.py; the trt pass undoes it with
   `unfuse_depthwise_conv`, so TensorRT keeps its own Conv and a rank's passes find the nodes as converted): a
   Conv with group = its channels, weight [C, 1, W], bias [C], no padding, stride and dilation 1 (KDA's short
@@ -29,7 +35,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from ..custom_ops.fused import DEPTHWISE_CONV, FUSED_DOMAIN, SITU_GLU, depthwise_conv_function, situ_glu_function
+from ..custom_ops.fused import (DEPTHWISE_CONV, FUSED_DOMAIN, LATENT_ATTENTION, SITU_GLU, depthwise_conv_function,
+                                latent_attention_function, situ_glu_function)
 
 
 def _is(node: ir.Node | None, op_type: str) -> bool:
@@ -172,6 +179,68 @@ def fuse_situ_glu(model: ir.Model) -> int:
         done += 1
     if done:
         _attach(model, situ_glu_function(model.opset_imports[""]))
+    return done
+
+
+def _only_input(node: ir.Node | None, op_type: str, graph: ir.Graph) -> ir.Value | None:
+    """The data input of `node` (its first) when it is a top-level `op_type` whose output is used once."""
+    if not _is(node, op_type) or node.graph is not graph or not _single_use(node.outputs[0]):
+        return None
+    return node.inputs[0]
+
+
+def _latent_attention(out: ir.Node, graph: ir.Graph) -> tuple[list[ir.Value], list[ir.Node]] | None:
+    """`out` = MatMul(Reshape(Softmax(Where(hidden, -inf, Mul(Reshape(MatMul(q, Transpose(present, [0, 2, 1]))),
+    scale)), axis=-1)), present), fp32, hidden [T, S] bool, every intermediate used once (the Transpose may have
+    other uses) -> ([q, present, hidden, scale], the chain's nodes)."""
+    if not _is(out, "MatMul") or out.graph is not graph:
+        return None
+    probs, present = out.inputs
+    softmax = _only_input(probs.producer(), "Reshape", graph)
+    softmax = softmax.producer() if softmax is not None else None
+    if not _is(softmax, "Softmax") or not _single_use(softmax.outputs[0]) or _attr(softmax, "axis", -1) not in (-1, 3):
+        return None
+    where = softmax.inputs[0].producer()
+    if not _is(where, "Where") or not _single_use(where.outputs[0]) or _scalar(where.inputs[1]) != float("-inf"):
+        return None
+    hidden, mul = where.inputs[0], where.inputs[2].producer()
+    if hidden.dtype != ir.DataType.BOOL or hidden.shape is None or len(hidden.shape) != 2 or \
+            not _is(mul, "Mul") or not _single_use(mul.outputs[0]):
+        return None
+    for i in (0, 1):
+        scale, reshape = mul.inputs[1 - i], mul.inputs[i].producer()
+        scores = _only_input(reshape, "Reshape", graph) if _scalar(scale) is not None else None
+        mm = scores.producer() if scores is not None else None
+        if not _is(mm, "MatMul") or not _single_use(mm.outputs[0]):
+            continue
+        q, keys = mm.inputs
+        tr = keys.producer()
+        if not _is(tr, "Transpose") or tr.inputs[0] is not present or list(_attr(tr, "perm", [])) != [0, 2, 1]:
+            continue
+        if {q.dtype, present.dtype, out.outputs[0].dtype} != {ir.DataType.FLOAT} or q.shape is None or \
+                len(q.shape) != 3:
+            continue
+        chain = [out, probs.producer(), softmax, where, mul, reshape, mm] + [tr] * (len(keys.uses()) == 1)
+        return [q, present, hidden, scale], chain
+    return None
+
+
+def fuse_latent_attention(model: ir.Model) -> int:
+    """Rewrite every top-level traced attention over the MLA latent (`_latent_attention`) into
+    `k3x.fused::LatentAttention(q, present, hidden, scale)` and attach that function (and the domain's import)
+    when any was rewritten; returns how many."""
+    graph, done = model.graph, 0
+    for out in [n for n in graph if _is(n, "MatMul")]:
+        found = _latent_attention(out, graph) if out.graph is graph else None
+        if found is None:
+            continue
+        inputs, chain = found
+        call = ir.node(LATENT_ATTENTION, inputs, domain=FUSED_DOMAIN, name=f"{out.name}/latent_attention")
+        _swap(graph, out, call)
+        graph.remove(chain[1:], safe=True)
+        done += 1
+    if done:
+        _attach(model, latent_attention_function(model.opset_imports[""]))
     return done
 
 

@@ -13,6 +13,10 @@
   MACs for the attention instead of S·C·H·(qk_nope + v_head) + T·S·H·(qk_nope + R + v_head) (k3-bench: more
   from ~85 tokens on, ~3x at 2 K from an empty cache), still a small share of a prefill's weight GEMMs.
 - Scores in the model dtype, softmax in fp32, causal with the past offset; output gate σ(g_proj x).
+- The values (c_KV) are weighed as the whole cached latent, [c_KV | k_extra], and the result's first
+  kv_lora_rank columns kept: a slice of the cache, `present[..., :kv_lora_rank]`, is a copy of all of it in
+  ONNX (a Slice node: 0.33 ms a decode step per MLA layer at 2,048 positions on kimi-linear-mid, one thread);
+  the product's rope_dim extra columns cost less (rope_dim / kv_lora_rank more MACs over the same bytes).
 - Static cache (`past_length` given, model/state.py): `past_latent` is [B, C, ...] of fixed capacity C; the
   new latents are scattered in at [past_length, past_length + T) (out of place: `scatter` -> ONNX
   ScatterElements, which TensorRT parses), keys are computed for all C positions and position j is visible
@@ -97,8 +101,10 @@ class GatedMLA(nn.Module):
         qpos = torch.arange(T, device=x.device)[:, None] + offset  # absolute query positions
         causal = torch.arange(S, device=x.device)[None, :] <= qpos  # [T, S]
         probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
-        c_all = present[..., :m.kv_lora_rank]  # [B, S, C]: the values, in the latent space
-        o = (cast(probs, present.dtype).reshape(B, H * T, S) @ c_all).reshape(B, H, T, m.kv_lora_rank)
+        # the values are c_KV (the latent's first C columns): weighed over the whole latent, then the output's
+        # first C columns kept, which reads the cache in place instead of copying its c_KV columns out first
+        o = (cast(probs, present.dtype).reshape(B, H * T, S) @ present)[..., :m.kv_lora_rank]
+        o = o.reshape(B, H, T, m.kv_lora_rank)  # [B, H, T, C]
         o = (o @ w_uv.transpose(1, 2)).transpose(1, 2).reshape(B, T, H * Dv)  # [B, T, H*Dv]
         return self._output(o, x), present
 

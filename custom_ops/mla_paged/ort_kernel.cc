@@ -8,6 +8,16 @@
 //   s_j = scale (q_latent . key_j[:C] + q_rope . key_j[C:]),  o = sum_j softmax(s)_j key_j[:C]
 // One task per (sequence, head, block of up to QB rows); keys in blocks of KB with an online softmax, so a task's
 // scratch is QB x KB scores whatever the context length (a 1 M-position past included).
+// Also k3x.fused::LatentAttention (custom_ops/fused.py): the batch interface's attention over the latent cache
+// (model/mla.py `forward`), q [B, M, L] (M = H T rows, head-major: row r is query position r % T), present
+// [B, S, L], hidden [T, S] bool (True: key s is hidden from position t), scale:
+//   s_j = scale q_r . present_j (j not hidden),  o_r = sum_j softmax(s)_j present_j   (all L columns)
+// on the same loops: one task per (batch element, block of 8 rows, chunk of keys), keys up to the last one a row
+// of the block sees (a causal prefill's task skips the keys after its rows); a step of few row blocks (decode) is
+// split over chunks of >= 512 keys, their partial sums merged after (flash-decoding), so both threads stream
+// half the cache. ONNX Runtime's MatMuls for the body pack the
+// whole cache for a decode step's 8 rows and ran on one thread each, with a copy of the cache's C columns
+// between them: what made a decode step grow with the context.
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
 
@@ -43,39 +53,55 @@ const float* key(const Attention& a, int64_t b, int64_t j) {
 
 typedef float Vec __attribute__((vector_size(32), aligned(4)));  // 8 floats, unaligned loads and stores
 
+// a * b + c, one rounding where the target has FMA (-march decides; ISO C++ contracts no a * b + c itself):
+// the loops below are a multiply and an add per element, twice as many instructions without it
+inline Vec fmadd(Vec a, Vec b, Vec c) {
+#ifdef __FMA__
+  return __builtin_ia32_vfmaddps256(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
 float lanes(Vec v) {
   float sum = 0.f;
   for (int i = 0; i < 8; ++i) sum += v[i];
   return sum;
 }
 
+// s[r, j..j+NK) for QB rows and NK keys: QB x NK sums in registers, a step of 8 floats loading NK + QB vectors
+// for QB x NK products
+template <int NK>
+void score_keys(const float* q, int64_t L, const float* const* k, float* s) {
+  Vec a[QB][NK] = {};
+  int64_t l = 0;
+  for (; l + 8 <= L; l += 8) {
+    Vec kv[NK];
+    for (int i = 0; i < NK; ++i) kv[i] = *reinterpret_cast<const Vec*>(k[i] + l);
+    for (int64_t r = 0; r < QB; ++r) {
+      const Vec x = *reinterpret_cast<const Vec*>(q + r * L + l);
+      for (int i = 0; i < NK; ++i) a[r][i] = fmadd(x, kv[i], a[r][i]);
+    }
+  }
+  for (int64_t r = 0; r < QB; ++r)
+    for (int i = 0; i < NK; ++i) {
+      float sum = lanes(a[r][i]);
+      for (int64_t t = l; t < L; ++t) sum += q[r * L + t] * k[i][t];
+      s[r * KB + i] = sum;
+    }
+}
+
 // s[r, j] = q_r . key_j over L floats (rows x KB), for the rows' scaled queries q (rows x L) and the block's
 // `width` keys. Four rows by two keys at once: a step of 8 floats loads 6 vectors for 8 products (a key at a
-// time loaded 5 for 4: ~5 % slower)
+// time loaded 5 for 4: ~5 % slower); by four keys where there are 32 vector registers (LatentAttention's
+// decode step: ~6 % faster than two)
 void scores(const float* q, int64_t rows, int64_t L, const float* const* k, int64_t width, float* s) {
   int64_t j = 0;
   if (rows == QB) {
-    for (; j + 2 <= width; j += 2) {
-      Vec a[QB][2] = {};
-      int64_t l = 0;
-      for (; l + 8 <= L; l += 8) {
-        const Vec k0 = *reinterpret_cast<const Vec*>(k[j] + l), k1 = *reinterpret_cast<const Vec*>(k[j + 1] + l);
-        for (int64_t r = 0; r < QB; ++r) {
-          const Vec x = *reinterpret_cast<const Vec*>(q + r * L + l);
-          a[r][0] += x * k0;
-          a[r][1] += x * k1;
-        }
-      }
-      for (int64_t r = 0; r < QB; ++r) {
-        float s0 = lanes(a[r][0]), s1 = lanes(a[r][1]);
-        for (int64_t i = l; i < L; ++i) {
-          s0 += q[r * L + i] * k[j][i];
-          s1 += q[r * L + i] * k[j + 1][i];
-        }
-        s[r * KB + j] = s0;
-        s[r * KB + j + 1] = s1;
-      }
-    }
+#ifdef __AVX512VL__  // 32 vector registers: four keys at a time (16 sums) load 8 vectors for 16 products
+    for (; j + 4 <= width; j += 4) score_keys<4>(q, L, k + j, s + j);
+#endif
+    for (; j + 2 <= width; j += 2) score_keys<2>(q, L, k + j, s + j);
   }
   for (; j < width; ++j)  // fewer rows, or the block's odd last key
     for (int64_t r = 0; r < rows; ++r) {
@@ -99,9 +125,9 @@ void mix(const float* p, int64_t rows, int64_t width, const float* const* k, int
       for (int64_t j = 0; j < width; ++j) {
         const Vec k0 = *reinterpret_cast<const Vec*>(k[j] + c0), k1 = *reinterpret_cast<const Vec*>(k[j] + c0 + 8);
         for (int64_t r = 0; r < QB; ++r) {
-          const float w = p[r * KB + j];
-          a[r][0] += w * k0;
-          a[r][1] += w * k1;
+          const Vec w = Vec{} + p[r * KB + j];
+          a[r][0] = fmadd(w, k0, a[r][0]);
+          a[r][1] = fmadd(w, k1, a[r][1]);
         }
       }
       for (int64_t r = 0; r < QB; ++r) {
@@ -118,6 +144,32 @@ void mix(const float* p, int64_t rows, int64_t width, const float* const* k, int
 #pragma omp simd
       for (int64_t c = c0; c < C; ++c) o[c] += w * kj[c];
     }
+  }
+}
+
+// One online-softmax step over a key block: the rows' scores s (rows x KB, -inf where a key is hidden) become
+// their weights in place (a hidden key weighs exactly 0), and each row's running maximum `top`, `total` and
+// sums `acc` (C columns) are rescaled to the new maximum. A row that has seen no visible key keeps weight 0.
+void softmax_block(float* s, int64_t rows, int64_t width, float* top, float* total, float* acc, int64_t C) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = s + r * KB;
+    float m = top[r];
+    for (int64_t j = 0; j < width; ++j) m = std::max(m, sr[j]);
+    if (m == -INFINITY) {  // no key of this block visible to the row, nor before it: it weighs nothing
+      std::fill(sr, sr + width, 0.f);
+      continue;
+    }
+    const float shrink = exp_approx(top[r] - m);  // the running sums to the new maximum (0 on the first)
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < width; ++j) {
+      sr[j] = sr[j] == -INFINITY ? 0.f : exp_approx(sr[j] - m);  // a masked key weighs exactly 0
+      sum += sr[j];
+    }
+    top[r] = m;
+    total[r] = total[r] * shrink + sum;
+    float* o = acc + r * C;
+    for (int64_t c = 0; c < C; ++c) o[c] *= shrink;
   }
 }
 
@@ -140,26 +192,7 @@ void attend(void* user, size_t task) {
     scores(q.data(), rows, L, k.data(), width, s.data());
     for (int64_t r = 0; r < rows; ++r)  // causal: row r sees keys up to P + t0 + r
       for (int64_t j = std::max<int64_t>(0, P + t0 + r + 1 - k0); j < width; ++j) s[r * KB + j] = -INFINITY;
-    for (int64_t r = 0; r < rows; ++r) {
-      float* sr = s.data() + r * KB;
-      float m = top[r];
-      for (int64_t j = 0; j < width; ++j) m = std::max(m, sr[j]);
-      if (m == -INFINITY) {  // no key of this block visible to the row, nor before it: it weighs nothing
-        std::fill(sr, sr + width, 0.f);
-        continue;
-      }
-      const float shrink = exp_approx(top[r] - m);  // the running sums to the new maximum (0 on the first)
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < width; ++j) {
-        sr[j] = sr[j] == -INFINITY ? 0.f : exp_approx(sr[j] - m);  // a masked key weighs exactly 0
-        sum += sr[j];
-      }
-      top[r] = m;
-      total[r] = total[r] * shrink + sum;
-      float* o = acc.data() + r * C;
-      for (int64_t c = 0; c < C; ++c) o[c] *= shrink;
-    }
+    softmax_block(s.data(), rows, width, top.data(), total.data(), acc.data(), C);
     mix(s.data(), rows, width, k.data(), C, acc.data());
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -225,6 +258,130 @@ struct MLAPagedKernel : Fp32Int32<7, 4, 1> {
 
 CpuOp<MLAPagedKernel> mla_paged_op;
 
+constexpr int64_t RB = 2 * QB;   // rows per LatentAttention task: a key block read once for 8 rows (a decode
+                                 // step's heads), the second four from L2
+constexpr int64_t CHUNK = 512;   // fewest keys per task when a step's few rows are split over the keys
+
+struct Latent {
+  const float *q, *present;
+  const bool* hidden;
+  float *o, *part;  // part: per task RB x (L + 2) floats (the rows' sums, maxima, totals) when chunks > 1
+  int64_t M, S, L, T, blocks, chunks, chunk;  // row blocks of RB per batch element, key chunks per row block
+  float scale;
+};
+
+void attend_latent(void* user, size_t task) {
+  const Latent& a = *static_cast<const Latent*>(user);
+  const int64_t L = a.L, S = a.S, c = int64_t(task) % a.chunks, rb = int64_t(task) / a.chunks;
+  const int64_t b = rb / a.blocks, r0 = rb % a.blocks * RB, rows = std::min(RB, a.M - r0);
+  std::vector<float> q(RB * L), acc(RB * L, 0.f), s(RB * KB), top(RB, -INFINITY), total(RB, 0.f);
+  int64_t keys = 0;  // 1 + the last key a row of the block sees
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* qr = a.q + (b * a.M + r0 + r) * L;
+    for (int64_t i = 0; i < L; ++i) q[r * L + i] = a.scale * qr[i];
+    const bool* hidden = a.hidden + (r0 + r) % a.T * S;
+    int64_t last = S;
+    while (last > keys && hidden[last - 1]) --last;
+    keys = std::max(keys, last);
+  }
+  std::vector<const float*> k(KB);
+  const float* rows_of_b = a.present + b * S * L;
+  for (int64_t k0 = c * a.chunk; k0 < std::min(keys, (c + 1) * a.chunk); k0 += KB) {
+    const int64_t width = std::min({KB, keys - k0, (c + 1) * a.chunk - k0});
+    for (int64_t j = 0; j < width; ++j) k[j] = rows_of_b + (k0 + j) * L;
+    for (int64_t sub = 0; sub < rows; sub += QB) {
+      const int64_t n = std::min(QB, rows - sub);
+      float* ss = s.data() + sub * KB;
+      scores(q.data() + sub * L, n, L, k.data(), width, ss);
+      for (int64_t r = 0; r < n; ++r) {
+        const bool* hidden = a.hidden + (r0 + sub + r) % a.T * S + k0;
+        for (int64_t j = 0; j < width; ++j)
+          if (hidden[j]) ss[r * KB + j] = -INFINITY;
+      }
+      softmax_block(ss, n, width, top.data() + sub, total.data() + sub, acc.data() + sub * L, L);
+      mix(ss, n, width, k.data(), L, acc.data() + sub * L);
+    }
+  }
+  if (a.chunks > 1) {  // this chunk's partial sums, merged by `merge_chunks`
+    float* part = a.part + int64_t(task) * RB * (L + 2);
+    std::copy(acc.begin(), acc.begin() + rows * L, part);
+    std::copy(top.begin(), top.begin() + rows, part + RB * L);
+    std::copy(total.begin(), total.begin() + rows, part + RB * L + RB);
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r) {  // a row that sees no key: 0 / 0, NaN, as ONNX's Softmax over all -inf
+    float* out = a.o + (b * a.M + r0 + r) * L;
+    const float inv = 1.f / total[r];
+    for (int64_t i = 0; i < L; ++i) out[i] = acc[r * L + i] * inv;
+  }
+}
+
+// o of every row from its chunks' partial sums, each rescaled to the rows' overall maximum
+void merge_chunks(const Latent& a, int64_t B) {
+  const int64_t L = a.L, stride = RB * (L + 2);
+  for (int64_t rb = 0; rb < B * a.blocks; ++rb) {
+    const int64_t b = rb / a.blocks, r0 = rb % a.blocks * RB, rows = std::min(RB, a.M - r0);
+    const float* first = a.part + rb * a.chunks * stride;
+    for (int64_t r = 0; r < rows; ++r) {
+      float m = -INFINITY, total = 0.f;
+      for (int64_t c = 0; c < a.chunks; ++c) m = std::max(m, first[c * stride + RB * L + r]);
+      float* out = a.o + (b * a.M + r0 + r) * L;
+      std::fill(out, out + L, 0.f);
+      for (int64_t c = 0; c < a.chunks && m != -INFINITY; ++c) {
+        const float* part = first + c * stride;
+        const float w = exp_approx(part[RB * L + r] - m);  // a chunk no key of which the row sees: 0
+        total += w * part[RB * L + RB + r];
+        for (int64_t i = 0; i < L; ++i) out[i] += w * part[r * L + i];
+      }
+      const float inv = 1.f / total;  // no key seen: 0 / 0, NaN, as above
+      for (int64_t i = 0; i < L; ++i) out[i] *= inv;
+    }
+  }
+}
+
+// LatentAttention(q [B, M, L] float, present [B, S, L] float, hidden [T, S] bool, scale [] float) -> o [B, M, L]
+struct LatentAttentionKernel {
+  static constexpr const char* name = "LatentAttention";
+  static constexpr size_t inputs = 4, outputs = 1;
+  static constexpr bool variadic_input = false, variadic_output = false;
+  static ONNXTensorElementDataType input_type(size_t i) {
+    return i == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  static ONNXTensorElementDataType output_type(size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+  LatentAttentionKernel(const OrtApi&, const OrtKernelInfo*) {}
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    auto q = ctx.GetInput(0), present = ctx.GetInput(1), hidden = ctx.GetInput(2), scale = ctx.GetInput(3);
+    const auto qs = shape_of(q), ps = shape_of(present), hs = shape_of(hidden);
+    const bool ok = qs.size() == 3 && ps.size() == 3 && hs.size() == 2 && ps[0] == qs[0] && ps[2] == qs[2] &&
+                    hs[1] == ps[1] && hs[0] > 0 && qs[1] % hs[0] == 0 &&
+                    scale.GetTensorTypeAndShapeInfo().GetElementCount() == 1;
+    if (!ok)
+      throw Ort::Exception("k3x.fused::LatentAttention: q " + dims(qs) + ", present " + dims(ps) + ", hidden " +
+                               dims(hs) + " and scale " + dims(shape_of(scale)) +
+                               ": expected [B, H T, L], [B, S, L], [T, S] and one value",
+                           ORT_INVALID_ARGUMENT);
+    const int64_t B = qs[0], M = qs[1], L = qs[2], S = ps[1], blocks = (M + RB - 1) / RB;
+    // a step of few rows (decode: B blocks of 8) also split over the keys, so that every thread has work
+    const int64_t chunks = B * blocks >= 4 ? 1 : std::max<int64_t>(1, std::min<int64_t>(8, S / CHUNK));
+    const int64_t chunk = chunks == 1 ? S : (S + chunks - 1) / chunks;
+    std::vector<float> part(chunks > 1 ? size_t(B * blocks * chunks * RB * (L + 2)) : 0);
+    Latent a{q.GetTensorData<float>(), present.GetTensorData<float>(), hidden.GetTensorData<bool>(),
+             ctx.GetOutput(0, qs).GetTensorMutableData<float>(), part.data(), M, S, L, hs[0], blocks, chunks,
+             chunk, scale.GetTensorData<float>()[0]};
+    const size_t tasks = size_t(B * blocks * chunks);
+    if (tasks == 0 || L == 0) return;
+    ctx.ParallelFor(attend_latent, tasks, 0, &a);
+    if (chunks > 1) merge_chunks(a, B);
+  }
+};
+
+CpuOp<LatentAttentionKernel> latent_attention_op;
+
 }  // namespace
 
-void k3x_add_mla_paged(Ort::CustomOpDomain& k3, Ort::CustomOpDomain&) { k3.Add(&mla_paged_op); }
+void k3x_add_mla_paged(Ort::CustomOpDomain& k3, Ort::CustomOpDomain& fused) {
+  k3.Add(&mla_paged_op);
+  fused.Add(&latent_attention_op);
+}

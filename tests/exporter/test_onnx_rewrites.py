@@ -4,7 +4,8 @@ Reciprocal with another use survives, and an exported model holds no Reciprocal 
 sibling projections become one Gemm; the traced SiTU-GLU becomes one k3x.fused::SiTUGLU call with the
 same outputs, and a chain whose intermediate is used elsewhere (or a SiLU-GLU) is left alone. A depthwise
 Conv (KDA's short conv) becomes one k3x.fused::DepthwiseConv1d call with the same outputs and back; a grouped
-Conv of another form is left alone."""
+Conv of another form is left alone. MLA's attention over the latent cache (growing or static) becomes one
+k3x.fused::LatentAttention call reading the cache in place, with bit-identical outputs."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import onnx_ir as ir
 import pytest
 import torch
 
-from k3x.exporter.onnx_rewrites import (fuse_depthwise_conv, fuse_situ_glu, merge_sibling_gemms, rsqrt_as_div,
-                                       unfuse_depthwise_conv)
+from k3x.exporter.onnx_rewrites import (fuse_depthwise_conv, fuse_latent_attention, fuse_situ_glu,
+                                       merge_sibling_gemms, rsqrt_as_div, unfuse_depthwise_conv)
 from k3x.model.config import preset
 from k3x.model.layers import GatedMLP, RMSNorm
 from tolerances import assert_close
@@ -211,3 +212,53 @@ def test_a_padded_conv_is_left_alone():
     model = _exported_conv(_Conv(padding=1))
     before = [n.op_type for n in model.graph]
     assert fuse_depthwise_conv(model) == 0 and [n.op_type for n in model.graph] == before
+
+
+class _Attention(torch.nn.Module):
+    """k3-mini's MLA (model/mla.py) over a growing latent cache, or a static one (`static`: past_length 2)."""
+
+    def __init__(self, static: bool = False) -> None:
+        super().__init__()
+        from k3x.model.mla import GatedMLA
+
+        torch.manual_seed(6)
+        self.mla, self.static = GatedMLA(preset("k3-mini")).eval(), static
+        with torch.no_grad():
+            for p in self.mla.parameters():
+                p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+
+    def forward(self, x, past):
+        return self.mla(x, past, torch.tensor(2)) if self.static else self.mla(x, past)
+
+
+def _exported_attention(module: _Attention) -> ir.Model:
+    x, past = torch.randn(1, 3, module.mla.o_proj.out_features), torch.randn(1, 4 + 8 * module.static,
+                                                                              module.mla.m.latent_dim)
+    dims = {"x": {1: torch.export.Dim("T", max=64)},
+            "past": {} if module.static else {1: torch.export.Dim("P", max=64)}}
+    ep = torch.export.export(module, (x, past), dynamic_shapes=dims)
+    return torch.onnx.export(ep, dynamo=True, opset_version=20, verbose=False).model
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_the_latent_attention_becomes_one_fused_call_with_the_same_outputs(static):
+    module = _Attention(static)
+    plain = _exported_attention(module)
+    model = ir.serde.deserialize_model(ir.serde.serialize_model(plain))
+    assert [n.op_type for n in model.graph].count("Softmax") == 1
+    assert fuse_latent_attention(model) == 1
+    ops = [(n.domain, n.op_type) for n in model.graph]
+    assert ("k3x.fused", "LatentAttention") in ops and ("", "Softmax") not in ops and ("", "Where") not in ops
+    assert ("k3x.fused", "LatentAttention", "") in model.functions
+    call = next(n for n in model.graph if n.op_type == "LatentAttention")
+    assert call.inputs[1].producer().op_type == ("ScatterElements" if static else "Concat")  # the cache, in place
+    assert not any(n.op_type == "Slice" and n.inputs[0] is call.inputs[1] for n in model.graph)  # never copied
+    sessions = [ort.InferenceSession(ir.serde.serialize_model(m).SerializeToString(),
+                                     providers=["CPUExecutionProvider"]) for m in (model, plain)]
+    for T, P in [(1, 4), (3, 4)] + [(1, 9), (5, 0)] * (not static):  # decode rows and prefill chunks
+        g = torch.Generator().manual_seed(T * 10 + P)
+        feeds = {"x": torch.randn(1, T, module.mla.o_proj.out_features, generator=g).numpy(),
+                 "past": torch.randn(1, 12 if static else P, module.mla.m.latent_dim, generator=g).numpy()}
+        (y, present), (want_y, want_present) = (s.run(None, feeds) for s in sessions)
+        assert (y == want_y).all() and (present == want_present).all()  # the body is the traced ops: bit-identical
+    assert fuse_latent_attention(model) == 0  # nothing left to fuse
