@@ -28,6 +28,7 @@ from ..model.options import CacheOptions
 from ..model.parallel import ParallelPlan
 from .runners import Runner, RunnerError, RunnerOptions, generate, make_runner, open_folder, runnable
 from .state_check import STATE_STEPS, StateFinding, check_state, reference_steps
+from .tolerances import parity_key
 from .verify import VerifyReport, run_parity
 
 
@@ -45,6 +46,7 @@ class Session:
     runners: dict[str, Runner] = field(default_factory=dict)  # whole-state runners by backend
     pool_cfg: K3Config | None = None  # a serving session on rank programs: this rank's config (its pools)
     notes: list[str] = field(default_factory=list)  # lines for the user (printed by the speaking rank)
+    tolerance: torch.dtype | str | None = None  # verify's key in runtime/tolerances.py (None: `dtype`'s)
 
     @property
     def speaks(self) -> bool:
@@ -137,7 +139,8 @@ def _start(export_dir: Folder) -> tuple[ExportFolder, Session, tuple[dict, Paral
     found = _parallel(folder)
     s = Session(folder.path, folder.config(), folder.options().cache, folder.dtype(),
                 folder.manifest["dynamic_dims"], ParallelPlan(1, 1) if found is None else found[1],
-                contract=folder.state_contract())
+                contract=folder.state_contract(),
+                tolerance=parity_key(folder.dtype(), folder.manifest.get("options", {}).get("trunk")))
     return folder, s, found
 
 
@@ -263,7 +266,7 @@ def verify_session(s: Session, reference: Runner, backends: list[str], *, steps:
 
     runners = [s.runners[b] for b in backends]
     report = run_parity(reference, runners, s.cfg, steps=steps, batch=batch, prompt_len=prompt_len, dtype=s.dtype,
-                        seed=seed, cache=s.cache)
+                        seed=seed, cache=s.cache, tolerance=s.tolerance)
     if s.plan.world == 1:
         return Verdict(report, state=_state_findings(s, reference, backends, prompt_len, seed))
     prompt = torch.randint(0, s.cfg.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(seed))
@@ -287,7 +290,7 @@ def _state_findings(s: Session, reference: Runner, backends: list[str], prompt_l
         return rank_state_findings(reference, {b: s.runners[b] for b in backends}, s.contract, run, rank=s.rank,
                                    prompt=prompt, dtype=s.dtype)
     return [f for b in backends for f in check_state(reference, s.runners[b], s.cfg, s.contract, prompt=prompt,
-                                                     dtype=s.dtype, cache=s.cache, run=run)]
+                                                     dtype=s.dtype, cache=s.cache, run=run, tolerance=s.tolerance)]
 
 
 def peak_rss_line(s: Session) -> str | None:

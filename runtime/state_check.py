@@ -152,11 +152,14 @@ def _logits_problem(rerun: Callable[[Feeds], Feeds], contract: dict[str, Any], g
 
 def check_state(reference: Runner, runner: Runner, cfg: K3Config, contract: dict[str, Any], *, prompt: Tensor,
                 dtype: torch.dtype, cache: CacheOptions | None = None, steps: int = STATE_STEPS,
-                run: list[tuple[Feeds, Feeds]] | None = None, rerun: Rerun | None = None) -> list[StateFinding]:
+                run: list[tuple[Feeds, Feeds]] | None = None, rerun: Rerun | None = None,
+                tolerance: torch.dtype | str | None = None) -> list[StateFinding]:
     """Findings of `runner` handed the reference's true state at every step (empty: it keeps the contract).
     `run`: the reference's steps when already computed (`reference_steps`); `rerun`: the reference at a step
-    from wrong feeds, when `run` is not the reference's own interface (a rank's share, runtime/rank_state.py)."""
+    from wrong feeds, when `run` is not the reference's own interface (a rank's share, runtime/rank_state.py);
+    `tolerance`: the comparisons' key in runtime/tolerances.py (default `dtype`'s)."""
     run = run or reference_steps(reference, cfg, prompt, steps, dtype, cache)
+    key = dtype if tolerance is None else tolerance
     rerun = rerun or (lambda _step, wrong: reference.infer(wrong))
     findings: list[StateFinding] = []
     seen: list[tuple[str, list[int]]] = []
@@ -168,11 +171,11 @@ def check_state(reference: Runner, runner: Runner, cfg: K3Config, contract: dict
             findings.append(StateFinding(runner.name, step, "<run>", f"{type(e).__name__}: {str(e)[:200]}"))
             break
         logits = _logits_problem(partial(rerun, step), contract, got["logits"], expected["logits"], feeds,
-                                 before, dtype, seen)
+                                 before, key, seen)
         for t in contract["tensors"]:
             out, want = got.get(t["output"]), expected[t["output"]]
             problem = _contract_problem(t, out, want) or _state_problem(
-                t, out, want, _given(t, feeds), None if before is None else _given(t, before), dtype)
+                t, out, want, _given(t, feeds), None if before is None else _given(t, before), key)
             # a state computed from a wrong input the logits already name differs as a consequence
             if problem and not (logits and logits.startswith("decoded from") and problem.startswith("differs")):
                 findings.append(StateFinding(runner.name, step, tensor_label(t), problem))

@@ -2,7 +2,8 @@
 reference.
 
 Used by the parity harness (runtime/verify.py: an export against its own model, keyed by the export's dtype; a
-CPU trunk export's own model holds the same trunk) and by the tests (tests/tolerances.py re-exports it; the
+CPU trunk export's own model holds the same trunk, and an int8 trunk has a key of its own: `parity_key`) and by
+the tests (tests/tolerances.py re-exports it; the
 trunk keys state what a trunk costs against the fp32 model: tests/exporter/test_trunk_export.py).
 A value passes when |actual - expected| <= atol + rtol * |expected| (torch.allclose).
 """
@@ -26,7 +27,7 @@ TOLERANCES: dict[torch.dtype | str, tuple[float, float]] = {
     torch.float8_e4m3fn: (1e-1, 5e-2),
     # A CPU trunk's model (model/trunk.py: the dense projections on bf16 / 8-bit weights, fp32 activations) against
     # the fp32 model, logits and every state tensor: what the format costs (`k3x verify` holds a trunk export to
-    # its own trunk model at fp32's tolerance). Each projection's weights are rounded (bf16: 2^-9 relative;
+    # its own trunk model: bf16 at fp32's tolerance, int8 at the key below). Each projection's weights are rounded (bf16: 2^-9 relative;
     # int8: absmax / 254 per block of 32) and, in the int8 trunk, the activations to int8 per block too (as ONNX
     # Runtime's MatMulNBits at accuracy_level 4 does); the errors add up through the layers and the recurrent state.
     # Measured on k3-mini (random weights, routing fixed by the router bias so that no expert choice flips;
@@ -37,10 +38,24 @@ TOLERANCES: dict[torch.dtype | str, tuple[float, float]] = {
     # router tie within the error flips an expert choice and fails the comparison (docs/model.md "CPU trunks").
     "bf16 trunk": (1e-1, 5e-2),
     "int8 trunk": (1.0, 1e-1),
+    # An int8-trunk export against its own model (`k3x verify`): both quantise each projection's activations to
+    # int8 per block of 32 at run time (MatMulNBits, accuracy_level 4), a step function of its input. A 1-ulp
+    # difference upstream (a kernel's summation order against torch's) puts an activation on the other side of a
+    # code boundary now and then, and that projection's output moves by one code (the block's absmax / 127) times
+    # the weights. Measured on k3-mini with routing fixed (tests/trunk_models.py), batch 3 prompt 7: one such flip
+    # behind a shared expert's down projection, the kernel library's path against the function bodies, gave
+    # logits max-abs 0.045 and latent state 0.019; everywhere else the two agree to 2e-6.
+    "int8 trunk, own model": (1e-1, 2e-2),
 }
 
 
+def parity_key(dtype: torch.dtype, trunk: str | None) -> torch.dtype | str:
+    """The tolerance an export is held to against its own model: its dtype's, or the int8 trunk's own key."""
+    return "int8 trunk, own model" if trunk == "int8" else dtype
+
+
 def tol(dtype: torch.dtype | str) -> dict[str, float]:
+    """(atol, rtol) of a dtype or of a named key (the trunks)."""
     try:
         atol, rtol = TOLERANCES[dtype]
     except KeyError:

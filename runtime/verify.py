@@ -51,7 +51,7 @@ class StepReport:
 
 @dataclass
 class VerifyReport:
-    dtype: torch.dtype
+    dtype: torch.dtype | str  # the tolerance key (runtime/tolerances.py): the export's dtype or its trunk's
     steps: list[StepReport] = field(default_factory=list)
 
     @property
@@ -79,7 +79,8 @@ class VerifyReport:
                          for e in s.errors}} for s in self.steps]}
 
 
-def compare(actual: Tensor | None, expected: Tensor, name: str, dtype: torch.dtype) -> OutputError:
+def compare(actual: Tensor | None, expected: Tensor, name: str, dtype: torch.dtype | str) -> OutputError:
+    """`actual` against `expected` at the tolerance of `dtype` (a dtype or a key of runtime/tolerances.py)."""
     if actual is None:
         return OutputError(name, float("inf"), float("inf"), False, "missing")
     if tuple(actual.shape) != tuple(expected.shape):
@@ -102,8 +103,10 @@ def compare(actual: Tensor | None, expected: Tensor, name: str, dtype: torch.dty
 
 def run_parity(reference: Runner, backends: list[Runner], cfg: K3Config, *, steps: int = 8, batch: int = 1,
                prompt_len: int = 7, dtype: torch.dtype = torch.float32, seed: int = 0,
-               cache: CacheOptions | None = None) -> VerifyReport:
-    """Prefill + `steps` decode steps per backend, each compared output by output with the reference."""
+               cache: CacheOptions | None = None, tolerance: torch.dtype | str | None = None) -> VerifyReport:
+    """Prefill + `steps` decode steps per backend, each compared output by output with the reference at
+    `tolerance`'s (a key of runtime/tolerances.py; default `dtype`'s)."""
+    key = dtype if tolerance is None else tolerance
     if steps < 0 or prompt_len < 1 or batch < 1:
         raise ValueError(f"steps={steps}, prompt_len={prompt_len}, batch={batch}: need steps >= 0, others >= 1")
     gen = torch.Generator().manual_seed(seed)
@@ -116,7 +119,7 @@ def run_parity(reference: Runner, backends: list[Runner], cfg: K3Config, *, step
         out = reference.infer(feeds)
         ref_outputs.append(out)
         feeds = next_feeds(cfg, out, out["logits"][:, -1].argmax(-1, keepdim=True), cache)
-    report = VerifyReport(dtype)
+    report = VerifyReport(key)
     for runner in backends:
         feeds = start
         for step, expected in enumerate(ref_outputs):
@@ -128,7 +131,7 @@ def run_parity(reference: Runner, backends: list[Runner], cfg: K3Config, *, step
                     "<run>", float("inf"), float("inf"), False, f"{type(e).__name__}: {e}")]))
                 break
             seconds = time.perf_counter() - t0
-            errors = [compare(out.get(n), e, n, dtype) for n, e in expected.items()]
+            errors = [compare(out.get(n), e, n, key) for n, e in expected.items()]
             report.steps.append(StepReport(runner.name, step, seconds, errors))
             token = expected["logits"][:, -1].argmax(-1, keepdim=True)
             feeds = next_feeds(cfg, out, token, cache) if all(e.problem == "" for e in errors) else None

@@ -54,7 +54,7 @@ def test_a_serving_export_with_a_trunk_verifies(trunk_exports, tmp_path):
     export(ExportOptions((Target.ONNX,), tmp_path / "s", checkpoint=trunk_exports / "ckpt", serving=True,
                          block_size=8, trunk=Trunk.INT8))
     r = CliRunner().invoke(app, ["verify", str(tmp_path / "s")])
-    assert r.exit_code == 0 and "(float32: atol" in r.output and "PASS" in r.output, r.output
+    assert r.exit_code == 0 and "(int8 trunk, own model: atol 0.1" in r.output and "PASS" in r.output, r.output
 
 
 def teacher_forced(runner: OrtRunner, cfg, prompt: torch.Tensor, tokens: list[int]) -> torch.Tensor:
@@ -97,12 +97,14 @@ def test_logits_within_the_tolerance_and_greedy_tokens_of_the_fp32_export(trunk_
 
 @pytest.mark.parametrize("trunk", ["bf16", "int8"])
 def test_verify_holds_the_export_to_its_own_model_at_fp32_tolerance(trunk_exports, trunk):
-    """The eager reference is the export's own model (the same trunk): the artifact is checked as tightly as an
-    fp32 export; the trunk's distance from the fp32 model is the test above's."""
+    """The eager reference is the export's own model (the same trunk): a bf16 export is checked as tightly as an
+    fp32 export; an int8 one at its own key, which admits one activation code's flip (runtime/tolerances.py); the
+    trunk's distance from the fp32 model is the test above's."""
     r = CliRunner().invoke(app, ["verify", str(trunk_exports / trunk)])
     out = r.output
     assert r.exit_code == 0, out
-    assert "parity vs eager reference (float32: atol 2e-05" in out and "PASS" in out
+    key = "float32: atol 2e-05" if trunk == "bf16" else "int8 trunk, own model: atol 0.1, rtol 0.02"
+    assert f"parity vs eager reference ({key}" in out and "PASS" in out
     assert "state contract: ok" in out
 
 
