@@ -29,7 +29,6 @@ from ..custom_ops.registry import by_onnx_op
 from ..plan.onnx_node import COMMON_ATTRIBUTES, DOMAIN
 from . import onnx_collectives
 from .onnx_rewrites import fuse_depthwise_conv, unfuse_depthwise_conv
-from .onnx_siblings import merge_siblings
 
 
 def k3_nodes(model: ir.Model) -> list[ir.Node]:
@@ -86,7 +85,6 @@ def trt_pass(model: ir.Model) -> ir.Model:
 
 def ort_pass(model: ir.Model) -> ir.Model:
     """Attach the ONNX Runtime function body of every k3 op type the model uses; byte tensors UINT8."""
-    merge_siblings(model)  # projections of one input as one node (exporter/onnx_siblings.py)
     nodes = k3_nodes(model)
     _check_attributes(nodes)
     retype_bytes(model, ir.DataType.UINT8)

@@ -40,17 +40,6 @@ ATTR_TYPES = {float: AttrType.FLOAT, int: AttrType.INT, str: AttrType.STRING}  #
 
 
 @dataclass(frozen=True)
-class RowStacked:
-    """A family's node computes x · Wᵀ over weights whose rows (axis 0) are its output features, so nodes of its
-    type on the same x with equal attributes (but `rows`) can run as one node over the row-concatenated weights
-    (exporter/onnx_siblings.py). A family declares it as `SIBLINGS` in its onnx.py. `weights`: the input
-    positions of the row-stacked tensors; `rows`: the attribute holding the output width, summed (None: none)."""
-
-    weights: tuple[int, ...]
-    rows: str | None = None
-
-
-@dataclass(frozen=True)
 class NodeSpec:
     """What one `k3::<op_type>` node looks like: formal inputs/outputs (name, type var) and attributes."""
 

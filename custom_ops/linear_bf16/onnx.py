@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import onnx
 
-from ...plan.onnx_node import COMMON_ATTRIBUTES, Body, NodeSpec, RowStacked, opset
+from ...plan.onnx_node import COMMON_ATTRIBUTES, Body, NodeSpec, opset
 from .op import SIGNATURE
 
 NODE = NodeSpec.of(SIGNATURE)
 NODE.register()
-SIBLINGS = RowStacked(weights=(1,))  # projections of one input run as one node (exporter/onnx_siblings.py)
 
 
 def translate(x, weight):

@@ -14,12 +14,11 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from ...plan.onnx_node import COMMON_ATTRIBUTES, Body, NodeSpec, RowStacked, opset, static
+from ...plan.onnx_node import COMMON_ATTRIBUTES, Body, NodeSpec, opset, static
 from .op import SIGNATURE
 
 NODE = NodeSpec.of(SIGNATURE)
 NODE.register()
-SIBLINGS = RowStacked(weights=(1, 2), rows="N")  # projections of one input run as one node (exporter/onnx_siblings.py)
 ACCURACY_LEVEL = 4  # MatMulNBits: int8 activations (see the module docstring)
 MS_DOMAIN = "com.microsoft"
 
