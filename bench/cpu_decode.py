@@ -103,9 +103,10 @@ def child_run(onnx: Path, preset_name: str, depths: list[int], steps: int, threa
     if experts is not None:
         cfg = replace(cfg, moe=replace(cfg.moe, num_experts=experts))
     runner = OrtRunner(onnx, provider="cpu", intra_op_threads=threads)
-    buf = torch.ones(nbytes // 4 + 1)  # written once, so its pages are real
-    collapse([(buf.data_ptr(), buf.data_ptr() + 4 * buf.numel())])
-    stream_ms(buf, nbytes)
+    if nbytes:
+        buf = torch.ones(nbytes // 4 + 1)  # written once, so its pages are real
+        collapse([(buf.data_ptr(), buf.data_ptr() + 4 * buf.numel())])
+        stream_ms(buf, nbytes)
     g = torch.Generator().manual_seed(0)
     warm = runner.infer(start_feeds(cfg, torch.randint(0, cfg.vocab_size, (1, 8), generator=g)))
     runner.infer(next_feeds(cfg, warm, warm["logits"][:, -1].argmax(-1, keepdim=True)))  # first-call allocations

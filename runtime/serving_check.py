@@ -28,7 +28,7 @@ from .runners import make_runner, runnable, serving_entry
 from .scheduler import pack_feeds
 from .serve import StepModuleRunner, serving_runner
 from .state_check import STATE_STEPS, StateFinding, check_state
-from .tolerances import parity_key
+from .tolerances import Tolerance, parity_key
 from .verify import OutputError, StepReport, VerifyReport, compare
 
 SLOT = 1  # the checked sequence's slot (of 2): slot 0 holds noise
@@ -65,7 +65,7 @@ def serving_steps(reference: Runner, cfg, prompt: list[int], steps: int, dtype: 
     return run
 
 
-def _parity(run: list[tuple[Feeds, Feeds]], runner: Runner, dtype: torch.dtype | str) -> list[StepReport]:
+def _parity(run: list[tuple[Feeds, Feeds]], runner: Runner, dtype: Tolerance) -> list[StepReport]:
     """Each step of `run` on `runner` (the true state handed in), every output compared with the reference's."""
     reports = []
     for step, (feeds, expected) in enumerate(run):
@@ -98,7 +98,7 @@ def verify_serving(folder: ExportFolder, backends: list[str], options: RunnerOpt
     reference = serving_reference(folder, options)
     prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(seed)).tolist()
     run = serving_steps(reference, cfg, prompt, max(steps, STATE_STEPS), dtype, block, seed)
-    key = parity_key(dtype, folder.manifest.get("options", {}).get("trunk"))
+    key = parity_key(dtype, folder.options().build.trunk)
     report = VerifyReport(key, [s for r in runners for s in _parity(run[: steps + 1], r, key)])
     contract = folder.state_contract()
     findings = [f for r in runners for f in check_state(reference, r, cfg, contract, prompt=torch.tensor([prompt]),

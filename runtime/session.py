@@ -28,7 +28,7 @@ from ..model.options import CacheOptions
 from ..model.parallel import ParallelPlan
 from .runners import Runner, RunnerError, RunnerOptions, generate, make_runner, open_folder, runnable
 from .state_check import STATE_STEPS, StateFinding, check_state, reference_steps
-from .tolerances import parity_key
+from .tolerances import Tolerance, parity_key
 from .verify import VerifyReport, run_parity
 
 
@@ -46,7 +46,7 @@ class Session:
     runners: dict[str, Runner] = field(default_factory=dict)  # whole-state runners by backend
     pool_cfg: K3Config | None = None  # a serving session on rank programs: this rank's config (its pools)
     notes: list[str] = field(default_factory=list)  # lines for the user (printed by the speaking rank)
-    tolerance: torch.dtype | str | None = None  # verify's key in runtime/tolerances.py (None: `dtype`'s)
+    tolerance: Tolerance | None = None  # verify's key in runtime/tolerances.py (None: `dtype`'s)
 
     @property
     def speaks(self) -> bool:
@@ -137,10 +137,10 @@ def _start(export_dir: Folder) -> tuple[ExportFolder, Session, tuple[dict, Paral
     """(the folder, a session without runners, its `parallel` entry and plan or None for one program)."""
     folder = open_folder(export_dir)
     found = _parallel(folder)
-    s = Session(folder.path, folder.config(), folder.options().cache, folder.dtype(),
+    options = folder.options()
+    s = Session(folder.path, folder.config(), options.cache, folder.dtype(),
                 folder.manifest["dynamic_dims"], ParallelPlan(1, 1) if found is None else found[1],
-                contract=folder.state_contract(),
-                tolerance=parity_key(folder.dtype(), folder.manifest.get("options", {}).get("trunk")))
+                contract=folder.state_contract(), tolerance=parity_key(folder.dtype(), options.build.trunk))
     return folder, s, found
 
 

@@ -31,6 +31,7 @@ from ..model.state_contract import KDA_KINDS, WRONG_STATES, tensor_label
 from ..plan.dtypes import dtype_name, torch_dtype
 from .base import Feeds, Runner
 from .runners import next_feeds, start_feeds
+from .tolerances import Tolerance
 from .verify import compare
 
 STATE_STEPS = 3  # decode steps after the prefill: a stale state (one step earlier) shows from the second on
@@ -63,7 +64,7 @@ def reference_steps(reference: Runner, cfg: K3Config, prompt: Tensor, steps: int
     return run
 
 
-def _close(a: Tensor, e: Tensor, dtype: torch.dtype) -> bool:
+def _close(a: Tensor, e: Tensor, dtype: Tolerance) -> bool:
     return compare(a, e, "", dtype).ok
 
 
@@ -95,7 +96,7 @@ def _given(t: dict[str, Any], feeds: Feeds) -> Tensor | None:
 
 
 def _state_problem(t: dict[str, Any], got: Tensor, expected: Tensor, given: Tensor | None, before: Tensor | None,
-                   dtype: torch.dtype) -> str | None:
+                   dtype: Tolerance) -> str | None:
     """Why the returned state `got` is not the reference's `expected` (None when it is)."""
     got, expected = got.cpu(), expected.cpu()
     if _close(got, expected, dtype):
@@ -134,7 +135,7 @@ def _candidates(contract: dict[str, Any], feeds: Feeds, before: Feeds | None) ->
 
 
 def _logits_problem(rerun: Callable[[Feeds], Feeds], contract: dict[str, Any], got: Tensor, expected: Tensor, feeds: Feeds,
-                    before: Feeds | None, dtype: torch.dtype, seen: list[tuple[str, list[int]]]) -> str | None:
+                    before: Feeds | None, dtype: Tolerance, seen: list[tuple[str, list[int]]]) -> str | None:
     """Why the runner's logits are not the reference's; `seen`: candidates that explained earlier steps,
     tried first (and the one that explains this step is added)."""
     got = got.cpu()
@@ -153,7 +154,7 @@ def _logits_problem(rerun: Callable[[Feeds], Feeds], contract: dict[str, Any], g
 def check_state(reference: Runner, runner: Runner, cfg: K3Config, contract: dict[str, Any], *, prompt: Tensor,
                 dtype: torch.dtype, cache: CacheOptions | None = None, steps: int = STATE_STEPS,
                 run: list[tuple[Feeds, Feeds]] | None = None, rerun: Rerun | None = None,
-                tolerance: torch.dtype | str | None = None) -> list[StateFinding]:
+                tolerance: Tolerance | None = None) -> list[StateFinding]:
     """Findings of `runner` handed the reference's true state at every step (empty: it keeps the contract).
     `run`: the reference's steps when already computed (`reference_steps`); `rerun`: the reference at a step
     from wrong feeds, when `run` is not the reference's own interface (a rank's share, runtime/rank_state.py);

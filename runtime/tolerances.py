@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import torch
 
-TOLERANCES: dict[torch.dtype | str, tuple[float, float]] = {
+Tolerance = torch.dtype | str  # a key of TOLERANCES: a dtype, or a named key (the CPU trunks)
+
+TOLERANCES: dict[Tolerance, tuple[float, float]] = {
     torch.float64: (1e-10, 1e-8),
     torch.float32: (2e-5, 2e-4),
     torch.float16: (2e-3, 2e-3),
@@ -49,12 +51,13 @@ TOLERANCES: dict[torch.dtype | str, tuple[float, float]] = {
 }
 
 
-def parity_key(dtype: torch.dtype, trunk: str | None) -> torch.dtype | str:
-    """The tolerance an export is held to against its own model: its dtype's, or the int8 trunk's own key."""
+def parity_key(dtype: torch.dtype, trunk: str) -> Tolerance:
+    """The tolerance an export of `dtype` with `trunk` (model/options.BuildOptions.trunk) is held to against its
+    own model: its dtype's, or the int8 trunk's own key."""
     return "int8 trunk, own model" if trunk == "int8" else dtype
 
 
-def tol(dtype: torch.dtype | str) -> dict[str, float]:
+def tol(dtype: Tolerance) -> dict[str, float]:
     """(atol, rtol) of a dtype or of a named key (the trunks)."""
     try:
         atol, rtol = TOLERANCES[dtype]

@@ -20,7 +20,7 @@ from torch import Tensor
 from ..model.config import K3Config
 from ..model.options import CacheOptions
 from .runners import Feeds, Runner, next_feeds, start_feeds
-from .tolerances import tol
+from .tolerances import Tolerance, tol
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class StepReport:
 
 @dataclass
 class VerifyReport:
-    dtype: torch.dtype | str  # the tolerance key (runtime/tolerances.py): the export's dtype or its trunk's
+    dtype: Tolerance  # the tolerance key (runtime/tolerances.py): the export's dtype or its trunk's
     steps: list[StepReport] = field(default_factory=list)
 
     @property
@@ -79,7 +79,7 @@ class VerifyReport:
                          for e in s.errors}} for s in self.steps]}
 
 
-def compare(actual: Tensor | None, expected: Tensor, name: str, dtype: torch.dtype | str) -> OutputError:
+def compare(actual: Tensor | None, expected: Tensor, name: str, dtype: Tolerance) -> OutputError:
     """`actual` against `expected` at the tolerance of `dtype` (a dtype or a key of runtime/tolerances.py)."""
     if actual is None:
         return OutputError(name, float("inf"), float("inf"), False, "missing")
@@ -103,7 +103,7 @@ def compare(actual: Tensor | None, expected: Tensor, name: str, dtype: torch.dty
 
 def run_parity(reference: Runner, backends: list[Runner], cfg: K3Config, *, steps: int = 8, batch: int = 1,
                prompt_len: int = 7, dtype: torch.dtype = torch.float32, seed: int = 0,
-               cache: CacheOptions | None = None, tolerance: torch.dtype | str | None = None) -> VerifyReport:
+               cache: CacheOptions | None = None, tolerance: Tolerance | None = None) -> VerifyReport:
     """Prefill + `steps` decode steps per backend, each compared output by output with the reference at
     `tolerance`'s (a key of runtime/tolerances.py; default `dtype`'s)."""
     key = dtype if tolerance is None else tolerance
