@@ -4,7 +4,8 @@ Why: the `ort` flavor runs every k3 node as its function body (standard ops, cus
 each op a pass over memory and many of them on one core. A family may also ship `ort_kernel.cc`: the same
 op as one C++ pass, rows over ONNX Runtime's intra-op threads; and kernels of `k3x.fused` functions
 (custom_ops/fused.py: standard-op chains the exporter groups, the SiTU-GLU), registered in that domain; what
-they share is in custom_ops/ort_kernel.h. ONNX Runtime runs a node on a registered kernel of its domain and name
+they share is in custom_ops/ort_kernel.h (and what two families' kernels share, in a header of the owning
+family: kda/ort_recurrence.h). ONNX Runtime runs a node on a registered kernel of its domain and name
 before it inlines the model's function of that name (and still inlines the nodes the library has no kernel
 for), so the library is optional and an export is the same file with or without it: the function bodies stay
 the portable fallback, and the kernels are checked against the references (tests/runtime/test_ort_kernels.py).
@@ -18,7 +19,7 @@ the portable fallback, and the kernels are checked against the references (tests
   library asks the session for that version). The library needs nothing else: it gets the API from the session
   that loads it.
 - Cached by key (runtime/kernel_cache.py: where, and when a cached library is trusted), key = sha256 of the
-  sources, the compiler's version and the target -march=native resolved to on this CPU (`-Q --help=target`:
+  sources and every header under custom_ops/, the compiler's version and the target -march=native resolved to on this CPU (`-Q --help=target`:
   a cache shared by machines of two CPU kinds holds one library for each), and the headers.
 - Loaded (`library`) by CPU sessions only: the kernels are fp32 host code. K3X_ORT_KERNELS=0 turns it off.
   Loading a library runs its code: only a library that is the user's own and what was built is loaded.
@@ -173,7 +174,8 @@ def _key(cxx: str, include: Path) -> str:
     h = hashlib.sha256(_entry().encode())
     for name, path in sorted(sources().items()):
         h.update(name.encode() + path.read_bytes())
-    h.update((_custom_ops() / "ort_kernel.h").read_bytes())
+    for header in sorted(_custom_ops().rglob("*.h")):  # ort_kernel.h and a family's own (kda/ort_recurrence.h)
+        h.update(header.relative_to(_custom_ops()).as_posix().encode() + header.read_bytes())
     h.update(" ".join((cxx, *FLAGS)).encode() + resolved_target(shutil.which(cxx) or cxx))
     h.update((include / "onnxruntime_c_api.h").read_bytes())
     return h.hexdigest()[:16]

@@ -5,6 +5,9 @@ Body: com.microsoft::LinearAttention (update_rule="gated_delta", per-key decay).
 reference to ~5e-10 on CPU; its conventions: q/k/v/decay packed [B, T, H*D], decay in log space,
 beta [B, T, H], `scale` applied to q, past/present state [B, H, K, V]. It has no bf16 kernel, so the body
 computes in fp32 and casts o back.
+With the k3x kernel library built (runtime/ort_kernels.py), ONNX Runtime's CPU provider runs an fp32 KDA
+node on ort_kernel.cc instead (the k3::KDAPacked kernel's recurrence, ort_recurrence.h): 141 -> 83 us a
+k3-bench decode step a layer on the 2-core EPYC.
 """
 
 from __future__ import annotations
