@@ -106,6 +106,20 @@ def test_every_package_is_installed():
     assert found <= listed, f"packages missing from pyproject.toml: {sorted(found - listed)}"
 
 
+def test_every_kernel_source_is_shipped():
+    """A regular install ships every file the ONNX Runtime kernel library is compiled from (runtime/ort_kernels.py:
+    each family's ort_kernel.cc, ort_kernel.h and a family's own header such as kda/ort_recurrence.h): each is
+    matched by pyproject.toml's package-data patterns."""
+    import fnmatch
+    import tomllib
+
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["*"]
+    files = [p for p in (ROOT / "custom_ops").rglob("*") if p.suffix in (".cc", ".h")]
+    assert any(p.name == "ort_recurrence.h" for p in files)
+    missed = [str(p.relative_to(ROOT)) for p in files if not any(fnmatch.fnmatch(p.name, pat) for pat in patterns)]
+    assert not missed, f"kernel sources a regular install would not ship (pyproject.toml package-data): {missed}"
+
+
 def test_nothing_points_outside_the_repository():
     pattern = re.compile(r"\.\./shared|/work/|spec/k3-architecture|export-toolchain\.md|DESIGN\.md")
     files = [p for p in ROOT.rglob("*") if p.suffix in (".py", ".md", ".sh", ".toml") and p.is_file()
