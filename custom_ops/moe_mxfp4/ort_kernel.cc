@@ -96,7 +96,8 @@ inline float hsum(__m256 v) {
 // With AVX-512 a block's 16 bytes become its 32 weights in two table lookups of 16 floats (vpermps reads an
 // index's low four bits: a byte's low nibble as it is, its high one shifted down), the even elements' and the odd
 // ones', never interleaved: the rows of a are split into their even and odd elements once per call instead. A
-// block's two products are summed and scaled by its power of two at once (one FMA). ~9 instructions a block
+// block's two products are summed and scaled by its power of two at once (one FMA), and four output features a
+// pass share each x load, their accumulators in registers. ~9 instructions a block
 // where the AVX2 path's byte shuffles, unpacks and conversions take ~25 (one-token k3-bench expert shapes, one
 // thread, caches warm on the 2-core EPYC: 160-166 -> 109-123 us a k3-bench call, d 1024, L 512, I 256, top 4 of 16).
 template <int R>
