@@ -1,0 +1,238 @@
+// k3::LinearQ8 on ONNX Runtime's CPU provider: y [..., N] = x [..., K] through 8-bit block-quantised weights
+// (reference.py `linear_q8`): each row of x quantised per block of BLOCK along K (scale absmax / 127, code
+// round-half-even(x / scale) clamped to +-127, a zero block scale 0 and codes 0, the last block zero-padded); each
+// block's dot product of codes an exact int32; times the two blocks' scales ((dot * x scale) * w scale, as the
+// reference), summed over the blocks in fp32. Only that sum's order differs from the reference (and from MLAS's
+// MatMulNBits, the function body). Compiled into the custom-op library by runtime/ort_kernels.py, which calls
+// k3x_add_linear_q8.
+//
+// - Weights uint8 [N, KB, BLOCK] (code 128 is zero), scales fp32 [N, KB]; BLOCK is the weight's last dimension
+//   (the node's block_size), any multiple of 4 (else an Ort::Exception naming it).
+// - The activations are quantised once per call, before any task: int8 codes [M, KB·BLOCK], their scales
+//   [M, KB] and 128 · each block's sum of codes [M, KB] (the VNNI path's correction). K values a row: cheap.
+// - A block's integer dot product, 32 weights a 256-bit step, by what the build's -march has:
+//   AVX512_VNNI + VL (or AVX-VNNI): vpdpbusd of the uint8 weights and the int8 codes, less 128 · the codes' sum
+//   (exact: Σ (w - 128) a = Σ w a - 128 Σ a); AVX2: the weights xor 0x80 (int8, -128..127), vpmaddubsw of their
+//   magnitudes and the codes with their signs (|w| a: two products a pair, at most 2 · 128 · 127 < 32767, no
+//   saturation), vpmaddwd by ones; else a scalar loop. Eight blocks' eight-lane sums are reduced to one vector of
+//   eight block sums (hadd tree), scaled by the x and w scale vectors and added to eight fp32 lanes; BLOCK a
+//   multiple of 32 takes that path, other blocks and the last KB % 8 blocks the per-block loop (`dot_any`).
+// - Tasks: a span of TASK_COLS output features (weight rows) x a span of TASK_ROWS rows of x, each weight row read
+//   in order, against up to four x rows a pass (the weight row re-read from L1 per x row). A decode call (M <=
+//   TASK_ROWS) streams W once; a prefill call re-reads a task's weights (TASK_COLS rows, ~70 KB at K = 1024) from
+//   L2 for every four x rows. Calls with less than SERIAL_BYTES of weights run on the calling thread: handing
+//   them to the intra-op pool cost more than it saved (measured: docs/model.md §6.1).
+#define ORT_API_MANUAL_INIT
+#include <onnxruntime_cxx_api.h>
+
+#include "ort_kernel.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t TASK_COLS = 64;        // weight rows per task: 68 KB of weights at K = 1024, BLOCK = 32
+constexpr int64_t TASK_ROWS = 64;        // x rows per task (prefill)
+constexpr int64_t RB = 4;                // x rows a pass over a weight row
+constexpr int64_t SERIAL_BYTES = 96 << 10;  // weight bytes x rows below which a call stays on one thread
+constexpr int ZERO = 128;                // the weights' code of 0
+
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+constexpr bool VNNI = true;  // dot32 is Σ w a: less the block's 128 Σ a
+#else
+constexpr bool VNNI = false;  // dot32 is Σ (w - 128) a
+#endif
+
+struct Work {
+  const int8_t* codes;   // [M, KP] activation codes, KP = KB · BLOCK, zero-padded
+  const float* xs;       // [M, KB] activation scales
+  const int32_t* corr;   // [M, KB] 128 · each block's sum of codes
+  const uint8_t* w;      // [N, KB, BLOCK]
+  const float* ws;       // [N, KB]
+  float* y;              // [M, N]
+  int64_t M, N, KB, BLOCK;
+  int64_t row_tasks;     // tasks along M: task = col_task · row_tasks + row_task
+};
+
+// Σ (w[i] - 128) a[i] over n values: exact in int32 (n · 128 · 127 < 2^31 for any n below 132,000)
+inline int32_t dot_any(const uint8_t* w, const int8_t* a, int64_t n) {
+  int32_t s = 0;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += (int32_t(w[i]) - ZERO) * int32_t(a[i]);
+  return s;
+}
+
+#if defined(__AVX2__)
+// acc + the eight 4-byte groups' dot products of 32 weights and 32 codes (VNNI: Σ w a; else Σ (w - 128) a)
+inline __m256i dot32(__m256i acc, const uint8_t* w, const int8_t* a) {
+  const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, wv, av);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, wv, av);
+#else
+  const __m256i c = _mm256_xor_si256(wv, _mm256_set1_epi8(char(0x80)));  // w - 128 as int8
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(av, c));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+}
+
+// lane j = the sum of v[j]'s eight lanes
+inline __m256i reduce8(const __m256i v[8]) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+// y[m, n] for m in [m0, m0 + R): weight row n against R rows of codes
+template <int R>
+void dot_rows(const Work& t, int64_t n, int64_t m0) {
+  const int64_t KB = t.KB, BLOCK = t.BLOCK, KP = KB * BLOCK;
+  const uint8_t* w = t.w + n * KP;
+  const float* ws = t.ws + n * KB;
+  for (int r = 0; r < R; ++r) {
+    const int64_t m = m0 + r;
+    const int8_t* a = t.codes + m * KP;
+    const float* xs = t.xs + m * KB;
+    int64_t b = 0;
+    float sum = 0.f;
+#if defined(__AVX2__)
+    if (BLOCK % 32 == 0) {
+      __m256 acc = _mm256_setzero_ps();
+      for (; b + 8 <= KB; b += 8) {
+        __m256i v[8];
+        for (int j = 0; j < 8; ++j) {
+          v[j] = _mm256_setzero_si256();
+          for (int64_t i = 0; i < BLOCK; i += 32) v[j] = dot32(v[j], w + (b + j) * BLOCK + i, a + (b + j) * BLOCK + i);
+        }
+        __m256i d = reduce8(v);
+        if constexpr (VNNI) d = _mm256_sub_epi32(d, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.corr + m * KB + b)));
+        const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(xs + b));
+        acc = _mm256_fmadd_ps(p, _mm256_loadu_ps(ws + b), acc);
+      }
+      sum = hsum(acc);
+    }
+#endif
+    for (; b < KB; ++b) sum += float(dot_any(w + b * BLOCK, a + b * BLOCK, BLOCK)) * xs[b] * ws[b];
+    t.y[m * t.N + n] = sum;
+  }
+}
+
+void task(void* user, size_t index) {
+  const Work& t = *static_cast<const Work*>(user);
+  const int64_t ct = int64_t(index) / t.row_tasks, rt = int64_t(index) % t.row_tasks;
+  const int64_t n0 = ct * TASK_COLS, n1 = std::min(t.N, n0 + TASK_COLS);
+  const int64_t r0 = rt * TASK_ROWS, r1 = std::min(t.M, r0 + TASK_ROWS);
+  for (int64_t m = r0; m < r1; m += RB) {
+    const int64_t rows = std::min(RB, r1 - m);
+    for (int64_t n = n0; n < n1; ++n) {
+      static_assert(RB == 4, "dot_rows is dispatched for 1 to 4 rows");
+      switch (rows) {
+        case 1: dot_rows<1>(t, n, m); break;
+        case 2: dot_rows<2>(t, n, m); break;
+        case 3: dot_rows<3>(t, n, m); break;
+        default: dot_rows<4>(t, n, m); break;
+      }
+    }
+  }
+}
+
+// row m of x [M, K] -> its codes [KP] (zero-padded), scales [KB] and 128 · block sums [KB], as reference.py
+// `quantize_activations` in fp32: scale = absmax / 127, code = nearest-even(x / scale) clamped to +-127
+void quantise_row(const float* x, int64_t K, int64_t KB, int64_t BLOCK, int8_t* codes, float* xs, int32_t* corr) {
+  for (int64_t b = 0; b < KB; ++b) {
+    const int64_t lo = b * BLOCK, n = std::min(BLOCK, K - lo);
+    float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+    for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::abs(x[lo + i]));
+    const float scale = amax / 127.f;
+    xs[b] = scale;
+    int32_t s = 0;
+    if (scale > 0.f) {
+#pragma omp simd reduction(+ : s)
+      for (int64_t i = 0; i < n; ++i) {
+        const float q = std::min(std::max(std::nearbyint(x[lo + i] / scale), -127.f), 127.f);
+        codes[lo + i] = int8_t(q);
+        s += int32_t(q);
+      }
+    } else {
+      std::memset(codes + lo, 0, size_t(n));
+    }
+    std::memset(codes + lo + n, 0, size_t(BLOCK - n));
+    corr[b] = ZERO * s;
+  }
+}
+
+// LinearQ8(x [..., K] float, weight [N, KB, BLOCK] uint8, scales [N, KB] float) -> y [..., N] float
+struct LinearQ8Kernel {
+  static constexpr const char* name = "LinearQ8";
+  static constexpr size_t inputs = 3, outputs = 1;
+  static constexpr bool variadic_input = false, variadic_output = false;
+  static ONNXTensorElementDataType input_type(size_t i) {
+    return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  static ONNXTensorElementDataType output_type(size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+
+  LinearQ8Kernel(const OrtApi&, const OrtKernelInfo*) {}
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    auto x = ctx.GetInput(0), w = ctx.GetInput(1), s = ctx.GetInput(2);
+    std::vector<int64_t> shape = shape_of(x);
+    const std::vector<int64_t> wshape = shape_of(w), sshape = shape_of(s);
+    const bool fits = !shape.empty() && wshape.size() == 3 && sshape == std::vector<int64_t>{wshape[0], wshape[1]} &&
+                      wshape[1] >= 1 && (wshape[1] - 1) * wshape[2] < shape.back() &&
+                      shape.back() <= wshape[1] * wshape[2];
+    if (!fits)
+      throw Ort::Exception("k3::LinearQ8: x " + dims(shape) + ", weight " + dims(wshape) + " and scales " +
+                               dims(sshape) + ": expected [..., K], [N, ceil(K / block), block] and [N, ceil(K / block)]",
+                           ORT_INVALID_ARGUMENT);
+    const int64_t K = shape.back(), N = wshape[0], KB = wshape[1], BLOCK = wshape[2];
+    if (BLOCK % 4)
+      throw Ort::Exception("k3::LinearQ8: block size " + std::to_string(BLOCK) + " (weight " + dims(wshape) +
+                               "): the kernel takes a multiple of 4",
+                           ORT_INVALID_ARGUMENT);
+    const int64_t M = int64_t(x.GetTensorTypeAndShapeInfo().GetElementCount()) / K;
+    shape.back() = N;
+    float* y = ctx.GetOutput(0, shape).GetTensorMutableData<float>();
+    if (M == 0 || N == 0) return;
+    const int64_t KP = KB * BLOCK;
+    std::vector<int8_t> codes(size_t(M * KP));
+    std::vector<float> xs(size_t(M * KB));
+    std::vector<int32_t> corr(size_t(M * KB));
+    const float* xp = x.GetTensorData<float>();
+    for (int64_t m = 0; m < M; ++m)
+      quantise_row(xp + m * K, K, KB, BLOCK, codes.data() + m * KP, xs.data() + m * KB, corr.data() + m * KB);
+    Work t{codes.data(), xs.data(), corr.data(), w.GetTensorData<uint8_t>(), s.GetTensorData<float>(), y,
+           M, N, KB, BLOCK, (M + TASK_ROWS - 1) / TASK_ROWS};
+    const size_t tasks = size_t((N + TASK_COLS - 1) / TASK_COLS * t.row_tasks);
+    if (tasks == 1 || N * KP * M < SERIAL_BYTES) {
+      for (size_t i = 0; i < tasks; ++i) task(&t, i);
+      return;
+    }
+    ctx.ParallelFor(task, tasks, 0, &t);
+  }
+};
+
+CpuOp<LinearQ8Kernel> linear_q8_op;
+
+}  // namespace
+
+void k3x_add_linear_q8(Ort::CustomOpDomain& k3, Ort::CustomOpDomain&) { k3.Add(&linear_q8_op); }
