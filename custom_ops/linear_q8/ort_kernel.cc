@@ -154,6 +154,101 @@ void task(void* user, size_t index) {
   }
 }
 
+#if defined(__AVX2__)
+constexpr int64_t NC = 16;          // output features per GEMM panel: two vectors of eight
+constexpr int64_t GEMM_ROWS = 256;  // x rows per GEMM task where N has fewer than 16 panels
+constexpr int PANEL_XOR = VNNI ? 0 : 0x80;  // the panel holds w (VNNI: vpdpbusd's unsigned side) or w - 128
+
+// acc + per lane j: the four codes of `a` (one 4-byte group, broadcast) against column j's four weights
+inline __m256i dot4(__m256i acc, __m256i panel, __m256i a) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, panel, a);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, panel, a);
+#else
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(panel), _mm256_sign_epi8(a, panel));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+}
+
+// features [n0, n0 + NC) (the last one repeated past N) as a panel [KB][BLOCK / 4][NC][4] bytes, each 4-byte group
+// of a block the NC features' side by side (one vector a group for dot4), and their scales [KB][NC]
+void pack(const Work& t, int64_t n0, uint8_t* panel, float* scales) {
+  const int64_t KB = t.KB, BLOCK = t.BLOCK, G = BLOCK / 4, KP = KB * BLOCK;
+  for (int64_t j = 0; j < NC; ++j) {
+    const int64_t n = std::min(n0 + j, t.N - 1);
+    const uint8_t* w = t.w + n * KP;
+    for (int64_t b = 0; b < KB; ++b) {
+      scales[b * NC + j] = t.ws[n * KB + b];
+      for (int64_t g = 0; g < G; ++g) {
+        uint32_t v;
+        std::memcpy(&v, w + b * BLOCK + 4 * g, 4);
+        v ^= PANEL_XOR * 0x01010101u;
+        std::memcpy(panel + ((b * G + g) * NC + j) * 4, &v, 4);
+      }
+    }
+  }
+}
+
+// an R x NC tile of y, rows [m0, m0 + R) and features [n0, n0 + NC): per block, R x 2 int32 vectors of exact dot
+// products (R broadcast groups of codes against the panel's two vectors a step), then scaled and added to R x 2
+// fp32 vectors, lane j the feature n0 + 8c + j
+template <int R>
+void tile(const Work& t, const uint8_t* panel, const float* scales, int64_t m0, int64_t n0) {
+  const int64_t KB = t.KB, BLOCK = t.BLOCK, G = BLOCK / 4, KP = KB * BLOCK;
+  __m256 f[R][2];
+  for (int r = 0; r < R; ++r) f[r][0] = f[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < KB; ++b) {
+    __m256i d[R][2];
+    for (int r = 0; r < R; ++r)
+      d[r][0] = d[r][1] = VNNI ? _mm256_set1_epi32(-t.corr[(m0 + r) * KB + b]) : _mm256_setzero_si256();
+    const uint8_t* p = panel + b * G * NC * 4;
+    for (int64_t g = 0; g < G; ++g) {
+      const __m256i p0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + g * NC * 4));
+      const __m256i p1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + g * NC * 4 + 32));
+      for (int r = 0; r < R; ++r) {
+        int32_t group;
+        std::memcpy(&group, t.codes + (m0 + r) * KP + b * BLOCK + 4 * g, 4);
+        const __m256i a = _mm256_set1_epi32(group);
+        d[r][0] = dot4(d[r][0], p0, a);
+        d[r][1] = dot4(d[r][1], p1, a);
+      }
+    }
+    const __m256 s0 = _mm256_loadu_ps(scales + b * NC), s1 = _mm256_loadu_ps(scales + b * NC + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xs = _mm256_set1_ps(t.xs[(m0 + r) * KB + b]);
+      f[r][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(d[r][0]), xs), s0, f[r][0]);
+      f[r][1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(d[r][1]), xs), s1, f[r][1]);
+    }
+  }
+  const int64_t cols = std::min(NC, t.N - n0);
+  for (int r = 0; r < R; ++r) {
+    float out[NC];
+    _mm256_storeu_ps(out, f[r][0]);
+    _mm256_storeu_ps(out + 8, f[r][1]);
+    std::memcpy(t.y + (m0 + r) * t.N + n0, out, sizeof(float) * size_t(cols));
+  }
+}
+
+void gemm(void* user, size_t index) {  // a panel of NC features against M / row_tasks rows
+  const Work& t = *static_cast<const Work*>(user);
+  const int64_t rows = (t.M + t.row_tasks - 1) / t.row_tasks;
+  const int64_t n0 = int64_t(index) / t.row_tasks * NC, r0 = int64_t(index) % t.row_tasks * rows;
+  const int64_t r1 = std::min(t.M, r0 + rows);
+  std::vector<uint8_t> panel(size_t(t.KB * t.BLOCK * NC));
+  std::vector<float> scales(size_t(t.KB * NC));
+  pack(t, n0, panel.data(), scales.data());
+  for (int64_t m = r0; m < r1; m += RB) {
+    switch (std::min(RB, r1 - m)) {
+      case 1: tile<1>(t, panel.data(), scales.data(), m, n0); break;
+      case 2: tile<2>(t, panel.data(), scales.data(), m, n0); break;
+      case 3: tile<3>(t, panel.data(), scales.data(), m, n0); break;
+      default: tile<4>(t, panel.data(), scales.data(), m, n0); break;
+    }
+  }
+}
+#endif
+
 // row m of x [M, K] -> its codes [KP] (zero-padded), scales [KB] and 128 · block sums [KB], as reference.py
 // `quantize_activations` in fp32: scale = absmax / 127, code = nearest-even(x / scale) clamped to +-127
 void quantise_row(const float* x, int64_t K, int64_t KB, int64_t BLOCK, int8_t* codes, float* xs, int32_t* corr) {
@@ -222,6 +317,12 @@ struct LinearQ8Kernel {
       quantise_row(xp + m * K, K, KB, BLOCK, codes.data() + m * KP, xs.data() + m * KB, corr.data() + m * KB);
     Work t{codes.data(), xs.data(), corr.data(), w.GetTensorData<uint8_t>(), s.GetTensorData<float>(), y,
            M, N, KB, BLOCK, (M + TASK_ROWS - 1) / TASK_ROWS};
+#if defined(__AVX2__)
+    if (M > RB) {  // rows split over tasks only where the panels alone are too few to share out
+      t.row_tasks = (N + NC - 1) / NC >= 16 ? 1 : (M + GEMM_ROWS - 1) / GEMM_ROWS;
+      return ctx.ParallelFor(gemm, size_t((N + NC - 1) / NC * t.row_tasks), 0, &t);
+    }
+#endif
     const size_t tasks = size_t((N + TASK_COLS - 1) / TASK_COLS * t.row_tasks);
     if (tasks == 1 || N * KP * M < SERIAL_BYTES) {
       for (size_t i = 0; i < tasks; ++i) task(&t, i);
