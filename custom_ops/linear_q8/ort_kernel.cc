@@ -172,21 +172,47 @@ inline __m256i dot4(__m256i acc, __m256i panel, __m256i a) {
 }
 
 // features [n0, n0 + NC) (the last one repeated past N) as a panel [KB][BLOCK / 4][NC][4] bytes, each 4-byte group
-// of a block the NC features' side by side (one vector a group for dot4), and their scales [KB][NC]
+// of a block the NC features' side by side (one vector a group for dot4), and their scales [KB][NC]: the weights'
+// [NC][KP / 4] groups transposed, eight features by eight groups in registers
 void pack(const Work& t, int64_t n0, uint8_t* panel, float* scales) {
-  const int64_t KB = t.KB, BLOCK = t.BLOCK, G = BLOCK / 4, KP = KB * BLOCK;
-  for (int64_t j = 0; j < NC; ++j) {
-    const int64_t n = std::min(n0 + j, t.N - 1);
-    const uint8_t* w = t.w + n * KP;
-    for (int64_t b = 0; b < KB; ++b) {
-      scales[b * NC + j] = t.ws[n * KB + b];
-      for (int64_t g = 0; g < G; ++g) {
-        uint32_t v;
-        std::memcpy(&v, w + b * BLOCK + 4 * g, 4);
-        v ^= PANEL_XOR * 0x01010101u;
-        std::memcpy(panel + ((b * G + g) * NC + j) * 4, &v, 4);
+  const int64_t KB = t.KB, KP = KB * t.BLOCK, Q = KP / 4;
+  const __m256i flip = _mm256_set1_epi8(char(PANEL_XOR));
+  for (int64_t j0 = 0; j0 < NC; j0 += 8) {
+    const uint8_t* rows[8];
+    for (int64_t j = 0; j < 8; ++j) {
+      const int64_t n = std::min(n0 + j0 + j, t.N - 1);
+      rows[j] = t.w + n * KP;
+      for (int64_t b = 0; b < KB; ++b) scales[b * NC + j0 + j] = t.ws[n * KB + b];
+    }
+    int64_t q = 0;
+    for (; q + 8 <= Q; q += 8) {
+      __m256i r[8], u[8];
+      for (int j = 0; j < 8; ++j)
+        r[j] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j] + 4 * q)), flip);
+      for (int j = 0; j < 8; j += 2) {
+        u[j] = _mm256_unpacklo_epi32(r[j], r[j + 1]);
+        u[j + 1] = _mm256_unpackhi_epi32(r[j], r[j + 1]);
+      }
+      for (int j = 0; j < 8; j += 4) {
+        r[j] = _mm256_unpacklo_epi64(u[j], u[j + 2]);
+        r[j + 1] = _mm256_unpackhi_epi64(u[j], u[j + 2]);
+        r[j + 2] = _mm256_unpacklo_epi64(u[j + 1], u[j + 3]);
+        r[j + 3] = _mm256_unpackhi_epi64(u[j + 1], u[j + 3]);
+      }
+      for (int i = 0; i < 4; ++i) {  // r[i] holds groups i, i + 4 of features 0-3, r[i + 4] of features 4-7
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(panel + ((q + i) * NC + j0) * 4),
+                            _mm256_permute2x128_si256(r[i], r[i + 4], 0x20));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(panel + ((q + i + 4) * NC + j0) * 4),
+                            _mm256_permute2x128_si256(r[i], r[i + 4], 0x31));
       }
     }
+    for (; q < Q; ++q)
+      for (int64_t j = 0; j < 8; ++j) {
+        uint32_t v;
+        std::memcpy(&v, rows[j] + 4 * q, 4);
+        v ^= PANEL_XOR * 0x01010101u;
+        std::memcpy(panel + ((q * NC) + j0 + j) * 4, &v, 4);
+      }
   }
 }
 
