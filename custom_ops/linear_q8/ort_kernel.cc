@@ -335,9 +335,14 @@ struct LinearQ8Kernel {
     float* y = ctx.GetOutput(0, shape).GetTensorMutableData<float>();
     if (M == 0 || N == 0) return;
     const int64_t KP = KB * BLOCK;
-    std::vector<int8_t> codes(size_t(M * KP));
-    std::vector<float> xs(size_t(M * KB));
-    std::vector<int32_t> corr(size_t(M * KB));
+    // the calling thread's scratch, kept between calls (no allocation nor zeroing per call: a small node's
+    // fixed cost); the tasks only read it, while this call waits for them
+    static thread_local std::vector<int8_t> codes;
+    static thread_local std::vector<float> xs;
+    static thread_local std::vector<int32_t> corr;
+    codes.resize(std::max(codes.size(), size_t(M * KP)));
+    xs.resize(std::max(xs.size(), size_t(M * KB)));
+    corr.resize(std::max(corr.size(), size_t(M * KB)));
     const float* xp = x.GetTensorData<float>();
     for (int64_t m = 0; m < M; ++m)
       quantise_row(xp + m * K, K, KB, BLOCK, codes.data() + m * KP, xs.data() + m * KB, corr.data() + m * KB);
