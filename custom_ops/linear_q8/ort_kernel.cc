@@ -19,11 +19,16 @@
 //   KB % 8 blocks: one more reduce, scaled one by one); BLOCK a multiple of 32 takes that path, other blocks the
 //   per-block loop (`dot_any`); measured with the last blocks on that loop, K = 128 (four blocks) N = 1024 took
 //   62-67 us a node against 18-20 now (2 threads, cold weights).
-// - Tasks: a span of TASK_COLS output features (weight rows) x a span of TASK_ROWS rows of x, each weight row read
-//   in order, against up to four x rows a pass (the weight row re-read from L1 per x row). A decode call (M <=
-//   TASK_ROWS) streams W once; a prefill call re-reads a task's weights (TASK_COLS rows, ~70 KB at K = 1024) from
-//   L2 for every four x rows. Calls with less than SERIAL_BYTES of weights run on the calling thread: handing
-//   them to the intra-op pool cost more than it saved (measured: docs/model.md §6.1).
+// - Decode (M <= 4 rows, the GEMV): tasks of TASK_COLS output features (weight rows), each weight row read in
+//   order, against every x row (re-read from L1 per row), so W streams once. Calls with less than SERIAL_BYTES
+//   of weights x rows (N <= 85 at K = 1024, one row) run on the calling thread: on the 2-core machine, under another
+//   process's load, N = 8 to 64 measured the same either way and N >= 128 gained from the second core when it
+//   was free; staying off the pool below that spares a wake-up. Software prefetch 2 KB ahead measured no gain.
+// - Prefill (M > 4, the GEMM, AVX2 and up; the scalar build keeps the GEMV's row passes): tasks of NC = 16
+//   features packed into a panel (pack: 4-byte groups transposed so that one vector holds a group of each of
+//   the 16 features), against all M rows (or GEMM_ROWS-row spans where N has fewer than 16 panels) in tiles of
+//   4 rows x 16 features: a broadcast group of codes against the panel's two vectors a step, the block's int32
+//   dot products in lanes, no horizontal sums; measured against MatMulNBits in docs/model.md §6.1.
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
 
@@ -43,7 +48,7 @@
 namespace {
 
 constexpr int64_t TASK_COLS = 64;        // weight rows per task: 68 KB of weights at K = 1024, BLOCK = 32
-constexpr int64_t TASK_ROWS = 64;        // x rows per task (prefill)
+constexpr int64_t TASK_ROWS = 64;        // x rows per task (the scalar build's prefill)
 constexpr int64_t RB = 4;                // x rows a pass over a weight row
 constexpr int64_t SERIAL_BYTES = 96 << 10;  // weight bytes x rows below which a call stays on one thread
 constexpr int ZERO = 128;                // the weights' code of 0
