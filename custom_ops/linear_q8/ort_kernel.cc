@@ -18,7 +18,9 @@
 //   eight block sums (hadd tree), scaled by the x and w scale vectors and added to eight fp32 lanes (the last
 //   KB % 8 blocks: one more reduce, scaled one by one); BLOCK a multiple of 32 takes that path, other blocks the
 //   per-block loop (`dot_any`); measured with the last blocks on that loop, K = 128 (four blocks) N = 1024 took
-//   62-67 us a node against 18-20 now (2 threads, cold weights).
+//   62-67 us a node against 18-20 now (2 threads, cold weights). Both paths are also compiled for BLOCK = 32 as a
+//   constant (the trunk's): one thread's CPU time a node fell 1.7-1.9x at four rows, ~15 % at one row and
+//   ~25 % in the GEMM against the block size read at run time.
 // - Decode (M <= 4 rows, the GEMV): tasks of TASK_COLS output features (weight rows), each weight row read in
 //   order, against every x row (re-read from L1 per row), so W streams once. Calls with less than SERIAL_BYTES
 //   of weights x rows (N <= 85 at K = 1024, one row) run on the calling thread: on the 2-core machine, under another
@@ -108,10 +110,11 @@ inline float hsum(__m256 v) {
 }
 #endif
 
-// y[m, n] for m in [m0, m0 + R): weight row n against R rows of codes
-template <int R>
+// y[m, n] for m in [m0, m0 + R): weight row n against R rows of codes; BS the block size when it is known at
+// compile time (32, the trunk's), else 0
+template <int R, int BS>
 void dot_rows(const Work& t, int64_t n, int64_t m0) {
-  const int64_t KB = t.KB, BLOCK = t.BLOCK, KP = KB * BLOCK;
+  const int64_t KB = t.KB, BLOCK = BS ? BS : t.BLOCK, KP = KB * BLOCK;
   const uint8_t* w = t.w + n * KP;
   const float* ws = t.ws + n * KB;
   for (int r = 0; r < R; ++r) {
@@ -165,11 +168,20 @@ void task(void* user, size_t index) {
     const int64_t rows = std::min(RB, r1 - m);
     for (int64_t n = n0; n < n1; ++n) {
       static_assert(RB == 4, "dot_rows is dispatched for 1 to 4 rows");
+      if (t.BLOCK == 32) {
+        switch (rows) {
+          case 1: dot_rows<1, 32>(t, n, m); break;
+          case 2: dot_rows<2, 32>(t, n, m); break;
+          case 3: dot_rows<3, 32>(t, n, m); break;
+          default: dot_rows<4, 32>(t, n, m); break;
+        }
+        continue;
+      }
       switch (rows) {
-        case 1: dot_rows<1>(t, n, m); break;
-        case 2: dot_rows<2>(t, n, m); break;
-        case 3: dot_rows<3>(t, n, m); break;
-        default: dot_rows<4>(t, n, m); break;
+        case 1: dot_rows<1, 0>(t, n, m); break;
+        case 2: dot_rows<2, 0>(t, n, m); break;
+        case 3: dot_rows<3, 0>(t, n, m); break;
+        default: dot_rows<4, 0>(t, n, m); break;
       }
     }
   }
@@ -240,9 +252,9 @@ void pack(const Work& t, int64_t n0, uint8_t* panel, float* scales) {
 // an R x NC tile of y, rows [m0, m0 + R) and features [n0, n0 + NC): per block, R x 2 int32 vectors of exact dot
 // products (R broadcast groups of codes against the panel's two vectors a step), then scaled and added to R x 2
 // fp32 vectors, lane j the feature n0 + 8c + j
-template <int R>
+template <int R, int BS>
 void tile(const Work& t, const uint8_t* panel, const float* scales, int64_t m0, int64_t n0) {
-  const int64_t KB = t.KB, BLOCK = t.BLOCK, G = BLOCK / 4, KP = KB * BLOCK;
+  const int64_t KB = t.KB, BLOCK = BS ? BS : t.BLOCK, G = BLOCK / 4, KP = KB * BLOCK;
   __m256 f[R][2];
   for (int r = 0; r < R; ++r) f[r][0] = f[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
@@ -286,11 +298,21 @@ void gemm(void* user, size_t index) {  // a panel of NC features against M / row
   std::vector<float> scales(size_t(t.KB * NC));
   pack(t, n0, panel.data(), scales.data());
   for (int64_t m = r0; m < r1; m += RB) {
-    switch (std::min(RB, r1 - m)) {
-      case 1: tile<1>(t, panel.data(), scales.data(), m, n0); break;
-      case 2: tile<2>(t, panel.data(), scales.data(), m, n0); break;
-      case 3: tile<3>(t, panel.data(), scales.data(), m, n0); break;
-      default: tile<4>(t, panel.data(), scales.data(), m, n0); break;
+    const int64_t rows = std::min(RB, r1 - m);
+    if (t.BLOCK == 32) {
+      switch (rows) {
+        case 1: tile<1, 32>(t, panel.data(), scales.data(), m, n0); break;
+        case 2: tile<2, 32>(t, panel.data(), scales.data(), m, n0); break;
+        case 3: tile<3, 32>(t, panel.data(), scales.data(), m, n0); break;
+        default: tile<4, 32>(t, panel.data(), scales.data(), m, n0); break;
+      }
+      continue;
+    }
+    switch (rows) {
+      case 1: tile<1, 0>(t, panel.data(), scales.data(), m, n0); break;
+      case 2: tile<2, 0>(t, panel.data(), scales.data(), m, n0); break;
+      case 3: tile<3, 0>(t, panel.data(), scales.data(), m, n0); break;
+      default: tile<4, 0>(t, panel.data(), scales.data(), m, n0); break;
     }
   }
 }
