@@ -1,6 +1,7 @@
 """`k3::LinearQ8` in ONNX: the node spec, the torch.onnx translation of `torch.ops.k3.linear_q8`, and the ONNX
 Runtime function body: one `com.microsoft::MatMulNBits` (bits 8, no zero_points: code 128 is zero), which takes
-the node's uint8 weight and fp32 scales as they are.
+the node's uint8 weight and fp32 scales as they are. The body is the fallback where the kernel library
+(ort_kernel.cc, the same op) is not built: ONNX Runtime runs the library's kernel when it has one.
 
 accuracy_level 4 (int8 activations, quantised per block at run time; MLAS's int8 dot products): measured on
 this project's CPU machine, levels 0-2 (fp32 activations) run the 8-bit weights through a dequantising fallback,

@@ -1,9 +1,10 @@
 """`k3::linear_q8` — a dense projection on 8-bit block-quantised weights: schema, fake impl, shape rule.
 
     k3::linear_q8(x [..., K] fp32, weight [N, KB, BLOCK] uint8, scales [N, KB] fp32) -> [..., N] fp32
-The int8 CPU trunk (model/trunk.py): a quarter of fp32's weight bytes. The reference (reference.py) dequantises
-and multiplies in fp32; ONNX Runtime runs the node as its own `com.microsoft::MatMulNBits` (onnx.py), so the
-family needs no kernel of its own. A CPU-only family (registry.CPU_ONLY): no Triton kernel, no TensorRT plugin,
+The int8 CPU trunk (model/trunk.py): a quarter of fp32's weight bytes. The reference (reference.py) quantises
+the activations per block and multiplies the codes; ONNX Runtime runs the node on the kernel library's
+ort_kernel.cc (the same math: block dot products in integers, streaming the weights once at decode) when it is
+built, else as its function body, ONNX Runtime's own `com.microsoft::MatMulNBits` (onnx.py). A CPU-only family (registry.CPU_ONLY): no Triton kernel, no TensorRT plugin,
 no `kernels` argument. K, N and the block size are node attributes (MatMulNBits needs them; K may be any
 size, the last block zero-padded), read off the shapes at export.
 """

@@ -10,8 +10,9 @@ with bits=8 and no zero_points input, so the export hands it the bytes as they a
 The op is what MatMulNBits computes at accuracy_level 4 (the level the export sets: docs/model.md §6.1): each
 row of x is quantised too, per block of BLOCK along K: scale = absmax / 127, code = round(x / scale) (half to
 even); each block's dot product of codes is an integer (at most 32 * 127 * 127: exact in fp32) scaled by
-the two blocks' scales and summed over the blocks. ONNX Runtime's CPU kernel gives this to fp32 rounding
-(tests/custom_ops/test_linear_q8.py), so an int8-trunk export is checked against its own model as tightly as
+the two blocks' scales and summed over the blocks. ONNX Runtime's MatMulNBits (the function body) and the
+kernel library's ort_kernel.cc both give this to fp32 rounding (tests/custom_ops/test_linear_q8.py,
+tests/runtime/test_ort_kernel_linear_q8.py), so an int8-trunk export is checked against its own model as tightly as
 an fp32 one; what the 8-bit rounding costs against the fp32 model is the trunk's tolerance (runtime/tolerances.py).
 """
 
