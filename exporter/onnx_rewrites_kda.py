@@ -56,6 +56,14 @@ def _top(node: ir.Node | None, op_type: str, graph: ir.Graph) -> bool:
     return is_op(node, op_type) and node.graph is graph
 
 
+def _reader(v: ir.Value) -> ir.Node | None:
+    """The one node reading `v`, as its data input (its first), when `v` is used there only."""
+    if not single_use(v):
+        return None
+    node, index = next(iter(v.uses()))
+    return node if index == 0 else None
+
+
 def _fp32(*values: ir.Value) -> bool:
     return all(v is not None and v.dtype == ir.DataType.FLOAT for v in values)
 
@@ -72,18 +80,18 @@ def _l2norm(z: ir.Value, graph: ir.Graph) -> tuple[ir.Value, float, list[ir.Node
     mul = next((u for u in users.values() if is_op(u, "Mul")), None)
     div = next((u for u in users.values() if is_op(u, "Div")), None)
     if len(users) != 2 or z.is_graph_output() or mul is None or div is None or div.inputs[0] is not z or \
-            list(mul.inputs) != [z, z] or not single_use(mul.outputs[0]):
+            list(mul.inputs) != [z, z]:
         return None
-    red = next(iter(mul.outputs[0].uses()))[0]
+    red = _reader(mul.outputs[0])
     if not _top(red, "ReduceSum", graph) or attr_of(red, "keepdims", 1) != 1 or \
             attr_of(red, "noop_with_empty_axes", 0) != 0 or _ints(red.inputs[1] if len(red.inputs) > 1 else None) \
             not in ([-1], [3]) or not single_use(red.outputs[0]):
         return None
-    add = next(iter(red.outputs[0].uses()))[0]
+    add = next(iter(red.outputs[0].uses()))[0]  # Add(sums, eps) or Add(eps, sums)
     if not _top(add, "Add", graph) or not single_use(add.outputs[0]):
         return None
     eps = scalar_of(add.inputs[1] if add.inputs[0] is red.outputs[0] else add.inputs[0])
-    sqrt = next(iter(add.outputs[0].uses()))[0]
+    sqrt = _reader(add.outputs[0])
     if eps is None or not _top(sqrt, "Sqrt", graph) or not single_use(sqrt.outputs[0]) or \
             div.inputs[1] is not sqrt.outputs[0] or div.graph is not graph:
         return None
@@ -119,7 +127,7 @@ def _chain(conv: ir.Node, graph: ir.Graph) -> _Chain | None:
     if len(xx.uses()) != 2 or xx.is_graph_output() or not _top(others[0], "Slice", graph) or \
             not _new_state(others[0], xx, state.shape[2]):
         return None
-    back = next(iter(y.uses()))[0] if single_use(y) else None
+    back = _reader(y)
     if not _top(back, "Transpose", graph) or list(attr_of(back, "perm", [])) != [0, 2, 1]:
         return None
     yt = back.outputs[0]
@@ -129,23 +137,25 @@ def _chain(conv: ir.Node, graph: ir.Graph) -> _Chain | None:
     if len(users) != 2 or yt.is_graph_output() or sig is None or silu is None or not single_use(sig.outputs[0]) or \
             {id(v) for v in silu.inputs} != {id(yt), id(sig.outputs[0])} or not single_use(silu.outputs[0]):
         return None
-    reshape = next(iter(silu.outputs[0].uses()))[0]
+    reshape = _reader(silu.outputs[0])
+    if not _top(reshape, "Reshape", graph):
+        return None
     view = reshape.outputs[0]
-    if not _top(reshape, "Reshape", graph) or view.shape is None or len(view.shape) != 5 or view.is_graph_output():
+    if view.shape is None or len(view.shape) != 5 or view.is_graph_output():
         return None
     three, H, D = view.shape[2:]
     if three != 3 or not all(isinstance(d, int) and d > 0 for d in (H, D)) or 3 * H * D != C or \
             not (_known(view.shape[0], x.shape[0]) and _known(view.shape[1], x.shape[1])):
         return None
     parts: dict[int, tuple[ir.Value, list[ir.Node]]] = {}
-    for sl, _ in view.uses():
+    for sl, index in view.uses():
         ins = list(sl.inputs) + [None] * (5 - len(sl.inputs))
         start, axes = _ints(ins[1]), _ints(ins[3])
-        if not _top(sl, "Slice", graph) or start is None or len(start) != 1 or _ints(ins[2]) != [start[0] + 1] or \
-                axes not in ([-3], [2]) or (ins[4] is not None and _ints(ins[4]) != [1]) or \
-                not single_use(sl.outputs[0]):
+        if not _top(sl, "Slice", graph) or index != 0 or start is None or len(start) != 1 or \
+                _ints(ins[2]) != [start[0] + 1] or axes not in ([-3], [2]) or \
+                (ins[4] is not None and _ints(ins[4]) != [1]):
             return None
-        sq = next(iter(sl.outputs[0].uses()))[0]
+        sq = _reader(sl.outputs[0])
         if not _top(sq, "Squeeze", graph) or len(sq.inputs) != 2 or _ints(sq.inputs[1]) not in ([-3], [2]):
             return None
         parts[start[0]] = sq.outputs[0], [sl, sq]
