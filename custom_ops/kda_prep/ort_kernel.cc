@@ -351,9 +351,27 @@ struct ShortConvPorts {
 
 // KDAShortConv(x [B, T, C], state [B, C, W-1], w [C, 1, W], b [C], heads int64 [3, H, D], eps fp32 [])
 //   -> q, k, v [B, T, H, D], conv [B, C, W-1]   (C = 3 H D)
+// w [C, 1, W] tap-major: a tap's C channels contiguous
+std::vector<float> tap_major(const float* w, int64_t C, int64_t W) {
+  std::vector<float> wt(W * C);
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t i = 0; i < W; ++i) wt[i * C + c] = w[c * W + i];
+  return wt;
+}
+
 struct KDAShortConvKernel : ShortConvPorts {
   static constexpr const char* name = "KDAShortConv";
-  KDAShortConvKernel(const OrtApi&, const OrtKernelInfo*) {}
+  std::vector<float> wt;  // the weight tap-major, made once when it is a constant (its initializer, once folded):
+  int64_t wt_C = -1, wt_W = -1;  // a decode step's transposition took as long as its conv
+  KDAShortConvKernel(const OrtApi&, const OrtKernelInfo* info) {
+    int constant = 0;
+    const Ort::ConstValue w = Ort::ConstKernelInfo(info).GetTensorConstantInput(2, &constant);
+    if (!constant) return;
+    const auto ws = shape_of(w);
+    if (ws.size() != 3 || ws[1] != 1) return;  // Compute names the shape
+    wt = tap_major(w.GetTensorData<float>(), ws[0], ws[2]);
+    wt_C = ws[0], wt_W = ws[2];
+  }
 
   void Compute(OrtKernelContext* context) {
     Ort::KernelContext ctx(context);
@@ -373,12 +391,11 @@ struct KDAShortConvKernel : ShortConvPorts {
                                ": expected [B, T, C], [B, C, W-1], [C, 1, W], [C] and [3, H, D] with C = 3 H D",
                            ORT_INVALID_ARGUMENT);
     const int64_t B = xs[0], T = xs[1], C = xs[2], H = hd[1], D = hd[2], W = ws[2], M = W - 1;
-    std::vector<float> wt(W * C);  // the weight tap-major: a tap's channels are contiguous
-    const float* wd = w.GetTensorData<float>();
-    for (int64_t c = 0; c < C; ++c)
-      for (int64_t i = 0; i < W; ++i) wt[i * C + c] = wd[c * W + i];
+    const std::vector<float> fresh = C == wt_C && W == wt_W ? std::vector<float>() :
+                                                                tap_major(w.GetTensorData<float>(), C, W);
     const std::vector<int64_t> per_head{B, T, H, D};
-    ShortConv p{x.GetTensorData<float>(), state.GetTensorData<float>(), wt.data(), b.GetTensorData<float>(),
+    ShortConv p{x.GetTensorData<float>(), state.GetTensorData<float>(), fresh.empty() ? wt.data() : fresh.data(),
+                b.GetTensorData<float>(),
                 ctx.GetOutput(0, per_head).GetTensorMutableData<float>(),
                 ctx.GetOutput(1, per_head).GetTensorMutableData<float>(),
                 ctx.GetOutput(2, per_head).GetTensorMutableData<float>(),

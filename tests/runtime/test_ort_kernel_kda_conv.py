@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from ort_kernel_models import session
 
@@ -19,12 +19,15 @@ PORTS = [("x", TensorProto.FLOAT), ("state", TensorProto.FLOAT), ("w", TensorPro
 OUTS = ("q", "k", "v", "conv")
 
 
-def _model(channels: int, body: bool):
+def _model(channels: int, body: bool, weight: np.ndarray | None = None):
+    """The call alone; `weight`: w as an initializer (a constant the kernel reads once), else a graph input."""
     from k3x.custom_ops.fused import kda_short_conv_function
 
     node = helper.make_node("KDAShortConv", [n for n, _ in PORTS], list(OUTS), domain="k3x.fused")
-    graph = helper.make_graph([node], "kda_conv", [helper.make_tensor_value_info(n, t, None) for n, t in PORTS],
-                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in OUTS])
+    inputs = [helper.make_tensor_value_info(n, t, None) for n, t in PORTS if weight is None or n != "w"]
+    init = [] if weight is None else [numpy_helper.from_array(weight, "w")]
+    graph = helper.make_graph([node], "kda_conv", inputs,
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in OUTS], init)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("k3x.fused", 1)],
                              ir_version=10, functions=[kda_short_conv_function(20, channels)] if body else [])
 
@@ -77,6 +80,18 @@ def test_the_conv_is_the_body_s_conv_bit_for_bit(kernels):
         got = session(_model(48, body=False), kernels).run(None, feeds)[2]
         want = session(_model(48, body=True)).run(None, feeds)[2]
         assert (got == want).all()
+
+
+@pytest.mark.parametrize("T", [1, 6])
+def test_a_constant_weight_gives_what_a_fed_one_gives(kernels, T):
+    """The kernel transposes a constant weight once, when it is made; the values are the same."""
+    feeds = _inputs(2, T, 2, 8, 4, 1.0, seed=T)
+    fed = session(_model(48, body=False), kernels).run(None, feeds)
+    weight = feeds.pop("w")
+    constant = session(_model(48, body=False, weight=weight), kernels)
+    for _ in range(2):  # and again: the weight made once serves every call
+        for g, w in zip(constant.run(None, feeds), fed):
+            assert (g == w).all()
 
 
 def test_shapes_that_do_not_fit_are_named(kernels):
