@@ -23,6 +23,21 @@ is that one Conv (the group an attribute reference); its CPU kernel (custom_ops/
 loop over the channels with the Conv's sums in its order (bit-identical), where ONNX Runtime's Conv runs one
 im2col + GEMM per channel (0.35 ms a decode step on k3-bench's 3,072 channels). Calls are made by exporter/onnx_rewrites.py `fuse_depthwise_conv`.
 
+`KDAShortConv(x, state, w, b, heads, eps) -> q, k, v, conv`: the batch interface's KDA from the pre-conv
+projections to the recurrence's inputs (model/kda.py `forward` and `_heads`), x [B, T, C] (q|k|v projections,
+C = 3·H·D), state [B, C, W-1] (the past conv state), w [C, 1, W], b [C] (the Conv's bias: zeros as converted),
+heads int64 [3, H, D], eps a fp32 scalar (Constants):
+
+    xx = Concat(state, xᵀ) [B, C, W-1+T];  y = SiLU(Conv(xx, w, b, group = C)ᵀ) [B, T, C]
+    q, k, v = Reshape(y, [B, T, 3, H, D]) split on axis 2;  q, k = z / sqrt(Σ_D z² + eps)
+    conv = xx[:, :, T:]                                                     (the new state, [B, C, W-1])
+
+Its body is those ops as torch.onnx writes them (the Conv's group a literal: the body is built for the calls'
+channel count, so it has no attribute and TensorRT's parser inlines it like LatentAttention's). Its CPU kernel
+(custom_ops/kda_prep/ort_kernel.cc) makes one pass per row (b, t) over ONNX Runtime's intra-op threads: the
+conv from the window (its sums in the Conv's order, as DepthwiseConv1d's), SiLU and the two norms, where the
+body runs ~25 nodes per KDA layer. Calls are made by exporter/onnx_rewrites_kda.py `fuse_kda_short_conv`.
+
 `LatentAttention(q, present, hidden, scale) -> o`: the batch interface's absorbed MLA attention over the
 cached latent (model/mla.py `forward`), q [B, H·T, L] (every head's queries in the latent space, head-major),
 present [B, S, L] (the latent cache: keys, and as values all L columns), hidden [T, S] bool (True where query
@@ -54,6 +69,7 @@ SITU_GLU = "SiTUGLU"
 SITU_GLU_EXPERTS = "SiTUGLUExperts"
 DEPTHWISE_CONV = "DepthwiseConv1d"
 LATENT_ATTENTION = "LatentAttention"
+KDA_SHORT_CONV = "KDAShortConv"
 
 
 def situ_glu_halves(b: Body, a: str, u: str, beta: str, linear_beta: str) -> tuple[str, str]:
@@ -105,6 +121,27 @@ def latent_attention_function(opset_version: int) -> onnx.FunctionProto:
     return helper.make_function(FUSED_DOMAIN, LATENT_ATTENTION, ["q", "present", "hidden", "scale"], ["o"], b.nodes,
                                 [helper.make_opsetid("", opset_version)],
                                 doc_string="attention over the MLA latent (k3x)")
+
+
+def kda_short_conv_function(opset_version: int, channels: int) -> onnx.FunctionProto:
+    """The KDAShortConv body for `channels` (C, the Conv's group): the traced chain, the new state's start T
+    from x's shape as the exporter takes it."""
+    b = Body(KDA_SHORT_CONV)
+    xt = b.op("Transpose", "x", perm=[0, 2, 1])  # [B, C, T]
+    xx = b.op("Concat", "state", xt, axis=-1)  # [B, C, W-1+T]
+    yt = b.op("Transpose", b.op("Conv", xx, "w", "b", group=channels), perm=[0, 2, 1])  # [B, T, C]
+    y = b.op("Mul", yt, b.op("Sigmoid", yt))
+    view = b.op("Reshape", y, b.op("Concat", b.op("Shape", y, end=2), "heads", axis=0), allowzero=1)
+    axis = b.ints(-3)
+    for i, name in enumerate(("q", "k")):
+        z = b.op("Squeeze", b.op("Slice", view, b.ints(i), b.ints(i + 1), axis), axis)
+        sums = b.op("ReduceSum", b.op("Mul", z, z), b.ints(-1), keepdims=1)
+        b.out("Div", [z, b.op("Sqrt", b.op("Add", sums, "eps"))], [name])
+    b.out("Squeeze", [b.op("Slice", view, b.ints(2), b.ints(3), axis), axis], ["v"])
+    b.out("Slice", [xx, b.op("Shape", xt, start=2, end=3), b.ints(2**63 - 1), b.ints(2), b.ints(1)], ["conv"])
+    return helper.make_function(FUSED_DOMAIN, KDA_SHORT_CONV, ["x", "state", "w", "b", "heads", "eps"],
+                                ["q", "k", "v", "conv"], b.nodes, [helper.make_opsetid("", opset_version)],
+                                doc_string="KDA's short conv, SiLU and q/k L2 norm (k3x)")
 
 
 # op type in FUSED_DOMAIN -> its body, for (ai.onnx opset, the calls' (input count, output count))

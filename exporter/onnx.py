@@ -49,6 +49,7 @@ from ..model.state import state_specs
 from ..plan.onnx_node import DOMAIN
 from .onnx_flavors import FLAVOR_PASSES
 from .onnx_rewrites import fuse_latent_attention, fuse_situ_glu, merge_sibling_gemms, rsqrt_as_div
+from .onnx_rewrites_kda import fuse_kda_short_conv
 from .onnx_functions import save as save_layers
 
 FLAVOR_FILES: dict[str, str] = {"ort": "model.onnx", "trt": "model.trt.onnx"}
@@ -239,6 +240,7 @@ def to_onnx_ir(ep: ExportedProgram, cfg: K3Config, *, weights: bool = True, opti
     merge_sibling_gemms(model)  # KDA's q, k, v projections as one Gemm (exporter/onnx_rewrites.py)
     fuse_situ_glu(model)  # the dense FFN's / shared experts' SiTU-GLU as one k3x.fused::SiTUGLU call
     fuse_latent_attention(model)  # MLA's attention over the latent as one k3x.fused::LatentAttention call
+    fuse_kda_short_conv(model)  # KDA's conv, SiLU and q/k norm as one k3x.fused::KDAShortConv call
     ir.passes.common.RemoveUnusedNodesPass()(model)  # SequenceAt positions, folded Constants
     if serving is None:
         _rename_io(model, cfg, cache)

@@ -7,8 +7,10 @@
 - `ort`: attaches one FunctionProto per k3 op type the model uses — the family's `onnx.function` body
   (custom_ops/<family>/onnx.py) — so ONNX Runtime inlines them and needs no extra library; and the body of
   every `k3x.fused` function those bodies call (custom_ops/fused.py; the k3::MoE body's SiTU-GLU, routing and
-  combine); KDA's short conv as a k3x.fused::DepthwiseConv1d call (onnx_rewrites.fuse_depthwise_conv), which
-  the trt pass turns back into the Conv it was.
+  combine); a depthwise conv left as a Conv at conversion (the batch interface's fp32 KDA conv is already
+  inside a k3x.fused::KDAShortConv call, which both flavors keep: exporter/onnx_rewrites_kda.py) as a
+  k3x.fused::DepthwiseConv1d call (onnx_rewrites.fuse_depthwise_conv), which the trt pass turns back into the
+  Conv it was.
 Neither pass names an op family: both go through the registry. Both must leave the model's own nodes as they
 found them: a rank program's converted model goes through trt and ort once per rank (rewrites of those nodes
 are made once, at conversion: exporter/onnx_rewrites.py).

@@ -27,7 +27,12 @@ standard ops in a form ONNX Runtime's graph optimizer fuses; TensorRT gets the s
   Conv with group = its channels, weight [C, 1, W], bias [C], no padding, stride and dilation 1 (KDA's short
   conv) becomes `k3x.fused::DepthwiseConv1d(x, w, b)` (attribute group), whose body is that Conv
   (custom_ops/fused.py); ONNX Runtime runs it on one CPU kernel, bit-identical, when the library is built (its
-  own Conv took 0.35 ms a k3-bench decode step a layer, one im2col + GEMM per channel).
+  own Conv took 0.35 ms a k3-bench decode step a layer, one im2col + GEMM per channel). The batch interface's
+  fp32 KDA conv is by then inside a k3x.fused::KDAShortConv call (exporter/onnx_rewrites_kda.py, which runs
+  after these at conversion); what this pass still finds is a conv that rewrite left (e.g. a bf16 graph's).
+
+The matching helpers (`is_op`, `attr_of`, `scalar_of`, `single_use`, `is_depthwise_conv`, `attach_function`) are
+public for exporter/onnx_rewrites_kda.py.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from ..custom_ops.fused import (DEPTHWISE_CONV, FUSED_DOMAIN, LATENT_ATTENTION, 
                                 latent_attention_function, situ_glu_function)
 
 
-def _is(node: ir.Node | None, op_type: str) -> bool:
+def is_op(node: ir.Node | None, op_type: str) -> bool:
     return node is not None and node.op_type == op_type and node.domain == ""
 
 
@@ -47,10 +52,10 @@ def rsqrt_as_div(model: ir.Model) -> int:
     """Rewrite every top-level `Mul(x, Reciprocal(Sqrt(a)))` (either operand order) into `Div(x, Sqrt(a))`;
     returns how many Muls were rewritten. A Reciprocal left without users is removed."""
     graph, done = model.graph, 0
-    for rec in [n for n in graph if _is(n, "Reciprocal") and _is(n.inputs[0].producer(), "Sqrt")]:
+    for rec in [n for n in graph if is_op(n, "Reciprocal") and is_op(n.inputs[0].producer(), "Sqrt")]:
         r, root = rec.outputs[0], rec.inputs[0]
         for mul, index in list(r.uses()):
-            if not _is(mul, "Mul") or mul.graph is not graph or mul.outputs[0].is_graph_output():
+            if not is_op(mul, "Mul") or mul.graph is not graph or mul.outputs[0].is_graph_output():
                 continue
             x = mul.inputs[1 - index]
             div = ir.node("Div", [x, root], name=f"{mul.name}/rsqrt_as_div")
@@ -64,7 +69,7 @@ def rsqrt_as_div(model: ir.Model) -> int:
     return done
 
 
-def _attr(node: ir.Node, name: str, default):
+def attr_of(node: ir.Node, name: str, default):
     a = node.attributes.get(name)
     return default if a is None else a.value
 
@@ -72,9 +77,9 @@ def _attr(node: ir.Node, name: str, default):
 def _plain_gemm(node: ir.Node | None, graph: ir.Graph) -> bool:
     """x @ Wᵀ with W a weight (no producer: an initializer or, in a weightless export, a graph input), no bias,
     unscaled, its one use the caller's."""
-    if not _is(node, "Gemm") or node.graph is not graph or len([i for i in node.inputs if i is not None]) != 2:
+    if not is_op(node, "Gemm") or node.graph is not graph or len([i for i in node.inputs if i is not None]) != 2:
         return False
-    if (_attr(node, "transA", 0), _attr(node, "transB", 0), _attr(node, "alpha", 1.0)) != (0, 1, 1.0):
+    if (attr_of(node, "transA", 0), attr_of(node, "transB", 0), attr_of(node, "alpha", 1.0)) != (0, 1, 1.0):
         return False
     out = node.outputs[0]
     return node.inputs[1].producer() is None and len(out.uses()) == 1 and not out.is_graph_output()
@@ -84,10 +89,10 @@ def merge_sibling_gemms(model: ir.Model) -> int:
     """Rewrite every top-level `Concat(Gemm(x, W1, transB=1), ..., axis=-1)` of two or more plain Gemms of one
     x into `Gemm(x, Concat(W1, ..., axis=0), transB=1)`; returns how many Concats were rewritten."""
     graph, done = model.graph, 0
-    for cat in [n for n in graph if _is(n, "Concat") and len(n.inputs) >= 2]:
+    for cat in [n for n in graph if is_op(n, "Concat") and len(n.inputs) >= 2]:
         gemms = [v.producer() for v in cat.inputs]
         rank = len(cat.outputs[0].shape) if cat.outputs[0].shape is not None else None
-        if rank is None or _attr(cat, "axis", 0) not in (-1, rank - 1) or cat.outputs[0].is_graph_output():
+        if rank is None or attr_of(cat, "axis", 0) not in (-1, rank - 1) or cat.outputs[0].is_graph_output():
             continue
         if not all(_plain_gemm(g, graph) for g in gemms) or len({id(g.inputs[0]) for g in gemms}) != 1:
             continue
@@ -106,33 +111,33 @@ def merge_sibling_gemms(model: ir.Model) -> int:
     return done
 
 
-def _scalar(v: ir.Value | None) -> float | None:
+def scalar_of(v: ir.Value | None) -> float | None:
     """The value of a one-element constant (an initializer or a Constant node's output), else None."""
     if v is None:
         return None
     t = v.const_value
-    if t is None and _is(v.producer(), "Constant") and "value" in v.producer().attributes:
+    if t is None and is_op(v.producer(), "Constant") and "value" in v.producer().attributes:
         t = v.producer().attributes["value"].value
     if t is None or t.size != 1:  # never reads a weight (a streamed or meta one has no data here)
         return None
     return float(t.numpy().reshape(-1)[0])
 
 
-def _single_use(v: ir.Value) -> bool:
+def single_use(v: ir.Value) -> bool:
     return len(v.uses()) == 1 and not v.is_graph_output()
 
 
 def _scaled_tanh(v: ir.Value, graph: ir.Graph) -> tuple[ir.Value, float, list[ir.Node]] | None:
     """v = Mul(Tanh(Div(x, β)), β) (either Mul operand order), every step used once -> (x, β, its nodes)."""
     mul = v.producer()
-    if not _is(mul, "Mul") or mul.graph is not graph:
+    if not is_op(mul, "Mul") or mul.graph is not graph:
         return None
     for i in (0, 1):
-        tanh, beta = mul.inputs[i].producer(), _scalar(mul.inputs[1 - i])
-        if beta is None or not _is(tanh, "Tanh") or not _single_use(tanh.outputs[0]):
+        tanh, beta = mul.inputs[i].producer(), scalar_of(mul.inputs[1 - i])
+        if beta is None or not is_op(tanh, "Tanh") or not single_use(tanh.outputs[0]):
             continue
         div = tanh.inputs[0].producer()
-        if _is(div, "Div") and _single_use(div.outputs[0]) and _scalar(div.inputs[1]) == beta:
+        if is_op(div, "Div") and single_use(div.outputs[0]) and scalar_of(div.inputs[1]) == beta:
             return div.inputs[0], beta, [mul, tanh, div]
     return None
 
@@ -140,18 +145,18 @@ def _scaled_tanh(v: ir.Value, graph: ir.Graph) -> tuple[ir.Value, float, list[ir
 def _situ_glu(out: ir.Node, graph: ir.Graph) -> tuple[ir.Value, ir.Value, float, float, list[ir.Node]] | None:
     """`out` = Mul(Mul(scaled_tanh(a, β1), Sigmoid(a)), scaled_tanh(u, β2)) (any operand orders, every
     intermediate used once) -> (a, u, β1, β2, the chain's nodes)."""
-    if not _is(out, "Mul") or out.graph is not graph:
+    if not is_op(out, "Mul") or out.graph is not graph:
         return None
     for i in (0, 1):
         left, right = out.inputs[i], out.inputs[1 - i]
         gated = left.producer()
-        r = _scaled_tanh(right, graph) if _single_use(right) else None
-        if r is None or not _is(gated, "Mul") or not _single_use(left) or gated.graph is not graph:
+        r = _scaled_tanh(right, graph) if single_use(right) else None
+        if r is None or not is_op(gated, "Mul") or not single_use(left) or gated.graph is not graph:
             continue
         for j in (0, 1):
             sig, lt = gated.inputs[j].producer(), gated.inputs[1 - j]
-            l_ = _scaled_tanh(lt, graph) if _single_use(lt) else None
-            if l_ is None or not _is(sig, "Sigmoid") or not _single_use(sig.outputs[0]) or sig.inputs[0] is not l_[0]:
+            l_ = _scaled_tanh(lt, graph) if single_use(lt) else None
+            if l_ is None or not is_op(sig, "Sigmoid") or not single_use(sig.outputs[0]) or sig.inputs[0] is not l_[0]:
                 continue
             return l_[0], r[0], l_[1], r[1], [out, gated, sig, *l_[2], *r[2]]
     return None
@@ -161,7 +166,7 @@ def fuse_situ_glu(model: ir.Model) -> int:
     """Rewrite every top-level traced SiTU-GLU chain into `k3x.fused::SiTUGLU(a, u, β1, β2)` (scalar Constants)
     and attach that function (and the domain's import) when any was rewritten; returns how many."""
     graph, done = model.graph, 0
-    for out in [n for n in graph if _is(n, "Mul")]:
+    for out in [n for n in graph if is_op(n, "Mul")]:
         if out.graph is not graph or out.outputs[0].is_graph_output():
             continue  # removed by an earlier rewrite, or a graph output (its name must stay)
         found = _situ_glu(out, graph)
@@ -178,13 +183,13 @@ def fuse_situ_glu(model: ir.Model) -> int:
         graph.remove(chain, safe=True)
         done += 1
     if done:
-        _attach(model, situ_glu_function(model.opset_imports[""]))
+        attach_function(model, situ_glu_function(model.opset_imports[""]))
     return done
 
 
 def _only_input(node: ir.Node | None, op_type: str, graph: ir.Graph) -> ir.Value | None:
     """The data input of `node` (its first) when it is a top-level `op_type` whose output is used once."""
-    if not _is(node, op_type) or node.graph is not graph or not _single_use(node.outputs[0]):
+    if not is_op(node, op_type) or node.graph is not graph or not single_use(node.outputs[0]):
         return None
     return node.inputs[0]
 
@@ -193,29 +198,30 @@ def _latent_attention(out: ir.Node, graph: ir.Graph) -> tuple[list[ir.Value], li
     """`out` = MatMul(Reshape(Softmax(Where(hidden, -inf, Mul(Reshape(MatMul(q, Transpose(present, [0, 2, 1]))),
     scale)), axis=-1)), present), fp32, hidden [T, S] bool, every intermediate used once (the Transpose may have
     other uses) -> ([q, present, hidden, scale], the chain's nodes)."""
-    if not _is(out, "MatMul") or out.graph is not graph:
+    if not is_op(out, "MatMul") or out.graph is not graph:
         return None
     probs, present = out.inputs
     softmax = _only_input(probs.producer(), "Reshape", graph)
     softmax = softmax.producer() if softmax is not None else None
-    if not _is(softmax, "Softmax") or not _single_use(softmax.outputs[0]) or _attr(softmax, "axis", -1) not in (-1, 3):
+    if not is_op(softmax, "Softmax") or not single_use(softmax.outputs[0]) or \
+            attr_of(softmax, "axis", -1) not in (-1, 3):
         return None
     where = softmax.inputs[0].producer()
-    if not _is(where, "Where") or not _single_use(where.outputs[0]) or _scalar(where.inputs[1]) != float("-inf"):
+    if not is_op(where, "Where") or not single_use(where.outputs[0]) or scalar_of(where.inputs[1]) != float("-inf"):
         return None
     hidden, mul = where.inputs[0], where.inputs[2].producer()
     if hidden.dtype != ir.DataType.BOOL or hidden.shape is None or len(hidden.shape) != 2 or \
-            not _is(mul, "Mul") or not _single_use(mul.outputs[0]):
+            not is_op(mul, "Mul") or not single_use(mul.outputs[0]):
         return None
     for i in (0, 1):
         scale, reshape = mul.inputs[1 - i], mul.inputs[i].producer()
-        scores = _only_input(reshape, "Reshape", graph) if _scalar(scale) is not None else None
+        scores = _only_input(reshape, "Reshape", graph) if scalar_of(scale) is not None else None
         mm = scores.producer() if scores is not None else None
-        if not _is(mm, "MatMul") or not _single_use(mm.outputs[0]):
+        if not is_op(mm, "MatMul") or not single_use(mm.outputs[0]):
             continue
         q, keys = mm.inputs
         tr = keys.producer()
-        if not _is(tr, "Transpose") or tr.inputs[0] is not present or list(_attr(tr, "perm", [])) != [0, 2, 1]:
+        if not is_op(tr, "Transpose") or tr.inputs[0] is not present or list(attr_of(tr, "perm", [])) != [0, 2, 1]:
             continue
         if {q.dtype, present.dtype, out.outputs[0].dtype} != {ir.DataType.FLOAT} or q.shape is None or \
                 len(q.shape) != 3:
@@ -230,7 +236,7 @@ def fuse_latent_attention(model: ir.Model) -> int:
     `k3x.fused::LatentAttention(q, present, hidden, scale)` and attach that function (and the domain's import)
     when any was rewritten; returns how many."""
     graph, done = model.graph, 0
-    for out in [n for n in graph if _is(n, "MatMul")]:
+    for out in [n for n in graph if is_op(n, "MatMul")]:
         found = _latent_attention(out, graph) if out.graph is graph else None
         if found is None:
             continue
@@ -240,49 +246,49 @@ def fuse_latent_attention(model: ir.Model) -> int:
         graph.remove(chain[1:], safe=True)
         done += 1
     if done:
-        _attach(model, latent_attention_function(model.opset_imports[""]))
+        attach_function(model, latent_attention_function(model.opset_imports[""]))
     return done
 
 
-def _attach(model: ir.Model, function) -> None:
+def attach_function(model: ir.Model, function) -> None:
     """A k3x.fused function (FunctionProto) and its domain's import, attached to `model`."""
     fn = ir.serde.deserialize_function(function)
     model.functions[fn.identifier()] = fn
     model.opset_imports[FUSED_DOMAIN] = 1
 
 
-def _depthwise(node: ir.Node) -> bool:
+def is_depthwise_conv(node: ir.Node) -> bool:
     """A Conv of x [B, C, L] with w [C, 1, W] and a bias b [C] (KDA's has one, zeros, once converted), group C,
     no padding, stride or dilation."""
-    if not _is(node, "Conv") or len(node.inputs) != 3 or any(v is None or v.shape is None for v in node.inputs[1:]):
+    if not is_op(node, "Conv") or len(node.inputs) != 3 or any(v is None or v.shape is None for v in node.inputs[1:]):
         return False
     w = node.inputs[1].shape
-    if len(w) != 3 or not all(isinstance(d, int) for d in w) or w[1] != 1 or _attr(node, "group", 1) != w[0] \
+    if len(w) != 3 or not all(isinstance(d, int) for d in w) or w[1] != 1 or attr_of(node, "group", 1) != w[0] \
             or list(node.inputs[2].shape) != [w[0]]:
         return False
     plain = {"pads": [0, 0], "strides": [1], "dilations": [1], "kernel_shape": [w[2]]}
-    return _attr(node, "auto_pad", "NOTSET") in ("NOTSET", b"NOTSET") and \
-        all(list(_attr(node, k, v)) == v for k, v in plain.items())
+    return attr_of(node, "auto_pad", "NOTSET") in ("NOTSET", b"NOTSET") and \
+        all(list(attr_of(node, k, v)) == v for k, v in plain.items())
 
 
 CONV_ATTRIBUTES = "k3x.conv"  # a fused call's Conv attributes and metadata, kept in memory (ir.Node.meta)
 
 
 def fuse_depthwise_conv(model: ir.Model) -> int:
-    """Rewrite every top-level depthwise 1-D Conv (`_depthwise`) into `k3x.fused::DepthwiseConv1d` and attach
+    """Rewrite every top-level depthwise 1-D Conv (`is_depthwise_conv`) into `k3x.fused::DepthwiseConv1d` and attach
     that function (and the domain's import) when any was rewritten; returns how many."""
     graph, done = model.graph, 0
-    for conv in [n for n in graph if _depthwise(n)]:
+    for conv in [n for n in graph if is_depthwise_conv(n)]:
         if conv.outputs[0].is_graph_output():
             continue  # a graph output's name must stay
-        fused = ir.node(DEPTHWISE_CONV, list(conv.inputs), attributes={"group": int(_attr(conv, "group", 1))},
+        fused = ir.node(DEPTHWISE_CONV, list(conv.inputs), attributes={"group": int(attr_of(conv, "group", 1))},
                         domain=FUSED_DOMAIN, name=f"{conv.name}/depthwise")
         # in memory only, for unfuse to give back the node as found: its attributes and metadata
         fused.meta[CONV_ATTRIBUTES] = (list(conv.attributes.values()), dict(conv.metadata_props))
         _swap(graph, conv, fused)
         done += 1
     if done:
-        _attach(model, depthwise_conv_function(model.opset_imports[""]))
+        attach_function(model, depthwise_conv_function(model.opset_imports[""]))
     return done
 
 

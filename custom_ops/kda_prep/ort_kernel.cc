@@ -10,6 +10,7 @@
 // group = channels, its sums in the order ONNX Runtime's Conv makes them (bit for bit: the products rounded, not
 // fused; one output a channel (decode) summed in pairs, more in tap order from 0; then + b[c]). ORT's Conv runs
 // such a node as one im2col + GEMM per channel: k3-bench's 3,072 channels took ~0.35 ms a decode step, a layer.
+// And k3x.fused::KDAShortConv: that conv with the SiLU and q/k L2 norm after it, one pass per row (below).
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
 
@@ -251,9 +252,173 @@ struct DepthwiseConv1dKernel : Fp32Int32<3, 3, 1> {
 
 CpuOp<DepthwiseConv1dKernel> depthwise_conv_op;
 
+// k3x.fused::KDAShortConv (custom_ops/fused.py): the batch interface's conv, SiLU and q/k L2 norm in one pass per
+// row (b, t), rows over ONNX Runtime's intra-op threads; the conv's sums in the Conv's order, as DepthwiseConv1d's
+// (its body's Conv), the SiLU's sigmoid and the norms within fp32 rounding of its body's ops.
+struct ShortConv {
+  const float *x, *state, *wt, *b;  // x [B, T, C], state [B, C, M], wt the weight tap-major [W, C], b [C]
+  float *q, *k, *v, *conv;          // q, k, v [B, T, H, D], conv [B, C, M]
+  int64_t rows, T, C, H, D, W;
+  float eps;
+};
+
+constexpr int64_t SHORT_CONV_ROWS = 8;  // rows per task
+
+// channel c of batch element s at window position pos (0 .. M-1+T) is x[c * stride]: the past state (pos < M), or
+// x's row pos - M
+Tap window(const ShortConv& p, int64_t s, int64_t pos) {
+  const int64_t M = p.W - 1;
+  if (pos < M) return {p.state + s * p.C * M + pos, M};
+  return {p.x + (s * p.T + pos - M) * p.C, 1};
+}
+
+// y [C] = the conv of row `row` plus its bias; prod [W, C] scratch. Products rounded before each add, as MLAS's.
+__attribute__((optimize("fp-contract=off"))) void short_conv_sums(const ShortConv& p, int64_t row, float* y,
+                                                                   float* prod) {
+  const int64_t C = p.C, W = p.W, s = row / p.T, t = row % p.T;
+  const bool pairs = p.T == 1 && W <= 16;  // one output a channel: summed in pairs (DepthwiseConv1d's rule)
+  if (!pairs) std::fill(y, y + C, 0.f);
+  for (int64_t i = 0; i < W; ++i) {
+    const float* w = p.wt + i * C;
+    const Tap in = window(p, s, t + i);
+    float* out = pairs ? prod + i * C : y;
+    if (in.stride == 1 && pairs) {  // each case its own loop, so the contiguous ones vectorise
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c) out[c] = w[c] * in.x[c];
+    } else if (in.stride == 1) {
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c) out[c] += w[c] * in.x[c];
+    } else if (pairs) {
+      for (int64_t c = 0; c < C; ++c) out[c] = w[c] * in.x[c * in.stride];
+    } else {
+      for (int64_t c = 0; c < C; ++c) out[c] += w[c] * in.x[c * in.stride];
+    }
+  }
+  if (pairs) {  // adjacent taps, then pairs of those, ..
+    for (int64_t n = W; n > 1; n = (n + 1) / 2)
+      for (int64_t i = 0; i < n; i += 2) {
+        float *dst = prod + (i / 2) * C, *a = prod + i * C, *b = prod + (i + 1) * C;
+        if (i + 1 == n) {  // an odd count's last, carried up
+          std::copy(a, a + C, dst);
+          continue;
+        }
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) dst[c] = a[c] + b[c];
+      }
+    std::copy(prod, prod + C, y);
+  }
+#pragma omp simd
+  for (int64_t c = 0; c < C; ++c) y[c] += p.b[c];
+}
+
+void short_conv_rows(const ShortConv& p, int64_t lo, int64_t hi) {
+  const int64_t C = p.C, H = p.H, D = p.D;
+  std::vector<float> y(C), prod(p.T == 1 ? p.W * C : 0);
+  for (int64_t row = lo; row < hi; ++row) {
+    short_conv_sums(p, row, y.data(), prod.data());
+#pragma omp simd
+    for (int64_t c = 0; c < C; ++c) y[c] = y[c] * sigmoid(y[c]);
+    for (int64_t part = 0; part < 2; ++part) {  // q, then k: L2-normalised per head
+      float* out = (part == 0 ? p.q : p.k) + row * H * D;
+      for (int64_t h = 0; h < H; ++h) {
+        const float* z = y.data() + (part * H + h) * D;
+        float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t j = 0; j < D; ++j) squares += z[j] * z[j];
+        const float norm = std::sqrt(squares + p.eps);
+#pragma omp simd
+        for (int64_t j = 0; j < D; ++j) out[h * D + j] = z[j] / norm;
+      }
+    }
+    std::copy(y.data() + 2 * H * D, y.data() + C, p.v + row * H * D);
+  }
+}
+
+void short_conv_task(void* user, size_t task) {
+  const ShortConv& p = *static_cast<const ShortConv*>(user);
+  const int64_t lo = int64_t(task) * SHORT_CONV_ROWS;
+  short_conv_rows(p, lo, std::min(p.rows, lo + SHORT_CONV_ROWS));
+}
+
+struct ShortConvPorts {
+  static constexpr size_t inputs = 6, outputs = 4;
+  static constexpr bool variadic_input = false, variadic_output = false;
+  static ONNXTensorElementDataType input_type(size_t i) {
+    return i == 4 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  static ONNXTensorElementDataType output_type(size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
+// w [C, 1, W] tap-major: a tap's C channels contiguous
+std::vector<float> tap_major(const float* w, int64_t C, int64_t W) {
+  std::vector<float> wt(W * C);
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t i = 0; i < W; ++i) wt[i * C + c] = w[c * W + i];
+  return wt;
+}
+
+// KDAShortConv(x [B, T, C], state [B, C, W-1], w [C, 1, W], b [C], heads int64 [3, H, D], eps fp32 [])
+//   -> q, k, v [B, T, H, D], conv [B, C, W-1]   (C = 3 H D)
+struct KDAShortConvKernel : ShortConvPorts {
+  static constexpr const char* name = "KDAShortConv";
+  std::vector<float> wt;  // the weight tap-major, made once when it is a constant (its initializer, once folded;
+  int64_t wt_C = -1, wt_W = -1;  // a k3-bench decode call, one thread: 23 us with the transposition, 18 without)
+  KDAShortConvKernel(const OrtApi&, const OrtKernelInfo* info) {
+    int constant = 0;
+    const Ort::ConstValue w = Ort::ConstKernelInfo(info).GetTensorConstantInput(2, &constant);
+    if (!constant) return;
+    const auto ws = shape_of(w);
+    if (ws.size() != 3 || ws[1] != 1) return;  // Compute names the shape
+    wt = tap_major(w.GetTensorData<float>(), ws[0], ws[2]);
+    wt_C = ws[0], wt_W = ws[2];
+  }
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    auto x = ctx.GetInput(0), state = ctx.GetInput(1), w = ctx.GetInput(2), b = ctx.GetInput(3);
+    auto heads = ctx.GetInput(4), eps = ctx.GetInput(5);
+    const auto xs = shape_of(x), ss = shape_of(state), ws = shape_of(w), bs = shape_of(b), hs = shape_of(heads);
+    const int64_t* hd = heads.GetTensorData<int64_t>();
+    const bool ok = xs.size() == 3 && ss.size() == 3 && ws.size() == 3 && hs == std::vector<int64_t>{3} &&
+                    hd[0] == 3 && hd[1] > 0 && hd[2] > 0 && xs[2] == 3 * hd[1] * hd[2] && ss[0] == xs[0] &&
+                    ss[1] == xs[2] && ws == std::vector<int64_t>{xs[2], 1, ss[2] + 1} &&
+                    bs == std::vector<int64_t>{xs[2]} && shape_of(eps).size() <= 1 &&
+                    eps.GetTensorTypeAndShapeInfo().GetElementCount() == 1;
+    if (!ok)
+      throw Ort::Exception("k3x.fused::KDAShortConv: x " + dims(xs) + ", state " + dims(ss) + ", w " + dims(ws) +
+                               ", b " + dims(bs) + " and heads " +
+                               (hs == std::vector<int64_t>{3} ? dims({hd[0], hd[1], hd[2]}) : dims(hs)) +
+                               ": expected [B, T, C], [B, C, W-1], [C, 1, W], [C] and [3, H, D] with C = 3 H D",
+                           ORT_INVALID_ARGUMENT);
+    const int64_t B = xs[0], T = xs[1], C = xs[2], H = hd[1], D = hd[2], W = ws[2], M = W - 1;
+    const std::vector<float> fresh = C == wt_C && W == wt_W ? std::vector<float>() :
+                                                                tap_major(w.GetTensorData<float>(), C, W);
+    const std::vector<int64_t> per_head{B, T, H, D};
+    ShortConv p{x.GetTensorData<float>(), state.GetTensorData<float>(), fresh.empty() ? wt.data() : fresh.data(),
+                b.GetTensorData<float>(),
+                ctx.GetOutput(0, per_head).GetTensorMutableData<float>(),
+                ctx.GetOutput(1, per_head).GetTensorMutableData<float>(),
+                ctx.GetOutput(2, per_head).GetTensorMutableData<float>(),
+                ctx.GetOutput(3, {B, C, M}).GetTensorMutableData<float>(), B * T, T, C, H, D, W,
+                eps.GetTensorData<float>()[0]};
+    const int64_t tasks = (p.rows + SHORT_CONV_ROWS - 1) / SHORT_CONV_ROWS;
+    if (tasks == 1) short_conv_rows(p, 0, p.rows);
+    else if (tasks > 1) ctx.ParallelFor(short_conv_task, size_t(tasks), 0, &p);
+    for (int64_t s = 0; s < B; ++s)  // the new state: window positions T .. T+M-1
+      for (int64_t j = 0; j < M; ++j) {
+        const Tap in = window(p, s, T + j);
+        float* out = p.conv + s * C * M + j;
+        for (int64_t c = 0; c < C; ++c) out[c * M] = in.x[c * in.stride];
+      }
+  }
+};
+
+CpuOp<KDAShortConvKernel> kda_short_conv_op;
+
 }  // namespace
 
 void k3x_add_kda_prep(Ort::CustomOpDomain& k3, Ort::CustomOpDomain& fused) {
   k3.Add(&kda_prep_op);
   fused.Add(&depthwise_conv_op);
+  fused.Add(&kda_short_conv_op);
 }
