@@ -75,8 +75,11 @@ def test_the_command_reports_the_library_and_names_a_missing_compiler(kernels, m
 
     from k3x.cli import app
 
+    from k3x.runtime.ort_kernels import sources
+
     r = CliRunner().invoke(app, ["build-ort-kernels"])
-    assert r.exit_code == 0 and f"{kernels}: kernels of the op families attn_res, moe" in r.output, r.output
+    assert r.exit_code == 0 and f"{kernels}: kernels of the op families {', '.join(sources())}" in r.output, r.output
+    assert {"kda", "attn_res", "moe", "linear_q8"} <= set(sources())
     monkeypatch.setenv("CXX", "no-such-compiler")
     r = CliRunner().invoke(app, ["build-ort-kernels"])
     assert r.exit_code == 1 and "'no-such-compiler' is not on PATH" in r.output, r.output
