@@ -40,6 +40,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -323,10 +324,15 @@ void gemm(void* user, size_t index) {  // a panel of NC features against M / row
 void quantise_row(const float* x, int64_t K, int64_t KB, int64_t BLOCK, int8_t* codes, float* xs, int32_t* corr) {
   for (int64_t b = 0; b < KB; ++b) {
     const int64_t lo = b * BLOCK, n = std::min(BLOCK, K - lo);
-    float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-    for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::abs(x[lo + i]));
-    const float scale = amax / 127.f;
+    float amax = 0.f, inf_nan = 0.f;  // x - x: 0 for a finite value, NaN for a NaN or an infinity
+#pragma omp simd reduction(max : amax) reduction(+ : inf_nan)
+    for (int64_t i = 0; i < n; ++i) {
+      amax = std::max(amax, std::abs(x[lo + i]));
+      inf_nan += x[lo + i] - x[lo + i];
+    }
+    // a block holding a NaN or an infinity: its scale NaN, so the row's outputs are NaN as the reference's (the
+    // codes' conversion to int8 is undefined for them)
+    const float scale = inf_nan == 0.f ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
     xs[b] = scale;
     int32_t s = 0;
     if (scale > 0.f) {

@@ -101,6 +101,23 @@ def test_linear_q8_kernel_at_large_and_tiny_magnitudes_and_zero_blocks(kernels, 
     _check(y, want)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 9])  # decode rows (the GEMV) and prefill rows (the GEMM)
+def test_linear_q8_kernel_gives_nan_where_a_row_holds_a_nan_or_an_infinity(kernels, rows):
+    """As the reference: a row with a NaN or an infinity gives NaN outputs (its codes would be undefined as int8);
+    the other rows are untouched."""
+    from k3x.custom_ops.linear_q8.reference import linear_q8
+
+    x, w, s = _case(17, 100, 32, seed=rows, shape=(rows,))
+    x[0, 40] = float("nan")
+    if rows > 1:
+        x[rows - 1, 99] = float("inf")
+    (y,) = session(linear_model(w, s, 100), kernels).run(None, {"x": x.numpy()})
+    bad = [0, rows - 1]
+    assert np.isnan(y[bad]).all() and torch.isnan(linear_q8(x, w, s)[bad]).all()
+    good = [r for r in range(rows) if r not in bad]
+    _check(y[good], oracle(x[good], w, s))
+
+
 def test_linear_q8_kernel_quantises_the_activations_like_the_reference(kernels):
     """Against the fp32 product on the dequantised weights (no activation rounding) the kernel is ~1e-3 off;
     against the int8 reference, ~1e-7: it rounds x per block as the reference does."""
