@@ -1,5 +1,5 @@
-// What the ONNX Runtime CPU kernels (custom_ops/<family>/ort_kernel.cc) share: vectorisable fp32 math, the
-// routed MoE's routing and SiTU-GLU (the dense and the MXFP4 expert kernels), shapes as text, a packed serving
+// What the ONNX Runtime CPU kernels (custom_ops/<family>/ort_kernel.cc) share: vectorisable fp32 math, an AVX
+// vector's lane sum, the routed MoE's routing and SiTU-GLU (the dense and the MXFP4 expert kernels), shapes as text, a packed serving
 // step's cu_seqlens / slots, checked, and the custom-op declaration. The build (runtime/ort_kernels.py) puts
 // this folder on the include path. Header-only, inline, internal linkage; include it after onnxruntime_cxx_api.h.
 #pragma once
@@ -9,6 +9,10 @@
 #include <cstdint>
 #include <string>
 #include <vector>
+
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -139,6 +143,15 @@ inline Routed route(const float* logits, const float* bias, int64_t N, int64_t E
   }
   return out;
 }
+
+#if defined(__AVX__)
+// the sum of a vector's eight lanes (the MXFP4 and int8 kernels' AVX2 dot products)
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
 
 inline std::string dims(const std::vector<int64_t>& s) {
   std::string t = "[";

@@ -52,8 +52,7 @@ struct KDAKernel : Fp32Int32<6, 6, 2> {
              beta.GetTensorData<float>(), state.GetTensorData<float>(), offsets.data(), slots.data(),
              ctx.GetOutput(0, {B, T, H, V}).GetTensorMutableData<float>(),
              ctx.GetOutput(1, {B, H, K, V}).GetTensorMutableData<float>(), H, K, V, (V + VB - 1) / VB, scale};
-    std::vector<float> decay;
-    run_recurrence(ctx, p, g.GetTensorData<float>(), decay, B * T, B);
+    run_recurrence(ctx, p, g.GetTensorData<float>(), B * T, B);
   }
 };
 

@@ -150,11 +150,10 @@ void run_block(void* user, size_t task) {
   for (int64_t i = 0; i < K; ++i) std::copy(s.data() + i * VB, s.data() + i * VB + w, final_state + i * V + j0);
 }
 
-// exp(g) for every row of g [N, H·K] into decay, then every (sequence, head, column block) task of p (whose
-// decay must point at `decay`), on the kernel context's intra-op threads
-inline void run_recurrence(Ort::KernelContext& ctx, Packed& p, const float* g, std::vector<float>& decay, int64_t N,
-                           int64_t B) {
-  decay.resize(N * p.H * p.K);
+// exp(g) for every row of g [N, H·K], then every (sequence, head, column block) task of p (p.decay is set to
+// the exp(g) buffer), on the kernel context's intra-op threads
+inline void run_recurrence(Ort::KernelContext& ctx, Packed& p, const float* g, int64_t N, int64_t B) {
+  std::vector<float> decay(N * p.H * p.K);
   Decay exp_g{g, decay.data(), p.H * p.K};
   if (N > 0) ctx.ParallelFor(decay_row, size_t(N), 0, &exp_g);
   p.decay = decay.data();

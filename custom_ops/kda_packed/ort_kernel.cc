@@ -50,8 +50,7 @@ struct KDAPackedKernel : Fp32Int32<8, 6, 2> {
              beta.GetTensorData<float>(), pool.GetTensorData<float>(), seqs.offsets.data(), seqs.slots.data(),
              ctx.GetOutput(0, {N, H, V}).GetTensorMutableData<float>(),
              ctx.GetOutput(1, {B, H, K, V}).GetTensorMutableData<float>(), H, K, V, blocks, scale};
-    std::vector<float> decay;
-    run_recurrence(ctx, p, g.GetTensorData<float>(), decay, N, B);
+    run_recurrence(ctx, p, g.GetTensorData<float>(), N, B);
   }
 };
 

@@ -114,6 +114,14 @@ void prep_state(void* user, size_t seq) {
   }
 }
 
+// a conv weight [C, W] ([C, 1, W]) tap-major: a tap's C channels contiguous
+std::vector<float> tap_major(const float* w, int64_t C, int64_t W) {
+  std::vector<float> wt(W * C);
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t i = 0; i < W; ++i) wt[i * C + c] = w[c * W + i];
+  return wt;
+}
+
 void require(bool ok, const std::string& what) {
   if (!ok) throw Ort::Exception("k3::KDAPrep: " + what, ORT_INVALID_ARGUMENT);
 }
@@ -151,10 +159,8 @@ struct KDAPrepKernel : Fp32Int32<9, 7, 6> {
                                                                          ": expected [S, C, W-1]");
     const Packing seqs = packing("k3::KDAPrep", cu, slots, N, pool_s[0]);
     const int64_t B = seqs.B;
-    std::vector<float> wt(W * C), decay(H);  // the weight tap-major: a tap's channels are contiguous
-    const float* wd = w.GetTensorData<float>();
-    for (int64_t c = 0; c < C; ++c)
-      for (int64_t i = 0; i < W; ++i) wt[i * C + c] = wd[c * W + i];
+    const std::vector<float> wt = tap_major(w.GetTensorData<float>(), C, W);
+    std::vector<float> decay(H);
     for (int64_t h = 0; h < H; ++h) decay[h] = std::exp(a_log.GetTensorData<float>()[h]);
     Prep p{qkv.GetTensorData<float>(), f.GetTensorData<float>(), b.GetTensorData<float>(), wt.data(), decay.data(),
            dt.GetTensorData<float>(), pool.GetTensorData<float>(), seqs.offsets.data(), seqs.slots.data(),
@@ -348,14 +354,6 @@ struct ShortConvPorts {
   }
   static ONNXTensorElementDataType output_type(size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
 };
-
-// w [C, 1, W] tap-major: a tap's C channels contiguous
-std::vector<float> tap_major(const float* w, int64_t C, int64_t W) {
-  std::vector<float> wt(W * C);
-  for (int64_t c = 0; c < C; ++c)
-    for (int64_t i = 0; i < W; ++i) wt[i * C + c] = w[c * W + i];
-  return wt;
-}
 
 // KDAShortConv(x [B, T, C], state [B, C, W-1], w [C, 1, W], b [C], heads int64 [3, H, D], eps fp32 [])
 //   -> q, k, v [B, T, H, D], conv [B, C, W-1]   (C = 3 H D)

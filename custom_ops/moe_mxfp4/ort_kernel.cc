@@ -82,12 +82,6 @@ inline void decode_avx2(const uint8_t* b, float s, __m256 w[4]) {
   w[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), sv);
   w[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), sv);
 }
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 #endif
 
 // out[r ldo + o - lo] = a_r . W_o for o in [lo, hi), R <= FUSED_ROWS rows a (K apart): each block decoded
@@ -99,7 +93,8 @@ inline float hsum(__m256 v) {
 // block's two products are summed and scaled by its power of two at once (one FMA), and four output features a
 // pass share each x load, their accumulators in registers. ~9 instructions a block
 // where the AVX2 path's byte shuffles, unpacks and conversions take ~25 (one-token k3-bench expert shapes, one
-// thread, caches warm on the 2-core EPYC: 160-166 -> 109-123 us a k3-bench call, d 1024, L 512, I 256, top 4 of 16).
+// thread, caches warm on the 2-core EPYC, load 1.4-1.8: 158-180 -> 109-142 us a k3-bench call, d 1024, L 512,
+// I 256, top 4 of 16).
 template <int R>
 void gemm_fused(const float* a, const Packed& W, int64_t lo, int64_t hi, float* out, int64_t ldo) {
   constexpr int OB = 4;  // output features a pass: OB·R accumulators and 2R x vectors in 32 zmm registers
