@@ -52,6 +52,19 @@ online softmax (no [B, H, T, S] scores in memory; a causal prefill skips the key
 a decode step's keys in chunks, over ONNX Runtime's intra-op threads. Calls are made by
 exporter/onnx_rewrites.py `fuse_latent_attention`.
 
+`LinearQ8Group<P>(x, weight_0, scales_0, .., weight_{P-1}, scales_{P-1}) -> y_0 .. y_{P-1}` (attributes K,
+block_size, N_0 .. N_{P-1}) and `LinearBF16Group<P>(x, weight_0, .., weight_{P-1}) -> y_0 .. y_{P-1}`, P = 2 to 8
+(op types LinearQ8Group2 .. LinearQ8Group8, LinearBF16Group2 ..): the CPU trunk's projections of one activation
+(KDA's q, k, v, gate and beta projections; MLA's q_a, kv_a and gate; an MoE layer's latent down-projection and
+the shared experts' gate and up) in one call, y_i = k3::LinearQ8(x, weight_i, scales_i) with N = N_i
+(k3::LinearBF16(x, weight_i)). Its body is those k3 calls, so without the kernel every runtime runs what it
+ran before; its CPU kernels (custom_ops/linear_q8/ and linear_bf16/ort_kernel.cc) give each y_i as the
+single-projection kernel does, bit for bit, with x quantised once and every projection's tasks in one dispatch
+to the threads. One op type an arity, because a body must serve every call of its op type, and ONNX Runtime
+resolves no function overload called from inside another function (the layer functions,
+exporter/onnx_functions.py). Calls are made by exporter/onnx_rewrites_linear.py `group_projections` in the ort
+flavor pass.
+
 `MoEDispatch` and `MoECombine`: the k3::MoE body's routing and row traffic around its per-expert GEMMs
 (custom_ops/moe/onnx_dispatch.py, their bodies and kernels' contract; kernels in custom_ops/moe/ort_kernel.cc),
 built for the calling nodes' local expert count.
@@ -62,7 +75,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from ..plan.onnx_node import FUSED_DOMAIN, Body
+from ..plan.onnx_node import DOMAIN, FUSED_DOMAIN, Body
 from .moe.onnx_dispatch import MOE_COMBINE, MOE_DISPATCH, combine_function, dispatch_function
 
 SITU_GLU = "SiTUGLU"
@@ -70,6 +83,9 @@ SITU_GLU_EXPERTS = "SiTUGLUExperts"
 DEPTHWISE_CONV = "DepthwiseConv1d"
 LATENT_ATTENTION = "LatentAttention"
 KDA_SHORT_CONV = "KDAShortConv"
+LINEAR_GROUPS = {"LinearQ8": "LinearQ8Group", "LinearBF16": "LinearBF16Group"}  # k3 op -> its groups' op type stem
+LINEAR_GROUP_ARITIES = range(2, 9)  # projections a call (the kernels' MAX_GROUP, custom_ops/ort_kernel.h)
+LINEAR_REFERENCED = ("K", "N", "block_size")  # a projection's attributes a group call carries (N as N_i)
 
 
 def situ_glu_halves(b: Body, a: str, u: str, beta: str, linear_beta: str) -> tuple[str, str]:
@@ -142,6 +158,34 @@ def kda_short_conv_function(opset_version: int, channels: int) -> onnx.FunctionP
     return helper.make_function(FUSED_DOMAIN, KDA_SHORT_CONV, ["x", "state", "w", "b", "heads", "eps"],
                                 ["q", "k", "v", "conv"], b.nodes, [helper.make_opsetid("", opset_version)],
                                 doc_string="KDA's short conv, SiLU and q/k L2 norm (k3x)")
+
+
+def linear_group_op(op_type: str, arity: int) -> str:
+    """The group op type for `arity` k3::`op_type` projections (LinearQ8Group6, ...)."""
+    return f"{LINEAR_GROUPS[op_type]}{arity}"
+
+
+def linear_group_function(op_type: str, arity: int, literals: dict, imports: dict[str, int]) -> onnx.FunctionProto:
+    """The body of `linear_group_op(op_type, arity)`: a k3::`op_type` call per projection, the weights as inputs
+    (weight_i, and scales_i for LinearQ8), K, block_size and N (as N_i) the calling node's attributes where the
+    projection has them (LinearQ8), `literals` (the projections' other attributes, the same for all) as they
+    are; `imports` the domains' versions (ai.onnx and k3, as the model imports them)."""
+    scaled = op_type == "LinearQ8"
+    name = linear_group_op(op_type, arity)
+    inputs, outputs, nodes = ["x"], [], []
+    for i in range(arity):
+        weights = [f"weight_{i}"] + ([f"scales_{i}"] if scaled else [])
+        inputs += weights
+        outputs.append(f"y_{i}")
+        node = helper.make_node(op_type, ["x", *weights], [f"y_{i}"], name=f"{name}/{i}", domain=DOMAIN, **literals)
+        if scaled:
+            for attr, ref in (("K", "K"), ("N", f"N_{i}"), ("block_size", "block_size")):
+                node.attribute.append(onnx.AttributeProto(name=attr, ref_attr_name=ref, type=onnx.AttributeProto.INT))
+        nodes.append(node)
+    attributes = ["K", "block_size", *(f"N_{i}" for i in range(arity))] if scaled else []
+    return helper.make_function(FUSED_DOMAIN, name, inputs, outputs, nodes,
+                                [helper.make_opsetid(d, v) for d, v in sorted(imports.items())],
+                                attributes=attributes, doc_string=f"{arity} k3::{op_type} projections of one x (k3x)")
 
 
 # op type in FUSED_DOMAIN -> its body, for (ai.onnx opset, the calls' (input count, output count))

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX__)
@@ -222,6 +223,46 @@ struct CpuOp : Ort::CustomOpBase<CpuOp<Kernel>, Kernel> {
   }
   OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t i) const {
     return Kernel::variadic_output && i + 1 == Kernel::outputs ? INPUT_OUTPUT_VARIADIC : INPUT_OUTPUT_REQUIRED;
+  }
+};
+
+// The custom op of `Kernel`, made once (it must outlive every session that uses it)
+template <class Kernel>
+const OrtCustomOp* cpu_op() {
+  static CpuOp<Kernel> op;
+  return &op;
+}
+
+// A projection group's arities: Group<2> .. Group<MAX_GROUP>, one op type each (custom_ops/fused.py
+// LINEAR_GROUP_ARITIES), added to `domain` by add_groups<Group>(domain)
+constexpr size_t MAX_GROUP = 8;
+template <template <size_t> class Group, size_t... I>
+void add_arities(Ort::CustomOpDomain& domain, std::index_sequence<I...>) {
+  (domain.Add(cpu_op<Group<I + 2>>()), ...);
+}
+template <template <size_t> class Group>
+void add_groups(Ort::CustomOpDomain& domain) {
+  add_arities<Group>(domain, std::make_index_sequence<MAX_GROUP - 1>());
+}
+
+// The tasks of several parts in one ParallelFor (a grouped call's projections, one pool dispatch for all): part
+// i's tasks are [first[i], first[i + 1]), each run as fn[i](&items[i], its index within the part).
+template <class Item>
+struct Parts {
+  std::vector<Item> items;
+  std::vector<void (*)(void*, size_t)> fn;
+  std::vector<size_t> first{0};
+  void add(const Item& item, void (*f)(void*, size_t), size_t tasks) {
+    items.push_back(item);
+    fn.push_back(f);
+    first.push_back(first.back() + tasks);
+  }
+  size_t tasks() const { return first.back(); }
+  static void run(void* user, size_t index) {
+    Parts& p = *static_cast<Parts*>(user);
+    size_t i = 0;
+    while (index >= p.first[i + 1]) ++i;  // a handful of parts: a linear search
+    p.fn[i](&p.items[i], index - p.first[i]);
   }
 };
 

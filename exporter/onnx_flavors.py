@@ -10,7 +10,8 @@
   combine); a depthwise conv left as a Conv at conversion (the batch interface's fp32 KDA conv is already
   inside a k3x.fused::KDAShortConv call, which both flavors keep: exporter/onnx_rewrites_kda.py) as a
   k3x.fused::DepthwiseConv1d call (onnx_rewrites.fuse_depthwise_conv), which the trt pass turns back into the
-  Conv it was.
+  Conv it was; and the CPU trunk's projections of one activation as one k3x.fused::LinearQ8Group /
+  LinearBF16Group call (onnx_rewrites_linear.py; both passes first undo a previous ort pass's groups).
 Neither pass names an op family: both go through the registry. Both must leave the model's own nodes as they
 found them: a rank program's converted model goes through trt and ort once per rank (rewrites of those nodes
 are made once, at conversion: exporter/onnx_rewrites.py).
@@ -31,6 +32,7 @@ from ..custom_ops.registry import by_onnx_op
 from ..plan.onnx_node import COMMON_ATTRIBUTES, DOMAIN
 from . import onnx_collectives
 from .onnx_rewrites import fuse_depthwise_conv, unfuse_depthwise_conv
+from .onnx_rewrites_linear import group_projections, ungroup_projections
 
 
 def k3_nodes(model: ir.Model) -> list[ir.Node]:
@@ -74,6 +76,7 @@ def _check_plugins(nodes: list[ir.Node]) -> None:
 
 def trt_pass(model: ir.Model) -> ir.Model:
     """Bare plugin nodes: attributes complete, each with a plugin, no k3 function bodies, byte tensors INT8."""
+    ungroup_projections(model)  # an ort pass's projection groups back to their k3 nodes (onnx_rewrites_linear.py)
     nodes = k3_nodes(model)
     _check_attributes(nodes)
     _check_plugins(nodes)
@@ -87,6 +90,7 @@ def trt_pass(model: ir.Model) -> ir.Model:
 
 def ort_pass(model: ir.Model) -> ir.Model:
     """Attach the ONNX Runtime function body of every k3 op type the model uses; byte tensors UINT8."""
+    ungroup_projections(model)  # a previous ort pass's groups (a rank's model): the k3 nodes as converted
     nodes = k3_nodes(model)
     _check_attributes(nodes)
     retype_bytes(model, ir.DataType.UINT8)
@@ -110,6 +114,7 @@ def ort_pass(model: ir.Model) -> ir.Model:
                              "serves every call, so they must agree")
         fn = ir.serde.deserialize_function(FUNCTIONS[op_type](opset, ports.pop()))
         model.functions.setdefault(fn.identifier(), fn)
+    group_projections(model)  # the CPU trunk's projections of one x as one call (onnx_rewrites_linear.py)
     return model
 
 

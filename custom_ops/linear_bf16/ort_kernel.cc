@@ -271,6 +271,40 @@ void gemm(void* user, size_t task) {  // output features [n0, n0 + NR) of every 
   }
 }
 
+// y_i [..., N_i] = x [..., K] . W_i^T for each of the call's `parts` weights (inputs 1 + i, output i), every
+// part's tasks in one ParallelFor. `op` names the node in errors, and a group's weight by its index.
+void linear_bf16(Ort::KernelContext& ctx, const std::string& op, size_t parts) {
+  auto x = ctx.GetInput(0);
+  std::vector<int64_t> shape = shape_of(x);
+  const int64_t K = shape.empty() ? 0 : shape.back();
+  const int64_t M = K ? int64_t(x.GetTensorTypeAndShapeInfo().GetElementCount()) / K : 0;
+  Parts<Work> run;
+  for (size_t i = 0; i < parts; ++i) {
+    auto w = ctx.GetInput(1 + i);
+    const std::vector<int64_t> ws = shape_of(w);
+    if (shape.empty() || ws.size() != 2 || ws[1] != K)
+      throw Ort::Exception(op + ": x " + dims(shape) + " and weight" + (parts == 1 ? "" : " " + std::to_string(i)) +
+                               " " + dims(ws) + ": expected [..., K] and [N, K]",
+                           ORT_INVALID_ARGUMENT);
+    const int64_t N = ws[0];
+    shape.back() = N;
+    float* y = ctx.GetOutput(i, shape).GetTensorMutableData<float>();
+    if (M == 0 || N == 0) continue;
+    if (K == 0) {
+      std::fill(y, y + M * N, 0.f);
+      continue;
+    }
+    const Work t{x.GetTensorData<float>(), reinterpret_cast<const uint16_t*>(w.GetTensorRawData()), y, M, N, K};
+    static_assert(DECODE_ROWS == 4, "the GEMV path dispatches 1 to 4 rows");
+    constexpr void (*GEMV[DECODE_ROWS])(void*, size_t) = {gemv<1>, gemv<2>, gemv<3>, gemv<4>};
+    if (M <= DECODE_ROWS)
+      run.add(t, GEMV[M - 1], size_t((N + TASK_ROWS - 1) / TASK_ROWS));
+    else
+      run.add(t, gemm, size_t((N + NR - 1) / NR));
+  }
+  if (run.tasks()) ctx.ParallelFor(Parts<Work>::run, run.tasks(), 0, &run);
+}
+
 // LinearBF16(x [..., K] float, weight [N, K] bfloat16) -> y [..., N] float
 struct LinearBF16Kernel {
   static constexpr const char* name = "LinearBF16";
@@ -285,37 +319,38 @@ struct LinearBF16Kernel {
 
   void Compute(OrtKernelContext* context) {
     Ort::KernelContext ctx(context);
-    auto x = ctx.GetInput(0), w = ctx.GetInput(1);
-    std::vector<int64_t> shape = shape_of(x);
-    const std::vector<int64_t> ws = shape_of(w);
-    if (shape.empty() || ws.size() != 2 || ws[1] != shape.back())
-      throw Ort::Exception("k3::LinearBF16: x " + dims(shape) + " and weight " + dims(ws) +
-                               ": expected [..., K] and [N, K]",
-                           ORT_INVALID_ARGUMENT);
-    const int64_t K = ws[1], N = ws[0];
-    const int64_t M = K ? int64_t(x.GetTensorTypeAndShapeInfo().GetElementCount()) / K : 0;
-    shape.back() = N;
-    float* y = ctx.GetOutput(0, shape).GetTensorMutableData<float>();
-    if (M == 0 || N == 0) return;
-    if (K == 0) {
-      std::fill(y, y + M * N, 0.f);
-      return;
-    }
-    Work t{x.GetTensorData<float>(), reinterpret_cast<const uint16_t*>(w.GetTensorRawData()), y, M, N, K};
-    const size_t tasks = size_t((N + TASK_ROWS - 1) / TASK_ROWS);
-    static_assert(DECODE_ROWS == 4, "the GEMV path dispatches 1 to 4 rows");
-    switch (M) {
-      case 1: return ctx.ParallelFor(gemv<1>, tasks, 0, &t);
-      case 2: return ctx.ParallelFor(gemv<2>, tasks, 0, &t);
-      case 3: return ctx.ParallelFor(gemv<3>, tasks, 0, &t);
-      case 4: return ctx.ParallelFor(gemv<4>, tasks, 0, &t);
-      default: return ctx.ParallelFor(gemm, size_t((N + NR - 1) / NR), 0, &t);
-    }
+    linear_bf16(ctx, "k3::LinearBF16", 1);
   }
 };
 
-CpuOp<LinearBF16Kernel> linear_bf16_op;
+// k3x.fused::LinearBF16Group<P>(x, weight_0, .., weight_{P-1}) -> y_0 .. y_{P-1} (op types LinearBF16Group2 ..
+// LinearBF16Group8): P LinearBF16s of one x (custom_ops/fused.py), each y_i as the LinearBF16 kernel gives it
+// (the same tasks, the same sums), every projection's tasks in one dispatch to the threads.
+constexpr const char* GROUP_NAMES[MAX_GROUP + 1] = {"", "", "LinearBF16Group2", "LinearBF16Group3",
+                                                    "LinearBF16Group4", "LinearBF16Group5", "LinearBF16Group6",
+                                                    "LinearBF16Group7", "LinearBF16Group8"};
+
+template <size_t P>
+struct LinearBF16GroupKernel {
+  static constexpr const char* name = GROUP_NAMES[P];
+  static constexpr size_t inputs = 1 + P, outputs = P;
+  static constexpr bool variadic_input = false, variadic_output = false;
+  static ONNXTensorElementDataType input_type(size_t i) {
+    return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
+  }
+  static ONNXTensorElementDataType output_type(size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+
+  LinearBF16GroupKernel(const OrtApi&, const OrtKernelInfo*) {}
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    linear_bf16(ctx, std::string("k3x.fused::") + name, P);
+  }
+};
 
 }  // namespace
 
-void k3x_add_linear_bf16(Ort::CustomOpDomain& k3, Ort::CustomOpDomain&) { k3.Add(&linear_bf16_op); }
+void k3x_add_linear_bf16(Ort::CustomOpDomain& k3, Ort::CustomOpDomain& fused) {
+  k3.Add(cpu_op<LinearBF16Kernel>());
+  add_groups<LinearBF16GroupKernel>(fused);
+}

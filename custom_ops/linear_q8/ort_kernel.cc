@@ -331,6 +331,88 @@ void quantise_task(void* user, size_t m) {  // one row of a prefill call's x
                q.corr + int64_t(m) * q.KB);
 }
 
+// y_i [..., N_i] = x [..., K] through (weight_i [N_i, KB, BLOCK] uint8, scales_i [N_i, KB] float) for each of
+// the call's `parts` pairs (inputs 1 + 2i, 2 + 2i; output i): x quantised once for them all (one KB and BLOCK),
+// every part's tasks in one ParallelFor. `op` names the node in errors, and a group's pair by its index.
+void linear_q8(Ort::KernelContext& ctx, const std::string& op, size_t parts) {
+  auto x = ctx.GetInput(0);
+  std::vector<int64_t> shape = shape_of(x);
+  int64_t KB = 0, BLOCK = 0, K = shape.empty() ? 0 : shape.back();
+  std::vector<const uint8_t*> ws(parts);
+  std::vector<const float*> ss(parts);
+  std::vector<int64_t> Ns(parts);
+  for (size_t i = 0; i < parts; ++i) {
+    auto w = ctx.GetInput(1 + 2 * i), s = ctx.GetInput(2 + 2 * i);
+    const std::string which = parts == 1 ? "" : " " + std::to_string(i);
+    const std::vector<int64_t> wshape = shape_of(w), sshape = shape_of(s);
+    const bool fits = !shape.empty() && wshape.size() == 3 && sshape == std::vector<int64_t>{wshape[0], wshape[1]} &&
+                      wshape[1] >= 1 && (wshape[1] - 1) * wshape[2] < K && K <= wshape[1] * wshape[2];
+    if (!fits)
+      throw Ort::Exception(op + ": x " + dims(shape) + ", weight" + which + " " + dims(wshape) + " and scales" + which +
+                               " " + dims(sshape) + ": expected [..., K], [N, ceil(K / block), block] and [N, ceil(K / block)]",
+                           ORT_INVALID_ARGUMENT);
+    if (wshape[2] % 4)
+      throw Ort::Exception(op + ": block size " + std::to_string(wshape[2]) + " (weight" + which + " " + dims(wshape) +
+                               "): the kernel takes a multiple of 4",
+                           ORT_INVALID_ARGUMENT);
+    if (i > 0 && (wshape[1] != KB || wshape[2] != BLOCK))
+      throw Ort::Exception(op + ": weight" + which + " " + dims(wshape) + " is blocked unlike weight 0 ([N, " +
+                               std::to_string(KB) + ", " + std::to_string(BLOCK) + "]): one call quantises x once for all",
+                           ORT_INVALID_ARGUMENT);
+    KB = wshape[1], BLOCK = wshape[2];
+    ws[i] = w.GetTensorData<uint8_t>(), ss[i] = s.GetTensorData<float>(), Ns[i] = wshape[0];
+  }
+  const int64_t M = int64_t(x.GetTensorTypeAndShapeInfo().GetElementCount()) / K;
+  std::vector<float*> ys(parts);
+  for (size_t i = 0; i < parts; ++i) {
+    shape.back() = Ns[i];
+    ys[i] = ctx.GetOutput(i, shape).GetTensorMutableData<float>();
+  }
+  if (M == 0) return;
+  const int64_t KP = KB * BLOCK;
+  // the calling thread's scratch, kept between calls (no allocation nor zeroing per call: a small node's
+  // fixed cost); the tasks only read it, while this call waits for them
+  static thread_local std::vector<int8_t> codes;
+  static thread_local std::vector<float> xs;
+  static thread_local std::vector<int32_t> corr;
+  codes.resize(std::max(codes.size(), size_t(M * KP)));
+  xs.resize(std::max(xs.size(), size_t(M * KB)));
+  corr.resize(std::max(corr.size(), size_t(M * KB)));
+  Quantise q{x.GetTensorData<float>(), codes.data(), xs.data(), corr.data(), K, KB, BLOCK};
+  if (M > RB) {  // a prefill's rows over the threads (M = 2,048, K = N = 1,024, 2 threads: 47.5 -> 44.5 ms a node)
+    ctx.ParallelFor(quantise_task, size_t(M), 0, &q);
+  } else {
+    for (int64_t m = 0; m < M; ++m) quantise_task(&q, size_t(m));
+  }
+  Parts<Work> run;
+  int64_t bytes = 0;  // weight bytes x rows
+  for (size_t i = 0; i < parts; ++i) {
+    const int64_t N = Ns[i];
+    if (N == 0) continue;
+    Work t{codes.data(), xs.data(), corr.data(), ws[i], ss[i], ys[i], M, N, KB, BLOCK, (M + TASK_ROWS - 1) / TASK_ROWS};
+    bytes += N * KP * M;
+#if defined(__AVX2__)
+    if (M > RB) {  // rows split over tasks only where the panels alone are too few to share out
+      t.row_tasks = (N + NC - 1) / NC >= 16 ? 1 : (M + GEMM_ROWS - 1) / GEMM_ROWS;
+      run.add(t, gemm, size_t((N + NC - 1) / NC * t.row_tasks));
+      continue;
+    }
+#endif
+    run.add(t, task, size_t((N + TASK_COLS - 1) / TASK_COLS * t.row_tasks));
+  }
+  if (run.tasks() == 0) return;
+#if defined(__AVX2__)
+  const bool serial_ok = M <= RB;  // a prefill's GEMM always goes to the threads
+#else
+  const bool serial_ok = true;
+#endif
+  if (serial_ok && (run.tasks() == 1 || bytes < SERIAL_BYTES)) {
+    for (size_t i = 0; i < run.tasks(); ++i) Parts<Work>::run(&run, i);
+    return;
+  }
+  ctx.ParallelFor(Parts<Work>::run, run.tasks(), 0, &run);
+}
+
 // LinearQ8(x [..., K] float, weight [N, KB, BLOCK] uint8, scales [N, KB] float) -> y [..., N] float
 struct LinearQ8Kernel {
   static constexpr const char* name = "LinearQ8";
@@ -345,59 +427,38 @@ struct LinearQ8Kernel {
 
   void Compute(OrtKernelContext* context) {
     Ort::KernelContext ctx(context);
-    auto x = ctx.GetInput(0), w = ctx.GetInput(1), s = ctx.GetInput(2);
-    std::vector<int64_t> shape = shape_of(x);
-    const std::vector<int64_t> wshape = shape_of(w), sshape = shape_of(s);
-    const bool fits = !shape.empty() && wshape.size() == 3 && sshape == std::vector<int64_t>{wshape[0], wshape[1]} &&
-                      wshape[1] >= 1 && (wshape[1] - 1) * wshape[2] < shape.back() &&
-                      shape.back() <= wshape[1] * wshape[2];
-    if (!fits)
-      throw Ort::Exception("k3::LinearQ8: x " + dims(shape) + ", weight " + dims(wshape) + " and scales " +
-                               dims(sshape) + ": expected [..., K], [N, ceil(K / block), block] and [N, ceil(K / block)]",
-                           ORT_INVALID_ARGUMENT);
-    const int64_t K = shape.back(), N = wshape[0], KB = wshape[1], BLOCK = wshape[2];
-    if (BLOCK % 4)
-      throw Ort::Exception("k3::LinearQ8: block size " + std::to_string(BLOCK) + " (weight " + dims(wshape) +
-                               "): the kernel takes a multiple of 4",
-                           ORT_INVALID_ARGUMENT);
-    const int64_t M = int64_t(x.GetTensorTypeAndShapeInfo().GetElementCount()) / K;
-    shape.back() = N;
-    float* y = ctx.GetOutput(0, shape).GetTensorMutableData<float>();
-    if (M == 0 || N == 0) return;
-    const int64_t KP = KB * BLOCK;
-    // the calling thread's scratch, kept between calls (no allocation nor zeroing per call: a small node's
-    // fixed cost); the tasks only read it, while this call waits for them
-    static thread_local std::vector<int8_t> codes;
-    static thread_local std::vector<float> xs;
-    static thread_local std::vector<int32_t> corr;
-    codes.resize(std::max(codes.size(), size_t(M * KP)));
-    xs.resize(std::max(xs.size(), size_t(M * KB)));
-    corr.resize(std::max(corr.size(), size_t(M * KB)));
-    Quantise q{x.GetTensorData<float>(), codes.data(), xs.data(), corr.data(), K, KB, BLOCK};
-    if (M > RB) {  // a prefill's rows over the threads (M = 2,048, K = N = 1,024, 2 threads: 47.5 -> 44.5 ms a node)
-      ctx.ParallelFor(quantise_task, size_t(M), 0, &q);
-    } else {
-      for (int64_t m = 0; m < M; ++m) quantise_task(&q, size_t(m));
-    }
-    Work t{codes.data(), xs.data(), corr.data(), w.GetTensorData<uint8_t>(), s.GetTensorData<float>(), y,
-           M, N, KB, BLOCK, (M + TASK_ROWS - 1) / TASK_ROWS};
-#if defined(__AVX2__)
-    if (M > RB) {  // rows split over tasks only where the panels alone are too few to share out
-      t.row_tasks = (N + NC - 1) / NC >= 16 ? 1 : (M + GEMM_ROWS - 1) / GEMM_ROWS;
-      return ctx.ParallelFor(gemm, size_t((N + NC - 1) / NC * t.row_tasks), 0, &t);
-    }
-#endif
-    const size_t tasks = size_t((N + TASK_COLS - 1) / TASK_COLS * t.row_tasks);
-    if (tasks == 1 || N * KP * M < SERIAL_BYTES) {
-      for (size_t i = 0; i < tasks; ++i) task(&t, i);
-      return;
-    }
-    ctx.ParallelFor(task, tasks, 0, &t);
+    linear_q8(ctx, "k3::LinearQ8", 1);
   }
 };
 
-CpuOp<LinearQ8Kernel> linear_q8_op;
+// k3x.fused::LinearQ8Group<P>(x, weight_0, scales_0, .., weight_{P-1}, scales_{P-1}) -> y_0 .. y_{P-1} (op
+// types LinearQ8Group2 .. LinearQ8Group8): P LinearQ8s of one x (custom_ops/fused.py), each y_i as the LinearQ8
+// kernel gives it (the same tasks, the same sums), x quantised once and every projection's tasks in one
+// dispatch to the threads.
+constexpr const char* GROUP_NAMES[MAX_GROUP + 1] = {"", "", "LinearQ8Group2", "LinearQ8Group3", "LinearQ8Group4",
+                                                    "LinearQ8Group5", "LinearQ8Group6", "LinearQ8Group7", "LinearQ8Group8"};
+
+template <size_t P>
+struct LinearQ8GroupKernel {
+  static constexpr const char* name = GROUP_NAMES[P];
+  static constexpr size_t inputs = 1 + 2 * P, outputs = P;
+  static constexpr bool variadic_input = false, variadic_output = false;
+  static ONNXTensorElementDataType input_type(size_t i) {
+    return i % 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  static ONNXTensorElementDataType output_type(size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+
+  LinearQ8GroupKernel(const OrtApi&, const OrtKernelInfo*) {}
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    linear_q8(ctx, std::string("k3x.fused::") + name, P);
+  }
+};
 
 }  // namespace
 
-void k3x_add_linear_q8(Ort::CustomOpDomain& k3, Ort::CustomOpDomain&) { k3.Add(&linear_q8_op); }
+void k3x_add_linear_q8(Ort::CustomOpDomain& k3, Ort::CustomOpDomain& fused) {
+  k3.Add(cpu_op<LinearQ8Kernel>());
+  add_groups<LinearQ8GroupKernel>(fused);
+}
