@@ -1,4 +1,4 @@
-"""The CPU trunk's projections of one activation as one `k3x.fused::LinearQ8Group` / `LinearBF16Group` call
+"""The CPU trunk's projections of one activation as one `k3x.fused::LinearQ8Group<P>` / `LinearBF16Group<P>` call
 (custom_ops/fused.py), a rewrite of the ort flavor pass (exporter/onnx_flavors.py).
 
 An int8 or bf16 trunk export (model/trunk.py) holds a k3::LinearQ8 / k3::LinearBF16 node per projection. Several
@@ -6,17 +6,18 @@ read the same activation: a KDA layer's q, k, v, forget-gate, beta and output-ga
 layer's q_a, kv_a and gate (three), an MoE layer's latent down-projection and the shared experts' gate and up
 (three). On a decode step each node is a small GEMV with a fixed cost of its own (x quantised again, a dispatch
 to the threads and their wait); the group is one node, x quantised once, every projection's tasks in one
-dispatch. On k3-bench's decode step, 98 of the 146 projections become 24 calls (docs/model.md §6.1: the time it saves).
+dispatch. On k3-bench's decode step, 98 of the 146 projections become 24 calls (docs/model.md §6.1: the time
+it saves).
 
 - `group_projections`: the top-level k3 nodes of one op type that read the same x, two or more, none writing a
   graph output, their weights (and scales) graph initializers or inputs (no producer: the call sits where the
   first of them was, so every input must exist there), become one call (sets of more than eight, calls of up to
-  eight in graph order); their weights' shapes must agree beyond N (for LinearQ8, one quantisation of x). Each arity is an
-  op type of its own, its body attached here (custom_ops/fused.py). The weights keep their names and bytes:
-  nothing is concatenated, so streamed, referenced and weightless exports are unchanged.
+  eight in graph order); their weights' shapes must agree beyond N (for LinearQ8, one quantisation of x). Each
+  arity is an op type of its own, its body attached here (custom_ops/fused.py). The weights keep their names and
+  bytes: nothing is concatenated, so streamed and weightless exports are unchanged.
 - `ungroup_projections`: the calls back to the nodes they were (names, attributes and output names as found),
   the group functions detached. The ort pass runs it first and the trt pass too, so each pass starts from the
-  nodes as converted (a rank program's model goes through both passes once per rank).
+  nodes as converted, however many passes a model has been through (a rank program's: two a rank).
 """
 
 from __future__ import annotations

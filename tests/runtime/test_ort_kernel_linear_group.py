@@ -1,8 +1,9 @@
-"""The k3x.fused::LinearQ8Group and LinearBF16Group CPU kernels (custom_ops/linear_q8/ and linear_bf16/
+"""The k3x.fused::LinearQ8Group<P> and LinearBF16Group<P> CPU kernels (custom_ops/linear_q8/ and linear_bf16/
 ort_kernel.cc): each output equals, bit for bit, what the single-projection kernel gives for its weight (the
 same tasks, the same sums; x quantised once for the group), at decode rows (the GEMV, 1 to 4) and prefill rows
-(the GEMM), with projections of awkward and empty widths, two to eight a call; the group's function body (custom_ops/fused.py: the
-k3 calls) gives the same outputs as the single nodes' bodies; and errors name the bad input."""
+(the GEMM), with projections of awkward and empty widths, two to eight a call; the group's function body
+(custom_ops/fused.py: the k3 calls) gives the same outputs as the single nodes' bodies; and errors name the bad
+input."""
 
 from __future__ import annotations
 
@@ -36,9 +37,8 @@ def _weights(op_type: str, widths: list[int], K: int, seed: int) -> list[list[np
 
 def _initializer(a, name: str):
     if isinstance(a, torch.Tensor):  # bf16: numpy has no bfloat16, so the tensor's raw bytes
-        t = helper.make_tensor(name, TensorProto.BFLOAT16, list(a.shape), a.view(torch.int16).numpy().tobytes(),
-                               raw=True)
-        return t
+        return helper.make_tensor(name, TensorProto.BFLOAT16, list(a.shape), a.view(torch.int16).numpy().tobytes(),
+                                  raw=True)
     return numpy_helper.from_array(a, name)
 
 
