@@ -162,6 +162,11 @@ inline std::string dims(const std::vector<int64_t>& s) {
 
 inline std::vector<int64_t> shape_of(const Ort::ConstValue& v) { return v.GetTensorTypeAndShapeInfo().GetShape(); }
 
+// A kernel's input check: an ORT_INVALID_ARGUMENT "<op>: <what>" unless `ok`
+inline void require(const std::string& op, bool ok, const std::string& what) {
+  if (!ok) throw Ort::Exception(op + ": " + what, ORT_INVALID_ARGUMENT);
+}
+
 // B sequences packed over N rows: cu_seqlens [B+1] (int32, rising from 0 to N) as int64 offsets; an error
 // names `op`.
 inline std::vector<int64_t> offsets(const std::string& op, const Ort::ConstValue& cu, int64_t B, int64_t N) {

@@ -20,9 +20,7 @@
 
 namespace {
 
-void require(bool ok, const std::string& what) {
-  if (!ok) throw Ort::Exception("k3::KDA: " + what, ORT_INVALID_ARGUMENT);
-}
+constexpr const char* OP = "k3::KDA";  // errors name the node
 
 struct KDAKernel : Fp32Int32<6, 6, 2> {
   static constexpr const char* name = "KDA";
@@ -36,14 +34,16 @@ struct KDAKernel : Fp32Int32<6, 6, 2> {
     auto q = ctx.GetInput(0), k = ctx.GetInput(1), v = ctx.GetInput(2), g = ctx.GetInput(3);
     auto beta = ctx.GetInput(4), state = ctx.GetInput(5);
     const auto qs = shape_of(q), vs = shape_of(v);
-    require(qs.size() == 4, "q " + dims(qs) + ": expected [B, T, H, K]");
+    require(OP, qs.size() == 4, "q " + dims(qs) + ": expected [B, T, H, K]");
     const int64_t B = qs[0], T = qs[1], H = qs[2], K = qs[3];
-    require(shape_of(k) == qs && shape_of(g) == qs, "k " + dims(shape_of(k)) + " and g " + dims(shape_of(g)) +
-                                                        ": expected q's " + dims(qs));
-    require(vs.size() == 4 && vs[0] == B && vs[1] == T && vs[2] == H, "v " + dims(vs) + ": expected [B, T, H, V]");
+    require(OP, shape_of(k) == qs && shape_of(g) == qs,
+            "k " + dims(shape_of(k)) + " and g " + dims(shape_of(g)) + ": expected q's " + dims(qs));
+    require(OP, vs.size() == 4 && vs[0] == B && vs[1] == T && vs[2] == H,
+            "v " + dims(vs) + ": expected [B, T, H, V]");
     const int64_t V = vs[3];
-    require(shape_of(beta) == std::vector<int64_t>{B, T, H}, "beta " + dims(shape_of(beta)) + ": expected [B, T, H]");
-    require(shape_of(state) == std::vector<int64_t>{B, H, K, V},
+    require(OP, shape_of(beta) == std::vector<int64_t>{B, T, H},
+            "beta " + dims(shape_of(beta)) + ": expected [B, T, H]");
+    require(OP, shape_of(state) == std::vector<int64_t>{B, H, K, V},
             "initial_state " + dims(shape_of(state)) + ": expected [B, H, K, V] = " + dims({B, H, K, V}));
     std::vector<int64_t> offsets(B + 1), slots(B);
     for (int64_t b = 0; b <= B; ++b) offsets[b] = b * T;

@@ -18,9 +18,7 @@
 
 namespace {
 
-void require(bool ok, const std::string& what) {
-  if (!ok) throw Ort::Exception("k3::KDAPacked: " + what, ORT_INVALID_ARGUMENT);
-}
+constexpr const char* OP = "k3::KDAPacked";  // errors name the node
 
 struct KDAPackedKernel : Fp32Int32<8, 6, 2> {
   static constexpr const char* name = "KDAPacked";
@@ -34,14 +32,14 @@ struct KDAPackedKernel : Fp32Int32<8, 6, 2> {
     auto q = ctx.GetInput(0), k = ctx.GetInput(1), v = ctx.GetInput(2), g = ctx.GetInput(3);
     auto beta = ctx.GetInput(4), pool = ctx.GetInput(5), cu = ctx.GetInput(6), slots = ctx.GetInput(7);
     const auto qs = shape_of(q), vs = shape_of(v), pool_s = shape_of(pool);
-    require(qs.size() == 3, "q " + dims(qs) + ": expected [N, H, K]");
+    require(OP, qs.size() == 3, "q " + dims(qs) + ": expected [N, H, K]");
     const int64_t N = qs[0], H = qs[1], K = qs[2];
-    require(shape_of(k) == qs && shape_of(g) == qs, "k " + dims(shape_of(k)) + " and g " + dims(shape_of(g)) +
-                                                        ": expected q's " + dims(qs));
-    require(vs.size() == 3 && vs[0] == N && vs[1] == H, "v " + dims(vs) + ": expected [N, H, V]");
+    require(OP, shape_of(k) == qs && shape_of(g) == qs,
+            "k " + dims(shape_of(k)) + " and g " + dims(shape_of(g)) + ": expected q's " + dims(qs));
+    require(OP, vs.size() == 3 && vs[0] == N && vs[1] == H, "v " + dims(vs) + ": expected [N, H, V]");
     const int64_t V = vs[2];
-    require(shape_of(beta) == std::vector<int64_t>{N, H}, "beta " + dims(shape_of(beta)) + ": expected [N, H]");
-    require(pool_s == std::vector<int64_t>{pool_s.empty() ? 0 : pool_s[0], H, K, V},
+    require(OP, shape_of(beta) == std::vector<int64_t>{N, H}, "beta " + dims(shape_of(beta)) + ": expected [N, H]");
+    require(OP, pool_s == std::vector<int64_t>{pool_s.empty() ? 0 : pool_s[0], H, K, V},
             "state_pool " + dims(pool_s) + ": expected [S, H, K, V]");
     const Packing seqs = packing("k3::KDAPacked", cu, slots, N, pool_s[0]);
     const int64_t B = seqs.B;

@@ -122,9 +122,7 @@ std::vector<float> tap_major(const float* w, int64_t C, int64_t W) {
   return wt;
 }
 
-void require(bool ok, const std::string& what) {
-  if (!ok) throw Ort::Exception("k3::KDAPrep: " + what, ORT_INVALID_ARGUMENT);
-}
+constexpr const char* KDA_PREP = "k3::KDAPrep";  // its errors name the node
 
 struct KDAPrepKernel : Fp32Int32<9, 7, 6> {
   static constexpr const char* name = "KDAPrep";
@@ -146,17 +144,20 @@ struct KDAPrepKernel : Fp32Int32<9, 7, 6> {
     auto slots = ctx.GetInput(8);
     const int64_t C = 2 * H * K + H * V, M = W - 1;
     const auto xs = shape_of(qkv), pool_s = shape_of(pool);
-    require(W >= 1 && xs.size() == 2 && xs[1] == C, "qkv " + dims(xs) + ": expected [N, 2HK+HV = " +
-                                                        std::to_string(C) + "]");
+    require(KDA_PREP, W >= 1 && xs.size() == 2 && xs[1] == C,
+            "qkv " + dims(xs) + ": expected [N, 2HK+HV = " + std::to_string(C) + "]");
     const int64_t N = xs[0];
-    require(shape_of(f) == std::vector<int64_t>{N, H, K}, "f " + dims(shape_of(f)) + ": expected [N, H, K]");
-    require(shape_of(b) == std::vector<int64_t>{N, H}, "b " + dims(shape_of(b)) + ": expected [N, H]");
-    require(shape_of(w) == std::vector<int64_t>{C, W}, "conv_weight " + dims(shape_of(w)) + ": expected [C, W]");
-    require(shape_of(a_log).size() == 1 && shape_of(a_log)[0] >= H, "A_log " + dims(shape_of(a_log)) +
-                                                                          ": expected at least H entries");
-    require(shape_of(dt) == std::vector<int64_t>{H * K}, "dt_bias " + dims(shape_of(dt)) + ": expected [H*K]");
-    require(pool_s.size() == 3 && pool_s[1] == C && pool_s[2] == M, "conv_pool " + dims(pool_s) +
-                                                                         ": expected [S, C, W-1]");
+    require(KDA_PREP, shape_of(f) == std::vector<int64_t>{N, H, K},
+            "f " + dims(shape_of(f)) + ": expected [N, H, K]");
+    require(KDA_PREP, shape_of(b) == std::vector<int64_t>{N, H}, "b " + dims(shape_of(b)) + ": expected [N, H]");
+    require(KDA_PREP, shape_of(w) == std::vector<int64_t>{C, W},
+            "conv_weight " + dims(shape_of(w)) + ": expected [C, W]");
+    require(KDA_PREP, shape_of(a_log).size() == 1 && shape_of(a_log)[0] >= H,
+            "A_log " + dims(shape_of(a_log)) + ": expected at least H entries");
+    require(KDA_PREP, shape_of(dt) == std::vector<int64_t>{H * K},
+            "dt_bias " + dims(shape_of(dt)) + ": expected [H*K]");
+    require(KDA_PREP, pool_s.size() == 3 && pool_s[1] == C && pool_s[2] == M,
+            "conv_pool " + dims(pool_s) + ": expected [S, C, W-1]");
     const Packing seqs = packing("k3::KDAPrep", cu, slots, N, pool_s[0]);
     const int64_t B = seqs.B;
     const std::vector<float> wt = tap_major(w.GetTensorData<float>(), C, W);

@@ -348,8 +348,9 @@ void linear_q8(Ort::KernelContext& ctx, const std::string& op, size_t parts) {
     const bool fits = !shape.empty() && wshape.size() == 3 && sshape == std::vector<int64_t>{wshape[0], wshape[1]} &&
                       wshape[1] >= 1 && (wshape[1] - 1) * wshape[2] < K && K <= wshape[1] * wshape[2];
     if (!fits)
-      throw Ort::Exception(op + ": x " + dims(shape) + ", weight" + which + " " + dims(wshape) + " and scales" + which +
-                               " " + dims(sshape) + ": expected [..., K], [N, ceil(K / block), block] and [N, ceil(K / block)]",
+      throw Ort::Exception(op + ": x " + dims(shape) + ", weight" + which + " " + dims(wshape) + " and scales" +
+                               which + " " + dims(sshape) +
+                               ": expected [..., K], [N, ceil(K / block), block] and [N, ceil(K / block)]",
                            ORT_INVALID_ARGUMENT);
     if (wshape[2] % 4)
       throw Ort::Exception(op + ": block size " + std::to_string(wshape[2]) + " (weight" + which + " " + dims(wshape) +
@@ -357,7 +358,8 @@ void linear_q8(Ort::KernelContext& ctx, const std::string& op, size_t parts) {
                            ORT_INVALID_ARGUMENT);
     if (i > 0 && (wshape[1] != KB || wshape[2] != BLOCK))
       throw Ort::Exception(op + ": weight" + which + " " + dims(wshape) + " is blocked unlike weight 0 ([N, " +
-                               std::to_string(KB) + ", " + std::to_string(BLOCK) + "]): one call quantises x once for all",
+                               std::to_string(KB) + ", " + std::to_string(BLOCK) +
+                               "]): one call quantises x once for all",
                            ORT_INVALID_ARGUMENT);
     KB = wshape[1], BLOCK = wshape[2];
     ws[i] = w.GetTensorData<uint8_t>(), ss[i] = s.GetTensorData<float>(), Ns[i] = wshape[0];
@@ -413,34 +415,17 @@ void linear_q8(Ort::KernelContext& ctx, const std::string& op, size_t parts) {
   ctx.ParallelFor(Parts<Work>::run, run.tasks(), 0, &run);
 }
 
-// LinearQ8(x [..., K] float, weight [N, KB, BLOCK] uint8, scales [N, KB] float) -> y [..., N] float
-struct LinearQ8Kernel {
-  static constexpr const char* name = "LinearQ8";
-  static constexpr size_t inputs = 3, outputs = 1;
-  static constexpr bool variadic_input = false, variadic_output = false;
-  static ONNXTensorElementDataType input_type(size_t i) {
-    return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-  }
-  static ONNXTensorElementDataType output_type(size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
-
-  LinearQ8Kernel(const OrtApi&, const OrtKernelInfo*) {}
-
-  void Compute(OrtKernelContext* context) {
-    Ort::KernelContext ctx(context);
-    linear_q8(ctx, "k3::LinearQ8", 1);
-  }
-};
-
-// k3x.fused::LinearQ8Group<P>(x, weight_0, scales_0, .., weight_{P-1}, scales_{P-1}) -> y_0 .. y_{P-1} (op
-// types LinearQ8Group2 .. LinearQ8Group8): P LinearQ8s of one x (custom_ops/fused.py), each y_i as the LinearQ8
-// kernel gives it (the same tasks, the same sums), x quantised once and every projection's tasks in one
-// dispatch to the threads.
-constexpr const char* GROUP_NAMES[MAX_GROUP + 1] = {"", "", "LinearQ8Group2", "LinearQ8Group3", "LinearQ8Group4",
-                                                    "LinearQ8Group5", "LinearQ8Group6", "LinearQ8Group7", "LinearQ8Group8"};
+// P = 1: k3::LinearQ8(x [..., K] float, weight [N, KB, BLOCK] uint8, scales [N, KB] float) -> y [..., N] float.
+// P = 2..8: k3x.fused::LinearQ8Group<P>(x, weight_0, scales_0, .., weight_{P-1}, scales_{P-1}) -> y_0 .. y_{P-1}
+// (op types LinearQ8Group2 .. LinearQ8Group8): P LinearQ8s of one x (custom_ops/fused.py), each y_i as the
+// one-projection kernel gives it (the same tasks, the same sums), x quantised once and every projection's tasks
+// in one dispatch to the threads.
+constexpr const char* NAMES[MAX_GROUP + 1] = {"", "LinearQ8", "LinearQ8Group2", "LinearQ8Group3", "LinearQ8Group4",
+                                              "LinearQ8Group5", "LinearQ8Group6", "LinearQ8Group7", "LinearQ8Group8"};
 
 template <size_t P>
-struct LinearQ8GroupKernel {
-  static constexpr const char* name = GROUP_NAMES[P];
+struct LinearQ8Kernel {
+  static constexpr const char* name = NAMES[P];
   static constexpr size_t inputs = 1 + 2 * P, outputs = P;
   static constexpr bool variadic_input = false, variadic_output = false;
   static ONNXTensorElementDataType input_type(size_t i) {
@@ -448,17 +433,18 @@ struct LinearQ8GroupKernel {
   }
   static ONNXTensorElementDataType output_type(size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
 
-  LinearQ8GroupKernel(const OrtApi&, const OrtKernelInfo*) {}
+  LinearQ8Kernel(const OrtApi&, const OrtKernelInfo*) {}
 
   void Compute(OrtKernelContext* context) {
+    static const std::string op = std::string(P == 1 ? "k3::" : "k3x.fused::") + name;  // errors name it
     Ort::KernelContext ctx(context);
-    linear_q8(ctx, std::string("k3x.fused::") + name, P);
+    linear_q8(ctx, op, P);
   }
 };
 
 }  // namespace
 
 void k3x_add_linear_q8(Ort::CustomOpDomain& k3, Ort::CustomOpDomain& fused) {
-  k3.Add(cpu_op<LinearQ8Kernel>());
-  add_groups<LinearQ8GroupKernel>(fused);
+  k3.Add(cpu_op<LinearQ8Kernel<1>>());
+  add_groups<LinearQ8Kernel>(fused);
 }

@@ -202,9 +202,7 @@ void attend(void* user, size_t task) {
   }
 }
 
-void require(bool ok, const std::string& what) {
-  if (!ok) throw Ort::Exception("k3::MLAPaged: " + what, ORT_INVALID_ARGUMENT);
-}
+constexpr const char* OP = "k3::MLAPaged";  // errors name the node
 
 struct MLAPagedKernel : Fp32Int32<7, 4, 1> {
   static constexpr const char* name = "MLAPaged";
@@ -219,14 +217,14 @@ struct MLAPagedKernel : Fp32Int32<7, 4, 1> {
     auto table = ctx.GetInput(4), past = ctx.GetInput(5), cu = ctx.GetInput(6);
     const auto qs = shape_of(q_latent), rs = shape_of(q_rope), ls = shape_of(latent), ps = shape_of(pool);
     const auto ts = shape_of(table), pls = shape_of(past), cs = shape_of(cu);
-    require(qs.size() == 3, "q_latent " + dims(qs) + ": expected [N, H, C]");
+    require(OP, qs.size() == 3, "q_latent " + dims(qs) + ": expected [N, H, C]");
     const int64_t N = qs[0], H = qs[1], C = qs[2];
-    require(rs.size() == 3 && rs[0] == N && rs[1] == H, "q_rope " + dims(rs) + ": expected [N, H, R]");
+    require(OP, rs.size() == 3 && rs[0] == N && rs[1] == H, "q_rope " + dims(rs) + ": expected [N, H, R]");
     const int64_t R = rs[2], L = C + R;
-    require(ls == std::vector<int64_t>{N, L}, "latent " + dims(ls) + ": expected [N, C + R] = [" +
-                                                  std::to_string(N) + ", " + std::to_string(L) + "]");
-    require(ps.size() == 3 && ps[2] == L && ps[1] > 0, "latent_pool " + dims(ps) + ": expected [NB, BS, C + R]");
-    require(ts.size() == 2 && pls == std::vector<int64_t>{ts[0]} && cs == std::vector<int64_t>{ts[0] + 1},
+    require(OP, ls == std::vector<int64_t>{N, L},
+            "latent " + dims(ls) + ": expected [N, C + R] = [" + std::to_string(N) + ", " + std::to_string(L) + "]");
+    require(OP, ps.size() == 3 && ps[2] == L && ps[1] > 0, "latent_pool " + dims(ps) + ": expected [NB, BS, C + R]");
+    require(OP, ts.size() == 2 && pls == std::vector<int64_t>{ts[0]} && cs == std::vector<int64_t>{ts[0] + 1},
             "block_table " + dims(ts) + ", past_lens " + dims(pls) + " and cu_seqlens " + dims(cs) +
                 ": expected [B, MB], [B] and [B+1]");
     const int64_t B = ts[0], MB = ts[1], NB = ps[0], BS = ps[1];
@@ -236,12 +234,12 @@ struct MLAPagedKernel : Fp32Int32<7, 4, 1> {
                 ctx.GetOutput(0, qs).GetTensorMutableData<float>(), H, C, R, BS, MB, scale, {}, {}};
     std::vector<int64_t> starts = offsets("k3::MLAPaged", cu, B, N), pasts(p32, p32 + B);
     for (int64_t b = 0; b < B; ++b) {
-      require(pasts[b] >= 0 && (pasts[b] + BS - 1) / BS <= MB,
+      require(OP, pasts[b] >= 0 && (pasts[b] + BS - 1) / BS <= MB,
               "past_lens[" + std::to_string(b) + "] = " + std::to_string(pasts[b]) + ": expected 0.." +
                   std::to_string(MB * BS) + ", what a block_table row of " + std::to_string(MB) + " blocks of " +
                   std::to_string(BS) + " positions holds");
       for (int64_t i = 0; i < (pasts[b] + BS - 1) / BS; ++i)
-        require(tab[b * MB + i] >= 0 && tab[b * MB + i] < NB,
+        require(OP, tab[b * MB + i] >= 0 && tab[b * MB + i] < NB,
                 "block_table[" + std::to_string(b) + ", " + std::to_string(i) + "] = " +
                     std::to_string(tab[b * MB + i]) + ": outside the pool of " + std::to_string(NB) + " blocks");
       for (int64_t t0 = 0; t0 < starts[b + 1] - starts[b]; t0 += QB) {

@@ -13,8 +13,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-import torch
 
+from ort_steps import prefill_and_decode
 from trunk_models import TRUNKS
 
 ort = pytest.importorskip("onnxruntime")
@@ -82,25 +82,6 @@ def _ort_file(model: ir.Model) -> bytes:
     return ir.serde.serialize_model(ort_pass(model)).SerializeToString()
 
 
-def _steps(data: bytes, cfg, cache, library=None) -> list[np.ndarray]:
-    """Every output of a prefill of 2 x 5 tokens and of one decode step after it."""
-    from k3x.runtime.runners import next_feeds, start_feeds
-
-    so = ort.SessionOptions()
-    if library is not None:
-        so.register_custom_ops_library(str(library))
-    sess = ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
-    names = [o.name for o in sess.get_outputs()]
-
-    def run(feeds) -> dict:
-        return dict(zip(names, sess.run(None, {k: v.numpy() for k, v in feeds.items()})))
-
-    ids = torch.randint(0, cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3))
-    first = run(start_feeds(cfg, ids, cache=cache))
-    second = run(next_feeds(cfg, {k: torch.from_numpy(v) for k, v in first.items()}, ids[:, -1:], cache=cache))
-    return [first[n] for n in names] + [second[n] for n in names]
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_the_rewritten_graph_gives_the_outputs_it_gave_before(kernels, case):
     from k3x.exporter.onnx_rewrites_kda import fuse_kda_short_conv
@@ -112,8 +93,9 @@ def test_the_rewritten_graph_gives_the_outputs_it_gave_before(kernels, case):
     assert ("k3x.fused", "KDAShortConv") in ops and ("", "Conv") not in ops and ("", "Sigmoid") in ops  # β's
     assert fuse_kda_short_conv(fused) == 0  # nothing left to fuse
     plain_file, fused_file = _ort_file(plain), _ort_file(fused)
-    want = _steps(plain_file, cfg, cache)
-    for got, tight in ((_steps(fused_file, cfg, cache), True), (_steps(fused_file, cfg, cache, kernels), False)):
+    want = prefill_and_decode(plain_file, cfg, cache)
+    for got, tight in ((prefill_and_decode(fused_file, cfg, cache), True),
+                       (prefill_and_decode(fused_file, cfg, cache, kernels), False)):
         assert len(got) == len(want)
         for g, w in zip(got, want):
             if tight:  # the body is the traced ops: bit-identical

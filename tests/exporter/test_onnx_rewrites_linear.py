@@ -9,11 +9,11 @@ from __future__ import annotations
 import functools
 from collections import Counter
 
-import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-import torch
+
+from ort_steps import prefill_and_decode
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -54,25 +54,6 @@ def _projections(model: ir.Model, trunk: str) -> Counter:
     return out
 
 
-def _steps(data: bytes, cfg, library=None) -> list[np.ndarray]:
-    """Every output of a prefill of 2 x 5 tokens and of one decode step after it."""
-    from k3x.runtime.runners import next_feeds, start_feeds
-
-    so = ort.SessionOptions()
-    if library is not None:
-        so.register_custom_ops_library(str(library))
-    sess = ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
-    names = [o.name for o in sess.get_outputs()]
-
-    def run(feeds) -> dict:
-        return dict(zip(names, sess.run(None, {k: v.numpy() for k, v in feeds.items()})))
-
-    ids = torch.randint(0, cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3))
-    first = run(start_feeds(cfg, ids))
-    second = run(next_feeds(cfg, {k: torch.from_numpy(v) for k, v in first.items()}, ids[:, -1:]))
-    return [first[n] for n in names] + [second[n] for n in names]
-
-
 @pytest.mark.parametrize("trunk", ["int8", "bf16"])
 def test_projections_of_one_activation_are_one_call(trunk):
     from k3x.exporter.onnx_flavors import ort_pass
@@ -107,7 +88,8 @@ def test_the_grouped_graph_gives_the_outputs_it_gave_before(kernels, trunk):
     grouped_file = ir.serde.serialize_model(grouped).SerializeToString()
     plain_file = ir.serde.serialize_model(plain).SerializeToString()
     for library in (None, kernels):  # the bodies; the kernels (the group's sums are the single kernel's)
-        got, want = _steps(grouped_file, cfg, library), _steps(plain_file, cfg, library)
+        got = prefill_and_decode(grouped_file, cfg, library=library)
+        want = prefill_and_decode(plain_file, cfg, library=library)
         assert len(got) == len(want)
         for g, w in zip(got, want):
             assert g.dtype == w.dtype and (g == w).all()
