@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from .cli import app
+import os
 
 if __name__ == "__main__":
+    if os.environ.get("K3X_SPAWNED_BY"):  # a rank that `k3x run` / `k3x serve` started: it ends with them
+        from .runtime.dist_run import follow_spawner
+
+        follow_spawner()
+    from .cli import app
+
     app()

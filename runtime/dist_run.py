@@ -6,7 +6,8 @@
   rank's own two under the names the traced graph uses (model/parallel.py `TP_GROUP` / `EP_GROUP`).
 - Without one, `spawn` starts the ranks through torch.distributed's own launcher (`torch.distributed.run`,
   elastic, `--standalone`) with the same command line: `python -m k3x <argv>` in each process (`k3x serve`:
-  SIGTERM / SIGINT passed on to the ranks, so rank 0 drains, rather than the agent stopping them).
+  SIGTERM / SIGINT passed on to the ranks, so rank 0 drains, rather than the agent stopping them); each rank it
+  starts gets SIGTERM if that process dies unhandled (`follow_spawner`), so none outlives it.
 - `rank_runner`: this rank's program (its folder is an ordinary export folder: hash-checked `.pt2`, or its
   ort-flavor ONNX whose collective nodes are onnxruntime-extensions Python ops calling torch.distributed,
   runtime/ort_collectives.py), fed and answering in the rank's own state layout. `WholeStateRunner`: takes
@@ -197,12 +198,36 @@ def spawn(world: int, argv: list[str], *, pass_signals: bool = False) -> None:
     if pass_signals:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _pass_on)
+    os.environ[SPAWNED_BY] = str(os.getpid())  # the ranks' environment: `follow_spawner` in each
     try:
         run(args)
     except ChildFailedError as e:
         first = next(iter(e.failures.values()), None)
         raise RunnerError(f"torch.distributed.run: {len(e.failures)} of {world} ranks failed"
                           + (f" (rank {first.local_rank}: exit {first.exitcode})" if first else "")) from None
+
+
+SPAWNED_BY = "K3X_SPAWNED_BY"  # in a rank `spawn` started: the pid of the `k3x` process that started it
+
+
+def follow_spawner() -> None:
+    """In a rank `spawn` started (`python -m k3x` calls this first): SIGTERM to this rank when the `k3x` process
+    that started it dies, however it dies (Linux's PR_SET_PDEATHSIG), as that process passes its own SIGTERM on.
+    A SIGKILL to `k3x serve` used to leave its ranks serving on the port, the process the user ran gone. Exits
+    at once if it is gone already (it died before this ran)."""
+    import ctypes
+    import signal
+    import sys
+
+    spawner = os.environ.get(SPAWNED_BY)
+    if spawner is None or not sys.platform.startswith("linux"):
+        return
+    PR_SET_PDEATHSIG = 1
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        return  # not granted: the ranks end as they did, when their peers or their launcher's agent go
+    if os.getppid() != int(spawner):
+        sys.exit(f"error: rank {os.environ.get('RANK', '?')}: the k3x process that started it (pid {spawner}) "
+                 "is gone")
 
 
 def _pass_on(sig: int, frame) -> None:

@@ -10,6 +10,7 @@ SIGTERM drains rank 0's open stream to its end and every rank exits 0. One expor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -171,3 +172,37 @@ def test_without_a_launcher_k3x_starts_the_ranks_and_sigterm_drains_them_exit_0(
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
+
+
+@pytest.mark.slow
+def test_sigkill_to_k3x_serve_ends_the_ranks_it_started(ranks):
+    """SIGKILL to `k3x serve RANKS` (no handler runs, its agent dies with it): every rank it started gets SIGTERM
+    (dist_run.follow_spawner), so rank 0 drains and they all end, and the port is free again. Before, the
+    ranks went on serving, the process the user ran gone."""
+    import psutil
+
+    log = ranks.parent / "killed.err"
+    proc, url = start([sys.executable, "-m", "k3x", *serve_args(ranks)], log)
+    pids = []
+    try:
+        pids = [rank_pid(proc.pid, r) for r in range(4)]
+        assert httpx.get(url + "/health").status_code == 200
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+
+        def alive(pid: int) -> bool:
+            try:
+                return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return False
+
+        deadline = time.monotonic() + 60
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(alive(p) for p in pids), log.read_text()[-4000:]
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(url + "/health", timeout=5)
+    finally:  # the ranks run in sessions of their own (torch.distributed.run starts them so)
+        for kill, pid in [(os.killpg, proc.pid)] + [(os.kill, p) for p in pids]:
+            with contextlib.suppress(ProcessLookupError):
+                kill(pid, signal.SIGKILL)
