@@ -258,7 +258,8 @@ Temperature = Annotated[float, typer.Option("--temperature", help="0 = greedy (d
 TopK = Annotated[int, typer.Option("--top-k", min=0, help="Sample among the k most likely tokens (0 = off).")]
 TopP = Annotated[float, typer.Option("--top-p", help="Sample among the smallest set of tokens whose probability sum "
                                      "reaches this (1 = off).")]
-SamplerSeed = Annotated[Optional[int], typer.Option("--seed", help="Seed of the sampler (default: random).")]
+SamplerSeed = Annotated[Optional[int], typer.Option("--seed", help="Seed of the sampler (default: random); with "
+                                                    "--temperature > 0 only.")]
 
 # runners (run, verify, logits)
 RunBackend = Annotated[Backend, typer.Option("--backend", help="Runner: ort, pt2, aoti, trt or eager.")]

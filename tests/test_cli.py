@@ -88,6 +88,8 @@ def test_generate_sampling_flags(ckpt):
     assert sampled == _library(ckpt, [1, 2, 3], max_new_tokens=8, temperature=1.5, top_p=0.9, seed=4)
     r = runner.invoke(app, ["generate", "--checkpoint", str(ckpt), "--top-k", "5"])
     assert r.exit_code == 1 and "give temperature > 0" in r.output
+    r = runner.invoke(app, ["generate", "--checkpoint", str(ckpt), "--seed", "4"])  # greedy: a seed would do nothing
+    assert r.exit_code == 1 and "--seed applies only when sampling" in r.output, r.output
 
 
 def test_generate_text_in_and_out(ckpt):

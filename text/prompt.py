@@ -72,6 +72,9 @@ def prepare(folder: Path, vocab_size: int, prompt: str | None, prompt_ids: str |
     if max(ids) >= vocab_size or min(ids) < 0:
         raise PromptError(f"prompt: token ids must be in [0, {vocab_size}), got [{min(ids)}, {max(ids)}]"
                           + (" (does the tokenizer belong to this model?)" if prompt is not None else ""))
+    if sampling.seed is not None and sampling.temperature == 0:  # the API takes it (OpenAI's clients send one)
+        raise PromptError("--seed applies only when sampling: give --temperature > 0 (greedy decoding is "
+                          "deterministic without one)")
     try:
         options = SamplingOptions(sampling.max_new_tokens, sampling.temperature, sampling.top_k, sampling.top_p,
                                   sampling.seed, tuple(eos))
