@@ -198,13 +198,15 @@ def spawn(world: int, argv: list[str], *, pass_signals: bool = False) -> None:
     if pass_signals:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _pass_on)
-    os.environ[SPAWNED_BY] = str(os.getpid())  # the ranks' environment: `follow_spawner` in each
+    os.environ[SPAWNED_BY] = str(os.getpid())  # the ranks' environment (`follow_spawner`), for as long as they run
     try:
         run(args)
     except ChildFailedError as e:
         first = next(iter(e.failures.values()), None)
         raise RunnerError(f"torch.distributed.run: {len(e.failures)} of {world} ranks failed"
                           + (f" (rank {first.local_rank}: exit {first.exitcode})" if first else "")) from None
+    finally:
+        os.environ.pop(SPAWNED_BY, None)
 
 
 SPAWNED_BY = "K3X_SPAWNED_BY"  # in a rank `spawn` started: the pid of the `k3x` process that started it

@@ -214,13 +214,16 @@ def test_rank_trt_onnx_builds_with_collective_plugins(tp2ep2, tmp_path):
         assert needle in blob, needle  # the plugin layers and their serialised fields
 
 
-def test_spawned_ranks_get_omp_threads_so_no_torchrun_banner(monkeypatch):
+def test_spawned_ranks_get_omp_threads_and_their_spawner_so_no_torchrun_banner(monkeypatch):
     import torch.distributed.run as launcher
 
     from k3x.runtime import dist_run
 
     seen = {}
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(launcher, "run", lambda args: seen.setdefault("omp", os.environ.get("OMP_NUM_THREADS")))
+    monkeypatch.setattr(launcher, "run", lambda args: seen.update(omp=os.environ.get("OMP_NUM_THREADS"),
+                                                                 spawner=os.environ.get(dist_run.SPAWNED_BY)))
     dist_run.spawn(2, ["run", "x"])
     assert seen["omp"] == str(dist_run.omp_threads(2)) and int(seen["omp"]) >= 1
+    # the ranks learn who started them (follow_spawner); this process's environment keeps it only while they run
+    assert seen["spawner"] == str(os.getpid()) and dist_run.SPAWNED_BY not in os.environ
