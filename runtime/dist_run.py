@@ -179,6 +179,9 @@ def omp_threads(world: int) -> int:
     return max(1, (os.cpu_count() or 1) // world)
 
 
+SPAWNED_BY = "K3X_SPAWNED_BY"  # in a rank `spawn` started: the pid of the `k3x` process that started it
+
+
 def spawn(world: int, argv: list[str], *, pass_signals: bool = False) -> None:
     """Run `python -m k3x <argv>` in `world` processes through torch.distributed.run (standalone rendezvous).
     Raises RunnerError naming the failed rank. `pass_signals` (k3x serve): each SIGTERM / SIGINT is passed on to
@@ -207,9 +210,6 @@ def spawn(world: int, argv: list[str], *, pass_signals: bool = False) -> None:
                           + (f" (rank {first.local_rank}: exit {first.exitcode})" if first else "")) from None
     finally:
         os.environ.pop(SPAWNED_BY, None)
-
-
-SPAWNED_BY = "K3X_SPAWNED_BY"  # in a rank `spawn` started: the pid of the `k3x` process that started it
 
 
 def follow_spawner() -> None:
