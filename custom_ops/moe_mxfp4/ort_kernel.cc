@@ -11,9 +11,10 @@
 // - The weights are decoded inside the GEMM: a block of 32 E2M1 codes (16 bytes) becomes 32 floats through a
 //   16-entry table of 2·E2M1 (integers: an int8 byte shuffle under AVX2) times the block's power of two
 //   2^(byte-128), exact like the codec's decode (every E2M1 value times a power of two is an fp32 number); the
-//   low and high nibbles' values interleaved back into element order (two byte unpacks). An expert with at most FUSED_ROWS rows (a
-//   decode step) FMAs the decoded registers straight into its dot products; with more rows each OUTS output
-//   features are decoded once into a small scratch (OUTS·K floats, in L1) and swept over the rows four at a time.
+//   low and high nibbles' values interleaved back into element order (two byte unpacks). An expert with at most
+//   FUSED_ROWS rows (a decode step) FMAs the decoded registers straight into its dot products (under AVX-512 its
+//   rows split into even and odd elements once a call); with more rows each OUTS output features are decoded once
+//   into a small scratch (OUTS·K floats, in L1) and swept over the rows four at a time.
 // - SiTU-GLU as the dense kernel's (`situ_glu_span`), SiLU-GLU a·σ(a)·u; each pair's row weighted and its
 //   token's k slots summed in slot order (the dense MoECombine's order).
 // - activations="mxfp8": both GEMM inputs (the expert's rows of z, the GLU output h) rounded through MXFP8 first,
@@ -27,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -40,6 +42,7 @@ constexpr int64_t BLOCK = 32;     // elements per E8M0 scale (MXFP4 weights, MXF
 constexpr int64_t CHUNK = 32;     // output features per task
 constexpr int64_t FUSED_ROWS = 4;  // rows an expert may have for the register-decoded path
 constexpr int64_t TOKENS = 8;     // tokens per combine task
+constexpr int64_t INLINE_ROWS = 16;  // rows gathered (and GLU outputs finished) on the calling thread
 
 constexpr int8_t E2M1_X2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};  // 2·E2M1 by code
 
@@ -94,17 +97,23 @@ inline void decode_avx2(const uint8_t* b, float s, __m256 w[4]) {
 // pass share each x load, their accumulators in registers. ~9 instructions a block
 // where the AVX2 path's byte shuffles, unpacks and conversions take ~25 (one-token k3-bench expert shapes, one
 // thread, caches warm on the 2-core EPYC, load 1.4-1.8: 158-180 -> 109-142 us a k3-bench call, d 1024, L 512,
-// I 256, top 4 of 16).
+// I 256, top 4 of 16). The rows come split (`split_row`) once a call for all its tasks, where each task split
+// them before (a k3-bench decode call in the int8 trunk's step: 69-74 -> 62-65 us, three interleaved runs).
+constexpr bool SPLIT_ROWS = true;
+
+// row a [K] as the fused GEMM reads it: its even elements, then its odd ones
+void split_row(const float* a, int64_t K, float* out) {
+  const int64_t half = K / 2;
+  for (int64_t j = 0; j < half; ++j) {
+    out[j] = a[2 * j];
+    out[half + j] = a[2 * j + 1];
+  }
+}
+
 template <int R>
-void gemm_fused(const float* a, const Packed& W, int64_t lo, int64_t hi, float* out, int64_t ldo) {
+void gemm_fused(const float* split, const Packed& W, int64_t lo, int64_t hi, float* out, int64_t ldo) {
   constexpr int OB = 4;  // output features a pass: OB·R accumulators and 2R x vectors in 32 zmm registers
-  const int64_t K = W.K, half = K / 2, KB = K / BLOCK;
-  std::vector<float> split(R * K);  // row r: its even elements, then its odd ones
-  for (int r = 0; r < R; ++r)
-    for (int64_t j = 0; j < half; ++j) {
-      split[r * K + j] = a[r * K + 2 * j];
-      split[r * K + half + j] = a[r * K + 2 * j + 1];
-    }
+  const int64_t K = W.K, half = K / 2, KB = K / BLOCK;  // split: R rows K apart (`split_row`)
   const __m512 table = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 6.f, 8.f, 12.f, 0.f, -1.f, -2.f, -3.f, -4.f, -6.f,
                                       -8.f, -12.f);  // 2·E2M1 by code, as E2M1_X2
   for (int64_t o = lo; o < hi; o += OB) {  // OB output features at once: each x vector loaded once for them
@@ -121,8 +130,8 @@ void gemm_fused(const float* a, const Packed& W, int64_t lo, int64_t hi, float* 
     for (int64_t b = 0; b < KB; ++b) {
       __m512 xe[R], xo[R];
       for (int r = 0; r < R; ++r) {
-        xe[r] = _mm512_loadu_ps(split.data() + r * K + b * 16);
-        xo[r] = _mm512_loadu_ps(split.data() + r * K + half + b * 16);
+        xe[r] = _mm512_loadu_ps(split + r * K + b * 16);
+        xo[r] = _mm512_loadu_ps(split + r * K + half + b * 16);
       }
       for (int j = 0; j < OB; ++j) {
         // the next pass's feature: with the caches evicted (a decode step's experts come from memory) the
@@ -141,6 +150,9 @@ void gemm_fused(const float* a, const Packed& W, int64_t lo, int64_t hi, float* 
   }
 }
 #else
+constexpr bool SPLIT_ROWS = false;  // the rows as they are
+void split_row(const float*, int64_t, float*) {}
+
 template <int R>
 void gemm_fused(const float* a, const Packed& W, int64_t lo, int64_t hi, float* out, int64_t ldo) {
   const int64_t K = W.K;
@@ -247,13 +259,16 @@ void decode_row(const Packed& W, int64_t o, float* w) {
   }
 }
 
-// out[r ldo + o - lo] = a_r . W_o for o in [lo, hi) and `rows` rows a (K apart)
-void gemm(const float* a, int64_t rows, const Packed& W, int64_t lo, int64_t hi, float* out, int64_t ldo) {
+// out[r ldo + o - lo] = a_r . W_o for o in [lo, hi) and `rows` rows a (K apart); `split`: the same rows as
+// `split_row` gives them (read instead of a where SPLIT_ROWS, at most FUSED_ROWS rows)
+void gemm(const float* a, const float* split, int64_t rows, const Packed& W, int64_t lo, int64_t hi, float* out,
+          int64_t ldo) {
+  const float* fused = SPLIT_ROWS ? split : a;
   switch (rows) {
-    case 1: return gemm_fused<1>(a, W, lo, hi, out, ldo);
-    case 2: return gemm_fused<2>(a, W, lo, hi, out, ldo);
-    case 3: return gemm_fused<3>(a, W, lo, hi, out, ldo);
-    case 4: return gemm_fused<4>(a, W, lo, hi, out, ldo);
+    case 1: return gemm_fused<1>(fused, W, lo, hi, out, ldo);
+    case 2: return gemm_fused<2>(fused, W, lo, hi, out, ldo);
+    case 3: return gemm_fused<3>(fused, W, lo, hi, out, ldo);
+    case 4: return gemm_fused<4>(fused, W, lo, hi, out, ldo);
   }
   static_assert(FUSED_ROWS == 4, "gemm dispatches 1 to 4 rows to gemm_fused");
   std::vector<float> w(OUTS * W.K);
@@ -300,6 +315,8 @@ struct Work {
   bool situ, mxfp8;
   float b1, b2;
   float *zs, *h, *y;               // [M, L] rows of z in sorted order, [M, I] GLU outputs, [M, L] outputs
+  float *zs_split, *h_split;       // where SPLIT_ROWS: the fused experts' rows of zs and h split (`split_row`)
+  const uint8_t* fused;            // fused[i]: position i's expert has at most FUSED_ROWS rows
   std::vector<int64_t> task_expert, task_lo;
   const float* pair_w;
   float* u;
@@ -310,11 +327,12 @@ struct Work {
   }
 };
 
-void gather_rows(void* user, size_t i) {  // sorted position i: its token's z (MXFP8-rounded)
+void gather_rows(void* user, size_t i) {  // sorted position i: its token's z (MXFP8-rounded), and split
   const Work& w = *static_cast<const Work*>(user);
   float* row = w.zs + int64_t(i) * w.L;
   std::memcpy(row, w.z + w.routed->token[i] * w.L, sizeof(float) * w.L);
   if (w.mxfp8) mxfp8_round(row, w.L);
+  if (SPLIT_ROWS && w.fused[i]) split_row(row, w.L, w.zs_split + int64_t(i) * w.L);
 }
 
 void gate_up(void* user, size_t t) {  // expert e's GLU outputs for features [lo, lo + CHUNK)
@@ -322,9 +340,9 @@ void gate_up(void* user, size_t t) {  // expert e's GLU outputs for features [lo
   const int64_t e = w.task_expert[t], lo = w.task_lo[t], hi = std::min(w.I, lo + CHUNK), n = hi - lo;
   const int64_t first = w.routed->start[e], rows = w.routed->start[e + 1] - first;
   std::vector<float> a(rows * n), u(rows * n);
-  const float* zs = w.zs + first * w.L;
-  gemm(zs, rows, w.expert(w.w1, e, w.w13_bytes, w.w13_scales), lo, hi, a.data(), n);
-  gemm(zs, rows, w.expert(w.w3, e, w.w13_bytes, w.w13_scales), lo, hi, u.data(), n);
+  const float *zs = w.zs + first * w.L, *split = w.zs_split ? w.zs_split + first * w.L : nullptr;
+  gemm(zs, split, rows, w.expert(w.w1, e, w.w13_bytes, w.w13_scales), lo, hi, a.data(), n);
+  gemm(zs, split, rows, w.expert(w.w3, e, w.w13_bytes, w.w13_scales), lo, hi, u.data(), n);
   for (int64_t r = 0; r < rows; ++r) {
     const float *ar = a.data() + r * n, *ur = u.data() + r * n;
     float* hr = w.h + (first + r) * w.I + lo;
@@ -337,16 +355,20 @@ void gate_up(void* user, size_t t) {  // expert e's GLU outputs for features [lo
   }
 }
 
-void round_h(void* user, size_t i) {
+void finish_h(void* user, size_t i) {  // GLU output row i as the down GEMM reads it: MXFP8-rounded, split
   const Work& w = *static_cast<const Work*>(user);
-  mxfp8_round(w.h + int64_t(i) * w.I, w.I);
+  float* row = w.h + int64_t(i) * w.I;
+  if (w.mxfp8) mxfp8_round(row, w.I);
+  if (SPLIT_ROWS && w.fused[i]) split_row(row, w.I, w.h_split + int64_t(i) * w.I);
 }
 
 void down(void* user, size_t t) {  // expert e's output features [lo, lo + CHUNK) of its rows
   const Work& w = *static_cast<const Work*>(user);
   const int64_t e = w.task_expert[t], lo = w.task_lo[t], hi = std::min(w.L, lo + CHUNK);
   const int64_t first = w.routed->start[e], rows = w.routed->start[e + 1] - first;
-  gemm(w.h + first * w.I, rows, w.expert(w.w2, e, w.w2_bytes, w.w2_scales), lo, hi, w.y + first * w.L + lo, w.L);
+  const float* split = w.h_split ? w.h_split + first * w.I : nullptr;
+  gemm(w.h + first * w.I, split, rows, w.expert(w.w2, e, w.w2_bytes, w.w2_scales), lo, hi, w.y + first * w.L + lo,
+       w.L);
 }
 
 void combine(void* user, size_t block) {  // u[n] = sum over slots j of pair_w · its expert's output row
@@ -491,14 +513,32 @@ struct MoEMXFP4Kernel {
                                 offset, E);
     const int64_t M = routed.start[E];
     std::vector<float> zs(M * L), h(M * I), y(M * L);
+    std::vector<uint8_t> fused(M, 0);
+    bool any_fused = false;
+    for (int64_t e = 0; e < E; ++e)
+      if (routed.start[e + 1] - routed.start[e] <= FUSED_ROWS) {
+        std::fill(fused.begin() + routed.start[e], fused.begin() + routed.start[e + 1], 1);
+        any_fused = any_fused || routed.start[e + 1] > routed.start[e];
+      }
+    const bool split = SPLIT_ROWS && any_fused;  // uninitialised: only the fused experts' rows are written and read
+    std::unique_ptr<float[]> zs_split(split ? new float[M * L] : nullptr);
+    std::unique_ptr<float[]> h_split(split ? new float[M * I] : nullptr);
     auto packed = [&](size_t i, size_t scale, int64_t K) {
       return Packed{in[i].GetTensorData<uint8_t>(), in[scale].GetTensorData<uint8_t>(), K};
     };
     Work w{in[1].GetTensorData<float>(), &routed, packed(4, 7, L), packed(5, 8, L), packed(6, 9, I),
            I * L / 2, I * L / BLOCK, L * I / 2, L * I / BLOCK, L, I, situ, mxfp8, b1, b2,
-           zs.data(), h.data(), y.data(), {}, {}, routed.w.data(), u, N, top_k};
+           zs.data(), h.data(), y.data(), zs_split.get(), h_split.get(), fused.data(), {}, {}, routed.w.data(), u, N,
+           top_k};
+    auto rows = [&](void (*fn)(void*, size_t)) {  // fn over the M rows: a few inline, where a dispatch costs more
+      if (M <= INLINE_ROWS) {
+        for (int64_t i = 0; i < M; ++i) fn(&w, size_t(i));
+      } else {
+        ctx.ParallelFor(fn, size_t(M), 0, &w);
+      }
+    };
     if (M > 0) {
-      ctx.ParallelFor(gather_rows, size_t(M), 0, &w);
+      rows(gather_rows);
       for (int step = 0; step < 2; ++step) {  // gate and up over I, then down over L: tasks of hit experts only
         w.task_expert.clear();
         w.task_lo.clear();
@@ -508,7 +548,7 @@ struct MoEMXFP4Kernel {
             w.task_lo.push_back(lo);
           }
         ctx.ParallelFor(step ? down : gate_up, w.task_expert.size(), 0, &w);
-        if (step == 0 && mxfp8) ctx.ParallelFor(round_h, size_t(M), 0, &w);
+        if (step == 0 && (mxfp8 || split)) rows(finish_h);
       }
     }
     ctx.ParallelFor(combine, size_t((N + TOKENS - 1) / TOKENS), 0, &w);

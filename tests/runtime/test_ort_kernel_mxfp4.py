@@ -25,6 +25,7 @@ def _reference(w: dict, x, z, k: int, activation: str, offset: int, E: int, acti
     (4, 4, 1, 2, 32, 32, "situ", 0, (118, 126)),  # one token, one block of each width
     (16, 16, 2, 1, 128, 64, "situ", 0, (118, 126)),  # at most two rows per expert: decoded in registers
     (16, 16, 37, 4, 96, 64, "situ", 0, (118, 126)),  # rows in fours and a tail, three blocks along L
+    (16, 16, 6, 4, 64, 64, "situ", 0, (118, 126)),  # 24 rows gathered over the threads, each expert's few fused
     (8, 8, 5, 8, 64, 32, "silu", 0, (118, 126)),  # top_k = E
     (6, 12, 20, 3, 64, 96, "situ", 6, (118, 126)),  # the second of two ranks: half the pairs elsewhere
     (4, 4, 9, 2, 64, 32, "situ", 0, (60, 200)),  # scales from 2^-67 to 2^73
