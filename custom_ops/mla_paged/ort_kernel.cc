@@ -14,7 +14,7 @@
 //   s_j = scale q_r . present_j (j not hidden),  o_r = sum_j softmax(s)_j present_j   (all L columns)
 // on the same loops: one task per (batch element, block of 8 rows, chunk of keys), keys up to the last one a row
 // of the block sees (a causal prefill's task skips the keys after its rows); a step of few row blocks (decode) is
-// split over chunks of >= 512 keys, their partial sums merged after (flash-decoding), so both threads stream
+// split over chunks of >= CHUNK keys, their partial sums merged after (flash-decoding), so both threads stream
 // half the cache. ONNX Runtime's MatMuls for the body pack the
 // whole cache for a decode step's 8 rows and ran on one thread each, with a copy of the cache's C columns
 // between them: what made a decode step grow with the context.
@@ -258,7 +258,8 @@ CpuOp<MLAPagedKernel> mla_paged_op;
 
 constexpr int64_t RB = 2 * QB;   // rows per LatentAttention task: a key block read once for 8 rows (a decode
                                  // step's heads), the second four from L2
-constexpr int64_t CHUNK = 512;   // fewest keys per task when a step's few rows are split over the keys
+constexpr int64_t CHUNK = 64;    // fewest keys per task when a step's few rows are split over the keys (512 left
+                                 // a k3-bench decode step at 128 positions on one thread: 70-73 -> 49-50 us)
 
 struct Latent {
   const float *q, *present;

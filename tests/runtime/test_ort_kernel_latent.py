@@ -42,9 +42,11 @@ def _inputs(B: int, H: int, T: int, S: int, L: int, mask: str, seed: int) -> dic
 
 @pytest.mark.parametrize("B,H,T,S,L,mask", [
     (1, 8, 1, 1, 24, "causal"),  # the first decode step: one key
-    (1, 8, 1, 300, 576, "causal"),  # a decode step of kimi-linear-mid's MLA (L = 512 + 64), one key chunk
-    (1, 8, 1, 1100, 26, "causal"),  # over two key chunks of >= 512, merged; L past a multiple of 8 and of 16
-    (2, 3, 1, 1700, 20, "causal"),  # 3 rows per batch element (one short row block), three chunks each
+    (1, 8, 1, 100, 24, "causal"),  # one key chunk (fewer than two of 64 keys)
+    (1, 8, 1, 129, 288, "causal"),  # k3-bench's decode at 128 positions: two chunks of 65 keys, merged
+    (1, 8, 1, 300, 576, "causal"),  # a decode step of kimi-linear-mid's MLA (L = 512 + 64), four key chunks
+    (1, 8, 1, 1100, 26, "causal"),  # over eight key chunks, merged; L past a multiple of 8 and of 16
+    (2, 3, 1, 1700, 20, "causal"),  # 3 rows per batch element (one short row block), eight chunks each
     (2, 3, 7, 12, 26, "causal"),  # a prefill chunk after a 5-key past: 21 rows, blocks across heads
     (1, 2, 5, 140, 16, "arbitrary"),  # rows that see no key of a whole key block (128), one that sees none
     (1, 2, 3, 1300, 8, "arbitrary"),  # the same over key chunks: a chunk a row sees nothing of
