@@ -250,6 +250,36 @@ void add_groups(Ort::CustomOpDomain& domain) {
   add_arities<Group>(domain, std::make_index_sequence<MAX_GROUP - 1>());
 }
 
+// A projection family's kernels: Kernel<1> its k3 op (Family::names[1]), Kernel<P> for P = 2..MAX_GROUP its
+// k3x.fused group ops (names[P]). Inputs: x (fp32), then Family::per_part a part (part_input_type(j) the j-th's
+// type); one fp32 output a part. Compute runs Family::run(ctx, op, P), `op` the node's domain and name for errors.
+template <class Family>
+struct Projections {
+  template <size_t P>
+  struct Kernel {
+    static constexpr const char* name = Family::names[P];
+    static constexpr size_t inputs = 1 + Family::per_part * P, outputs = P;
+    static constexpr bool variadic_input = false, variadic_output = false;
+    static ONNXTensorElementDataType input_type(size_t i) {
+      return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : Family::part_input_type((i - 1) % Family::per_part);
+    }
+    static ONNXTensorElementDataType output_type(size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+
+    Kernel(const OrtApi&, const OrtKernelInfo*) {}
+
+    void Compute(OrtKernelContext* context) {
+      static const std::string op = std::string(P == 1 ? "k3::" : "k3x.fused::") + name;  // built once
+      Ort::KernelContext ctx(context);
+      Family::run(ctx, op, P);
+    }
+  };
+
+  static void add(Ort::CustomOpDomain& k3, Ort::CustomOpDomain& fused) {  // every arity, each in its domain
+    k3.Add(cpu_op<Kernel<1>>());
+    add_groups<Kernel>(fused);
+  }
+};
+
 // The tasks of several parts in one ParallelFor (a grouped call's projections, one pool dispatch for all): part
 // i's tasks are [first[i], first[i + 1]), each run as fn[i](&items[i], its index within the part).
 template <class Item>

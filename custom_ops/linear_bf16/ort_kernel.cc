@@ -310,32 +310,17 @@ void linear_bf16(Ort::KernelContext& ctx, const std::string& op, size_t parts) {
 // LinearBF16Group2 .. LinearBF16Group8): P LinearBF16s of one x (custom_ops/fused.py), each y_i as the
 // one-projection kernel gives it (the same tasks, the same sums), every projection's tasks in one dispatch to
 // the threads.
-constexpr const char* NAMES[MAX_GROUP + 1] = {"", "LinearBF16", "LinearBF16Group2", "LinearBF16Group3",
-                                              "LinearBF16Group4", "LinearBF16Group5", "LinearBF16Group6",
-                                              "LinearBF16Group7", "LinearBF16Group8"};
-
-template <size_t P>
-struct LinearBF16Kernel {
-  static constexpr const char* name = NAMES[P];
-  static constexpr size_t inputs = 1 + P, outputs = P;
-  static constexpr bool variadic_input = false, variadic_output = false;
-  static ONNXTensorElementDataType input_type(size_t i) {
-    return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
-  }
-  static ONNXTensorElementDataType output_type(size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
-
-  LinearBF16Kernel(const OrtApi&, const OrtKernelInfo*) {}
-
-  void Compute(OrtKernelContext* context) {
-    static const std::string op = std::string(P == 1 ? "k3::" : "k3x.fused::") + name;  // errors name it
-    Ort::KernelContext ctx(context);
-    linear_bf16(ctx, op, P);
-  }
+struct LinearBF16s {
+  static constexpr const char* names[MAX_GROUP + 1] = {"", "LinearBF16", "LinearBF16Group2", "LinearBF16Group3",
+                                                       "LinearBF16Group4", "LinearBF16Group5", "LinearBF16Group6",
+                                                       "LinearBF16Group7", "LinearBF16Group8"};
+  static constexpr size_t per_part = 1;  // weight_i
+  static ONNXTensorElementDataType part_input_type(size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16; }
+  static void run(Ort::KernelContext& ctx, const std::string& op, size_t parts) { linear_bf16(ctx, op, parts); }
 };
 
 }  // namespace
 
 void k3x_add_linear_bf16(Ort::CustomOpDomain& k3, Ort::CustomOpDomain& fused) {
-  k3.Add(cpu_op<LinearBF16Kernel<1>>());
-  add_groups<LinearBF16Kernel>(fused);
+  Projections<LinearBF16s>::add(k3, fused);
 }

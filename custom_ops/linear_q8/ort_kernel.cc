@@ -420,31 +420,19 @@ void linear_q8(Ort::KernelContext& ctx, const std::string& op, size_t parts) {
 // (op types LinearQ8Group2 .. LinearQ8Group8): P LinearQ8s of one x (custom_ops/fused.py), each y_i as the
 // one-projection kernel gives it (the same tasks, the same sums), x quantised once and every projection's tasks
 // in one dispatch to the threads.
-constexpr const char* NAMES[MAX_GROUP + 1] = {"", "LinearQ8", "LinearQ8Group2", "LinearQ8Group3", "LinearQ8Group4",
-                                              "LinearQ8Group5", "LinearQ8Group6", "LinearQ8Group7", "LinearQ8Group8"};
-
-template <size_t P>
-struct LinearQ8Kernel {
-  static constexpr const char* name = NAMES[P];
-  static constexpr size_t inputs = 1 + 2 * P, outputs = P;
-  static constexpr bool variadic_input = false, variadic_output = false;
-  static ONNXTensorElementDataType input_type(size_t i) {
-    return i % 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+struct LinearQ8s {
+  static constexpr const char* names[MAX_GROUP + 1] = {"", "LinearQ8", "LinearQ8Group2", "LinearQ8Group3",
+                                                       "LinearQ8Group4", "LinearQ8Group5", "LinearQ8Group6",
+                                                       "LinearQ8Group7", "LinearQ8Group8"};
+  static constexpr size_t per_part = 2;  // weight_i, scales_i
+  static ONNXTensorElementDataType part_input_type(size_t j) {
+    return j == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
-  static ONNXTensorElementDataType output_type(size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
-
-  LinearQ8Kernel(const OrtApi&, const OrtKernelInfo*) {}
-
-  void Compute(OrtKernelContext* context) {
-    static const std::string op = std::string(P == 1 ? "k3::" : "k3x.fused::") + name;  // errors name it
-    Ort::KernelContext ctx(context);
-    linear_q8(ctx, op, P);
-  }
+  static void run(Ort::KernelContext& ctx, const std::string& op, size_t parts) { linear_q8(ctx, op, parts); }
 };
 
 }  // namespace
 
 void k3x_add_linear_q8(Ort::CustomOpDomain& k3, Ort::CustomOpDomain& fused) {
-  k3.Add(cpu_op<LinearQ8Kernel<1>>());
-  add_groups<LinearQ8Kernel>(fused);
+  Projections<LinearQ8s>::add(k3, fused);
 }
