@@ -52,6 +52,13 @@ online softmax (no [B, H, T, S] scores in memory; a causal prefill skips the key
 a decode step's keys in chunks, over ONNX Runtime's intra-op threads. Calls are made by
 exporter/onnx_rewrites.py `fuse_latent_attention`.
 
+`LatentAttentionAppend(q, past, latent, hidden, scale) -> (o, present)`: the same over the growing cache, present
+= Concat(past [B, P, L], latent [B, S - P, L]) on axis 1, which it also writes. Its body is that Concat and
+LatentAttention's chain. Its kernel (the same file) copies each key chunk's rows into present right before it
+attends them, in the task that reads them (a decode step), so the cache is read from memory once and by every
+thread, where ONNX Runtime's Concat copied it on one thread and the attention read the copy again. Calls are made
+by `fuse_latent_attention` where the cache is such a Concat.
+
 `LinearQ8Group<P>(x, weight_0, scales_0, .., weight_{P-1}, scales_{P-1}) -> y_0 .. y_{P-1}` (attributes K,
 block_size, N_0 .. N_{P-1}) and `LinearBF16Group<P>(x, weight_0, .., weight_{P-1}) -> y_0 .. y_{P-1}`, P = 2 to 8
 (op types LinearQ8Group2 .. LinearQ8Group8, LinearBF16Group2 ..): the CPU trunk's projections of one activation
@@ -82,6 +89,7 @@ SITU_GLU = "SiTUGLU"
 SITU_GLU_EXPERTS = "SiTUGLUExperts"
 DEPTHWISE_CONV = "DepthwiseConv1d"
 LATENT_ATTENTION = "LatentAttention"
+LATENT_ATTENTION_APPEND = "LatentAttentionAppend"
 KDA_SHORT_CONV = "KDAShortConv"
 LINEAR_GROUPS = {"LinearQ8": "LinearQ8Group", "LinearBF16": "LinearBF16Group"}  # k3 op -> its groups' op type stem
 LINEAR_GROUP_ARITIES = range(2, 9)  # projections a call (the kernels' MAX_GROUP, custom_ops/ort_kernel.h)
@@ -124,19 +132,34 @@ def depthwise_conv_function(opset_version: int) -> onnx.FunctionProto:
                                 doc_string="depthwise 1-D convolution (k3x)")
 
 
-def latent_attention_function(opset_version: int) -> onnx.FunctionProto:
-    """The LatentAttention body: the traced chain; T from `hidden`'s rows, so it needs no attribute."""
-    b = Body(LATENT_ATTENTION)
-    scores = b.op("MatMul", "q", b.op("Transpose", "present", perm=[0, 2, 1]))  # [B, H*T, S]
+def _attend_latent(b: Body, present: str) -> None:
+    """The traced attention over the latent `present` as ops in `b`, writing the function's output o."""
+    scores = b.op("MatMul", "q", b.op("Transpose", present, perm=[0, 2, 1]))  # [B, H*T, S]
     per_head = b.op("Concat", b.op("Shape", scores, end=1), b.ints(-1), b.op("Shape", "hidden", end=1),
                     b.op("Shape", scores, start=2), axis=0)  # [B, H, T, S]
     scaled = b.op("Mul", b.op("Reshape", scores, per_head), "scale")
     masked = b.op("Where", "hidden", b.op("Constant", value_float=float("-inf")), scaled)
     probs = b.op("Reshape", b.op("Softmax", masked, axis=-1), b.op("Shape", scores))
-    b.out("MatMul", [probs, "present"], ["o"])
+    b.out("MatMul", [probs, present], ["o"])
+
+
+def latent_attention_function(opset_version: int) -> onnx.FunctionProto:
+    """The LatentAttention body: the traced chain; T from `hidden`'s rows, so it needs no attribute."""
+    b = Body(LATENT_ATTENTION)
+    _attend_latent(b, "present")
     return helper.make_function(FUSED_DOMAIN, LATENT_ATTENTION, ["q", "present", "hidden", "scale"], ["o"], b.nodes,
                                 [helper.make_opsetid("", opset_version)],
                                 doc_string="attention over the MLA latent (k3x)")
+
+
+def latent_attention_append_function(opset_version: int) -> onnx.FunctionProto:
+    """The LatentAttentionAppend body: the traced Concat of the cache, then LatentAttention's chain over it."""
+    b = Body(LATENT_ATTENTION_APPEND)
+    b.out("Concat", ["past", "latent"], ["present"], axis=1)
+    _attend_latent(b, "present")
+    return helper.make_function(FUSED_DOMAIN, LATENT_ATTENTION_APPEND, ["q", "past", "latent", "hidden", "scale"],
+                                ["o", "present"], b.nodes, [helper.make_opsetid("", opset_version)],
+                                doc_string="the MLA latent cache's new rows appended, attention over it (k3x)")
 
 
 def kda_short_conv_function(opset_version: int, channels: int) -> onnx.FunctionProto:
@@ -193,5 +216,6 @@ FUNCTIONS = {SITU_GLU: lambda opset_version, _: situ_glu_function(opset_version)
              SITU_GLU_EXPERTS: lambda opset_version, ports: situ_glu_experts_function(opset_version, ports[1]),
              DEPTHWISE_CONV: lambda opset_version, _: depthwise_conv_function(opset_version),
              LATENT_ATTENTION: lambda opset_version, _: latent_attention_function(opset_version),
+             LATENT_ATTENTION_APPEND: lambda opset_version, _: latent_attention_append_function(opset_version),
              MOE_DISPATCH: lambda opset_version, ports: dispatch_function(opset_version, ports[1] - 2),
              MOE_COMBINE: lambda opset_version, ports: combine_function(opset_version, ports[0] - 2)}

@@ -21,7 +21,10 @@ standard ops in a form ONNX Runtime's graph optimizer fuses; TensorRT gets the s
   Reshape -> MatMul(., present), fp32) becomes one call of `k3x.fused::LatentAttention(q, present, hidden,
   scale)` whose body is those ops (custom_ops/fused.py): every runtime inlines it to the same math, and ONNX
   Runtime runs it on one CPU kernel when the library is built (one pass over the cache per eight query rows,
-  no [B, H, T, S] scores in memory).
+  no [B, H, T, S] scores in memory). Where the cache is the growing one, present = Concat(past, latent) on axis
+  1, the Concat joins the call: `k3x.fused::LatentAttentionAppend(q, past, latent, hidden, scale) -> (o,
+  present)`, whose kernel writes present as it reads it (the Concat was one thread's copy of the whole cache a
+  layer, which the attention then read again).
 - `fuse_depthwise_conv` (the ort flavor's pass only, exporter/onnx_flavors.py; the trt pass undoes it with
   `unfuse_depthwise_conv`, so TensorRT keeps its own Conv and a rank's passes find the nodes as converted): a
   Conv with group = its channels, weight [C, 1, W], bias [C], no padding, stride and dilation 1 (KDA's short
@@ -40,8 +43,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from ..custom_ops.fused import (DEPTHWISE_CONV, FUSED_DOMAIN, LATENT_ATTENTION, SITU_GLU, depthwise_conv_function,
-                                latent_attention_function, situ_glu_function)
+from ..custom_ops.fused import (DEPTHWISE_CONV, FUNCTIONS, FUSED_DOMAIN, LATENT_ATTENTION, LATENT_ATTENTION_APPEND,
+                                SITU_GLU, depthwise_conv_function, situ_glu_function)
 
 
 def is_op(node: ir.Node | None, op_type: str) -> bool:
@@ -231,22 +234,55 @@ def _latent_attention(out: ir.Node, graph: ir.Graph) -> tuple[list[ir.Value], li
     return None
 
 
+def _appended(present: ir.Value, out: ir.Node, chain: list[ir.Node], graph: ir.Graph) -> ir.Node | None:
+    """The top-level Concat(past, latent) on axis 1 (fp32, rank 3) that makes `present`, when every use of it
+    outside the attention's `chain` comes after `out` (so one call in out's place can write it)."""
+    cat = present.producer()
+    if not is_op(cat, "Concat") or cat.graph is not graph or len(cat.inputs) != 2 or \
+            attr_of(cat, "axis", 0) not in (1, -2) or \
+            any(v.dtype != ir.DataType.FLOAT or v.shape is None or len(v.shape) != 3 for v in cat.inputs):
+        return None
+    order = {id(n): i for i, n in enumerate(graph)}
+    if any(order[id(user)] < order[id(out)] for user, _ in present.uses() if user not in chain):
+        return None
+    return cat
+
+
 def fuse_latent_attention(model: ir.Model) -> int:
     """Rewrite every top-level traced attention over the MLA latent (`_latent_attention`) into
-    `k3x.fused::LatentAttention(q, present, hidden, scale)` and attach that function (and the domain's import)
-    when any was rewritten; returns how many."""
-    graph, done = model.graph, 0
+    `k3x.fused::LatentAttention(q, present, hidden, scale)`, or where the cache is Concat(past, latent)
+    (`_appended`: the growing cache) into `k3x.fused::LatentAttentionAppend(q, past, latent, hidden, scale) ->
+    (o, present)` in place of the Concat too, and attach the functions used (and the domain's import); returns
+    how many."""
+    graph, done, used = model.graph, 0, set()
     for out in [n for n in graph if is_op(n, "MatMul")]:
         found = _latent_attention(out, graph) if out.graph is graph else None
         if found is None:
             continue
-        inputs, chain = found
-        call = ir.node(LATENT_ATTENTION, inputs, domain=FUSED_DOMAIN, name=f"{out.name}/latent_attention")
-        _swap(graph, out, call)
-        graph.remove(chain[1:], safe=True)
+        (q, present, hidden, scale), chain = found
+        cat = _appended(present, out, chain, graph)
+        if cat is None:
+            call = ir.node(LATENT_ATTENTION, [q, present, hidden, scale], domain=FUSED_DOMAIN,
+                           name=f"{out.name}/latent_attention")
+            _swap(graph, out, call)
+            graph.remove(chain[1:], safe=True)
+            used.add(LATENT_ATTENTION)
+        else:
+            call = ir.node(LATENT_ATTENTION_APPEND, [q, *cat.inputs, hidden, scale], domain=FUSED_DOMAIN,
+                           num_outputs=2, name=f"{out.name}/latent_attention_append")
+            olds = [out.outputs[0], present]
+            for new, old in zip(call.outputs, olds):
+                new.dtype, new.shape = old.dtype, old.shape
+            graph.insert_before(out, call)
+            names = [v.name for v in olds]
+            ir.convenience.replace_all_uses_with(olds, list(call.outputs), replace_graph_outputs=True)
+            graph.remove([*chain, cat], safe=True)
+            for new, name in zip(call.outputs, names):
+                new.name = name
+            used.add(LATENT_ATTENTION_APPEND)
         done += 1
-    if done:
-        attach_function(model, latent_attention_function(model.opset_imports[""]))
+    for op_type in sorted(used):
+        attach_function(model, FUNCTIONS[op_type](model.opset_imports[""], None))
     return done
 
 

@@ -17,7 +17,9 @@
 // split over chunks of >= CHUNK keys, their partial sums merged after (flash-decoding), so both threads stream
 // half the cache. ONNX Runtime's MatMuls for the body pack the
 // whole cache for a decode step's 8 rows and ran on one thread each, with a copy of the cache's C columns
-// between them: what made a decode step grow with the context.
+// between them: what made a decode step grow with the context. And k3x.fused::LatentAttentionAppend: the same
+// over present = Concat(past, latent), which it writes, each task copying its key chunk's rows before reading
+// them (LatentKernel below).
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
 
@@ -267,7 +269,28 @@ struct Latent {
   float *o, *part;  // part: per task RB x (L + 2) floats (the rows' sums, maxima, totals) when chunks > 1
   int64_t M, S, L, T, blocks, chunks, chunk;  // row blocks of RB per batch element, key chunks per row block
   float scale;
+  // LatentAttentionAppend: present = Concat(past [B, P, L], latent [B, S - P, L]) written here (else null); by
+  // each task, its chunk's rows right before it reads them, where each batch element's keys have one row block
+  const float *past = nullptr, *latent = nullptr;
+  int64_t P = 0;
+  bool copy_in_task = false;
 };
+
+// present rows [k0, k0 + n) of batch element b from past and latent (the Concat's rows)
+void append_rows(const Latent& a, int64_t b, int64_t k0, int64_t n) {
+  const int64_t L = a.L, P = a.P, fresh = a.S - P;
+  float* out = const_cast<float*>(a.present) + (b * a.S + k0) * L;
+  const int64_t from_past = std::max<int64_t>(0, std::min(n, P - k0));
+  if (from_past > 0) std::copy_n(a.past + (b * P + k0) * L, from_past * L, out);
+  if (n > from_past) std::copy_n(a.latent + (b * fresh + k0 + from_past - P) * L, (n - from_past) * L,
+                                 out + from_past * L);
+}
+
+void append_block(void* user, size_t task) {  // one batch element's KB rows, when tasks do not copy their own
+  const Latent& a = *static_cast<const Latent*>(user);
+  const int64_t per_b = (a.S + KB - 1) / KB, b = int64_t(task) / per_b, k0 = int64_t(task) % per_b * KB;
+  append_rows(a, b, k0, std::min(KB, a.S - k0));
+}
 
 void attend_latent(void* user, size_t task) {
   const Latent& a = *static_cast<const Latent*>(user);
@@ -285,8 +308,11 @@ void attend_latent(void* user, size_t task) {
   }
   std::vector<const float*> k(KB);
   const float* rows_of_b = a.present + b * S * L;
-  for (int64_t k0 = c * a.chunk; k0 < std::min(keys, (c + 1) * a.chunk); k0 += KB) {
-    const int64_t width = std::min({KB, keys - k0, (c + 1) * a.chunk - k0});
+  const int64_t end = std::min(S, (c + 1) * a.chunk);  // this chunk's keys: [c chunk, end)
+  for (int64_t k0 = c * a.chunk; k0 < (a.copy_in_task ? end : std::min(keys, end)); k0 += KB) {
+    if (a.copy_in_task) append_rows(a, b, k0, std::min(KB, end - k0));  // then read from L2 below
+    const int64_t width = std::min({KB, keys - k0, end - k0});
+    if (width <= 0) continue;  // rows no query of the block sees: copied only
     for (int64_t j = 0; j < width; ++j) k[j] = rows_of_b + (k0 + j) * L;
     for (int64_t sub = 0; sub < rows; sub += QB) {
       const int64_t n = std::min(QB, rows - sub);
@@ -338,37 +364,58 @@ void merge_chunks(const Latent& a, int64_t B) {
   }
 }
 
-// LatentAttention(q [B, M, L] float, present [B, S, L] float, hidden [T, S] bool, scale [] float) -> o [B, M, L]
-struct LatentAttentionKernel {
-  static constexpr const char* name = "LatentAttention";
-  static constexpr size_t inputs = 4, outputs = 1;
+// LatentAttention(q [B, M, L] float, present [B, S, L] float, hidden [T, S] bool, scale [] float) -> o [B, M, L];
+// LatentAttentionAppend(q, past [B, P, L], latent [B, S - P, L], hidden, scale) -> (o, present [B, S, L]): the
+// same attention over present = Concat(past, latent) on axis 1, which it writes (ONNX Runtime's Concat of a
+// decode step's cache was one thread's copy, 120-140 us a k3-bench layer at 2,048 positions, and the attention
+// then read the copy again)
+template <bool Append>
+struct LatentKernel {
+  static constexpr const char* name = Append ? "LatentAttentionAppend" : "LatentAttention";
+  static constexpr size_t inputs = Append ? 5 : 4, outputs = Append ? 2 : 1;
   static constexpr bool variadic_input = false, variadic_output = false;
   static ONNXTensorElementDataType input_type(size_t i) {
-    return i == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    return i == inputs - 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
   static ONNXTensorElementDataType output_type(size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
-  LatentAttentionKernel(const OrtApi&, const OrtKernelInfo*) {}
+  LatentKernel(const OrtApi&, const OrtKernelInfo*) {}
 
   void Compute(OrtKernelContext* context) {
     Ort::KernelContext ctx(context);
-    auto q = ctx.GetInput(0), present = ctx.GetInput(1), hidden = ctx.GetInput(2), scale = ctx.GetInput(3);
-    const auto qs = shape_of(q), ps = shape_of(present), hs = shape_of(hidden);
-    const bool ok = qs.size() == 3 && ps.size() == 3 && hs.size() == 2 && ps[0] == qs[0] && ps[2] == qs[2] &&
+    auto q = ctx.GetInput(0), past = ctx.GetInput(1), hidden = ctx.GetInput(inputs - 2);
+    auto scale = ctx.GetInput(inputs - 1);
+    const auto qs = shape_of(q), hs = shape_of(hidden);
+    std::vector<int64_t> ps = shape_of(past), ls = Append ? shape_of(ctx.GetInput(2)) : ps;  // ps: present's
+    const bool joins = ps.size() == 3 && ls.size() == 3 && ls[0] == ps[0] && ls[2] == ps[2];
+    const int64_t P = Append && joins ? ps[1] : 0;
+    if (Append && joins) ps[1] += ls[1];
+    const bool ok = joins && qs.size() == 3 && hs.size() == 2 && ps[0] == qs[0] && ps[2] == qs[2] &&
                     hs[1] == ps[1] && hs[0] > 0 && qs[1] % hs[0] == 0 &&
                     scale.GetTensorTypeAndShapeInfo().GetElementCount() == 1;
     if (!ok)
-      throw Ort::Exception("k3x.fused::LatentAttention: q " + dims(qs) + ", present " + dims(ps) + ", hidden " +
-                               dims(hs) + " and scale " + dims(shape_of(scale)) +
-                               ": expected [B, H T, L], [B, S, L], [T, S] and one value",
+      throw Ort::Exception(std::string("k3x.fused::") + name + ": q " + dims(qs) +
+                               (Append ? ", past " + dims(shape_of(past)) + ", latent " + dims(ls)
+                                       : ", present " + dims(ps)) +
+                               ", hidden " + dims(hs) + " and scale " + dims(shape_of(scale)) + ": expected [B, H T, L]" +
+                               (Append ? ", [B, P, L], [B, S - P, L]" : ", [B, S, L]") + ", [T, S] and one value",
                            ORT_INVALID_ARGUMENT);
     const int64_t B = qs[0], M = qs[1], L = qs[2], S = ps[1], blocks = (M + RB - 1) / RB;
     // a step of few rows (decode: B blocks of 8) also split over the keys, so that every thread has work
     const int64_t chunks = B * blocks >= 4 ? 1 : std::max<int64_t>(1, std::min<int64_t>(8, S / CHUNK));
     const int64_t chunk = chunks == 1 ? S : (S + chunks - 1) / chunks;
     std::vector<float> part(chunks > 1 ? size_t(B * blocks * chunks * RB * (L + 2)) : 0);
-    Latent a{q.GetTensorData<float>(), present.GetTensorData<float>(), hidden.GetTensorData<bool>(),
-             ctx.GetOutput(0, qs).GetTensorMutableData<float>(), part.data(), M, S, L, hs[0], blocks, chunks,
-             chunk, scale.GetTensorData<float>()[0]};
+    float* o = ctx.GetOutput(0, qs).GetTensorMutableData<float>();
+    Latent a{q.GetTensorData<float>(), Append ? ctx.GetOutput(1, ps).GetTensorMutableData<float>()
+                                               : past.GetTensorData<float>(),
+             hidden.GetTensorData<bool>(), o, part.data(), M, S, L, hs[0], blocks, chunks, chunk,
+             scale.GetTensorData<float>()[0]};
+    if (Append) {
+      a.past = past.GetTensorData<float>();
+      a.latent = ctx.GetInput(2).GetTensorData<float>();
+      a.P = P;
+      a.copy_in_task = blocks == 1;  // else several row blocks read each key: copied first, once
+      if (!a.copy_in_task && B * S * L > 0) ctx.ParallelFor(append_block, size_t(B * ((S + KB - 1) / KB)), 0, &a);
+    }
     const size_t tasks = size_t(B * blocks * chunks);
     if (tasks == 0 || L == 0) return;
     ctx.ParallelFor(attend_latent, tasks, 0, &a);
@@ -376,11 +423,10 @@ struct LatentAttentionKernel {
   }
 };
 
-CpuOp<LatentAttentionKernel> latent_attention_op;
-
 }  // namespace
 
 void k3x_add_mla_paged(Ort::CustomOpDomain& k3, Ort::CustomOpDomain& fused) {
   k3.Add(&mla_paged_op);
-  fused.Add(&latent_attention_op);
+  fused.Add(cpu_op<LatentKernel<false>>());
+  fused.Add(cpu_op<LatentKernel<true>>());
 }

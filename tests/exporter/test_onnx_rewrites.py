@@ -246,13 +246,20 @@ def test_the_latent_attention_becomes_one_fused_call_with_the_same_outputs(stati
     plain = _exported_attention(module)
     model = ir.serde.deserialize_model(ir.serde.serialize_model(plain))
     assert [n.op_type for n in model.graph].count("Softmax") == 1
+    concats = [n.op_type for n in model.graph].count("Concat")
     assert fuse_latent_attention(model) == 1
     ops = [(n.domain, n.op_type) for n in model.graph]
-    assert ("k3x.fused", "LatentAttention") in ops and ("", "Softmax") not in ops and ("", "Where") not in ops
-    assert ("k3x.fused", "LatentAttention", "") in model.functions
-    call = next(n for n in model.graph if n.op_type == "LatentAttention")
-    assert call.inputs[1].producer().op_type == ("ScatterElements" if static else "Concat")  # the cache, in place
-    assert not any(n.op_type == "Slice" and n.inputs[0] is call.inputs[1] for n in model.graph)  # never copied
+    op_type = "LatentAttention" if static else "LatentAttentionAppend"
+    assert ("k3x.fused", op_type) in ops and ("", "Softmax") not in ops and ("", "Where") not in ops
+    assert [k for k in model.functions] == [("k3x.fused", op_type, "")]  # only the function called
+    call = next(n for n in model.graph if n.op_type == op_type)
+    if static:  # the cache, read in place
+        assert call.inputs[1].producer().op_type == "ScatterElements"
+        assert not any(n.op_type == "Slice" and n.inputs[0] is call.inputs[1] for n in model.graph)  # never copied
+    else:  # the growing cache's Concat(past, latent) joined the call, which writes present, the graph's output
+        assert call.inputs[1] is model.graph.inputs[1] and [n.op_type for n in model.graph].count("Concat") == \
+            concats - 1
+        assert call.outputs[1] is model.graph.outputs[1] and call.outputs[1].name == plain.graph.outputs[1].name
     sessions = [ort.InferenceSession(ir.serde.serialize_model(m).SerializeToString(),
                                      providers=["CPUExecutionProvider"]) for m in (model, plain)]
     for T, P in [(1, 4), (3, 4)] + [(1, 9), (5, 0)] * (not static):  # decode rows and prefill chunks
