@@ -132,17 +132,19 @@ def _cuda_device_present() -> bool:
     return cuda.cuInit(0) == 0 and cuda.cuDeviceGetCount(ctypes.byref(count)) == 0 and count.value > 0
 
 
-def output_shapes(dims: dict[str, list], feeds: Feeds) -> dict[str, tuple[int, ...]]:
-    """Concrete output shapes from the graph's dim names and the feeds' shapes (the batch interface's
-    batch / seq / past_seq / total_seq, or a serving step's tokens / seqs / logits_rows: exporter/serving.py)."""
+def known_dims(feeds: Feeds) -> dict[str, int]:
+    """The graph's dim names sized by the feeds (the batch interface's batch / seq / past_seq / total_seq, or a
+    serving step's tokens / seqs / logits_rows: exporter/serving.py)."""
     if "cu_seqlens" in feeds:
-        known = {"tokens": feeds["input_ids"].shape[0], "seqs": feeds["past_lens"].shape[0],
-                 "logits_rows": feeds["logits_index"].shape[0]}
-    else:
-        known = {"batch": feeds["input_ids"].shape[0], "seq": feeds["input_ids"].shape[1]}
-        past = [t.shape[1] for n, t in feeds.items() if n.startswith("past_key_values.")]
-        known["past_seq"] = past[0] if past else 0
-        known["total_seq"] = known["past_seq"] + known["seq"]
+        return {"tokens": feeds["input_ids"].shape[0], "seqs": feeds["past_lens"].shape[0],
+                "logits_rows": feeds["logits_index"].shape[0]}
+    known = {"batch": feeds["input_ids"].shape[0], "seq": feeds["input_ids"].shape[1]}
+    past = next((t.shape[1] for n, t in feeds.items() if n.startswith("past_key_values.")), 0)
+    return known | {"past_seq": past, "total_seq": past + known["seq"]}
+
+
+def output_shapes(dims: dict[str, list], known: dict[str, int]) -> dict[str, tuple[int, ...]]:
+    """Concrete output shapes from the graph's dim names and their sizes (`known_dims`)."""
     out = {}
     for name, shape in dims.items():
         bad = [d for d in shape if not isinstance(d, int) and d not in known]
@@ -178,11 +180,15 @@ class OrtRunner:
             if v.type not in _ORT_TYPES:
                 raise RunnerError(f"{self.path}: tensor {v.name!r} has type {v.type}, which this runner does not bind")
         self.dims = {n: list(o.shape) for n, o in self.outputs.items()}
+        # name -> (ONNX element type, torch dtype, shape), read once: each NodeArg property read is a call into
+        # ONNX Runtime's binding (an int8 k3-bench decode step's 44 ports: ~0.1 ms a call)
+        self._ports = {n: (*_ORT_TYPES[v.type], list(v.shape))
+                       for n, v in [*self.inputs.items(), *self.outputs.items()]}
+        self._shapes: dict[tuple, dict[str, tuple[int, ...]]] = {}  # known_dims' sizes -> output_shapes
 
     def _bind(self, binding, name: str, t: Tensor, output: bool = False) -> None:
         device = "cuda" if t.is_cuda else "cpu"
-        elem_type = _ORT_TYPES[(self.outputs if output else self.inputs)[name].type][0]
-        args = (name, device, t.device.index or 0, elem_type, list(t.shape), t.data_ptr())
+        args = (name, device, t.device.index or 0, self._ports[name][0], list(t.shape), t.data_ptr())
         (binding.bind_output if output else binding.bind_input)(*args)
 
     def check_feeds(self, feeds: Feeds) -> None:
@@ -194,8 +200,7 @@ class OrtRunner:
             raise RunnerError(f"{self.path}: feeds do not match the model inputs: missing {few(missing)}, "
                               f"unexpected {few(extra)}")
         for name, t in feeds.items():
-            want = _ORT_TYPES[self.inputs[name].type][1]
-            shape = self.inputs[name].shape
+            _, want, shape = self._ports[name]
             if t.dtype != want or t.dim() != len(shape) or any(
                     isinstance(d, int) and d != s for d, s in zip(shape, t.shape)):
                 raise RunnerError(f"{self.path}: input {name!r} wants {want} {shape}, got {t.dtype} {list(t.shape)}")
@@ -209,8 +214,14 @@ class OrtRunner:
         for name, t in live.items():
             self._bind(binding, name, t)
         outs = {}
-        for n, s in output_shapes(self.dims, feeds).items():
-            dtype, given = _ORT_TYPES[self.outputs[n].type][1], (out or {}).get(n)
+        known = known_dims(feeds)
+        key = tuple(known.values())
+        if key not in self._shapes:  # a decode loop's steps differ in past_seq only: one entry a step's length
+            if len(self._shapes) >= 64:
+                self._shapes.clear()
+            self._shapes[key] = output_shapes(self.dims, known)
+        for n, s in self._shapes[key].items():
+            dtype, given = self._ports[n][1], (out or {}).get(n)
             fits = given is not None and tuple(given.shape) == s and given.dtype == dtype and \
                 given.device == self.device and given.is_contiguous()
             outs[n] = given if fits else torch.empty(s, dtype=dtype, device=self.device)

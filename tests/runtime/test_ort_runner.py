@@ -14,7 +14,7 @@ from k3x.cli import app
 from k3x.model import K3Config, empty_state, preset, state_specs
 from k3x.model.state_contract import state_contract
 from k3x.runtime import generate as eager
-from k3x.runtime.ort_runner import OrtRunner, import_onnxruntime, output_shapes
+from k3x.runtime.ort_runner import OrtRunner, import_onnxruntime, known_dims, output_shapes
 from k3x.runtime.runners import RunnerError, RunnerOptions, generate, make_runner, next_feeds
 from k3x.text.sampling import SamplingOptions
 from onnx_mini_folder import mini_export
@@ -41,10 +41,13 @@ def test_cuda_provider_without_cuda_fails_clearly():
 
 def test_output_shapes_from_dim_names():
     feeds = {"input_ids": torch.zeros(2, 5, dtype=torch.long), "past_key_values.2.latent": torch.zeros(2, 7, 32)}
-    shapes = output_shapes({"logits": ["batch", "seq", 512], "present.2.latent": ["batch", "total_seq", 32]}, feeds)
+    known = known_dims(feeds)
+    assert known == {"batch": 2, "seq": 5, "past_seq": 7, "total_seq": 12}
+    shapes = output_shapes({"logits": ["batch", "seq", 512], "present.2.latent": ["batch", "total_seq", 32]}, known)
     assert shapes == {"logits": (2, 5, 512), "present.2.latent": (2, 12, 32)}
     with pytest.raises(RunnerError, match="unk"):
-        output_shapes({"x": ["unk"]}, feeds)
+        output_shapes({"x": ["unk"]}, known)
+    assert known_dims({"input_ids": torch.zeros(1, 3, dtype=torch.long)})["past_seq"] == 0  # no cache fed
 
 
 def test_io_binding_decode_matches_eager_step_by_step():
