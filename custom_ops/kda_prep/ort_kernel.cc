@@ -270,6 +270,8 @@ struct ShortConv {
 };
 
 constexpr int64_t SHORT_CONV_ROWS = 8;  // rows per task
+constexpr int64_t SPLIT_HEADS = 4;      // heads a task where a call's rows are one row each (decode) and few: a
+                                        // k3-bench decode call was one task on one thread (23 us)
 
 // channel c of batch element s at window position pos (0 .. M-1+T) is x[c * stride]: the past state (pos < M), or
 // x's row pos - M
@@ -279,72 +281,104 @@ Tap window(const ShortConv& p, int64_t s, int64_t pos) {
   return {p.x + (s * p.T + pos - M) * p.C, 1};
 }
 
-// y [C] = the conv of row `row` plus its bias; prod [W, C] scratch. Products rounded before each add, as MLAS's.
-__attribute__((optimize("fp-contract=off"))) void short_conv_sums(const ShortConv& p, int64_t row, float* y,
-                                                                   float* prod) {
+// y [n] = the conv of row `row`'s channels [c0, c0 + n) plus their bias; prod [W, n] scratch. Products rounded
+// before each add, as MLAS's; each channel's sum is its own, so any channel range gives the same values.
+__attribute__((optimize("fp-contract=off"))) void short_conv_sums(const ShortConv& p, int64_t row, int64_t c0,
+                                                                   int64_t n, float* y, float* prod) {
   const int64_t C = p.C, W = p.W, s = row / p.T, t = row % p.T;
   const bool pairs = p.T == 1 && W <= 16;  // one output a channel: summed in pairs (DepthwiseConv1d's rule)
-  if (!pairs) std::fill(y, y + C, 0.f);
+  if (!pairs) std::fill(y, y + n, 0.f);
   for (int64_t i = 0; i < W; ++i) {
-    const float* w = p.wt + i * C;
-    const Tap in = window(p, s, t + i);
-    float* out = pairs ? prod + i * C : y;
-    if (in.stride == 1 && pairs) {  // each case its own loop, so the contiguous ones vectorise
+    const float* w = p.wt + i * C + c0;
+    const Tap tap = window(p, s, t + i);
+    const float* x = tap.x + c0 * tap.stride;
+    const int64_t stride = tap.stride;
+    float* out = pairs ? prod + i * n : y;
+    if (stride == 1 && pairs) {  // each case its own loop, so the contiguous ones vectorise
 #pragma omp simd
-      for (int64_t c = 0; c < C; ++c) out[c] = w[c] * in.x[c];
-    } else if (in.stride == 1) {
+      for (int64_t c = 0; c < n; ++c) out[c] = w[c] * x[c];
+    } else if (stride == 1) {
 #pragma omp simd
-      for (int64_t c = 0; c < C; ++c) out[c] += w[c] * in.x[c];
+      for (int64_t c = 0; c < n; ++c) out[c] += w[c] * x[c];
     } else if (pairs) {
-      for (int64_t c = 0; c < C; ++c) out[c] = w[c] * in.x[c * in.stride];
+      for (int64_t c = 0; c < n; ++c) out[c] = w[c] * x[c * stride];
     } else {
-      for (int64_t c = 0; c < C; ++c) out[c] += w[c] * in.x[c * in.stride];
+      for (int64_t c = 0; c < n; ++c) out[c] += w[c] * x[c * stride];
     }
   }
   if (pairs) {  // adjacent taps, then pairs of those, ..
-    for (int64_t n = W; n > 1; n = (n + 1) / 2)
-      for (int64_t i = 0; i < n; i += 2) {
-        float *dst = prod + (i / 2) * C, *a = prod + i * C, *b = prod + (i + 1) * C;
-        if (i + 1 == n) {  // an odd count's last, carried up
-          std::copy(a, a + C, dst);
+    for (int64_t m = W; m > 1; m = (m + 1) / 2)
+      for (int64_t i = 0; i < m; i += 2) {
+        float *dst = prod + (i / 2) * n, *a = prod + i * n, *b = prod + (i + 1) * n;
+        if (i + 1 == m) {  // an odd count's last, carried up
+          std::copy(a, a + n, dst);
           continue;
         }
 #pragma omp simd
-        for (int64_t c = 0; c < C; ++c) dst[c] = a[c] + b[c];
+        for (int64_t c = 0; c < n; ++c) dst[c] = a[c] + b[c];
       }
-    std::copy(prod, prod + C, y);
+    std::copy(prod, prod + n, y);
   }
+  const float* bias = p.b + c0;
 #pragma omp simd
-  for (int64_t c = 0; c < C; ++c) y[c] += p.b[c];
+  for (int64_t c = 0; c < n; ++c) y[c] += bias[c];
+}
+
+// row `row`'s channels [c0, c0 + n), whole heads (c0 and n multiples of D): the conv, SiLU, then q's and k's heads
+// L2-normalised and v's copied
+void short_conv_channels(const ShortConv& p, int64_t row, int64_t c0, int64_t n, float* y, float* prod) {
+  const int64_t H = p.H, D = p.D;
+  short_conv_sums(p, row, c0, n, y, prod);
+#pragma omp simd
+  for (int64_t c = 0; c < n; ++c) y[c] = y[c] * sigmoid(y[c]);
+  for (int64_t head = c0 / D; head < (c0 + n) / D; ++head) {  // head of q, k, v in turn: part = head / H
+    const int64_t part = head / H, h = head % H;
+    const float* z = y + head * D - c0;
+    float* out = (part == 0 ? p.q : part == 1 ? p.k : p.v) + (row * H + h) * D;
+    if (part == 2) {
+      std::copy(z, z + D, out);
+      continue;
+    }
+    float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t j = 0; j < D; ++j) squares += z[j] * z[j];
+    const float norm = std::sqrt(squares + p.eps);
+#pragma omp simd
+    for (int64_t j = 0; j < D; ++j) out[j] = z[j] / norm;
+  }
+}
+
+// batch element s's new state, channels [c0, c1): window positions T .. T+M-1
+void new_state(const ShortConv& p, int64_t s, int64_t c0, int64_t c1) {
+  const int64_t M = p.W - 1;
+  for (int64_t j = 0; j < M; ++j) {
+    const Tap in = window(p, s, p.T + j);
+    float* out = p.conv + s * p.C * M + j;
+    for (int64_t c = c0; c < c1; ++c) out[c * M] = in.x[c * in.stride];
+  }
 }
 
 void short_conv_rows(const ShortConv& p, int64_t lo, int64_t hi) {
-  const int64_t C = p.C, H = p.H, D = p.D;
-  std::vector<float> y(C), prod(p.T == 1 ? p.W * C : 0);
-  for (int64_t row = lo; row < hi; ++row) {
-    short_conv_sums(p, row, y.data(), prod.data());
-#pragma omp simd
-    for (int64_t c = 0; c < C; ++c) y[c] = y[c] * sigmoid(y[c]);
-    for (int64_t part = 0; part < 2; ++part) {  // q, then k: L2-normalised per head
-      float* out = (part == 0 ? p.q : p.k) + row * H * D;
-      for (int64_t h = 0; h < H; ++h) {
-        const float* z = y.data() + (part * H + h) * D;
-        float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-        for (int64_t j = 0; j < D; ++j) squares += z[j] * z[j];
-        const float norm = std::sqrt(squares + p.eps);
-#pragma omp simd
-        for (int64_t j = 0; j < D; ++j) out[h * D + j] = z[j] / norm;
-      }
-    }
-    std::copy(y.data() + 2 * H * D, y.data() + C, p.v + row * H * D);
-  }
+  std::vector<float> y(p.C), prod(p.T == 1 ? p.W * p.C : 0);
+  for (int64_t row = lo; row < hi; ++row) short_conv_channels(p, row, 0, p.C, y.data(), prod.data());
 }
 
 void short_conv_task(void* user, size_t task) {
   const ShortConv& p = *static_cast<const ShortConv*>(user);
   const int64_t lo = int64_t(task) * SHORT_CONV_ROWS;
   short_conv_rows(p, lo, std::min(p.rows, lo + SHORT_CONV_ROWS));
+}
+
+// T = 1: row (= batch element) task / parts, its part's SPLIT_HEADS heads of q, k or v, and their new state
+void short_conv_split_task(void* user, size_t task) {
+  const ShortConv& p = *static_cast<const ShortConv*>(user);
+  const int64_t per_part = (p.H + SPLIT_HEADS - 1) / SPLIT_HEADS, parts = 3 * per_part;
+  const int64_t row = int64_t(task) / parts, part = int64_t(task) % parts / per_part;
+  const int64_t h0 = int64_t(task) % per_part * SPLIT_HEADS, h1 = std::min(p.H, h0 + SPLIT_HEADS);
+  const int64_t c0 = (part * p.H + h0) * p.D, n = (h1 - h0) * p.D;
+  std::vector<float> y(n), prod(p.W * n);
+  short_conv_channels(p, row, c0, n, y.data(), prod.data());
+  new_state(p, row, c0, c0 + n);
 }
 
 struct ShortConvPorts {
@@ -401,14 +435,13 @@ struct KDAShortConvKernel : ShortConvPorts {
                 ctx.GetOutput(3, {B, C, M}).GetTensorMutableData<float>(), B * T, T, C, H, D, W,
                 eps.GetTensorData<float>()[0]};
     const int64_t tasks = (p.rows + SHORT_CONV_ROWS - 1) / SHORT_CONV_ROWS;
+    if (T == 1 && tasks == 1) {  // a few one-row sequences (decode): each row over tasks of heads, with its state
+      ctx.ParallelFor(short_conv_split_task, size_t(p.rows * 3 * ((H + SPLIT_HEADS - 1) / SPLIT_HEADS)), 0, &p);
+      return;
+    }
     if (tasks == 1) short_conv_rows(p, 0, p.rows);
     else if (tasks > 1) ctx.ParallelFor(short_conv_task, size_t(tasks), 0, &p);
-    for (int64_t s = 0; s < B; ++s)  // the new state: window positions T .. T+M-1
-      for (int64_t j = 0; j < M; ++j) {
-        const Tap in = window(p, s, T + j);
-        float* out = p.conv + s * C * M + j;
-        for (int64_t c = 0; c < C; ++c) out[c * M] = in.x[c * in.stride];
-      }
+    for (int64_t s = 0; s < B; ++s) new_state(p, s, 0, C);
   }
 };
 

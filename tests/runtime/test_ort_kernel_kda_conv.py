@@ -1,6 +1,7 @@
 """The k3x.fused::KDAShortConv ONNX Runtime CPU kernel (custom_ops/kda_prep/ort_kernel.cc) against its function body
 (custom_ops/fused.py, ONNX Runtime's own ops: what every runtime without the kernel runs). The kernel runs on a node
-with no function beside it (so only the kernel can run it). Decode rows (T = 1: the conv summed in pairs) and
+with no function beside it (so only the kernel can run it). Decode rows (T = 1: the conv summed in pairs, a row's
+heads over tasks, the last task's fewer) and
 prefill chunks (T = 2, 5, 130: more rows than a task, windows reaching into the past state or not), B > 1, conv
 widths 2..4, head dims off any vector width, no batch rows, large magnitudes (the norm's squares near fp32's top);
 the conv and the new state are bit-identical, q, k, v within fp32 rounding; shapes that do not fit, named in one
@@ -49,6 +50,7 @@ def _inputs(B: int, T: int, H: int, D: int, W: int, scale: float, seed: int) -> 
     (1, 130, 2, 24, 4, 1.0),  # more rows than a task, split over threads
     (2, 5, 1, 9, 2, 1.0),
     (2, 1, 3, 5, 3, 1.0),  # decode, an odd width: its last tap carried up a level
+    (2, 1, 6, 16, 4, 1.0),  # decode over tasks of heads: 4 and 2 of each of q, k, v (and their new state)
     (0, 3, 2, 16, 4, 1.0),  # no batch rows
     (2, 3, 2, 16, 4, 1e18),  # squares near fp32's largest, still finite
 ])
