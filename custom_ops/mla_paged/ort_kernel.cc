@@ -31,6 +31,10 @@
 #include <string>
 #include <vector>
 
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 constexpr int64_t QB = 4;    // query rows per task: each key row loaded once for QB dot products
@@ -65,10 +69,31 @@ inline Vec fmadd(Vec a, Vec b, Vec c) {
 #endif
 }
 
-float lanes(Vec v) {
+// v in a register: g++ folds a vector's load into every FMA that uses it, so score_keys loaded each key vector
+// once a row (or each query vector once a key), 20 loads for 16 products, more than the load ports take (the
+// LatentAttention decode step was load-bound, as `perf annotate` showed)
+inline void in_register(Vec& v) {
+#if defined(__AVX__)
+  asm("" : "+x"(v));
+#else
+  (void)v;
+#endif
+}
+
+// x in every lane: one broadcast (Vec{} + x adds the zero, a dependent add before every use: -0 + 0 is +0)
+inline Vec splat(float x) { return Vec{x, x, x, x, x, x, x, x}; }
+
+float lanes(Vec v) {  // the halves' sum, then the quarters', .. (a chain of eight scalar adds before)
+#if defined(__AVX__)
+  const __m256 x = reinterpret_cast<__m256>(v);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+#else
   float sum = 0.f;
   for (int i = 0; i < 8; ++i) sum += v[i];
   return sum;
+#endif
 }
 
 // s[r, j..j+NK) for QB rows and NK keys: QB x NK sums in registers, a step of 8 floats loading NK + QB vectors
@@ -79,9 +104,13 @@ void score_keys(const float* q, int64_t L, const float* const* k, float* s) {
   int64_t l = 0;
   for (; l + 8 <= L; l += 8) {
     Vec kv[NK];
-    for (int i = 0; i < NK; ++i) kv[i] = *reinterpret_cast<const Vec*>(k[i] + l);
+    for (int i = 0; i < NK; ++i) {
+      kv[i] = *reinterpret_cast<const Vec*>(k[i] + l);
+      in_register(kv[i]);
+    }
     for (int64_t r = 0; r < QB; ++r) {
-      const Vec x = *reinterpret_cast<const Vec*>(q + r * L + l);
+      Vec x = *reinterpret_cast<const Vec*>(q + r * L + l);
+      in_register(x);
       for (int i = 0; i < NK; ++i) a[r][i] = fmadd(x, kv[i], a[r][i]);
     }
   }
@@ -127,7 +156,7 @@ void mix(const float* p, int64_t rows, int64_t width, const float* const* k, int
       for (int64_t j = 0; j < width; ++j) {
         const Vec k0 = *reinterpret_cast<const Vec*>(k[j] + c0), k1 = *reinterpret_cast<const Vec*>(k[j] + c0 + 8);
         for (int64_t r = 0; r < QB; ++r) {
-          const Vec w = Vec{} + p[r * KB + j];
+          const Vec w = splat(p[r * KB + j]);
           a[r][0] = fmadd(w, k0, a[r][0]);
           a[r][1] = fmadd(w, k1, a[r][1]);
         }
