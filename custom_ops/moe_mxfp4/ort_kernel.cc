@@ -132,6 +132,7 @@ void gemm_fused(const float* split, const Packed& W, int64_t lo, int64_t hi, flo
       for (int r = 0; r < R; ++r) {
         xe[r] = _mm512_loadu_ps(split + r * K + b * 16);
         xo[r] = _mm512_loadu_ps(split + r * K + half + b * 16);
+        asm("" : "+v"(xe[r]), "+v"(xo[r]));  // in registers: g++ folded their loads into each feature's FMAs
       }
       for (int j = 0; j < OB; ++j) {
         // the next pass's feature: with the caches evicted (a decode step's experts come from memory) the
