@@ -54,9 +54,10 @@ exporter/onnx_rewrites.py `fuse_latent_attention`.
 
 `LatentAttentionAppend(q, past, latent, hidden, scale) -> (o, present)`: the same over the growing cache, present
 = Concat(past [B, P, L], latent [B, S - P, L]) on axis 1, which it also writes. Its body is that Concat and
-LatentAttention's chain. Its kernel (the same file) copies each key chunk's rows into present right before it
-attends them, in the task that reads them (a decode step), so the cache is read from memory once and by every
-thread, where ONNX Runtime's Concat copied it on one thread and the attention read the copy again. Calls are made
+LatentAttention's chain. Its kernel (the same file) copies each key chunk's rows into present in the task that
+attends them (a decode step), reading the keys from past and latent as it copies them and writing present with
+streaming stores, so the cache is read from memory once and by every thread, where ONNX Runtime's Concat copied
+it on one thread and the attention read the copy again. Calls are made
 by `fuse_latent_attention` where the cache is such a Concat.
 
 `LinearQ8Group<P>(x, weight_0, scales_0, .., weight_{P-1}, scales_{P-1}) -> y_0 .. y_{P-1}` (attributes K,
