@@ -65,8 +65,10 @@ def test_k3_mini_engine_builds_with_plugins(k3_mini_export):
     import onnx
 
     onnx_file = onnx.load(str(k3_mini_export / "model.trt.onnx"), load_external_data=False)
-    # the parser takes the layer functions and, nested in them, the SiTU-GLU calls (exporter/onnx_rewrites.py)
+    # the parser takes the layer functions and, nested in them, the k3x.fused calls (exporter/onnx_rewrites.py):
+    # SiTU-GLU, KDA's short conv and the MLA attention over the growing latent cache, which writes the cache
     assert {f.domain for f in onnx_file.functions} == {"k3x.layers", "k3x.fused"}
+    assert {"SiTUGLU", "KDAShortConv", "LatentAttentionAppend"} <= {f.name for f in onnx_file.functions}
     r = _build(k3_mini_export, "--max", "batch=4", "--max", "seq=64", "--opt", "seq=16", "--max", "past_seq=64",
                "--opt", "past_seq=16")
     assert r.returncode == 0, r.stdout + r.stderr
