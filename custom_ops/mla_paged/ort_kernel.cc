@@ -59,8 +59,9 @@ const float* key(const Attention& a, int64_t b, int64_t j) {
 
 typedef float Vec __attribute__((vector_size(32), aligned(4)));  // 8 floats, unaligned loads and stores
 
-// a * b + c, one rounding where the target has FMA (-march decides; ISO C++ contracts no a * b + c itself):
-// the loops below are a multiply and an add per element, twice as many instructions without it
+// a * b + c, one rounding where the target has FMA (-march decides), written out rather than left to the
+// compiler's contraction (g++'s default contracts a * b + c, scalar or vector; other compilers and flags need
+// not): the loops below are a multiply and an add per element, twice as many instructions without it
 inline Vec fmadd(Vec a, Vec b, Vec c) {
 #ifdef __FMA__
   return __builtin_ia32_vfmaddps256(a, b, c);
