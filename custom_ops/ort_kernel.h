@@ -17,6 +17,20 @@
 
 namespace {
 
+// v held in a register where it is used: g++ folds a vector's load into every FMA that uses it (a load per
+// product), which left loops load-bound (moe_mxfp4's sweep: 22 GMAC/s a core against 40-45 this way; mla_paged's
+// scores: 20 loads for 16 products). Any vector type (ymm, and zmm under AVX-512); a no-op without AVX.
+template <class V>
+inline void in_register(V& v) {
+#if defined(__AVX512F__)
+  asm("" : "+v"(v));  // any of the 32 registers
+#elif defined(__AVX__)
+  asm("" : "+x"(v));
+#else
+  (void)v;
+#endif
+}
+
 // e^x and ln x within a few ulp (Cephes' expf and logf: a polynomial on a reduced range, scaled by a power of
 // two), branch-free so the kernels' `omp simd` loops vectorise them: std::exp and std::log1p are scalar calls
 // (in k3::KDAPrep they took 3/4 of the node's time). Their clamps and selects vectorise only under
@@ -146,7 +160,7 @@ inline Routed route(const float* logits, const float* bias, int64_t N, int64_t E
 }
 
 #if defined(__AVX__)
-// the sum of a vector's eight lanes (the MXFP4 and int8 kernels' AVX2 dot products)
+// the sum of a vector's eight lanes (the MXFP4 and int8 kernels' AVX2 dot products, mla_paged's scores)
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));

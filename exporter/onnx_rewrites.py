@@ -34,8 +34,8 @@ standard ops in a form ONNX Runtime's graph optimizer fuses; TensorRT gets the s
   fp32 KDA conv is by then inside a k3x.fused::KDAShortConv call (exporter/onnx_rewrites_kda.py, which runs
   after these at conversion); what this pass still finds is a conv that rewrite left (e.g. a bf16 graph's).
 
-The matching helpers (`is_op`, `attr_of`, `scalar_of`, `single_use`, `is_depthwise_conv`, `attach_function`) are
-public for exporter/onnx_rewrites_kda.py.
+The matching helpers (`is_op`, `attr_of`, `scalar_of`, `single_use`, `is_depthwise_conv`, `attach_function`) and
+`take_outputs` (a call's outputs in place of the values it replaces) are public for exporter/onnx_rewrites_kda.py.
 """
 
 from __future__ import annotations
@@ -261,25 +261,16 @@ def fuse_latent_attention(model: ir.Model) -> int:
             continue
         (q, present, hidden, scale), chain = found
         cat = _appended(present, out, chain, graph)
-        if cat is None:
-            call = ir.node(LATENT_ATTENTION, [q, present, hidden, scale], domain=FUSED_DOMAIN,
-                           name=f"{out.name}/latent_attention")
-            _swap(graph, out, call)
-            graph.remove(chain[1:], safe=True)
-            used.add(LATENT_ATTENTION)
-        else:
-            call = ir.node(LATENT_ATTENTION_APPEND, [q, *cat.inputs, hidden, scale], domain=FUSED_DOMAIN,
-                           num_outputs=2, name=f"{out.name}/latent_attention_append")
-            olds = [out.outputs[0], present]
-            for new, old in zip(call.outputs, olds):
-                new.dtype, new.shape = old.dtype, old.shape
-            graph.insert_before(out, call)
-            names = [v.name for v in olds]
-            ir.convenience.replace_all_uses_with(olds, list(call.outputs), replace_graph_outputs=True)
-            graph.remove([*chain, cat], safe=True)
-            for new, name in zip(call.outputs, names):
-                new.name = name
-            used.add(LATENT_ATTENTION_APPEND)
+        if cat is None:  # attention over the cache in place
+            op_type, cache, olds, removed = LATENT_ATTENTION, [present], [out.outputs[0]], chain
+        else:  # the growing cache: the call writes present too, in the Concat's place
+            op_type, cache, olds, removed = LATENT_ATTENTION_APPEND, list(cat.inputs), [out.outputs[0], present], \
+                [*chain, cat]
+        call = ir.node(op_type, [q, *cache, hidden, scale], domain=FUSED_DOMAIN, num_outputs=len(olds),
+                       name=f"{out.name}/latent_attention" + ("_append" if cat is not None else ""))
+        graph.insert_before(out, call)
+        take_outputs(graph, call, olds, removed)
+        used.add(op_type)
         done += 1
     for op_type in sorted(used):
         attach_function(model, FUNCTIONS[op_type](model.opset_imports[""], None))
@@ -342,11 +333,20 @@ def unfuse_depthwise_conv(model: ir.Model) -> int:
     return done
 
 
+def take_outputs(graph: ir.Graph, call: ir.Node, olds: list[ir.Value], removed: list[ir.Node]) -> None:
+    """`call`'s outputs (already in `graph`) in place of the values `olds`, in order: their dtypes, shapes and
+    names (the graph's own, not fresh ones: the same in every rank's file), every use and graph output moved to
+    them; then the `removed` nodes (those that made `olds`) removed."""
+    names = [v.name for v in olds]
+    for new, old in zip(call.outputs, olds, strict=True):
+        new.dtype, new.shape = old.dtype, old.shape
+    ir.convenience.replace_all_uses_with(olds, list(call.outputs), replace_graph_outputs=True)
+    graph.remove(removed, safe=True)
+    for new, name in zip(call.outputs, names):
+        new.name = name
+
+
 def _swap(graph: ir.Graph, old: ir.Node, new: ir.Node) -> None:
-    """`new` (one output) in place of `old`: same output dtype, shape and name (the graph's own, not a fresh one:
-    the same in every rank's file), every use moved to it, `old` removed."""
-    new.outputs[0].dtype, new.outputs[0].shape = old.outputs[0].dtype, old.outputs[0].shape
+    """`new` (one output) in place of `old` (`take_outputs`)."""
     graph.insert_before(old, new)
-    ir.convenience.replace_all_uses_with(old.outputs[0], new.outputs[0])
-    graph.remove(old, safe=True)
-    new.outputs[0].name = old.outputs[0].name
+    take_outputs(graph, new, [old.outputs[0]], [old])

@@ -25,7 +25,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..custom_ops.fused import FUSED_DOMAIN, KDA_SHORT_CONV, kda_short_conv_function
-from .onnx_rewrites import attach_function, attr_of, is_depthwise_conv, is_op, scalar_of, single_use
+from .onnx_rewrites import attach_function, attr_of, is_depthwise_conv, is_op, scalar_of, single_use, take_outputs
 
 
 @dataclass
@@ -189,17 +189,11 @@ def fuse_kda_short_conv(model: ir.Model) -> int:
                       name=f"{conv.name}/kda_eps")
         call = ir.node(KDA_SHORT_CONV, [*found.inputs, heads.outputs[0], eps.outputs[0]], domain=FUSED_DOMAIN,
                        num_outputs=4, name=f"{conv.name}/kda_short_conv")
-        for new, old in zip(call.outputs, found.outputs):
-            new.dtype, new.shape = old.dtype, old.shape
         if after >= 0:
             graph.insert_after(list(graph)[after], [heads, eps, call])
         else:
             graph.insert_before(list(graph)[0], [heads, eps, call])
-        names = [v.name for v in found.outputs]
-        ir.convenience.replace_all_uses_with(found.outputs, list(call.outputs), replace_graph_outputs=True)
-        graph.remove(found.nodes, safe=True)
-        for new, name in zip(call.outputs, names):
-            new.name = name
+        take_outputs(graph, call, list(found.outputs), found.nodes)
         channels, done = found.inputs[2].shape[0], done + 1
     if done:
         attach_function(model, kda_short_conv_function(model.opset_imports[""], channels))

@@ -74,7 +74,7 @@ void one_row(const Packed& p, const float* s0, float* final_state, int64_t row, 
   error_row(p, row, j0, VB, acc, e);
 #ifdef __AVX512F__
   // final_state with streaming stores where its rows are 64-byte aligned: it is not read again in this call, so
-  // its lines are not read in first (a layer's state traffic 1.5 -> 1 MB at K = V = 128); the same operations
+  // its lines are not read in first (by count, a layer's state traffic 1.5 -> 1 MB at K = V = 128); the same operations
   if (V % 16 == 0 && reinterpret_cast<uintptr_t>(final_state) % 64 == 0) {
     __m512 ev[VB / 16], ov[VB / 16];
     for (int u = 0; u < VB / 16; ++u) {

@@ -95,18 +95,6 @@ inline Vec splat(float v) {  // (`Vec{} + v` adds a zero vector: -0 + 0 is +0, s
 
 inline float widen(uint16_t b) { return __builtin_bit_cast(float, uint32_t(b) << 16); }
 
-// v held in a register: g++ otherwise folds a vector's load into every FMA that uses it (moe_mxfp4's kernel
-// measured that load-bound)
-inline void in_register(Vec& v) {
-#if defined(__AVX512F__)
-  asm("" : "+v"(v));
-#elif defined(__AVX__)
-  asm("" : "+x"(v));
-#else
-  (void)v;
-#endif
-}
-
 // out[j] = the sum of v[j]'s lanes, j < 4: each vector folded to 8 lanes, then three horizontal adds and a fold
 // of their halves give the four sums at once (~3 instructions a sum, against ~30 summing one vector's lanes)
 inline void sums4(const Vec v[4], float out[4]) {

@@ -31,10 +31,6 @@
 #include <string>
 #include <vector>
 
-#if defined(__AVX__)
-#include <immintrin.h>
-#endif
-
 namespace {
 
 constexpr int64_t QB = 4;    // query rows per task: each key row loaded once for QB dot products
@@ -70,26 +66,12 @@ inline Vec fmadd(Vec a, Vec b, Vec c) {
 #endif
 }
 
-// v in a register: g++ folds a vector's load into every FMA that uses it, so score_keys loaded each key vector
-// once a row (or each query vector once a key), 20 loads for 16 products, more than the load ports take (the
-// LatentAttention decode step was load-bound, as `perf annotate` showed)
-inline void in_register(Vec& v) {
-#if defined(__AVX__)
-  asm("" : "+x"(v));
-#else
-  (void)v;
-#endif
-}
-
 // x in every lane: one broadcast (Vec{} + x adds the zero, a dependent add before every use: -0 + 0 is +0)
 inline Vec splat(float x) { return Vec{x, x, x, x, x, x, x, x}; }
 
-float lanes(Vec v) {  // the halves' sum, then the quarters', .. (a chain of eight scalar adds before)
+float lanes(Vec v) {  // ort_kernel.h's hsum: the halves' sum, then the quarters' (eight scalar adds in a chain before)
 #if defined(__AVX__)
-  const __m256 x = reinterpret_cast<__m256>(v);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  return hsum(reinterpret_cast<__m256>(v));
 #else
   float sum = 0.f;
   for (int i = 0; i < 8; ++i) sum += v[i];
@@ -305,7 +287,9 @@ struct Latent {
   const float *past = nullptr, *latent = nullptr;
   float* appended = nullptr;
   int64_t P = 0;
-  bool copy_in_task = false;
+
+  // each task copies its own keys: the append form where one row block reads each key (else copied first, once)
+  bool copy_in_task() const { return appended && blocks == 1; }
 };
 
 // key j of batch element b: present's row, or in the append form the row of past or latent that it copies
@@ -315,8 +299,8 @@ const float* key_row(const Latent& a, int64_t b, int64_t j) {
 }
 
 // dst[0..n) = src[0..n), with streaming stores where dst is 64-byte aligned under AVX-512: present is written and
-// not read again here, so its lines are not read in first (a cache's copy read 7 MB a k3-bench MLA layer at
-// 2,048 positions where it moves 4.8: the past read once, present written once)
+// not read again here, so its lines are not read in first (by count, a k3-bench MLA layer's copy at 2,048
+// positions moved 7 MB where 4.8 is the past read once and present written once)
 void stream_copy(float* dst, const float* src, int64_t n) {
   int64_t i = 0;
 #ifdef __AVX512F__
@@ -366,8 +350,8 @@ void attend_latent(void* user, size_t task) {
   }
   std::vector<const float*> k(KB);
   const int64_t end = std::min(S, (c + 1) * a.chunk);  // this chunk's keys: [c chunk, end)
-  for (int64_t k0 = c * a.chunk; k0 < (a.copy_in_task ? end : std::min(keys, end)); k0 += KB) {
-    if (a.copy_in_task) append_rows(a, b, k0, std::min(KB, end - k0));  // the keys below then come from L2
+  for (int64_t k0 = c * a.chunk; k0 < (a.copy_in_task() ? end : std::min(keys, end)); k0 += KB) {
+    if (a.copy_in_task()) append_rows(a, b, k0, std::min(KB, end - k0));  // the keys below then come from L2
     const int64_t width = std::min({KB, keys - k0, end - k0});
     if (width <= 0) continue;  // rows no query of the block sees: copied only
     for (int64_t j = 0; j < width; ++j) k[j] = key_row(a, b, k0 + j);
@@ -384,7 +368,7 @@ void attend_latent(void* user, size_t task) {
       mix(ss, n, width, k.data(), L, acc.data() + sub * L);
     }
   }
-  if (a.copy_in_task) stores_done();
+  if (a.copy_in_task()) stores_done();
   if (a.chunks > 1) {  // this chunk's partial sums, merged by `merge_chunks`
     float* part = a.part + int64_t(task) * RB * (L + 2);
     std::copy(acc.begin(), acc.begin() + rows * L, part);
@@ -425,7 +409,7 @@ void merge_chunks(const Latent& a, int64_t B) {
 // LatentAttention(q [B, M, L] float, present [B, S, L] float, hidden [T, S] bool, scale [] float) -> o [B, M, L];
 // LatentAttentionAppend(q, past [B, P, L], latent [B, S - P, L], hidden, scale) -> (o, present [B, S, L]): the
 // same attention over present = Concat(past, latent) on axis 1, which it writes (ONNX Runtime's Concat of a
-// decode step's cache was one thread's copy, 120-140 us a k3-bench layer at 2,048 positions, and the attention
+// decode step's cache was one thread's copy, 120-170 us a k3-bench layer at 2,048 positions, and the attention
 // then read the copy again)
 template <bool Append>
 struct LatentKernel {
@@ -454,8 +438,9 @@ struct LatentKernel {
       throw Ort::Exception(std::string("k3x.fused::") + name + ": q " + dims(qs) +
                                (Append ? ", past " + dims(shape_of(past)) + ", latent " + dims(ls)
                                        : ", present " + dims(ps)) +
-                               ", hidden " + dims(hs) + " and scale " + dims(shape_of(scale)) + ": expected [B, H T, L]" +
-                               (Append ? ", [B, P, L], [B, S - P, L]" : ", [B, S, L]") + ", [T, S] and one value",
+                               ", hidden " + dims(hs) + " and scale " + dims(shape_of(scale)) +
+                               ": expected [B, H T, L]" + (Append ? ", [B, P, L], [B, S - P, L]" : ", [B, S, L]") +
+                               ", [T, S] and one value",
                            ORT_INVALID_ARGUMENT);
     const int64_t B = qs[0], M = qs[1], L = qs[2], S = ps[1], blocks = (M + RB - 1) / RB;
     // a step of few rows (decode: B blocks of 8) also split over the keys, so that every thread has work
@@ -471,8 +456,8 @@ struct LatentKernel {
       a.appended = ctx.GetOutput(1, ps).GetTensorMutableData<float>();
       a.latent = ctx.GetInput(2).GetTensorData<float>();
       a.P = P;
-      a.copy_in_task = blocks == 1;  // else several row blocks read each key: copied first, once
-      if (!a.copy_in_task && B * S * L > 0) ctx.ParallelFor(append_block, size_t(B * ((S + KB - 1) / KB)), 0, &a);
+      if (!a.copy_in_task() && B * S * L > 0)
+        ctx.ParallelFor(append_block, size_t(B * ((S + KB - 1) / KB)), 0, &a);
     }
     const size_t tasks = size_t(B * blocks * chunks);
     if (tasks == 0 || L == 0) return;

@@ -132,7 +132,8 @@ void gemm_fused(const float* split, const Packed& W, int64_t lo, int64_t hi, flo
       for (int r = 0; r < R; ++r) {
         xe[r] = _mm512_loadu_ps(split + r * K + b * 16);
         xo[r] = _mm512_loadu_ps(split + r * K + half + b * 16);
-        asm("" : "+v"(xe[r]), "+v"(xo[r]));  // in registers: g++ folded their loads into each feature's FMAs
+        in_register(xe[r]);  // g++ loaded them again for each feature's FMAs
+        in_register(xo[r]);
       }
       for (int j = 0; j < OB; ++j) {
         // the next pass's feature: with the caches evicted (a decode step's experts come from memory) the
@@ -195,16 +196,6 @@ void gemm_fused(const float* a, const Packed& W, int64_t lo, int64_t hi, float* 
 
 constexpr int64_t LANES = 8;  // floats a vector (AVX2's ymm; 16-wide vectors measured no faster on AVX-512)
 typedef float Vec __attribute__((vector_size(4 * LANES), aligned(4)));  // unaligned loads and stores
-
-// v loaded once into a register: g++ folds a vector's load into every FMA that uses it (five loads per
-// product in `sweep`), which made the sweep load-bound (22 GMAC/s a core against 40-45 this way)
-inline void in_register(Vec& v) {
-#if defined(__AVX__)
-  asm("" : "+x"(v));
-#else
-  (void)v;
-#endif
-}
 
 inline float lanes(Vec v) {
   float sum = 0.f;
