@@ -23,19 +23,18 @@ from pathlib import Path
 
 
 def time_backend(runner, cfg, prompt, decode_steps: int, repeats: int) -> dict[str, float]:
-    from k3x.runtime.runners import next_feeds, start_feeds
+    from k3x.runtime.runners import DecodeSteps, start_feeds
 
     prefill = []
     for _ in range(repeats):
         t = time.perf_counter()
         out = runner.infer(start_feeds(cfg, prompt))
         prefill.append(time.perf_counter() - t)
-    steps = []
+    steps, step = [], DecodeSteps(runner, cfg)  # the decode loop of `k3x run` (runners.generate)
     for _ in range(decode_steps):
         token = out["logits"][:, -1].argmax(-1, keepdim=True)
-        feeds = next_feeds(cfg, out, token)
         t = time.perf_counter()
-        out = runner.infer(feeds)
+        out = step(out, token)
         steps.append(time.perf_counter() - t)
     p = statistics.median(prefill)
     return {"prefill_s": p, "prefill_tokens_per_s": prompt.numel() / p,

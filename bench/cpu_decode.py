@@ -7,8 +7,10 @@ projections' weights rounded / quantised from the same fp32 weights, model/trunk
 to fp32 with the fp32 trunk ("dense"). Each is exported as the `ort` flavor and run through the batch interface
 (what `k3x run`, `verify` and the GenAI package use) at each depth P:
   - prefill: one call on a [1, P] prompt from an empty state -> tokens/s (median over the rounds)
-  - decode: --decode-steps one-token calls after that prompt -> ms/token (median), and the CPU time the
-    process spent per call (all threads: less sensitive than wall time to other processes on the cores)
+  - decode: --decode-steps one-token calls after that prompt, as `k3x run` makes them (runners.DecodeSteps:
+    the states alternate between two sets of buffers, whose bindings the runner keeps) -> ms/token (median),
+    and the CPU time the process spent per call (all threads: less sensitive than wall time to other
+    processes on the cores)
   - floor: the time to stream the bytes one decode step must read (every weight but the embedding table and
     the routed experts, plus top_k experts per MoE layer, each in its form's bytes) once: a sum over a buffer
     of that size on 2 MB pages, on the same threads, right after each decode step; `floor_share` = the median
@@ -96,7 +98,7 @@ def child_run(onnx: Path, preset_name: str, depths: list[int], steps: int, threa
     from k3x.runtime.host_memory import collapse
     from k3x.runtime.ort_kernels import library
     from k3x.runtime.ort_runner import OrtRunner
-    from k3x.runtime.runners import next_feeds, start_feeds
+    from k3x.runtime.runners import DecodeSteps, next_feeds, start_feeds
 
     torch.set_num_threads(threads)
     cfg = preset(preset_name)
@@ -117,10 +119,11 @@ def child_run(onnx: Path, preset_name: str, depths: list[int], steps: int, threa
         res = runner.infer(start_feeds(cfg, prompt))
         f = {"prefill_s": time.perf_counter() - t, "decode_s": [], "cpu_s": [], "floor_ms": [],
              "kernels": library() is not None}
+        step = DecodeSteps(runner, cfg)  # the decode loop of `k3x run` (runners.generate)
         for _ in range(steps):
-            feeds = next_feeds(cfg, res, res["logits"][:, -1].argmax(-1, keepdim=True))
+            token = res["logits"][:, -1].argmax(-1, keepdim=True)
             t, c = time.perf_counter(), time.process_time()
-            res = runner.infer(feeds)
+            res = step(res, token)
             f["decode_s"].append(time.perf_counter() - t)
             f["cpu_s"].append(time.process_time() - c)
             if nbytes:

@@ -4,7 +4,8 @@ Notable choices:
 - Providers are explicit: `auto` creates a CUDA session and keeps CUDA only if `sess.get_providers()`
   really lists it (else the session is CPU), and says which; `cuda` fails if CUDA does not initialise.
 - Every call goes through IO binding with pre-allocated outputs whose shapes come from the graph's dim
-  names (`batch`, `seq`, `past_seq`, `total_seq`). On CUDA (with a CUDA torch) the state stays on the
+  names (`batch`, `seq`, `past_seq`, `total_seq`); bindings are kept between calls and a port is bound again
+  only when its tensor changed (`_bound`). On CUDA (with a CUDA torch) the state stays on the
   device between steps: feeds that are CUDA tensors are bound by pointer and outputs are written in
   place into CUDA tensors, which the next step feeds back as `past.*`. On CPU the same code binds host
   memory — which is how the binding logic is tested on machines without a GPU.
@@ -23,6 +24,8 @@ Notable choices:
 
 from __future__ import annotations
 
+import threading
+import weakref
 from pathlib import Path
 
 import torch
@@ -185,11 +188,37 @@ class OrtRunner:
         self._ports = {n: (*_ORT_TYPES[v.type], list(v.shape))
                        for n, v in [*self.inputs.items(), *self.outputs.items()]}
         self._shapes: dict[tuple, dict[str, tuple[int, ...]]] = {}  # known_dims' sizes -> output_shapes
+        self._idle: list[tuple[object, dict]] = []  # IO bindings between calls, each with what it holds (`_bound`)
+        self._lock = threading.Lock()
 
     def _bind(self, binding, name: str, t: Tensor, output: bool = False) -> None:
         device = "cuda" if t.is_cuda else "cpu"
         args = (name, device, t.device.index or 0, self._ports[name][0], list(t.shape), t.data_ptr())
         (binding.bind_output if output else binding.bind_input)(*args)
+
+    def _bound(self, ports: dict[tuple[str, bool], Tensor]):
+        """An IO binding holding `ports` ((name, is output) -> tensor), and its record. A binding is kept between
+        calls with, per port, the tensor it holds (a weak reference: it keeps no state alive), its address and
+        shape; a port is bound again only when its tensor is another one, or moved or reshaped (ONNX Runtime
+        replaces a name's binding). A decode loop whose states alternate between two sets of tensors
+        (runners.py `DecodeSteps`) keeps two bindings, and each step takes the one holding the first state output
+        it was given (one of the first eight outputs). Each bind is a call into ONNX Runtime, slow with the
+        caches cold after a step's weights went through them: in such a loop a k3-bench int8-trunk decode step binds
+        8 of its 44 ports (the token, the growing latent caches, the logits). Taken out of the idle list for the call,
+        so a call on another thread gets a binding of its own."""
+        probes = [p for p in ports if p[1]][:8]  # outputs: a state a decode loop gives is one of them
+        with self._lock:
+            idle = self._idle
+            hits = (i for p in probes for i, (_, held) in enumerate(idle) if p in held and held[p][0]() is ports[p])
+            pick = next(hits, 0 if len(idle) == 2 else None)
+            binding, held = idle.pop(pick) if pick is not None else (self.session.io_binding(), {})
+        for port, t in ports.items():
+            had = held.get(port)
+            if had is None or had[0]() is not t or had[1] != t.data_ptr() or had[2] != t.shape:
+                held.pop(port, None)  # a failed bind leaves the port unrecorded, never recorded wrongly
+                self._bind(binding, port[0], t, output=port[1])
+                held[port] = (weakref.ref(t), t.data_ptr(), t.shape)
+        return binding, held
 
     def check_feeds(self, feeds: Feeds) -> None:
         missing, extra = sorted(set(self.inputs) - set(feeds)), sorted(set(feeds) - set(self.inputs))
@@ -209,10 +238,7 @@ class OrtRunner:
         """Outputs by name; `out`: tensors to write named outputs into (each used when its shape, dtype and
         device are the output's and it is contiguous; otherwise the output gets a new tensor)."""
         self.check_feeds(feeds)
-        binding = self.session.io_binding()
         live = {n: t.to(self.device).contiguous() for n, t in feeds.items()}  # no copy when already there
-        for name, t in live.items():
-            self._bind(binding, name, t)
         outs = {}
         known = known_dims(feeds)
         key = tuple(known.values())
@@ -225,9 +251,14 @@ class OrtRunner:
             fits = given is not None and tuple(given.shape) == s and given.dtype == dtype and \
                 given.device == self.device and given.is_contiguous()
             outs[n] = given if fits else torch.empty(s, dtype=dtype, device=self.device)
-        for name, t in outs.items():
-            self._bind(binding, name, t, output=True)
-        binding.synchronize_inputs()
-        self.session.run_with_iobinding(binding)
-        binding.synchronize_outputs()
+        binding, held = self._bound({**{(n, False): t for n, t in live.items()},
+                                     **{(n, True): t for n, t in outs.items()}})
+        try:
+            binding.synchronize_inputs()
+            self.session.run_with_iobinding(binding)
+            binding.synchronize_outputs()
+        finally:
+            with self._lock:
+                if len(self._idle) < 2:  # (a third, from a call on another thread, is dropped)
+                    self._idle.append((binding, held))
         return outs

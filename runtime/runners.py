@@ -68,6 +68,31 @@ def next_feeds(cfg, outputs: Feeds, input_ids: Tensor, cache: CacheOptions | Non
     return {"input_ids": input_ids, **{s.input_name: outputs[s.output_name] for s in state_specs(cfg, cache)}}
 
 
+class DecodeSteps:
+    """Batch-interface decode steps, each fed by the outputs of the step before (`next_feeds`). A runner that
+    writes into tensors it is given (`binds_outputs`: ORT's IO binding) writes a step's states into the state
+    tensors of the step before last (the feeds of the last step, which nothing reads once it has run), so the
+    states alternate between two sets of tensors and the runner keeps its bindings of them
+    (runtime/ort_runner.py `_bound`). Only tensors that this object's own steps returned are reused, never
+    logits: outputs the caller got elsewhere (a prefill, a loaded state) are not written over. The caller keeps
+    no step's states once it has fed them to the next step."""
+
+    def __init__(self, runner: Runner, cfg, cache: CacheOptions | None = None) -> None:
+        self.runner, self.specs = runner, state_specs(cfg, cache)
+        self.reuse = getattr(runner, "binds_outputs", False)
+        self._last: Feeds | None = None  # what the last step returned
+        self._spare: Feeds = {}  # states no step reads any more, by output name
+
+    def __call__(self, outputs: Feeds, input_ids: Tensor) -> Feeds:
+        """The step after `outputs` on the tokens `input_ids` [B, 1]."""
+        feeds = {"input_ids": input_ids, **{s.input_name: outputs[s.output_name] for s in self.specs}}
+        new = self.runner.infer(feeds, out=self._spare) if self._spare else self.runner.infer(feeds)
+        ours = self.reuse and outputs is self._last
+        self._spare = {s.output_name: feeds[s.input_name] for s in self.specs} if ours else {}
+        self._last = new
+        return new
+
+
 # --- factories over an export folder -------------------------------------------------------------
 
 def open_folder(export_dir: Path | ExportFolder) -> ExportFolder:
@@ -300,9 +325,11 @@ def generate(runner: Runner, cfg, prompt: Tensor, options: SamplingOptions, *, d
             on_prefill(out)
         return out["logits"][:, -1]
 
+    steps = DecodeSteps(runner, cfg, cache)
+
     def step(ids: Tensor) -> Tensor:
         nonlocal out
-        out = runner.infer(next_feeds(cfg, out, ids, cache))
+        out = steps(out, ids)
         return out["logits"][:, -1]
 
     with torch_threads_for(runner):

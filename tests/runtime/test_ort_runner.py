@@ -15,7 +15,7 @@ from k3x.model import K3Config, empty_state, preset, state_specs
 from k3x.model.state_contract import state_contract
 from k3x.runtime import generate as eager
 from k3x.runtime.ort_runner import OrtRunner, import_onnxruntime, known_dims, output_shapes
-from k3x.runtime.runners import RunnerError, RunnerOptions, generate, make_runner, next_feeds
+from k3x.runtime.runners import DecodeSteps, RunnerError, RunnerOptions, generate, make_runner, next_feeds
 from k3x.text.sampling import SamplingOptions
 from onnx_mini_folder import mini_export
 
@@ -67,6 +67,67 @@ def test_io_binding_decode_matches_eager_step_by_step():
         token = logits[:, -1].argmax(-1, keepdim=True)
         feeds = next_feeds(CFG, out, token)  # ORT's own present tensors become its next past
         assert feeds["past_key_values.2.latent"].shape[1] == ids.shape[1] + step
+
+
+def test_decode_steps_reuse_the_step_before_lasts_states_and_keep_their_bindings():
+    """DecodeSteps writes step n's states into step n - 2's tensors (never the prefill's), the runner keeps the
+    two bindings, and each step still equals the eager model's."""
+    m = mini_export()
+    runner = OrtRunner(m.folder / "model.onnx", provider="cpu")
+    model = load_checkpoint(m.checkpoint)
+    binds = []
+    bind = runner._bind
+    runner._bind = lambda *a, **k: (binds.append(a[1]), bind(*a, **k))[1]
+    ids = torch.tensor([[5, 9, 2, 7], [1, 1, 3, 8]])
+    out = first = runner.infer(start_feeds(ids))
+    prefill = {n: t.clone() for n, t in first.items()}
+    state = [t.clone() for t in list(start_feeds(ids).values())[1:]]
+    with torch.no_grad():
+        _, state = model(ids, state)
+    steps, fixed = DecodeSteps(runner, CFG), [s.output_name for s in state_specs(CFG) if "latent" not in s.output_name]
+    latents = [s.output_name for s in state_specs(CFG) if "latent" in s.output_name]
+    seen = []
+    for step in range(6):
+        token = out["logits"][:, -1].argmax(-1, keepdim=True)
+        binds.clear()
+        new = steps(out, token)
+        with torch.no_grad():
+            logits, state = model(token, state)
+        torch.testing.assert_close(new["logits"], logits, atol=2e-5, rtol=2e-4)
+        for s, t in zip(state_specs(CFG), state):
+            torch.testing.assert_close(new[s.output_name], t, atol=2e-5, rtol=2e-4, msg=f"step {step} {s.output_name}")
+        seen.append({n: new[n].data_ptr() for n in fixed})
+        if step >= 2:  # the step before last's states, written over
+            assert seen[-1] == seen[-3], step
+        if step >= 3:  # both bindings kept: only the token, the growing latent caches and the logits bound again
+            assert sorted(binds) == sorted(["input_ids", "logits", *latents, *(n.replace("present", "past_key_values")
+                                                                                for n in latents)]), binds
+        out = new
+    for n, t in prefill.items():  # the prefill's outputs were never written over
+        assert torch.equal(first[n], t), n
+
+
+def test_a_fed_tensor_reshaped_in_place_is_bound_again():
+    """The kept binding is checked against each tensor's address and shape, not only its identity: the same
+    input_ids tensor shrunk in place (same address, a new shape) is a new prompt."""
+    m = mini_export()
+    runner = OrtRunner(m.folder / "model.onnx", provider="cpu")
+    model = load_checkpoint(m.checkpoint)
+    ids = torch.tensor([[5, 9, 2, 7]])
+    feeds = start_feeds(ids)
+    first = runner.infer(feeds)
+    assert first["logits"].shape[1] == 4
+    ptr = ids.data_ptr()
+    ids.resize_(1, 3)
+    assert ids.data_ptr() == ptr  # the same tensor at the same address
+    again = {n: t for n, t in first.items() if "latent" not in n and n != "logits"}  # the first call's binding
+    binds, bind = [], runner._bind
+    runner._bind = lambda *a, **k: (binds.append(a[1]), bind(*a, **k))[1]
+    got = runner.infer(feeds, out=again)["logits"]
+    assert "input_ids" in binds and not any(n in binds for n in again), binds
+    with torch.no_grad():
+        want, _ = model(torch.tensor([[5, 9, 2]]), list(start_feeds(ids).values())[1:])
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-4)
 
 
 def test_feeds_that_do_not_match_the_model_are_named():
