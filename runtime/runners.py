@@ -74,8 +74,9 @@ class DecodeSteps:
     tensors of the step before last (the feeds of the last step, which nothing reads once it has run), so the
     states alternate between two sets of tensors and the runner keeps its bindings of them
     (runtime/ort_runner.py `_bound`). Only tensors that this object's own steps returned are reused, never
-    logits: outputs the caller got elsewhere (a prefill, a loaded state) are not written over. The caller keeps
-    no step's states once it has fed them to the next step."""
+    logits: outputs the caller got elsewhere (a prefill, a loaded state) are not written over. Only states whose
+    shape a step keeps are held for reuse: a growing latent cache is not, so a step holds no more of it alive
+    than before. The caller keeps no step's states once it has fed them to the next step."""
 
     def __init__(self, runner: Runner, cfg, cache: CacheOptions | None = None) -> None:
         self.runner, self.specs = runner, state_specs(cfg, cache)
@@ -88,7 +89,8 @@ class DecodeSteps:
         feeds = {"input_ids": input_ids, **{s.input_name: outputs[s.output_name] for s in self.specs}}
         new = self.runner.infer(feeds, out=self._spare) if self._spare else self.runner.infer(feeds)
         ours = self.reuse and outputs is self._last
-        self._spare = {s.output_name: feeds[s.input_name] for s in self.specs} if ours else {}
+        self._spare = {s.output_name: feeds[s.input_name] for s in self.specs  # a growing cache would not fit
+                       if feeds[s.input_name].shape == new[s.output_name].shape} if ours else {}
         self._last = new
         return new
 

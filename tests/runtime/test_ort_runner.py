@@ -102,6 +102,7 @@ def test_decode_steps_reuse_the_step_before_lasts_states_and_keep_their_bindings
         if step >= 3:  # both bindings kept: only the token, the growing latent caches and the logits bound again
             assert sorted(binds) == sorted(["input_ids", "logits", *latents, *(n.replace("present", "past_key_values")
                                                                                 for n in latents)]), binds
+        assert not any(n in steps._spare for n in latents)  # a growing cache is not held a step longer
         out = new
     for n, t in prefill.items():  # the prefill's outputs were never written over
         assert torch.equal(first[n], t), n
