@@ -31,6 +31,21 @@ inline void in_register(V& v) {
 #endif
 }
 
+// x in every lane of V, a vector type of floats (ymm, or zmm under AVX-512): one broadcast. `V{} + x` adds a
+// zero vector, which g++ keeps (-0 + 0 is +0): a dependent add before every use.
+template <class V>
+inline V splat(float x) {
+#if defined(__AVX512F__)
+  if constexpr (sizeof(V) == 64) return V(_mm512_set1_ps(x));
+#endif
+#if defined(__AVX__)
+  if constexpr (sizeof(V) == 32) return V(_mm256_set1_ps(x));
+#endif
+  V v;
+  for (size_t i = 0; i < sizeof(V) / sizeof(float); ++i) v[i] = x;
+  return v;
+}
+
 // e^x and ln x within a few ulp (Cephes' expf and logf: a polynomial on a reduced range, scaled by a power of
 // two), branch-free so the kernels' `omp simd` loops vectorise them: std::exp and std::log1p are scalar calls
 // (in k3::KDAPrep they took 3/4 of the node's time). Their clamps and selects vectorise only under

@@ -369,10 +369,13 @@ void short_conv_task(void* user, size_t task) {
   short_conv_rows(p, lo, std::min(p.rows, lo + SHORT_CONV_ROWS));
 }
 
+// tasks a row of a split call: q's, k's and v's heads in groups of SPLIT_HEADS
+inline int64_t split_tasks(int64_t H) { return 3 * ((H + SPLIT_HEADS - 1) / SPLIT_HEADS); }
+
 // T = 1: row (= batch element) task / parts, its part's SPLIT_HEADS heads of q, k or v, and their new state
 void short_conv_split_task(void* user, size_t task) {
   const ShortConv& p = *static_cast<const ShortConv*>(user);
-  const int64_t per_part = (p.H + SPLIT_HEADS - 1) / SPLIT_HEADS, parts = 3 * per_part;
+  const int64_t parts = split_tasks(p.H), per_part = parts / 3;
   const int64_t row = int64_t(task) / parts, part = int64_t(task) % parts / per_part;
   const int64_t h0 = int64_t(task) % per_part * SPLIT_HEADS, h1 = std::min(p.H, h0 + SPLIT_HEADS);
   const int64_t c0 = (part * p.H + h0) * p.D, n = (h1 - h0) * p.D;
@@ -436,7 +439,7 @@ struct KDAShortConvKernel : ShortConvPorts {
                 eps.GetTensorData<float>()[0]};
     const int64_t tasks = (p.rows + SHORT_CONV_ROWS - 1) / SHORT_CONV_ROWS;
     if (T == 1 && tasks == 1) {  // a few one-row sequences (decode): each row over tasks of heads, with its state
-      ctx.ParallelFor(short_conv_split_task, size_t(p.rows * 3 * ((H + SPLIT_HEADS - 1) / SPLIT_HEADS)), 0, &p);
+      ctx.ParallelFor(short_conv_split_task, size_t(p.rows * split_tasks(H)), 0, &p);
       return;
     }
     if (tasks == 1) short_conv_rows(p, 0, p.rows);

@@ -81,18 +81,6 @@ inline Vec widen(const uint16_t* p) {  // LANES bf16 -> fp32, exact
 #endif
 }
 
-inline Vec splat(float v) {  // (`Vec{} + v` adds a zero vector: -0 + 0 is +0, so g++ keeps the add)
-#if defined(__AVX512F__)
-  return Vec(_mm512_set1_ps(v));
-#elif defined(__AVX__)
-  return Vec(_mm256_set1_ps(v));
-#else
-  Vec a;
-  for (int64_t i = 0; i < LANES; ++i) a[i] = v;
-  return a;
-#endif
-}
-
 inline float widen(uint16_t b) { return __builtin_bit_cast(float, uint32_t(b) << 16); }
 
 // out[j] = the sum of v[j]'s lanes, j < 4: each vector folded to 8 lanes, then three horizontal adds and a fold
@@ -178,7 +166,7 @@ void micro(const float* x, int64_t ldx, const float* p, int64_t kc, float* c, in
   for (int64_t k = 0; k < kc; ++k) {
     const Vec b0 = load(p + k * NR), b1 = load(p + k * NR + LANES);
     for (int i = 0; i < R; ++i) {
-      const Vec a = splat(x[i * ldx + k]);
+      const Vec a = splat<Vec>(x[i * ldx + k]);
       acc[i][0] += a * b0;
       acc[i][1] += a * b1;
     }

@@ -66,9 +66,6 @@ inline Vec fmadd(Vec a, Vec b, Vec c) {
 #endif
 }
 
-// x in every lane: one broadcast (Vec{} + x adds the zero, a dependent add before every use: -0 + 0 is +0)
-inline Vec splat(float x) { return Vec{x, x, x, x, x, x, x, x}; }
-
 float lanes(Vec v) {  // ort_kernel.h's hsum: the halves' sum, then the quarters' (eight scalar adds in a chain before)
 #if defined(__AVX__)
   return hsum(reinterpret_cast<__m256>(v));
@@ -139,7 +136,7 @@ void mix(const float* p, int64_t rows, int64_t width, const float* const* k, int
       for (int64_t j = 0; j < width; ++j) {
         const Vec k0 = *reinterpret_cast<const Vec*>(k[j] + c0), k1 = *reinterpret_cast<const Vec*>(k[j] + c0 + 8);
         for (int64_t r = 0; r < QB; ++r) {
-          const Vec w = splat(p[r * KB + j]);
+          const Vec w = splat<Vec>(p[r * KB + j]);
           a[r][0] = fmadd(w, k0, a[r][0]);
           a[r][1] = fmadd(w, k1, a[r][1]);
         }

@@ -69,15 +69,20 @@ def test_io_binding_decode_matches_eager_step_by_step():
         assert feeds["past_key_values.2.latent"].shape[1] == ids.shape[1] + step
 
 
+def bound_names(runner: OrtRunner) -> list[str]:
+    """The names the runner binds from now on, in order (its `_bind` spied on)."""
+    names, bind = [], runner._bind
+    runner._bind = lambda binding, name, *a, **k: (names.append(name), bind(binding, name, *a, **k))[1]
+    return names
+
+
 def test_decode_steps_reuse_the_step_before_lasts_states_and_keep_their_bindings():
     """DecodeSteps writes step n's states into step n - 2's tensors (never the prefill's), the runner keeps the
     two bindings, and each step still equals the eager model's."""
     m = mini_export()
     runner = OrtRunner(m.folder / "model.onnx", provider="cpu")
     model = load_checkpoint(m.checkpoint)
-    binds = []
-    bind = runner._bind
-    runner._bind = lambda *a, **k: (binds.append(a[1]), bind(*a, **k))[1]
+    binds = bound_names(runner)
     ids = torch.tensor([[5, 9, 2, 7], [1, 1, 3, 8]])
     out = first = runner.infer(start_feeds(ids))
     prefill = {n: t.clone() for n, t in first.items()}
@@ -122,8 +127,7 @@ def test_a_fed_tensor_reshaped_in_place_is_bound_again():
     ids.resize_(1, 3)
     assert ids.data_ptr() == ptr  # the same tensor at the same address
     again = {n: t for n, t in first.items() if "latent" not in n and n != "logits"}  # the first call's binding
-    binds, bind = [], runner._bind
-    runner._bind = lambda *a, **k: (binds.append(a[1]), bind(*a, **k))[1]
+    binds = bound_names(runner)
     got = runner.infer(feeds, out=again)["logits"]
     assert "input_ids" in binds and not any(n in binds for n in again), binds
     with torch.no_grad():
