@@ -21,11 +21,15 @@ to fp32 with the fp32 trunk ("dense"). Each is exported as the `ort` flavor and 
     256 experts of the same top_k, and one MoE node alone (one token, one thread, the caches evicted before
     each call), on the kernel (when built) and on the function body (K3X_ORT_KERNELS=0 in the child); max/min
     over the expert counts per path.
+  - llama.cpp (--llama-cpp DIR, bench/llama_cpp.py): the same weights through llama.cpp's converter and
+    llama-bench, f32 / bf16 / q8_0 trunk beside mxfp4 / mxfp4+bf16 / mxfp4+int8, each right after its k3x form
+    in every round, against its own file's bytes at the rate of that form's floor reads in the round.
 Prints a table and writes --json. The machine's load average is recorded beside the figures.
 
     python bench/cpu_decode.py [--preset k3-bench] [--depths 128,2048] [--decode-steps 16] [--threads N]
                                [--formats mxfp4,mxfp4+bf16,mxfp4+int8,dense] [--repeats 2]
                                [--experts 16,64,256] [--expert-threads 1] [--expert-steps 16] [--body-steps 3]
+                               [--llama-cpp DIR]
 """
 
 from __future__ import annotations
@@ -146,19 +150,35 @@ def run_child(onnx: Path, preset_name: str, depths: list[int], steps: int, threa
 
 
 def measure(files: dict[str, Path], nbytes: dict[str, int], preset_name: str, depths: list[int], steps: int,
-            rounds: int, threads: int) -> dict:
+            rounds: int, threads: int, other=None, ggufs: dict[str, tuple[Path, int]] | None = None
+            ) -> tuple[dict, dict]:
     """Per form and depth P: prefill tok/s and decode ms/token (medians over `rounds`) and the floor of the
     form's step bytes. Each form runs in a process of its own (`--child`), one after another, round after
     round: two sessions in one process left each other's intra-op threads spinning on the cores the other
     one ran on (a decode step twice as long as `k3x run`'s); alternating the forms per round weighs a load
-    that changes over the run on each alike."""
+    that changes over the run on each alike. `other` (bench/llama_cpp.py's LlamaCpp) with `ggufs` (form ->
+    (GGUF, its step bytes)): llama.cpp on the same weights runs right after each such form in each round, its
+    floor that many bytes at the rate the form's floor reads ran at in the round (one rate for both: a read
+    after llama-bench, alone, ran at 30-58 GB/s); its figures are the second value returned (form -> {"build",
+    "depths": per P as bench/llama_cpp.py's summary})."""
+    from k3x.bench import llama_cpp
+
     raw: dict[str, dict[int, dict[str, list]]] = {f: {P: {} for P in depths} for f in files}
+    theirs: dict[str, dict] = {f: {P: {} for P in depths} for f in ggufs or {}}
+    build = "?"
     for _ in range(rounds):
         for form, onnx in files.items():
             got = run_child(onnx, preset_name, depths, steps, threads, nbytes[form])
             for P in depths:
                 for key, v in got[str(P)].items():
                     raw[form][P].setdefault(key, []).extend(v if isinstance(v, list) else [v])
+            if form in theirs:
+                g, n = ggufs[form]
+                figs, build = llama_cpp.measure_file(other, g, depths, steps, threads)
+                for P in depths:
+                    figs[P]["floor_ms"] = [statistics.median(got[str(P)]["floor_ms"]) * n / nbytes[form]]
+                    for key, v in figs[P].items():
+                        theirs[form][P].setdefault(key, []).extend(v)
     out: dict[str, dict[int, dict]] = {}
     for form in files:
         out[form] = {}
@@ -169,7 +189,7 @@ def measure(files: dict[str, Path], nbytes: dict[str, int], preset_name: str, de
             out[form][P] = {"prefill_tokens_per_s": P / statistics.median(r["prefill_s"]), "decode_ms_per_token": ms,
                             "decode_cpu_ms_per_token": 1e3 * statistics.median(r["cpu_s"]), "floor_ms": fl,
                             "floor_share": share}
-    return out
+    return out, {form: {"build": build, "depths": llama_cpp.summary(r, depths)} for form, r in theirs.items()}
 
 
 FORMS = {  # form -> (expert format, trunk)
@@ -203,6 +223,8 @@ def main() -> None:
     ap.add_argument("--body-steps", type=int, default=3, help="decode steps per round, scaling, function body")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", type=Path, default=Path("bench_cpu_decode.json"))
+    ap.add_argument("--llama-cpp", type=Path, help="a built llama.cpp checkout: its rows on the same weights "
+                    "beside k3x's (bench/llama_cpp.py)")
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # one form's model.onnx, measured alone
     ap.add_argument("--child-bytes", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--child-experts", type=int, help=argparse.SUPPRESS)
@@ -238,8 +260,15 @@ def main() -> None:
             (Path(tmp) / form).mkdir()
             files[form] = export_onnx(trace(model), cfg, Path(tmp) / form, OnnxOptions(flavors=("ort",))).files["ort"]
             del model
+        other = ggufs = None
+        if args.llama_cpp is not None:
+            from k3x.bench.llama_cpp import LlamaCpp, prepare
+
+            other = LlamaCpp(args.llama_cpp)
+            ggufs = prepare(other, packed, formats, Path(tmp), cfg.moe.top_k, cfg.moe.num_experts)
         del packed
-        figures = measure(files, nbytes, args.preset, depths, args.decode_steps, args.repeats, args.threads)
+        figures, theirs = measure(files, nbytes, args.preset, depths, args.decode_steps, args.repeats, args.threads,
+                                  other, ggufs)
         load["forms"] = os.getloadavg()[0]
         scaling = expert_figures(cfg, counts, Path(tmp), args) if counts else None
         load["after"] = os.getloadavg()[0]
@@ -255,10 +284,17 @@ def main() -> None:
             print(f"{form:<10} {P:>6} {f['prefill_tokens_per_s']:>14.1f} {f['decode_ms_per_token']:>14.2f} "
                   f"{f['decode_cpu_ms_per_token']:>11.2f} {row['step_bytes'] / 1e6:>8.1f} {f['floor_ms']:>9.2f} "
                   f"{row['step_bytes'] / 1e6 / f['floor_ms']:>10.1f} {f['floor_share']:>12.2f}")
+    others = None
+    if theirs:
+        from k3x.bench.llama_cpp import print_rows, rows_beside
+
+        others = rows_beside(theirs, {form: n for form, (_, n) in ggufs.items()})
+        print_rows(others)
     if scaling:
         print_scaling(scaling, cfg.moe.top_k, load, args.expert_threads)
     args.json.write_text(json.dumps({"preset": args.preset, "threads": args.threads, "load_average": load,
-                                     "formats": rows, "expert_scaling": scaling}, indent=2) + "\n")
+                                     "formats": rows, "llama_cpp": others, "expert_scaling": scaling},
+                                    indent=2) + "\n")
     print(f"wrote {args.json}")
 
 
