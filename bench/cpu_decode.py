@@ -250,6 +250,11 @@ def main() -> None:
     if set(formats) - set(FORMS):
         ap.error(f"--formats: {sorted(set(formats) - set(FORMS))} not in {list(FORMS)}")
     counts = [int(E) for E in args.experts.split(",") if E.strip()]
+    other = None
+    if args.llama_cpp is not None:  # its checkout and the preset checked before any export
+        from k3x.bench.llama_cpp import LlamaCpp
+
+        other = LlamaCpp(args.llama_cpp, cfg)
     load = {"before": os.getloadavg()[0]}
     with tempfile.TemporaryDirectory(prefix="k3x-cpu-decode-") as tmp:
         files, nbytes = {}, {}
@@ -260,11 +265,10 @@ def main() -> None:
             (Path(tmp) / form).mkdir()
             files[form] = export_onnx(trace(model), cfg, Path(tmp) / form, OnnxOptions(flavors=("ort",))).files["ort"]
             del model
-        other = ggufs = None
-        if args.llama_cpp is not None:
-            from k3x.bench.llama_cpp import LlamaCpp, prepare
+        ggufs = None
+        if other is not None:
+            from k3x.bench.llama_cpp import prepare
 
-            other = LlamaCpp(args.llama_cpp)
             ggufs = prepare(other, packed, formats, Path(tmp), cfg.moe.top_k, cfg.moe.num_experts)
         del packed
         figures, theirs = measure(files, nbytes, args.preset, depths, args.decode_steps, args.repeats, args.threads,

@@ -1,10 +1,11 @@
 """The other implementation's rows for bench/cpu_decode.py: llama.cpp on the same weights, against the same floor.
 
-llama.cpp has its own K3 (`kimi-k3`) and Kimi Linear models; given a built checkout (`--llama-cpp DIR`: DIR holds
-`convert_hf_to_gguf.py`, `gguf-py/` and `build/bin/llama-bench`), the bench writes the preset's seed-0 weights as a
-Hugging Face checkpoint (checkpoint/save.py, MXFP4 experts packed), converts it with llama.cpp's own converter
-once per trunk (its `--outtype`: f32, bf16, q8_0; the MXFP4 experts stay MXFP4 in every file) and runs
-`llama-bench` on each, right after k3x's form of the same trunk in each round:
+llama.cpp has its own K3 model (`kimi-k3`, its converter reading the MXFP4 experts of K3's published layout); given
+a built checkout (`--llama-cpp DIR`: DIR holds `convert_hf_to_gguf.py`, `gguf-py/` and `build/bin/llama-bench`) and
+a preset in K3's layout, the bench writes the preset's seed-0 weights as a Hugging Face checkpoint
+(checkpoint/save.py, MXFP4 experts packed), converts it with llama.cpp's own converter once per trunk (its
+`--outtype`: f32, bf16, q8_0; the MXFP4 experts stay MXFP4 in every file) and runs `llama-bench` on each, right
+after k3x's form of the same trunk in each round:
   - prefill: `-p P -n 0` (a P-token prompt from an empty context) -> tokens/s
   - decode: `-p 0 -n STEPS -d P` (STEPS one-token steps after a P-token context) -> ms/token
   - floor: the step bytes of that file (every tensor but `token_embd`, top_k / num_experts of each `*_exps`
@@ -34,7 +35,6 @@ L = sys.argv.pop(1)
 sys.path[:0] = [L, L + "/gguf-py"]
 import gguf
 from conversion.kimi_k3 import KimiK3Model
-from conversion.kimi_linear import KimiLinearModel
 
 def set_vocab(self):
     n = self.hparams.get("vocab_size") or self.hparams["text_config"]["vocab_size"]
@@ -47,16 +47,21 @@ def set_vocab(self):
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
 
-KimiK3Model.set_vocab = KimiLinearModel.set_vocab = set_vocab
+KimiK3Model.set_vocab = set_vocab
 sys.argv[0] = L + "/convert_hf_to_gguf.py"
 runpy.run_path(sys.argv[0], run_name="__main__")
 '''
 
 
 class LlamaCpp:
-    """A built llama.cpp checkout: its converter, its GGUF reader and its llama-bench."""
+    """A built llama.cpp checkout: its converter, its GGUF reader and its llama-bench, for `cfg`'s weights."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, cfg):
+        from k3x.checkpoint.published import is_k3
+
+        if not is_k3(cfg):
+            raise SystemExit(f"--llama-cpp: {cfg.name} is in Kimi Linear's layout; the rows beside llama.cpp are for "
+                             "presets in K3's (k3-bench, k3-mini, k3), whose MXFP4 experts its K3 converter reads")
         self.root = root.resolve()
         self.bench = self.root / "build" / "bin" / "llama-bench"
         for need in (self.root / "convert_hf_to_gguf.py", self.root / "gguf-py", self.bench):

@@ -45,11 +45,15 @@ def test_the_summary_is_medians_and_floor_over_decode():
     assert s["floor_ms"] == pytest.approx(5.0) and s["floor_share"] == pytest.approx(5.0 / 11.0)
 
 
-def test_a_checkout_without_its_bench_is_named(tmp_path):
+def test_a_checkout_without_its_bench_and_a_preset_out_of_k3s_layout_are_named(tmp_path):
+    from k3x.model import preset
+
     (tmp_path / "convert_hf_to_gguf.py").write_text("")
     (tmp_path / "gguf-py").mkdir()
     with pytest.raises(SystemExit, match="no build/bin/llama-bench"):
-        LlamaCpp(tmp_path)
+        LlamaCpp(tmp_path, preset("k3-bench"))
+    with pytest.raises(SystemExit, match="kimi-linear-mid is in Kimi Linear's layout"):
+        LlamaCpp(tmp_path, preset("kimi-linear-mid"))
 
 
 
