@@ -265,10 +265,13 @@ def main() -> None:
             (Path(tmp) / form).mkdir()
             files[form] = export_onnx(trace(model), cfg, Path(tmp) / form, OnnxOptions(flavors=("ort",))).files["ort"]
             del model
-        ggufs = None
+        ggufs = agreement = None
         if other is not None:
-            from k3x.bench.llama_cpp import prepare
+            from k3x.bench.llama_cpp import parity, prepare
 
+            agreement = parity(other, packed, cfg, Path(tmp), args.threads)
+            print(f"llama.cpp's logits on the same fp32 weights: within {agreement['max_abs']:.2e} of k3x's over "
+                  f"{agreement['positions']} positions (tolerance {agreement['tolerance']:g})", flush=True)
             ggufs = prepare(other, packed, formats, Path(tmp), cfg.moe.top_k, cfg.moe.num_experts)
         del packed
         figures, theirs = measure(files, nbytes, args.preset, depths, args.decode_steps, args.repeats, args.threads,
@@ -297,8 +300,8 @@ def main() -> None:
     if scaling:
         print_scaling(scaling, cfg.moe.top_k, load, args.expert_threads)
     args.json.write_text(json.dumps({"preset": args.preset, "threads": args.threads, "load_average": load,
-                                     "formats": rows, "llama_cpp": others, "expert_scaling": scaling},
-                                    indent=2) + "\n")
+                                     "formats": rows, "llama_cpp": others, "llama_cpp_parity": agreement,
+                                     "expert_scaling": scaling}, indent=2) + "\n")
     print(f"wrote {args.json}")
 
 

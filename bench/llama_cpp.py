@@ -12,6 +12,12 @@ after k3x's form of the same trunk in each round:
     tensor, in the file's own block formats: Q8_0 is 34 bytes per 32 weights, k3x's int8 36 per 32) at the
     rate k3x's floor reads of the same round ran at; `floor_share` = median floor / median decode (llama-bench
     gives one figure per run, not per step).
+Before the rows, a parity check (`parity`): the same weights with the experts decoded to fp32, converted with
+`--outtype f32`, run by bench/llama_cpp_logits.cc (compiled against the checkout's llama.h and libllama; an fp32
+cache, no flash attention) on a 16-token prompt and 4 one-token steps, against k3x's eager model on the same ids:
+the bench stops unless every logit is within PARITY_TOL. llama-bench's rows then run llama.cpp as its users do:
+an f16 cache, flash attention where it has it, and its MXFP4 expert GEMMs on activations quantised to 8 bits per
+block of 32 (Q8_0), where k3x's kernel keeps them fp32.
 A checkpoint written by k3x carries no tokenizer; the converter gets a placeholder vocabulary of the config's
 size (`<t0>`, `<t1>`, ...), which llama-bench (random token ids, no text) never reads.
 """
@@ -27,6 +33,9 @@ from pathlib import Path
 
 # k3x form -> llama.cpp's converter --outtype for the same trunk (the experts are MXFP4 in both)
 OUTTYPES = {"mxfp4": "f32", "mxfp4+bf16": "bf16", "mxfp4+int8": "q8_0"}
+# k3x's logits against llama.cpp's on the parity check's fp32 weights (k3-bench: 1.1e-5 to 2.0e-5 a position)
+PARITY_TOL = 1e-4
+PARITY_PROMPT, PARITY_STEPS = 16, 4
 
 # run in a child python: llama.cpp's converter with a placeholder vocabulary (argv: DIR, then the converter's)
 _CONVERT = r'''
@@ -85,6 +94,20 @@ class LlamaCpp:
         finally:
             sys.path.pop(0)
         return [(t.name, int(t.n_bytes)) for t in gguf.GGUFReader(gguf_file).tensors]
+
+    def logits_probe(self, out: Path) -> Path:
+        """bench/llama_cpp_logits.cc compiled against this checkout (its llama.h, ggml.h and libllama)."""
+        libs = sorted(self.root.glob("build/**/libllama.so"))
+        if not libs:
+            raise SystemExit(f"--llama-cpp {self.root}: no libllama.so under build/ (a shared-library build)")
+        cxx = os.environ.get("CXX", "g++")
+        r = subprocess.run([cxx, "-O2", "-std=c++17", str(Path(__file__).with_name("llama_cpp_logits.cc")),
+                            f"-I{self.root / 'include'}", f"-I{self.root / 'ggml' / 'include'}",
+                            f"-L{libs[0].parent}", "-lllama", f"-Wl,-rpath,{libs[0].parent}", "-o", str(out)],
+                           capture_output=True, text=True)
+        if r.returncode:
+            raise SystemExit(f"{cxx} failed on bench/llama_cpp_logits.cc against {self.root}:\n{r.stderr[-3000:]}")
+        return out
 
     def run(self, gguf_file: Path, args: list[str], threads: int) -> list[dict]:
         """llama-bench's JSON records. Its OpenMP threads wait as they do by default: the PASSIVE policy this
@@ -163,6 +186,41 @@ def print_rows(rows: dict[str, dict]) -> None:
             print(f"{form:<10} {row['outtype']:>7} {P:>6} {f['prefill_tokens_per_s']:>14.1f} "
                   f"{f['decode_ms_per_token']:>14.2f} {row['step_bytes'] / 1e6:>8.1f} {f['floor_ms']:>9.2f} "
                   f"{f['floor_share']:>12.2f}")
+
+
+def parity(lc: LlamaCpp, packed_model, cfg, tmp: Path, threads: int) -> dict:
+    """llama.cpp's logits against k3x's on the same fp32 weights (module docstring); {"max_abs", "positions",
+    "tolerance"}, or SystemExit naming the worst position when a logit is further than PARITY_TOL."""
+    import numpy as np
+    import torch
+
+    from k3x.bench.cpu_decode import same_weights
+    from k3x.checkpoint.save import save_checkpoint
+    from k3x.model.state import empty_state
+
+    dense = same_weights(packed_model, cfg)
+    checkpoint = save_checkpoint(dense, tmp / "parity-checkpoint", expert_format="dense")
+    gguf_file = lc.convert(checkpoint, "f32", tmp / "parity-f32.gguf")
+    n = PARITY_PROMPT + PARITY_STEPS
+    ids = torch.randint(0, cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+    r = subprocess.run([str(lc.logits_probe(tmp / "llama_cpp_logits")), str(gguf_file), str(threads),
+                        str(PARITY_PROMPT)], input=ids.to(torch.int32).numpy().tobytes(), capture_output=True)
+    if r.returncode:
+        raise SystemExit(f"llama_cpp_logits failed:\n{r.stderr.decode(errors='replace')[-3000:]}")
+    theirs = np.frombuffer(r.stdout, dtype=np.float32).reshape(n, -1)
+    with torch.no_grad():
+        logits, state = packed_model(ids[:, :PARITY_PROMPT], empty_state(cfg, 1))
+        ours = [logits[0]]
+        for i in range(PARITY_PROMPT, n):
+            logits, state = packed_model(ids[:, i:i + 1], state)
+            ours.append(logits[0])
+    diff = np.abs(torch.cat(ours).numpy() - theirs).max(axis=1)
+    if not diff.max() <= PARITY_TOL:  # a NaN fails too
+        raise SystemExit(f"llama.cpp's logits are not k3x's on the same fp32 weights: {diff.max():.3e} at position "
+                         f"{int(diff.argmax())} of {n} (tolerance {PARITY_TOL:g}); its rows would not compare one "
+                         "model")
+    del dense
+    return {"max_abs": float(diff.max()), "positions": n, "tolerance": PARITY_TOL}
 
 
 def prepare(lc: LlamaCpp, packed_model, forms: list[str], tmp: Path, top_k: int, num_experts: int

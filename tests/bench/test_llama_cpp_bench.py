@@ -87,3 +87,55 @@ def test_llama_cpp_runs_right_after_its_form_each_round_at_that_rounds_floor_rat
     assert f["decode_ms_per_token"] == pytest.approx(10.0) and f["prefill_tokens_per_s"] == pytest.approx(320.0)
     assert f["floor_share"] == pytest.approx(f["floor_ms"] / 10.0)
     assert ours["mxfp4+int8"][128]["decode_ms_per_token"] == pytest.approx(8.0)
+
+
+def test_the_parity_check_passes_llama_cpps_logits_within_tolerance_and_stops_the_bench_beyond(tmp_path):
+    """parity(): llama.cpp's logits (here a stand-in probe printing the given file) against k3x's eager model on
+    the check's ids; a logit PARITY_TOL * 3 away at one position stops the bench, naming that position."""
+    import os
+    import stat
+
+    import numpy as np
+    import torch
+
+    from k3x.bench.llama_cpp import PARITY_PROMPT, PARITY_STEPS, PARITY_TOL, parity
+    from k3x.model import build_model, preset
+    from k3x.model.options import BuildOptions
+    from k3x.model.state import empty_state
+
+    cfg = preset("k3-mini")
+    packed = build_model(cfg, BuildOptions(expert_format="mxfp4"), seed=3)
+    n = PARITY_PROMPT + PARITY_STEPS
+    ids = torch.randint(0, cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+    with torch.no_grad():  # what llama.cpp would give: the same prefill, then one-token steps
+        logits, state = packed(ids[:, :PARITY_PROMPT], empty_state(cfg, 1))
+        want = [logits[0]]
+        for i in range(PARITY_PROMPT, n):
+            logits, state = packed(ids[:, i:i + 1], state)
+            want.append(logits[0])
+    want = torch.cat(want).numpy()
+
+    class StandIn:  # llama.cpp's converter and probe: the probe prints `answer`
+        def __init__(self, answer):
+            self.answer = answer
+
+        def convert(self, checkpoint, outtype, out):
+            assert outtype == "f32" and (checkpoint / "config.json").is_file()
+            return out
+
+        def logits_probe(self, out):
+            out.write_text(f"#!/bin/sh\ncat > /dev/null\ncat {self.answer}\n")
+            os.chmod(out, os.stat(out).st_mode | stat.S_IEXEC)
+            return out
+
+    good, bad = tmp_path / "good.bin", tmp_path / "bad.bin"
+    want.astype(np.float32).tofile(good)
+    off = want.copy()
+    off[PARITY_PROMPT + 1, 7] += 3 * PARITY_TOL
+    off.astype(np.float32).tofile(bad)
+    (tmp_path / "a").mkdir()
+    got = parity(StandIn(good), packed, cfg, tmp_path / "a", 1)
+    assert got["positions"] == n and got["max_abs"] <= 1e-6
+    (tmp_path / "b").mkdir()
+    with pytest.raises(SystemExit, match=f"at position {PARITY_PROMPT + 1} of {n}"):
+        parity(StandIn(bad), packed, cfg, tmp_path / "b", 1)
