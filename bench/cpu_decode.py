@@ -269,7 +269,7 @@ def main() -> None:
         if other is not None:
             from k3x.bench.llama_cpp import parity, prepare
 
-            agreement = parity(other, packed, cfg, Path(tmp), args.threads)
+            agreement = parity(other, packed, same_weights(packed, cfg), cfg, Path(tmp), args.threads)
             print(f"llama.cpp's logits on the same fp32 weights: within {agreement['max_abs']:.2e} of k3x's over "
                   f"{agreement['positions']} positions (tolerance {agreement['tolerance']:g})", flush=True)
             ggufs = prepare(other, packed, formats, Path(tmp), cfg.moe.top_k, cfg.moe.num_experts)

@@ -188,18 +188,18 @@ def print_rows(rows: dict[str, dict]) -> None:
                   f"{f['floor_share']:>12.2f}")
 
 
-def parity(lc: LlamaCpp, packed_model, cfg, tmp: Path, threads: int) -> dict:
-    """llama.cpp's logits against k3x's on the same fp32 weights (module docstring); {"max_abs", "positions",
-    "tolerance"}, or SystemExit naming the worst position when a logit is further than PARITY_TOL."""
+def parity(lc: LlamaCpp, packed_model, dense_model, cfg, tmp: Path, threads: int) -> dict:
+    """llama.cpp's logits against k3x's on the same fp32 weights (module docstring): `dense_model` (the packed
+    model's weights, its experts decoded: bench/cpu_decode.py's same_weights) is what llama.cpp gets, k3x's logits
+    are `packed_model`'s. {"max_abs", "positions", "tolerance"}, or SystemExit naming the worst position when a
+    logit is further than PARITY_TOL."""
     import numpy as np
     import torch
 
-    from k3x.bench.cpu_decode import same_weights
     from k3x.checkpoint.save import save_checkpoint
     from k3x.model.state import empty_state
 
-    dense = same_weights(packed_model, cfg)
-    checkpoint = save_checkpoint(dense, tmp / "parity-checkpoint", expert_format="dense")
+    checkpoint = save_checkpoint(dense_model, tmp / "parity-checkpoint", expert_format="dense")
     gguf_file = lc.convert(checkpoint, "f32", tmp / "parity-f32.gguf")
     n = PARITY_PROMPT + PARITY_STEPS
     ids = torch.randint(0, cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
@@ -219,7 +219,6 @@ def parity(lc: LlamaCpp, packed_model, cfg, tmp: Path, threads: int) -> dict:
         raise SystemExit(f"llama.cpp's logits are not k3x's on the same fp32 weights: {diff.max():.3e} at position "
                          f"{int(diff.argmax())} of {n} (tolerance {PARITY_TOL:g}); its rows would not compare one "
                          "model")
-    del dense
     return {"max_abs": float(diff.max()), "positions": n, "tolerance": PARITY_TOL}
 
 

@@ -98,6 +98,7 @@ def test_the_parity_check_passes_llama_cpps_logits_within_tolerance_and_stops_th
     import numpy as np
     import torch
 
+    from k3x.bench.cpu_decode import same_weights
     from k3x.bench.llama_cpp import PARITY_PROMPT, PARITY_STEPS, PARITY_TOL, parity
     from k3x.model import build_model, preset
     from k3x.model.options import BuildOptions
@@ -134,8 +135,9 @@ def test_the_parity_check_passes_llama_cpps_logits_within_tolerance_and_stops_th
     off[PARITY_PROMPT + 1, 7] += 3 * PARITY_TOL
     off.astype(np.float32).tofile(bad)
     (tmp_path / "a").mkdir()
-    got = parity(StandIn(good), packed, cfg, tmp_path / "a", 1)
+    dense = same_weights(packed, cfg)
+    got = parity(StandIn(good), packed, dense, cfg, tmp_path / "a", 1)
     assert got["positions"] == n and got["max_abs"] <= 1e-6
     (tmp_path / "b").mkdir()
     with pytest.raises(SystemExit, match=f"at position {PARITY_PROMPT + 1} of {n}"):
-        parity(StandIn(bad), packed, cfg, tmp_path / "b", 1)
+        parity(StandIn(bad), packed, dense, cfg, tmp_path / "b", 1)
