@@ -252,8 +252,10 @@ def main() -> None:
     counts = [int(E) for E in args.experts.split(",") if E.strip()]
     other = None
     if args.llama_cpp is not None:  # its checkout and the preset checked before any export
-        from k3x.bench.llama_cpp import LlamaCpp
+        from k3x.bench.llama_cpp import OUTTYPES, LlamaCpp
 
+        if not set(formats) & set(OUTTYPES):
+            ap.error(f"--llama-cpp: its rows stand beside {list(OUTTYPES)}; --formats has none of them")
         other = LlamaCpp(args.llama_cpp, cfg)
     load = {"before": os.getloadavg()[0]}
     with tempfile.TemporaryDirectory(prefix="k3x-cpu-decode-") as tmp:
