@@ -159,8 +159,8 @@ def measure(files: dict[str, Path], nbytes: dict[str, int], preset_name: str, de
     that changes over the run on each alike. `other` (bench/llama_cpp.py's LlamaCpp) with `ggufs` (form ->
     (GGUF, its step bytes)): llama.cpp on the same weights runs right after each such form in each round, its
     floor that many bytes at the rate the form's floor reads ran at in the round (one rate for both: a read
-    after llama-bench, alone, ran at 30-58 GB/s); its figures are the second value returned (form -> {"build",
-    "depths": per P as bench/llama_cpp.py's summary})."""
+    after llama-bench, alone, ran at 30-58 GB/s); its figures are the second value returned (form -> {"outtype",
+    "step_bytes", "build", "depths": per P as bench/llama_cpp.py's summary})."""
     from k3x.bench import llama_cpp
 
     raw: dict[str, dict[int, dict[str, list]]] = {f: {P: {} for P in depths} for f in files}
@@ -189,7 +189,8 @@ def measure(files: dict[str, Path], nbytes: dict[str, int], preset_name: str, de
             out[form][P] = {"prefill_tokens_per_s": P / statistics.median(r["prefill_s"]), "decode_ms_per_token": ms,
                             "decode_cpu_ms_per_token": 1e3 * statistics.median(r["cpu_s"]), "floor_ms": fl,
                             "floor_share": share}
-    return out, {form: {"build": build, "depths": llama_cpp.summary(r, depths)} for form, r in theirs.items()}
+    return out, {form: {"outtype": llama_cpp.OUTTYPES[form], "step_bytes": ggufs[form][1], "build": build,
+                        "depths": llama_cpp.summary(r, depths)} for form, r in theirs.items()}
 
 
 FORMS = {  # form -> (expert format, trunk)
@@ -293,16 +294,14 @@ def main() -> None:
             print(f"{form:<10} {P:>6} {f['prefill_tokens_per_s']:>14.1f} {f['decode_ms_per_token']:>14.2f} "
                   f"{f['decode_cpu_ms_per_token']:>11.2f} {row['step_bytes'] / 1e6:>8.1f} {f['floor_ms']:>9.2f} "
                   f"{row['step_bytes'] / 1e6 / f['floor_ms']:>10.1f} {f['floor_share']:>12.2f}")
-    others = None
     if theirs:
-        from k3x.bench.llama_cpp import print_rows, rows_beside
+        from k3x.bench.llama_cpp import print_rows
 
-        others = rows_beside(theirs, {form: n for form, (_, n) in ggufs.items()})
-        print_rows(others)
+        print_rows(theirs)
     if scaling:
         print_scaling(scaling, cfg.moe.top_k, load, args.expert_threads)
     args.json.write_text(json.dumps({"preset": args.preset, "threads": args.threads, "load_average": load,
-                                     "formats": rows, "llama_cpp": others, "llama_cpp_parity": agreement,
+                                     "formats": rows, "llama_cpp": theirs or None, "llama_cpp_parity": agreement,
                                      "expert_scaling": scaling}, indent=2) + "\n")
     print(f"wrote {args.json}")
 

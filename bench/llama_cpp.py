@@ -14,10 +14,11 @@ after k3x's form of the same trunk in each round:
     gives one figure per run, not per step).
 Before the rows, a parity check (`parity`): the same weights with the experts decoded to fp32, converted with
 `--outtype f32`, run by bench/llama_cpp_logits.cc (compiled against the checkout's llama.h and libllama; an fp32
-cache, no flash attention) on a 16-token prompt and 4 one-token steps, against k3x's eager model on the same ids:
-the bench stops unless every logit is within PARITY_TOL. llama-bench's rows then run llama.cpp as its users do:
-an f16 cache, flash attention where it has it, and its MXFP4 expert GEMMs on activations quantised to 8 bits per
-block of 32 (Q8_0), where k3x's kernel keeps them fp32.
+cache, no flash attention) on a 16-token prompt and 4 one-token steps, against k3x's eager model's logits for the
+same 20 ids (one forward: runtime/generate.py's full_logits): the bench stops unless every logit is within
+PARITY_TOL. llama-bench's rows then run llama.cpp as its users do: an f16 cache, flash attention where it has it,
+and its MXFP4 expert GEMMs on activations quantised to 8 bits per block of 32 (Q8_0), where k3x's kernel keeps
+them fp32.
 A checkpoint written by k3x carries no tokenizer; the converter gets a placeholder vocabulary of the config's
 size (`<t0>`, `<t1>`, ...), which llama-bench (random token ids, no text) never reads.
 """
@@ -33,7 +34,7 @@ from pathlib import Path
 
 # k3x form -> llama.cpp's converter --outtype for the same trunk (the experts are MXFP4 in both)
 OUTTYPES = {"mxfp4": "f32", "mxfp4+bf16": "bf16", "mxfp4+int8": "q8_0"}
-# k3x's logits against llama.cpp's on the parity check's fp32 weights (k3-bench: 1.1e-5 to 2.0e-5 a position)
+# k3x's logits against llama.cpp's on the parity check's fp32 weights (k3-bench: 2.04e-5 at most)
 PARITY_TOL = 1e-4
 PARITY_PROMPT, PARITY_STEPS = 16, 4
 
@@ -168,13 +169,6 @@ def summary(raw: dict[int, dict[str, list[float]]], depths: list[int]) -> dict[i
     return out
 
 
-def rows_beside(theirs: dict[str, dict], nbytes: dict[str, int]) -> dict[str, dict]:
-    """bench/cpu_decode.py's JSON rows of llama.cpp: per form its outtype, its file's step bytes, the build and
-    `summary`'s figures per depth."""
-    return {form: {"outtype": OUTTYPES[form], "step_bytes": nbytes[form], "build": t["build"],
-                   "depths": t["depths"]} for form, t in theirs.items()}
-
-
 def print_rows(rows: dict[str, dict]) -> None:
     build = next(iter(rows.values()))["build"]
     print(f"llama.cpp (build {build}) on the same weights: its converter's --outtype, MXFP4 experts, llama-bench "
@@ -197,7 +191,7 @@ def parity(lc: LlamaCpp, packed_model, dense_model, cfg, tmp: Path, threads: int
     import torch
 
     from k3x.checkpoint.save import save_checkpoint
-    from k3x.model.state import empty_state
+    from k3x.runtime.generate import full_logits
 
     checkpoint = save_checkpoint(dense_model, tmp / "parity-checkpoint", expert_format="dense")
     gguf_file = lc.convert(checkpoint, "f32", tmp / "parity-f32.gguf")
@@ -208,13 +202,8 @@ def parity(lc: LlamaCpp, packed_model, dense_model, cfg, tmp: Path, threads: int
     if r.returncode:
         raise SystemExit(f"llama_cpp_logits failed:\n{r.stderr.decode(errors='replace')[-3000:]}")
     theirs = np.frombuffer(r.stdout, dtype=np.float32).reshape(n, -1)
-    with torch.no_grad():
-        logits, state = packed_model(ids[:, :PARITY_PROMPT], empty_state(cfg, 1))
-        ours = [logits[0]]
-        for i in range(PARITY_PROMPT, n):
-            logits, state = packed_model(ids[:, i:i + 1], state)
-            ours.append(logits[0])
-    diff = np.abs(torch.cat(ours).numpy() - theirs).max(axis=1)
+    ours = full_logits(packed_model, ids)[0].numpy()  # causal: one forward gives every position's logits
+    diff = np.abs(ours - theirs).max(axis=1)
     if not diff.max() <= PARITY_TOL:  # a NaN fails too
         raise SystemExit(f"llama.cpp's logits are not k3x's on the same fp32 weights: {diff.max():.3e} at position "
                          f"{int(diff.argmax())} of {n} (tolerance {PARITY_TOL:g}); its rows would not compare one "

@@ -65,7 +65,12 @@ def start_feeds(cfg, input_ids: Tensor, dtype: torch.dtype = torch.float32, cach
 
 def next_feeds(cfg, outputs: Feeds, input_ids: Tensor, cache: CacheOptions | None = None) -> Feeds:
     """Feeds for the next step: the new tokens plus every `present.*` renamed to its `past.*` input."""
-    return {"input_ids": input_ids, **{s.input_name: outputs[s.output_name] for s in state_specs(cfg, cache)}}
+    return _fed_forward(state_specs(cfg, cache), outputs, input_ids)
+
+
+def _fed_forward(specs, outputs: Feeds, input_ids: Tensor) -> Feeds:
+    """`next_feeds` over state specs already listed (a decode loop lists them once)."""
+    return {"input_ids": input_ids, **{s.input_name: outputs[s.output_name] for s in specs}}
 
 
 class DecodeSteps:
@@ -86,7 +91,7 @@ class DecodeSteps:
 
     def __call__(self, outputs: Feeds, input_ids: Tensor) -> Feeds:
         """The step after `outputs` on the tokens `input_ids` [B, 1]."""
-        feeds = {"input_ids": input_ids, **{s.input_name: outputs[s.output_name] for s in self.specs}}
+        feeds = _fed_forward(self.specs, outputs, input_ids)
         new = self.runner.infer(feeds, out=self._spare) if self._spare else self.runner.infer(feeds)
         ours = self.reuse and outputs is self._last
         self._spare = {s.output_name: feeds[s.input_name] for s in self.specs  # a growing cache would not fit

@@ -102,19 +102,13 @@ def test_the_parity_check_passes_llama_cpps_logits_within_tolerance_and_stops_th
     from k3x.bench.llama_cpp import PARITY_PROMPT, PARITY_STEPS, PARITY_TOL, parity
     from k3x.model import build_model, preset
     from k3x.model.options import BuildOptions
-    from k3x.model.state import empty_state
+    from k3x.runtime.generate import full_logits
 
     cfg = preset("k3-mini")
     packed = build_model(cfg, BuildOptions(expert_format="mxfp4"), seed=3)
     n = PARITY_PROMPT + PARITY_STEPS
     ids = torch.randint(0, cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
-    with torch.no_grad():  # what llama.cpp would give: the same prefill, then one-token steps
-        logits, state = packed(ids[:, :PARITY_PROMPT], empty_state(cfg, 1))
-        want = [logits[0]]
-        for i in range(PARITY_PROMPT, n):
-            logits, state = packed(ids[:, i:i + 1], state)
-            want.append(logits[0])
-    want = torch.cat(want).numpy()
+    want = full_logits(packed, ids)[0].numpy()  # what llama.cpp would give
 
     class StandIn:  # llama.cpp's converter and probe: the probe prints `answer`
         def __init__(self, answer):
